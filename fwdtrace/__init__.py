@@ -1,0 +1,85 @@
+"""fwdtrace: see, check and reach into the graph your eager PyTorch model really runs.
+
+>>> import torch, fwdtrace
+>>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
+>>> graph = fwdtrace.trace(model, torch.ones(1, 3, 8, 8))
+>>> [n.target for n in graph.nodes if n.kind == "module"]
+['torch.nn.Conv2d', 'torch.nn.ReLU']
+
+``import fwdtrace`` needs only torch: the features built on ONNX, HDF5 or Graphviz
+import those libraries when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import FwdtraceError
+from .graph import Graph
+from .keys import module_keys
+from .node import Edge, Node, Scope, TensorRef
+from .registry import clear_hooks, hook_forward, register_atomic, remove_hook
+from .tracer import Tracer, install, obj_id, trace, uninstall
+
+__version__ = "0.1.0"
+
+# Features with heavy dependencies, loaded on first attribute access: name -> module.
+_LAZY: dict[str, str] = {
+    # ONNX cross-check (issue 3)
+    "export_onnx": "fwdtrace.onnx_export",
+    "onnx_graph": "fwdtrace.onnx_export",
+    "compare_onnx": "fwdtrace.onnx_compare",
+    "check_onnx": "fwdtrace.onnx_compare",
+    "TopologyReport": "fwdtrace.onnx_compare",
+    "render_side_by_side": "fwdtrace.onnx_compare",
+    "onnx_equivalent": "fwdtrace.onnx_ops",
+    # hooks toolkit (issue 4)
+    "Probe": "fwdtrace.probe",
+    "Dumper": "fwdtrace.dump",
+    "read_dump": "fwdtrace.dump",
+    "compare_dumps": "fwdtrace.dump",
+    "DumpReport": "fwdtrace.dump",
+    # analysis (issue 5)
+    "analyze": "fwdtrace.analyze",
+    "Analysis": "fwdtrace.analyze",
+    "install_excepthook": "fwdtrace.excepthook",
+    "uninstall_excepthook": "fwdtrace.excepthook",
+}
+
+__all__ = [
+    "FwdtraceError",
+    "Graph",
+    "Node",
+    "Edge",
+    "Scope",
+    "TensorRef",
+    "Tracer",
+    "trace",
+    "obj_id",
+    "install",
+    "uninstall",
+    "hook_forward",
+    "register_atomic",
+    "remove_hook",
+    "clear_hooks",
+    "module_keys",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fwdtrace' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerly
+    pass

@@ -1,0 +1,35 @@
+"""Walking the tensors inside nested inputs and outputs.
+
+Tuples, lists, dicts (transformers' ModelOutput is one) and dataclasses are opened;
+every tensor leaf is yielded with a readable path such as ``output.logits`` or ``x[1]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor leaf of ``obj``, depth first, in order."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from iter_tensors(v, f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from iter_tensors(v, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name), f"{path}.{f.name}")
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensor leaves of ``obj`` in order."""
+    if isinstance(obj, torch.Tensor):  # the common case, without a generator
+        return [obj]
+    return [t for _, t in iter_tensors(obj)]

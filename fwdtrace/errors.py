@@ -1,0 +1,64 @@
+"""The one error class of fwdtrace, and the note that points a failure at its layer.
+
+Internal code raises short facts; public functions re-raise them with what the
+user passed (the einops way). Every fwdtrace error is a :class:`FwdtraceError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["FwdtraceError", "describe", "shapes_text", "add_layer_note", "NOTE_PREFIX"]
+
+NOTE_PREFIX = "fwdtrace:"
+
+
+class FwdtraceError(Exception):
+    """Base class of every error fwdtrace raises on bad input or a failed step.
+
+    >>> import fwdtrace
+    >>> try:
+    ...     fwdtrace.trace("not a model")
+    ... except fwdtrace.FwdtraceError as e:
+    ...     print(str(e).split(":")[0])
+    trace() expected a torch.nn.Module as model, got str
+    """
+
+
+def describe(obj: Any) -> str:
+    """A short, type-first description of a value for error messages: ``str``, ``Tensor[1, 3]``."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor{list(obj.shape)}"
+    if isinstance(obj, type):
+        return f"class {obj.__module__}.{obj.__qualname__}"
+    return type(obj).__name__
+
+
+def shapes_text(tensors: Iterable[Any]) -> str:
+    """``float32[1, 3, 8, 8], int64[2]`` for the tensors among ``tensors``."""
+    import torch
+
+    parts = [
+        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+    ]
+    return ", ".join(parts) if parts else "no tensors"
+
+
+def add_layer_note(
+    exc: BaseException, module_key: str, class_name: str, inputs_text: str, op: str | None = None
+) -> None:
+    """Add one PEP 678 note naming the layer (and the torch function, ``op``) where ``exc`` was raised.
+
+    Only the innermost layer adds a note: outer layers see the note and leave it.
+    Every fwdtrace feature that runs a model (trace, probes, analysis) uses this.
+    """
+    notes = getattr(exc, "__notes__", ())
+    if any(isinstance(n, str) and n.startswith(NOTE_PREFIX) for n in notes):
+        return
+    where = f"in {op} called by module" if op else "in module"
+    exc.add_note(f"{NOTE_PREFIX} raised {where} '{module_key}' ({class_name}) with inputs {inputs_text}")

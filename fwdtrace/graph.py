@@ -1,0 +1,231 @@
+"""The Graph: nodes in execution order and the tensors that flow between them.
+
+The Graph knows nothing of Graphviz, ONNX or HDF5: drawing and comparing are
+passes over a finished graph (``fwdtrace/passes``), as in torch.fx.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import FwdtraceError
+from .node import NODE_KINDS, Edge, Node, Scope, TensorRef
+
+if TYPE_CHECKING:
+    import networkx
+
+    from .passes.draw import Digraph
+
+JSON_FORMAT_VERSION = 1
+
+
+class Graph:
+    """What a model ran: :class:`Node` s in execution order and :class:`Edge` s between them.
+
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    >>> g = fwdtrace.trace(model, torch.ones(2, 4))
+    >>> [n.name for n in g.nodes]
+    ['input', '0', '1', 'output']
+    >>> [(e.src, e.dst, e.shape) for e in g.edges]
+    [(0, 1, (2, 4)), (1, 2, (2, 3)), (2, 3, (2, 3))]
+
+    An edge goes from the node that last wrote a tensor to each node that reads it,
+    so in-place ops chain correctly.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.edges: list[Edge] = []
+        self._names: set[str] = set()
+        self._producer: dict[int, int] = {}  # obj_id -> id of the node that last wrote it
+
+    # -- building ---------------------------------------------------------------------------------
+    def add_node(
+        self,
+        kind: str,
+        target: str,
+        *,
+        name: str | None = None,
+        module_path: str = "",
+        call_index: int = 0,
+        inputs: Sequence[TensorRef] = (),
+        outputs: Sequence[TensorRef] = (),
+        attrs: dict[str, Any] | None = None,
+        scope: tuple[Scope, ...] = (),
+        meta: dict[str, Any] | None = None,
+    ) -> Node:
+        """Append a node, connect its inputs to their producers and make its name unique."""
+        if kind not in NODE_KINDS:
+            raise FwdtraceError(f"Graph.add_node expected kind in {NODE_KINDS}, got {kind!r}")
+        node = Node(
+            id=len(self.nodes),
+            kind=kind,
+            target=target,
+            name=self._unique_name(name or target.rsplit(".", 1)[-1]),
+            module_path=module_path,
+            call_index=call_index,
+            inputs=list(inputs),
+            outputs=list(outputs),
+            attrs=dict(attrs or {}),
+            scope=scope,
+            meta=dict(meta or {}),
+        )
+        self.nodes.append(node)
+        seen: set[int] = set()
+        for ref in node.inputs:
+            src = self._producer.get(ref.obj_id)
+            if src is not None and ref.obj_id not in seen:
+                seen.add(ref.obj_id)
+                self.edges.append(Edge(src, node.id, ref.obj_id, ref.shape, ref.dtype))
+        for ref in node.outputs:
+            self._producer[ref.obj_id] = node.id
+        return node
+
+    def _unique_name(self, base: str) -> str:
+        base = base.replace(".", "_") if base else "node"
+        name, i = base, 1
+        while name in self._names:
+            name = f"{base}_{i}"
+            i += 1
+        self._names.add(name)
+        return name
+
+    # -- reading ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Graph):
+            return NotImplemented
+        return self.nodes == other.nodes and self.edges == other.edges
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def find(self, *, kind: str | None = None, target: str | None = None, module_path: str | None = None) -> list[Node]:
+        """The nodes that match every given field, in execution order."""
+        return [
+            n
+            for n in self.nodes
+            if (kind is None or n.kind == kind)
+            and (target is None or n.target == target)
+            and (module_path is None or n.module_path == module_path)
+        ]
+
+    @property
+    def input_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind == "input"]
+
+    @property
+    def output_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind == "output"]
+
+    def in_edges(self, node_id: int) -> list[Edge]:
+        return [e for e in self.edges if e.dst == node_id]
+
+    def out_edges(self, node_id: int) -> list[Edge]:
+        return [e for e in self.edges if e.src == node_id]
+
+    def __repr__(self) -> str:
+        kinds = {k: sum(1 for n in self.nodes if n.kind == k) for k in NODE_KINDS}
+        return f"Graph({len(self.nodes)} nodes: " + ", ".join(f"{v} {k}" for k, v in kinds.items()) + f"; {len(self.edges)} edges)"
+
+    def __str__(self) -> str:
+        """A table of the nodes, one a line, in execution order."""
+        rows = [("id", "kind", "name", "target", "module_path", "inputs -> outputs")]
+        for n in self.nodes:
+            ins = ", ".join(f"%{r.obj_id}" if r.param is None else r.param for r in n.inputs)
+            outs = ", ".join(f"%{r.obj_id}{list(r.shape)}" for r in n.outputs)
+            rows.append((str(n.id), n.kind, n.name, n.target, n.module_path, f"({ins}) -> ({outs})"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=False)) + "  " + r[-1] for r in rows
+        )
+
+    # -- export -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "fwdtrace.Graph",
+            "version": JSON_FORMAT_VERSION,
+            "nodes": [n.to_dict() for n in self.nodes],
+            "edges": [e.to_dict() for e in self.edges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Graph:
+        if not isinstance(data, dict) or data.get("format") != "fwdtrace.Graph":
+            raise FwdtraceError(
+                f"Graph.from_dict expected a dict with format 'fwdtrace.Graph', got {type(data).__name__}"
+                + (f" with format {data.get('format')!r}" if isinstance(data, dict) else "")
+            )
+        graph = cls()
+        for nd in data["nodes"]:
+            node = Node.from_dict(nd)
+            graph.nodes.append(node)
+            graph._names.add(node.name)
+            for ref in node.outputs:
+                graph._producer[ref.obj_id] = node.id
+        graph.edges = [Edge.from_dict(e) for e in data["edges"]]
+        return graph
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """The graph as JSON text; the same model and input give the same text, byte for byte."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True, default=_json_default)
+
+    @classmethod
+    def from_json(cls, text: str) -> Graph:
+        """The graph that :meth:`to_json` wrote: ``Graph.from_json(g.to_json()) == g``."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise FwdtraceError(f"Graph.from_json expected JSON text written by Graph.to_json: {e}") from None
+        return cls.from_dict(data)
+
+    def to_networkx(self) -> networkx.MultiDiGraph:
+        """A ``networkx.MultiDiGraph`` keyed by node id, with the node and edge fields as attributes."""
+        import networkx as nx
+
+        g: networkx.MultiDiGraph = nx.MultiDiGraph()
+        for n in self.nodes:
+            g.add_node(
+                n.id,
+                kind=n.kind,
+                target=n.target,
+                name=n.name,
+                module_path=n.module_path,
+                call_index=n.call_index,
+                inputs=[r.to_dict() for r in n.inputs],
+                outputs=[r.to_dict() for r in n.outputs],
+                attrs=dict(n.attrs),
+            )
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, key=e.obj_id, obj_id=e.obj_id, shape=e.shape, dtype=e.dtype)
+        return g
+
+    # -- drawing (a pass; imported lazily) --------------------------------------------------------
+    def to_dot(self, depth: int | None = None, **options: Any) -> Digraph:
+        """A ``graphviz.Digraph`` of this graph; see :func:`fwdtrace.passes.draw.to_dot`."""
+        from .passes.draw import to_dot
+
+        return to_dot(self, depth=depth, **options)
+
+    def render(self, path: str, depth: int | None = None, **options: Any) -> str:
+        """Write a PNG, SVG or PDF (by ``path``'s suffix); see :func:`fwdtrace.passes.draw.render`."""
+        from .passes.draw import render
+
+        return render(self, path, depth=depth, **options)
+
+    def _repr_svg_(self) -> str:
+        return self.to_dot()._repr_image_svg_xml()
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (tuple, set, frozenset)):
+        return list(obj)
+    return str(obj)
+

@@ -1,0 +1,294 @@
+"""A small zoo of test models, shared by every test module.
+
+Each factory returns ``(model, example_inputs)`` with the model in eval mode and
+seeded weights, small enough that a forward takes milliseconds on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.down is None else self.down(x)
+        y = self.relu(self.b1(self.c1(x)))
+        y = self.b2(self.c2(y))
+        return self.relu(y + identity)
+
+
+class ResNetish(nn.Module):
+    """Conv stem, BatchNorm, two residual stages, global pooling, a classifier."""
+
+    def __init__(self, width: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.Sequential(BasicBlock(width, width), BasicBlock(width, 2 * width, stride=2))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class DenseNetish(nn.Module):
+    """Each layer sees the concatenation of all earlier feature maps."""
+
+    def __init__(self, growth: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm2d(8 + i * growth), nn.ReLU(), nn.Conv2d(8 + i * growth, growth, 3, padding=1))
+            for i in range(layers)
+        )
+        self.head = nn.Linear(8 + layers * growth, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(torch.cat(features, 1)))
+        y = torch.cat(features, 1)
+        return self.head(F.adaptive_avg_pool2d(y, 1).flatten(1))
+
+
+class MobileNetish(nn.Module):
+    """Depthwise-separable blocks with ReLU6, as in MobileNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, 2, 1)
+        self.dw = nn.Conv2d(16, 16, 3, 1, 1, groups=16)
+        self.pw = nn.Conv2d(16, 24, 1)
+        self.act = nn.ReLU6()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.stem(x))
+        x = self.act(self.pw(self.act(self.dw(x))))
+        return self.fc(self.pool(x).flatten(1))
+
+
+class UNetish(nn.Module):
+    """Down, up (nearest upsampling), skip concatenation, 1x1 head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = nn.MaxPool2d(2)
+        self.mid = nn.Conv2d(8, 8, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.dec = nn.Conv2d(16, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = F.relu(self.enc(x))
+        m = F.relu(self.mid(self.down(e)))
+        d = F.relu(self.dec(torch.cat([self.up(m), e], dim=1)))
+        return self.head(d)
+
+
+class EncoderLayer(nn.Module):
+    """A pre-norm transformer encoder layer on nn.MultiheadAttention."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.ff(self.norm2(x))
+
+
+class TransformerEncoder(nn.Module):
+    def __init__(self, d: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class HandAttention(nn.Module):
+    """Attention written out: projections, matmul, scale, softmax, matmul."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        att = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * self.scale, dim=-1)
+        return self.o(torch.matmul(att, v))
+
+
+class EmbedNormGelu(nn.Module):
+    """Token embeddings plus positions, LayerNorm, a GELU MLP: a BERT embedding head."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, length: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(length, d)
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        h = self.norm(self.tok(ids) + self.pos(positions))
+        return self.fc2(F.gelu(self.fc1(h)))
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self, d: int = 8, hidden: int = 12, tags: int = 3) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(d, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, tags)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out)
+
+
+class GRUNet(nn.Module):
+    def __init__(self, d: int = 8, hidden: int = 12) -> None:
+        super().__init__()
+        self.gru = nn.GRU(d, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return self.head(out[:, -1])
+
+
+class SharedWeights(nn.Module):
+    """One Linear applied twice (weight sharing), with a residual in between."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.shared = nn.Linear(d, d)
+        self.act = nn.Tanh()
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.shared(x))
+        h = self.act(self.shared(h)) + h
+        return self.out(h)
+
+
+@dataclass
+class Output:
+    """A ModelOutput-like result: a dataclass holding several tensors."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class DictOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.fc(x)
+        return {"logits": h, "probs": h.softmax(-1)}
+
+
+class DataclassOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Output:
+        h = self.fc(x)
+        return Output(logits=h * 2, hidden=h)
+
+
+def _seeded(factory: Callable[[], nn.Module], *inputs: torch.Tensor) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = factory().eval()
+    return model, inputs
+
+
+def resnetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(ResNetish, torch.randn(1, 3, 16, 16))
+
+
+def densenetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(DenseNetish, torch.randn(1, 3, 16, 16))
+
+
+def mobilenetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(MobileNetish, torch.randn(1, 3, 16, 16))
+
+
+def unetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(UNetish, torch.randn(1, 3, 16, 16))
+
+
+def transformer_encoder() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(TransformerEncoder, torch.randn(2, 6, 32))
+
+
+def hand_attention() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(HandAttention, torch.randn(2, 5, 16))
+
+
+def embed_norm_gelu() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(1)
+    return _seeded(EmbedNormGelu, torch.randint(0, 50, (2, 8)))
+
+
+def lstm_tagger() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(LSTMTagger, torch.randn(2, 5, 8))
+
+
+def gru_net() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(GRUNet, torch.randn(2, 5, 8))
+
+
+def shared_weights() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(SharedWeights, torch.randn(3, 8))
+
+
+# name -> factory; the architectures every cross-check runs on.
+ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
+    "resnetish": resnetish,
+    "densenetish": densenetish,
+    "mobilenetish": mobilenetish,
+    "unetish": unetish,
+    "transformer_encoder": transformer_encoder,
+    "hand_attention": hand_attention,
+    "embed_norm_gelu": embed_norm_gelu,
+    "lstm_tagger": lstm_tagger,
+    "gru_net": gru_net,
+    "shared_weights": shared_weights,
+}
