@@ -1,0 +1,27 @@
+"""Shared fixtures. Plain ``pytest`` passes with no environment variables."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import zoo`
+
+torch.set_num_threads(1)  # the suite runs two workers on two cores
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_hooks():
+    """Every test starts and ends with no user callbacks registered and nothing patched."""
+    import fwdtrace
+    from fwdtrace.registry import REGISTRY
+
+    atomic_before = set(REGISTRY.atomic)
+    yield
+    fwdtrace.uninstall()
+    fwdtrace.clear_hooks()
+    REGISTRY.atomic = atomic_before
+    assert torch.nn.Module.__dict__["__call__"] is torch.nn.modules.module.Module._wrapped_call_impl
