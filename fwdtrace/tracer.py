@@ -8,10 +8,11 @@ restores them: the ``forward`` of every registered layer class (nodes and callba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -221,8 +222,7 @@ class Tracer:
         try:
             out = call(module, *args, **kwargs)
         except BaseException as e:
-            add_layer_note(e, module_key(path, module), _registry.qualified_name(type(module)),
-                           shapes_text(tensors_of((args, kwargs))))
+            _note_layer(e, path, module, args, kwargs)
             raise
         finally:
             self._stack.pop()
@@ -312,8 +312,7 @@ class Tracer:
         try:
             out = func(*args, **kwargs)
         except BaseException as e:
-            add_layer_note(e, module_key(scope.module_path, module), _registry.qualified_name(type(module)),
-                           shapes_text(tensors_of((args, kwargs))), op=function_name(func))
+            _note_layer(e, scope.module_path, module, args, kwargs, op=function_name(func))
             raise
         if func is torch.Tensor.__setitem__:
             out_tensors = [args[0]]  # x[i] = y writes into x
@@ -347,6 +346,47 @@ class Tracer:
             scope=self._scope(),
         )
         return out
+
+
+def _note_layer(
+    exc: BaseException, path: str, module: torch.nn.Module, args: tuple, kwargs: dict, op: str | None = None
+) -> None:
+    with torch._C.DisableTorchFunction():
+        add_layer_note(exc, module_key(path, module), _registry.qualified_name(type(module)),
+                       shapes_text(tensors_of((args, kwargs))), op=op)
+
+
+@contextlib.contextmanager
+def layer_notes(model: torch.nn.Module) -> Iterator[None]:
+    """While active, an error raised in any module of ``model`` gets a note naming that layer.
+
+    >>> import torch
+    >>> from fwdtrace.tracer import layer_notes
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    >>> try:
+    ...     with layer_notes(model):
+    ...         model(torch.ones(1, 3))
+    ... except RuntimeError as e:
+    ...     print(e.__notes__[0][:37])
+    fwdtrace: raised in module '0.Linear'
+
+    Traces add the same note by themselves; probes and analysis use this for plain forwards.
+    """
+    if _ACTIVE is not None:  # the active trace already notes errors
+        yield
+        return
+    module2path = {id(m): p for p, m in model.named_modules()}
+
+    def on_call(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        try:
+            return call(module, *args, **kwargs)
+        except BaseException as e:
+            _note_layer(e, module2path.get(id(module), f"<{type(module).__name__}>"), module, args, kwargs)
+            raise
+
+    with Patcher() as patcher:
+        patcher.patch(torch.nn.Module, "__call__", _wrap(unwrap(torch.nn.Module.__call__), on_call))
+        yield
 
 
 def _wrap(original: Callable[..., Any], handler: Callable[..., Any]) -> Callable[..., Any]:
