@@ -1,0 +1,1 @@
+"""Passes over a finished :class:`fwdtrace.Graph`: drawing now, more as they come."""
