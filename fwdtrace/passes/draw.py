@@ -38,7 +38,7 @@ class Digraph(graphviz.Digraph):
     It shows inline in Jupyter like any Digraph; ``pipe(format="png")`` returns the bytes.
     """
 
-    def pipe(self, format: str | None = None, *args: Any, encoding: str | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+    def pipe(self, format: str | None = None, *args: Any, encoding: str | None = None, **kwargs: Any) -> Any:
         data = layout_bytes(self.source, format or self.format or "svg")
         return data.decode(encoding) if encoding else data
 
