@@ -1,5 +1,6 @@
-# The README's two commands: `make demo` and `make test`. Both set up .venv on a fresh machine.
-PYTHON ?= python3.11
+# The README's two commands, `make demo` and `make test`, set up .venv on a fresh machine
+# with nothing but Python 3.11, then do their job.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -8,10 +9,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	@# The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -23,11 +24,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy fwdtrace
 
+# The whole suite: unit tests, doctests of the package, notebooks (tests/test_notebooks.py).
 test: $(STAMP) lint typecheck
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q --doctest-modules fwdtrace tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/trace_overhead.py
+	$(PY) benchmarks/onnx_check.py
+	$(PY) benchmarks/dump_throughput.py
+	$(PY) benchmarks/analyze_cost.py
 
 clean:
 	rm -rf $(VENV) graph.png graph.svg
