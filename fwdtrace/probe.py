@@ -1,0 +1,554 @@
+"""Probes: hooks addressed by module key, to look inside a model, change it or break it on purpose.
+
+Every hook a :class:`Probe` adds is a torch hook kept in a :class:`Hooks` handle, so it
+can be removed alone (``handle.remove()``) or with all others (``probe.remove()``, or
+leaving ``with Probe(model) as probe:``, exceptions included). While the ``with`` block
+is active, an error raised in any layer gets the core's note naming that layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+import sys
+from collections.abc import Callable, Iterable
+from typing import IO, Any
+
+import torch
+import torch.nn.functional as F
+
+from ._tree import tensors_of
+from .chaos import Chaos
+from .errors import FwdtraceError, describe
+from .keys import key2module
+from .stats import RunningStats, summary_text
+from .tracer import layer_notes
+
+__all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
+
+Selector = str | type | Iterable[Any]
+_KINDS = ("input", "output", "grad_input", "grad_output")
+
+
+class Hooks:
+    """Removable torch hooks added by one probe call; ``remove()`` takes them all off.
+
+    >>> import torch, fwdtrace
+    >>> probe = fwdtrace.Probe(torch.nn.Sequential(torch.nn.ReLU()))
+    >>> handle = probe.replace_output("0.ReLU", lambda m, i, o: o + 1)
+    >>> handle.remove(); len(probe.handles)
+    0
+    """
+
+    def __init__(self, probe: Probe, keys: list[str]) -> None:
+        self.probe = probe
+        self.keys = keys
+        self._torch_handles: list[Any] = []
+
+    def remove(self) -> None:
+        """Remove every hook of this handle; calling it twice is harmless."""
+        while self._torch_handles:
+            self._torch_handles.pop().remove()
+        if self in self.probe.handles:
+            self.probe.handles.remove(self)
+
+    def __enter__(self) -> Hooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(self.keys)})"
+
+
+class StatsHandle(Hooks):
+    """Running statistics per module key (:class:`~fwdtrace.stats.RunningStats`), across calls and steps."""
+
+    def __init__(self, probe: Probe, keys: list[str], of: str) -> None:
+        super().__init__(probe, keys)
+        self.of = of
+        self.stats: dict[str, RunningStats] = {}
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """``{key: {"mean": ..., "std": ..., ...}}`` for every key seen so far."""
+        return {k: s.to_dict() for k, s in self.stats.items()}
+
+
+class ChaosHandle(Hooks):
+    """The hooks of one :meth:`Probe.chaos` call; ``log`` lists every fault injected."""
+
+    def __init__(self, probe: Probe, keys: list[str], chaos: Chaos) -> None:
+        super().__init__(probe, keys)
+        self.chaos = chaos
+
+    @property
+    def log(self) -> list[Any]:
+        return self.chaos.log
+
+
+class Match(Hooks):
+    """Teacher and student outputs captured at paired keys, for a feature-distillation loss.
+
+    ``teacher_outputs`` are detached; ``student_outputs`` keep their graph, so
+    :meth:`loss` trains the student towards the teacher's features.
+    """
+
+    def __init__(self, probe: Probe, pairs: list[tuple[str, str]]) -> None:
+        super().__init__(probe, [])
+        self.pairs = pairs
+        self.teacher_outputs: dict[str, torch.Tensor] = {}
+        self.student_outputs: dict[str, torch.Tensor] = {}
+        self.teacher_hooks: Hooks | None = None
+
+    def loss(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Sum over the pairs of ``fn(student_output, teacher_output)``, MSE by default."""
+        fn = fn or F.mse_loss
+        missing = [s for s, t in self.pairs if s not in self.student_outputs or t not in self.teacher_outputs]
+        if missing:
+            raise FwdtraceError(
+                "Match.loss() expected the outputs of both models at every pair (run the teacher "
+                f"and the student forward first), got none yet for student keys {missing}"
+            )
+        total: torch.Tensor | None = None
+        for s, t in self.pairs:
+            a, b = self.student_outputs[s], self.teacher_outputs[t]
+            if fn is F.mse_loss and a.shape != b.shape:
+                raise FwdtraceError(
+                    f"Match.loss() expected student '{s}' and teacher '{t}' outputs of one shape, got "
+                    f"{list(a.shape)} and {list(b.shape)}; pass fn= with a projection"
+                )
+            term = fn(a, b)
+            total = term if total is None else total + term
+        assert total is not None
+        return total
+
+    def remove(self) -> None:
+        if self.teacher_hooks is not None:
+            self.teacher_hooks.remove()
+        super().remove()
+
+
+class Probe:
+    """Hooks on a model, addressed by module key (``"seq.0.Conv2d"``), a glob or a class.
+
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU())
+    >>> with fwdtrace.Probe(model, name="net") as probe:
+    ...     probe.shapes(torch.ones(3, 4))["0.Linear"]
+    {'input_shape': [[3, 4]], 'output_shape': [[3, 2]]}
+
+    ``probe.keys`` lists the keys, children before parents, the root (its class name) last.
+    Set ``probe.enabled = False`` to make every hook of the probe a no-op without removing it.
+    """
+
+    def __init__(self, model: torch.nn.Module, name: str | None = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise FwdtraceError(f"Probe expected a torch.nn.Module as model, got {describe(model)}")
+        if name is not None and not isinstance(name, str):
+            raise FwdtraceError(f"Probe expected name as a str or None, got {describe(name)}")
+        self.model = model
+        self.name = name
+        self.enabled = True
+        self.handles: list[Hooks] = []
+        self._key2module = key2module(model)
+        self._module2key = {id(m): k for k, m in self._key2module.items()}
+        self._notes: contextlib.ExitStack | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._key2module)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def __enter__(self) -> Probe:
+        self._notes = contextlib.ExitStack()
+        self._notes.enter_context(layer_notes(self.model))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove every hook this probe added (and stop noting errors, if in a ``with``)."""
+        while self.handles:
+            self.handles[-1].remove()
+        if self._notes is not None:
+            self._notes.close()
+            self._notes = None
+
+    # -- selection --------------------------------------------------------------------------------
+    def select(self, selector: Selector) -> dict[str, torch.nn.Module]:
+        """The modules a selector names, by key: a key, a glob (``"seq.*.Conv2d"``), a class, or a list of them.
+
+        >>> import torch, fwdtrace
+        >>> probe = fwdtrace.Probe(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+        >>> list(probe.select(torch.nn.ReLU)), list(probe.select("*.Linear"))
+        (['1.ReLU'], ['0.Linear'])
+        """
+        items = self._key2module
+        if isinstance(selector, str):
+            if selector in items:
+                return {selector: items[selector]}
+            if any(c in selector for c in "*?["):
+                found = {k: m for k, m in items.items() if fnmatch.fnmatchcase(k, selector)}
+                if found:
+                    return found
+            close = difflib.get_close_matches(selector, list(items), n=5, cutoff=0.3)
+            hint = f"closest keys: {', '.join(repr(k) for k in close)}" if close else f"keys: {self.keys[:8]}"
+            raise FwdtraceError(
+                f"Probe expected a module key, a glob or a class of {type(self.model).__name__}, got "
+                f"{selector!r}, which matches no key; {hint}"
+            )
+        if isinstance(selector, type) and issubclass(selector, torch.nn.Module):
+            found = {k: m for k, m in items.items() if isinstance(m, selector)}
+            if not found:
+                classes = sorted({type(m).__name__ for m in items.values()})
+                raise FwdtraceError(
+                    f"Probe expected a module key, a glob or a class of {type(self.model).__name__}, got "
+                    f"{selector.__name__}, of which the model has no instance; its classes: {', '.join(classes)}"
+                )
+            return found
+        if isinstance(selector, (list, tuple, set)):
+            out: dict[str, torch.nn.Module] = {}
+            for s in selector:
+                out.update(self.select(s))
+            return out
+        raise FwdtraceError(
+            f"Probe expected a selector (a module key, a glob such as 'seq.*.Conv2d', a torch.nn.Module "
+            f"subclass or a list of them), got {describe(selector)}"
+        )
+
+    def _one(self, selector: Selector, what: str) -> str:
+        found = self.select(selector)
+        if len(found) != 1:
+            raise FwdtraceError(f"{what} expected a selector naming exactly one module, got {selector!r} naming {list(found)}")
+        return next(iter(found))
+
+    def _add(self, handle: Hooks, register: Callable[[str, torch.nn.Module], Any], selector: Selector) -> Any:
+        """Call ``register(key, module)`` for every selected module and keep the torch handles."""
+        try:
+            for key, module in self.select(selector).items():
+                handle.keys.append(key)
+                handle._torch_handles.append(register(key, module))
+        except BaseException:
+            handle.remove()
+            raise
+        self.handles.append(handle)
+        return handle
+
+    # -- shapes -----------------------------------------------------------------------------------
+    def shapes(self, *args: Any, **kwargs: Any) -> dict[str, dict[str, list[list[int]]]]:
+        """Run the model once (without grad) and return the tensor shapes every module saw.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+        >>> fwdtrace.Probe(model, name="net").shapes(torch.ones(1, 4))
+        {'0.Linear': {'input_shape': [[1, 4]], 'output_shape': [[1, 2]]}, 'net': {'input_shape': [[1, 4]], 'output_shape': [[1, 2]]}}
+
+        Keys come in the order modules finish, so the root comes last: under ``name`` when
+        the probe has one, else under its class name. A module called several times reports
+        its first call. Only tensors count; the result is JSON-serialisable.
+        """
+        out: dict[str, dict[str, list[list[int]]]] = {}
+
+        def record(key: str) -> Callable[..., None]:
+            def hook(module: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:
+                if key not in out:
+                    out[key] = {
+                        "input_shape": [list(t.shape) for t in tensors_of((a, kw))],
+                        "output_shape": [list(t.shape) for t in tensors_of(result)],
+                    }
+
+            return hook
+
+        handles = [m.register_forward_hook(record(k), with_kwargs=True) for k, m in self._key2module.items()]
+        try:
+            with layer_notes(self.model), torch.no_grad():
+                self.model(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        root = next(reversed(self._key2module))
+        if self.name is not None and root in out:
+            out[self.name] = out.pop(root)
+        return out
+
+    # -- printing ---------------------------------------------------------------------------------
+    def print_io(self, selector: Selector, values: bool = False, file: IO[str] | None = None) -> Hooks:
+        """Print each selected module's inputs and outputs on every forward: shape, dtype, statistics.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.ReLU())
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     _ = probe.print_io("0.ReLU")
+        ...     _ = model(torch.tensor([-1.0, 1.0]))
+        0.ReLU forward call 0
+          input0  float32[2] mean=0 std=1 min=-1 max=1
+          output0 float32[2] mean=0.5 std=0.5 min=0 max=1
+
+        ``values=True`` prints the full tensors too.
+        """
+        calls: dict[str, int] = {}
+
+        def register(key: str, module: torch.nn.Module) -> Any:
+            def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:
+                if not self.enabled:
+                    return
+                n = calls[key] = calls.get(key, -1) + 1
+                lines = [f"{key} forward call {n}"]
+                lines += [f"  input{i}  {summary_text(t, values)}" for i, t in enumerate(tensors_of((a, kw)))]
+                lines += [f"  output{i} {summary_text(t, values)}" for i, t in enumerate(tensors_of(result))]
+                print("\n".join(lines), file=file or sys.stdout)
+
+            return module.register_forward_hook(hook, with_kwargs=True)
+
+        return self._add(Hooks(self, []), register, selector)
+
+    def print_grads(self, selector: Selector, values: bool = False, file: IO[str] | None = None) -> Hooks:
+        """Print each selected module's grad_input and grad_output on every backward.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 1))
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     _ = probe.print_grads("0.Linear")
+        ...     model(torch.ones(1, 2, requires_grad=True)).sum().backward()  # doctest: +ELLIPSIS
+        0.Linear backward call 0
+          grad_input0  float32[1, 2] ...
+          grad_output0 float32[1, 1] mean=1 std=0 min=1 max=1
+
+        Uses ``register_full_backward_hook``; a ``None`` gradient (an input that needs none) prints as None.
+        """
+        calls: dict[str, int] = {}
+
+        def register(key: str, module: torch.nn.Module) -> Any:
+            def hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+                if not self.enabled:
+                    return
+                n = calls[key] = calls.get(key, -1) + 1
+                lines = [f"{key} backward call {n}"]
+                lines += [f"  grad_input{i}  {summary_text(t, values)}" for i, t in enumerate(grad_input)]
+                lines += [f"  grad_output{i} {summary_text(t, values)}" for i, t in enumerate(grad_output)]
+                print("\n".join(lines), file=file or sys.stdout)
+
+            return module.register_full_backward_hook(hook)
+
+        return self._add(Hooks(self, []), register, selector)
+
+    # -- injection --------------------------------------------------------------------------------
+    def replace_input(self, selector: Selector, fn: Callable[[torch.nn.Module, tuple, None], Any]) -> Hooks:
+        """Replace the positional inputs of the selected modules with ``fn(module, inputs, None)``.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.ReLU())
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     _ = probe.replace_input("0.ReLU", lambda m, inputs, output: (-inputs[0],))
+        ...     model(torch.tensor([-2.0]))
+        tensor([2.])
+
+        ``fn`` has ``@hook_forward``'s signature (the output is None: it is not computed yet);
+        it returns the new inputs (a tuple, or one tensor), or None to keep them.
+        """
+
+        def register(key: str, module: torch.nn.Module) -> Any:
+            def hook(m: torch.nn.Module, inputs: tuple) -> Any:
+                return fn(m, inputs, None) if self.enabled else None
+
+            return module.register_forward_pre_hook(hook)
+
+        return self._add(Hooks(self, []), register, selector)
+
+    def replace_output(self, selector: Selector, fn: Callable[[torch.nn.Module, tuple, Any], Any]) -> Hooks:
+        """Replace the output of the selected modules with ``fn(module, inputs, output)`` (None keeps it).
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.ReLU())
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     _ = probe.replace_output("0.ReLU", lambda m, inputs, output: output * 10)
+        ...     model(torch.tensor([2.0]))
+        tensor([20.])
+        """
+
+        def register(key: str, module: torch.nn.Module) -> Any:
+            def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
+                return fn(m, inputs, output) if self.enabled else None
+
+            return module.register_forward_hook(hook)
+
+        return self._add(Hooks(self, []), register, selector)
+
+    def replace_grad(self, selector: Selector, fn: Callable[[torch.nn.Module, tuple, tuple], Any]) -> Hooks:
+        """Replace the gradient a module passes back to its inputs: ``fn(module, grad_input, grad_output)``.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.ReLU())
+        >>> x = torch.tensor([-1.0, 1.0], requires_grad=True)
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     _ = probe.replace_grad("0.ReLU", lambda m, gin, gout: gout)  # straight-through
+        ...     model(x).sum().backward()
+        >>> x.grad
+        tensor([1., 1.])
+
+        ``fn`` returns the new grad_input (a tuple like grad_input, or one tensor), or None
+        to keep it: a custom gradient without writing an autograd.Function.
+        """
+
+        def register(key: str, module: torch.nn.Module) -> Any:
+            def hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> Any:
+                if not self.enabled:
+                    return None
+                new = fn(m, grad_input, grad_output)
+                if isinstance(new, torch.Tensor):
+                    new = (new,)
+                if new is not None and len(new) != len(grad_input):
+                    raise FwdtraceError(
+                        f"replace_grad() expected fn to return {len(grad_input)} gradient(s) for '{key}', "
+                        f"got {len(new)}"
+                    )
+                return tuple(new) if new is not None else None
+
+            return module.register_full_backward_hook(hook)
+
+        return self._add(Hooks(self, []), register, selector)
+
+    # -- teacher / student ------------------------------------------------------------------------
+    def match(self, teacher: Probe, pairs: dict[str, str] | Iterable[tuple[Selector, Selector]]) -> Match:
+        """Capture this (student) model's and ``teacher``'s outputs at paired keys, for a distillation loss.
+
+        >>> import torch, fwdtrace
+        >>> student, teacher = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> with fwdtrace.Probe(student) as s, fwdtrace.Probe(teacher) as t:
+        ...     m = s.match(t, {"0.Linear": "0.Linear"})
+        ...     _ = teacher(torch.ones(1, 2)), student(torch.ones(1, 2))
+        ...     m.loss().ndim
+        0
+
+        ``pairs`` maps student selectors to teacher selectors, each naming one module.
+        """
+        if not isinstance(teacher, Probe):
+            raise FwdtraceError(f"match() expected the teacher as a fwdtrace.Probe, got {describe(teacher)}")
+        items = pairs.items() if isinstance(pairs, dict) else pairs
+        resolved = [(self._one(s, "match()"), teacher._one(t, "match()")) for s, t in items]
+        if not resolved:
+            raise FwdtraceError("match() expected at least one (student key, teacher key) pair, got none")
+        handle = Match(self, resolved)
+
+        def capture(store: dict[str, torch.Tensor], detach: bool) -> Callable[[str, torch.nn.Module], Any]:
+            def register(key: str, module: torch.nn.Module) -> Any:
+                def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> None:
+                    if self.enabled:
+                        t = tensors_of(output)[0]
+                        store[key] = t.detach() if detach else t
+
+                return module.register_forward_hook(hook)
+
+            return register
+
+        handle.teacher_hooks = teacher._add(
+            Hooks(teacher, []), capture(handle.teacher_outputs, True), [t for _, t in resolved]
+        )
+        return self._add(handle, capture(handle.student_outputs, False), [s for s, _ in resolved])
+
+    # -- chaos ------------------------------------------------------------------------------------
+    def chaos(
+        self, selector: Selector, fault: str = "nan", p: float = 1.0, seed: int = 0, scale: float = 0.1
+    ) -> ChaosHandle:
+        """Inject a fault into the output of the selected modules, each call with probability ``p``.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     chaos = probe.chaos("0.Linear", fault="inf", p=1.0, seed=0)
+        ...     int(model(torch.ones(1, 4)).isinf().sum()), chaos.log[0].key
+        (1, '0.Linear')
+
+        Faults: ``nan``/``inf`` (one random element), ``zero`` (the whole output), ``noise``
+        (Gaussian, std ``scale``), ``bitflip`` (one random bit of one element), ``skip`` (the
+        layer's input passes through). The same seed and calls give the same faults;
+        ``handle.log`` lists them as :class:`~fwdtrace.chaos.Injection` records.
+        """
+        engine = Chaos(fault, p=p, seed=seed, scale=scale)
+
+        def register(key: str, module: torch.nn.Module) -> Any:
+            def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
+                return engine.apply(key, m, inputs, output) if self.enabled else None
+
+            return module.register_forward_hook(hook)
+
+        return self._add(ChaosHandle(self, [], engine), register, selector)
+
+    # -- statistics -------------------------------------------------------------------------------
+    def weight_stats(self, selector: Selector = "*", bins: int = 16) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{key: {param_name: statistics}}`` of the selected modules' own parameters.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> torch.nn.init.ones_(model[0].weight)
+        Parameter containing:
+        tensor([[1., 1.],
+                [1., 1.]], requires_grad=True)
+        >>> fwdtrace.Probe(model).weight_stats("0.Linear")["0.Linear"]["weight"]["l2"]
+        2.0
+
+        Modules without parameters of their own are left out; see
+        :meth:`~fwdtrace.stats.RunningStats.to_dict` for the statistics.
+        """
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for key, module in self.select(selector).items():
+            params = {}
+            for name, p in module.named_parameters(recurse=False):
+                s = RunningStats(bins)
+                s.update(p)
+                params[name] = s.to_dict()
+            if params:
+                out[key] = params
+        return out
+
+    def running_stats(
+        self, selector: Selector, of: str = "output", bins: int = 16, range: tuple[float, float] | None = None  # noqa: A002
+    ) -> StatsHandle:
+        """Keep running statistics of the selected modules' activations or gradients across steps.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.ReLU())
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     stats = probe.running_stats("0.ReLU", of="output")
+        ...     _ = model(torch.tensor([-1.0, 1.0])); _ = model(torch.tensor([3.0]))
+        ...     round(stats.stats["0.ReLU"].mean, 4), stats.stats["0.ReLU"].zero_fraction
+        (1.3333, 0.3333333333333333)
+
+        ``of`` is ``input``, ``output``, ``grad_input`` or ``grad_output``; every tensor of
+        every call merges into one :class:`~fwdtrace.stats.RunningStats` per key, at a cost
+        per call proportional to the tensors' size and independent of the steps before.
+        """
+        if of not in _KINDS:
+            raise FwdtraceError(f"running_stats() expected of= one of {', '.join(_KINDS)}, got {of!r}")
+        handle = StatsHandle(self, [], of)
+
+        def add(key: str, tensors: Iterable[Any]) -> None:
+            stats = handle.stats.get(key)
+            if stats is None:
+                stats = handle.stats[key] = RunningStats(bins, range)
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    stats.update(t)
+
+        def register(key: str, module: torch.nn.Module) -> Any:
+            if of in ("input", "output"):
+
+                def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:
+                    if self.enabled:
+                        add(key, tensors_of((a, kw)) if of == "input" else tensors_of(result))
+
+                return module.register_forward_hook(hook, with_kwargs=True)
+
+            def grad_hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+                if self.enabled:
+                    add(key, grad_input if of == "grad_input" else grad_output)
+
+            return module.register_full_backward_hook(grad_hook)
+
+        return self._add(handle, register, selector)
+
+    def __repr__(self) -> str:
+        return f"Probe({type(self.model).__name__}, {len(self._key2module)} keys, {len(self.handles)} hook sets)"

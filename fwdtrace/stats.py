@@ -1,0 +1,202 @@
+"""Running statistics of tensors, mergeable across steps at a constant cost per step.
+
+Mean and variance use Welford's update in Chan et al.'s pairwise form, so two partial
+results merge exactly as if the data had been seen at once; the histogram has fixed
+edges (set by ``range`` or by the first batch) so histograms merge by addition.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .errors import FwdtraceError, describe
+
+__all__ = ["RunningStats", "summary_text"]
+
+
+class RunningStats:
+    """Count, mean, std, min, max, L2 norm, zero fraction, NaN/Inf counts and a histogram.
+
+    >>> import torch
+    >>> from fwdtrace.stats import RunningStats
+    >>> s = RunningStats(bins=4, range=(0.0, 4.0))
+    >>> s.update(torch.tensor([0.0, 1.0])); s.update(torch.tensor([2.0, 3.0]))
+    >>> s.mean, s.std, s.histogram
+    (1.5, 1.118033988749895, [1, 1, 1, 1])
+
+    Mean, std (population, ``correction=0``), min, max and the L2 norm are over the finite
+    values; ``zero_fraction`` is over all values. Values outside the histogram's range are
+    counted in ``underflow`` and ``overflow``. Without ``range`` the edges are the first
+    batch's finite min and max, fixed from then on.
+    """
+
+    def __init__(self, bins: int = 16, range: tuple[float, float] | None = None) -> None:  # noqa: A002
+        if not isinstance(bins, int) or bins < 1:
+            raise FwdtraceError(f"RunningStats expected bins as a positive int, got {bins!r}")
+        if range is not None and not (len(range) == 2 and float(range[0]) < float(range[1])):
+            raise FwdtraceError(f"RunningStats expected range as (low, high) with low < high, got {range!r}")
+        self.bins = bins
+        self.range: tuple[float, float] | None = (float(range[0]), float(range[1])) if range else None
+        self.count = 0  # every element
+        self.finite = 0
+        self.mean = 0.0
+        self._m2 = 0.0  # sum of squared deviations from the mean
+        self.min = math.inf
+        self.max = -math.inf
+        self._sumsq = 0.0
+        self.zeros = 0
+        self.nans = 0
+        self.infs = 0
+        self.histogram = [0] * bins
+        self.underflow = 0
+        self.overflow = 0
+
+    # -- updating ---------------------------------------------------------------------------------
+    def update(self, tensor: torch.Tensor) -> None:
+        """Add every element of ``tensor`` (any shape, dtype and device)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise FwdtraceError(f"RunningStats.update() expected a torch.Tensor, got {describe(tensor)}")
+        with torch.no_grad():
+            x = tensor.detach().reshape(-1)
+            if x.is_complex():
+                x = torch.view_as_real(x).reshape(-1)
+            x = x.to(torch.float64)
+            n_all = x.numel()
+            nan = torch.isnan(x)
+            inf = torch.isinf(x)
+            finite = x[~(nan | inf)]
+            other = RunningStats(self.bins, self.range)
+            other.count = n_all
+            other.nans = int(nan.sum())
+            other.infs = int(inf.sum())
+            other.zeros = int((x == 0).sum())
+            n = finite.numel()
+            other.finite = n
+            if n:
+                mean = finite.mean()
+                other.mean = float(mean)
+                other._m2 = float(((finite - mean) ** 2).sum())
+                other.min = float(finite.min())
+                other.max = float(finite.max())
+                other._sumsq = float((finite * finite).sum())
+                if self.range is None and self.finite == 0:
+                    lo, hi = other.min, other.max
+                    if lo == hi:
+                        lo, hi = lo - 0.5, hi + 0.5
+                    self.range = other.range = (lo, hi)
+                if other.range is not None:
+                    lo, hi = other.range
+                    inside = finite[(finite >= lo) & (finite <= hi)]
+                    hist = torch.histc(inside, bins=self.bins, min=lo, max=hi)
+                    other.histogram = [int(v) for v in hist.tolist()]
+                    other.underflow = int((finite < lo).sum())
+                    other.overflow = int((finite > hi).sum())
+        self.merge(other)
+
+    def merge(self, other: RunningStats) -> RunningStats:
+        """Fold ``other`` into these statistics (Chan's parallel update) and return ``self``."""
+        if not isinstance(other, RunningStats):
+            raise FwdtraceError(f"RunningStats.merge() expected a RunningStats, got {describe(other)}")
+        if other.finite and self.finite:
+            if other.bins != self.bins or other.range != self.range:
+                raise FwdtraceError(
+                    "RunningStats.merge() expected the same histogram bins and range, got "
+                    f"{self.bins} bins on {self.range} and {other.bins} bins on {other.range}"
+                )
+        elif other.finite:
+            self.bins, self.range = other.bins, other.range
+            self.histogram = [0] * other.bins
+        n_a, n_b = self.finite, other.finite
+        n = n_a + n_b
+        if n_b:
+            delta = other.mean - self.mean
+            self.mean += delta * n_b / n
+            self._m2 += other._m2 + delta * delta * n_a * n_b / n
+            self.min = min(self.min, other.min)
+            self.max = max(self.max, other.max)
+            self._sumsq += other._sumsq
+            self.histogram = [a + b for a, b in zip(self.histogram, other.histogram, strict=True)]
+            self.underflow += other.underflow
+            self.overflow += other.overflow
+        self.finite = n
+        self.count += other.count
+        self.zeros += other.zeros
+        self.nans += other.nans
+        self.infs += other.infs
+        return self
+
+    # -- results ----------------------------------------------------------------------------------
+    @property
+    def std(self) -> float:
+        return math.sqrt(self._m2 / self.finite) if self.finite else math.nan
+
+    @property
+    def l2(self) -> float:
+        return math.sqrt(self._sumsq)
+
+    @property
+    def zero_fraction(self) -> float:
+        return self.zeros / self.count if self.count else math.nan
+
+    @property
+    def bin_edges(self) -> list[float]:
+        if self.range is None:
+            return []
+        lo, hi = self.range
+        return [lo + (hi - lo) * i / self.bins for i in range(self.bins + 1)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every statistic as plain Python numbers and lists (JSON-serialisable but for NaN)."""
+        empty = self.finite == 0
+        return {
+            "count": self.count,
+            "mean": math.nan if empty else self.mean,
+            "std": self.std,
+            "min": math.nan if empty else self.min,
+            "max": math.nan if empty else self.max,
+            "l2": self.l2,
+            "zero_fraction": self.zero_fraction,
+            "nan": self.nans,
+            "inf": self.infs,
+            "histogram": list(self.histogram),
+            "bin_edges": self.bin_edges,
+            "underflow": self.underflow,
+            "overflow": self.overflow,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"RunningStats(count={self.count}, mean={self.mean:.4g}, std={self.std:.4g}, "
+            f"min={self.min:.4g}, max={self.max:.4g}, nan={self.nans}, inf={self.infs})"
+        )
+
+
+def summary_text(tensor: Any, values: bool = False) -> str:
+    """``float32[1, 4] mean=0.5 std=0.5 min=0 max=1``: one line about a tensor for printing.
+
+    >>> import torch
+    >>> summary_text(torch.tensor([[0.0, 1.0]]))
+    'float32[1, 2] mean=0.5 std=0.5 min=0 max=1'
+
+    With ``values=True`` the full tensor follows on the next lines. ``None`` (a missing
+    gradient) and non-tensors are described by their type.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return "None" if tensor is None else describe(tensor)
+    head = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+    if tensor.numel() and not tensor.is_complex() and tensor.dtype != torch.bool:
+        with torch.no_grad():
+            x = tensor.detach().to(torch.float64)
+            head += (
+                f" mean={float(x.mean()):.4g} std={float(x.std(correction=0)):.4g}"
+                f" min={float(x.min()):.4g} max={float(x.max()):.4g}"
+            )
+            nonfinite = int((~torch.isfinite(x)).sum())
+            if nonfinite:
+                head += f" nonfinite={nonfinite}"
+    if values:
+        head += "\n" + str(tensor.detach())
+    return head
