@@ -1,0 +1,727 @@
+"""Cross-check a traced graph against its ONNX export: which ops match, which are missing, which edges moved.
+
+The comparison walks the trace in execution order. For each traced call it looks, next
+to where the call's inputs landed in the ONNX graph, for ONNX nodes the call may have
+become (:mod:`fwdtrace.onnx_ops`): one op (``Conv``), or a region of several (``MatMul``
+then ``Add`` for a Linear, a whole decomposed attention) whose only way in is through the
+call's inputs. Views, transposes and casts are wiring on both sides; constants and shape
+arithmetic are left out. Module scopes the exporter recorded (dynamo's
+``pkg.torch.onnx.name_scopes``, TorchScript's node names) rank the candidates when
+present; without them the dataflow, op types, attributes and sizes decide.
+
+Then connectivity, not counts: every trace edge between matched calls must be a path in
+the ONNX graph between their partners through no other matched op, and every such ONNX
+path must be a trace edge. A Conv fed by the wrong tensor is a rewired edge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import FwdtraceError, describe
+from .graph import Graph
+from .node import Node, TensorRef
+from .onnx_export import EXPORTERS, export_onnx, onnx_graph
+from .onnx_ops import ONNX_WIRING_OPS, Equivalence, equivalence_for
+
+if TYPE_CHECKING:
+    import onnx
+
+__all__ = ["TopologyReport", "compare_onnx", "check_onnx", "render_side_by_side", "configure_parser", "run_cli"]
+
+# At most this many unexplained ONNX ops may sit between a call's inputs and its partner
+# (an inserted op is reported as extra instead of derailing the rest of the match).
+MAX_SKIPPED = 2
+# Trace attributes and the ONNX attributes that must agree with them when both exist.
+_ATTR_PAIRS = (("kernel_size", "kernel_shape"), ("stride", "strides"), ("groups", "group"), ("dilation", "dilations"))
+_OUTPUT_GROUP = -1
+
+
+@dataclass
+class TopologyReport:
+    """The diff between a traced graph and an ONNX model.
+
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    >>> report = fwdtrace.check_onnx(model, torch.ones(1, 3, 8, 8), exporter="torchscript")
+    >>> report.ok, report.matched
+    (True, [('0 (Conv2d)', ('/0/Conv',)), ('1 (ReLU)', ('/1/Relu',))])
+
+    ``matched`` pairs each trace call with the ONNX nodes that implement it; ``missing``
+    lists trace calls with no ONNX counterpart, ``extra`` ONNX nodes with no trace
+    counterpart, ``rewired`` edges present on one side only. ``elided`` lists calls the
+    exporter may drop (dropout in eval, views) or fold (BatchNorm into Conv), with how.
+    ``str(report)`` is ``report.text``.
+    """
+
+    ok: bool
+    matched: list[tuple[str, tuple[str, ...]]]
+    missing: list[str]
+    extra: list[str]
+    rewired: list[str]
+    elided: list[tuple[str, str]]
+    text: str
+    exporter: str | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-friendly data."""
+        return {
+            "ok": self.ok,
+            "exporter": self.exporter,
+            "matched": [{"trace": t, "onnx": list(o)} for t, o in self.matched],
+            "missing": list(self.missing),
+            "extra": list(self.extra),
+            "rewired": list(self.rewired),
+            "elided": [{"trace": t, "how": how} for t, how in self.elided],
+        }
+
+
+@dataclass
+class _Group:
+    """ONNX nodes that implement one trace call (or a graph input or the outputs)."""
+
+    gid: int
+    onodes: set[int]
+    key: int | None
+    trace_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Result:
+    groups: dict[int, _Group]
+    missing: list[int]  # trace node ids
+    extra: list[int]  # ONNX graph node ids
+    elided: list[tuple[int, str]]
+    rewired: list[tuple[str, int, int]]  # ("trace" | "onnx", src gid, dst gid)
+    unmatched_inputs: tuple[list[int], list[int]]  # (trace input ids, onnx input ids)
+    reqs: dict[int, list[frozenset[int]]]  # trace node id -> the groups that fed each input
+
+
+class _Matcher:
+    def __init__(self, trace: Graph, og: Graph) -> None:
+        self.t = trace
+        self.o = og
+        self.tnodes = trace.nodes
+        self.onodes = og.nodes
+        # ONNX side: og is pruned, so every node is data; a value with a producer is data
+        self.producer: dict[int, int] = {}
+        self.consumers: dict[int, list[int]] = {}
+        for n in og.nodes:
+            for r in n.outputs:
+                self.producer[r.obj_id] = n.id
+        for n in og.nodes:
+            for r in n.inputs:
+                if r.obj_id in self.producer:
+                    self.consumers.setdefault(r.obj_id, []).append(n.id)
+        self.wiring = {n.id for n in og.nodes if n.kind == "function" and self._is_wiring(n)}
+        for oid in self.wiring:
+            og.nodes[oid].meta["wiring"] = True  # for the report and the picture
+        self.matched: dict[int, int] = {}  # ONNX node id -> gid
+        self.groups: dict[int, _Group] = {}
+        self.tensor_groups: dict[int, frozenset[int]] = {}
+        self.reqs: dict[int, list[frozenset[int]]] = {}  # trace node id -> input requirements
+        self.missing: list[int] = []
+        self.missing_producer: dict[int, int] = {}  # obj_id -> missing trace node that wrote it
+        self.elided: list[tuple[int, str]] = []
+        self.trace_succ: dict[int, list[int]] = {}
+        for e in trace.edges:
+            self.trace_succ.setdefault(e.src, []).append(e.dst)
+
+    # -- ONNX helpers -----------------------------------------------------------------------------
+    def op(self, oid: int) -> str:
+        return str(self.onodes[oid].meta.get("op_type", self.onodes[oid].target.rsplit(".", 1)[-1]))
+
+    def _data_inputs(self, n: Node) -> list[int]:
+        return [r.obj_id for r in n.inputs if r.obj_id in self.producer]
+
+    def _is_wiring(self, n: Node) -> bool:
+        op = str(n.meta.get("op_type", ""))
+        if op in ONNX_WIRING_OPS:
+            return True
+        data = self._data_inputs(n)
+        if op == "Gather":  # select/index on data is wiring; Gather from a weight is an Embedding
+            return bool(n.inputs) and n.inputs[0].obj_id in self.producer
+        if op == "Concat":
+            return len(n.inputs) == 1 and len(data) == 1
+        return False
+
+    def _out_values(self, gid: int) -> list[int]:
+        return [r.obj_id for oid in sorted(self.groups[gid].onodes) for r in self.onodes[oid].outputs]
+
+    # -- the walk ---------------------------------------------------------------------------------
+    def run(self) -> _Result:
+        tdata: set[int] = set()
+        t_inputs = [n for n in self.tnodes if n.kind == "input"]
+        o_inputs = [n for n in self.onodes if n.kind == "input"]
+        pairs, lone_t, lone_o = _pair_inputs(t_inputs, o_inputs)
+        for tn, on in pairs:
+            self._new_group(tn.id, {on.id}, on.id)
+            for r in tn.outputs:
+                self.tensor_groups[r.obj_id] = frozenset({tn.id})
+        for tn in t_inputs:
+            tdata.update(r.obj_id for r in tn.outputs)
+        for tn in self.tnodes:
+            if tn.kind in ("input", "output"):
+                continue
+            data_in = [r for r in tn.inputs if r.obj_id in tdata]
+            if not data_in:
+                continue  # constants the exporter folds: positions, masks, arange
+            tdata.update(r.obj_id for r in tn.outputs)
+            reqs = list(dict.fromkeys(self.tensor_groups[r.obj_id] for r in data_in if r.obj_id in self.tensor_groups))
+            self.reqs[tn.id] = reqs
+            self._match(tn, reqs, data_in)
+        out_node = next((n for n in self.tnodes if n.kind == "output"), None)
+        o_out = next((n for n in self.onodes if n.kind == "output"), None)
+        if out_node is not None and o_out is not None:
+            self.reqs[out_node.id] = list(dict.fromkeys(
+                self.tensor_groups[r.obj_id] for r in out_node.inputs if r.obj_id in self.tensor_groups
+            ))
+            self._new_group(_OUTPUT_GROUP, {o_out.id}, o_out.id)
+            self.groups[_OUTPUT_GROUP].trace_ids.append(out_node.id)
+        extra = [
+            n.id for n in self.onodes
+            if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
+        ]
+        return _Result(self.groups, self.missing, extra, self.elided, self._rewired(out_node),
+                       ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs)
+
+    def _add_missing(self, tn: Node) -> None:
+        self.missing.append(tn.id)
+        for r in tn.outputs:
+            self.missing_producer[r.obj_id] = tn.id
+
+    def _new_group(self, gid: int, onodes: set[int], key: int | None) -> None:
+        self.groups[gid] = _Group(gid, set(onodes), key, [gid] if gid >= 0 else [])
+        for oid in onodes:
+            self.matched[oid] = gid
+
+    def _match(self, tn: Node, reqs: list[frozenset[int]], data_in: list[TensorRef]) -> None:
+        eq = equivalence_for(tn)
+        passthrough = frozenset().union(*reqs) if reqs else frozenset()
+        # a BatchNorm after a Conv that is missing would have been folded into it
+        missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
+        if eq is None:
+            self._add_missing(tn)
+            tn_out = passthrough
+        else:
+            single = next(iter(reqs[0])) if len(reqs) == 1 and len(reqs[0]) == 1 else None
+            feeder = self.groups.get(single) if single is not None else None
+            can_fold = bool(
+                eq.folds_into and feeder is not None and feeder.key is not None
+                and self.op(feeder.key) in eq.folds_into
+            )
+            found = self._find(tn, eq, reqs, max_skipped=0 if can_fold else MAX_SKIPPED) if eq.patterns else None
+            if found is not None:
+                key, region = found
+                self._new_group(tn.id, region, key)
+                tn_out = frozenset({tn.id})
+            elif can_fold and feeder is not None and feeder.key is not None:
+                feeder.trace_ids.append(tn.id)
+                self.elided.append((tn.id, f"folded into {self.onodes[feeder.key].meta.get('onnx_name')}"))
+                tn_out = frozenset({feeder.gid})
+            elif (
+                eq.folds_into and missing_feeder is not None
+                and eq.folds_into & (equivalence_for(self.tnodes[missing_feeder]) or Equivalence()).op_types
+            ):
+                self.elided.append((tn.id, f"would fold into {_trace_label(self.tnodes[missing_feeder])}, missing"))
+                tn_out = passthrough
+            elif eq.optional:
+                self.elided.append((tn.id, "wiring" if not eq.patterns else "removed by the exporter"))
+                tn_out = passthrough
+            else:
+                self._add_missing(tn)
+                tn_out = passthrough
+        for r in tn.outputs:
+            self.tensor_groups[r.obj_id] = tn_out
+
+    # -- finding a partner ------------------------------------------------------------------------
+    def _find(self, tn: Node, eq: Equivalence, reqs: list[frozenset[int]], max_skipped: int) -> tuple[int, set[int]] | None:
+        sources = frozenset().union(*reqs) if reqs else frozenset()
+        ops = eq.op_types
+        budget: Counter[str] = Counter()
+        for p in eq.patterns:
+            for op, n in p.ops:
+                budget[op] = max(budget[op], n)
+        scopes = self._trace_scopes(tn)
+        params = {r.param for r in tn.inputs if r.param}
+        if tn.kind == "module":  # a layer's own weights are not inputs: match them by their path
+            params |= {f"{s}." for s in scopes if s}
+        best: tuple[tuple[Any, ...], int, set[int]] | None = None
+        for cand, _cost in self._reachable(sources, ops, max_skipped):
+            if not self._compatible(tn, cand):
+                continue
+            region = self._region(cand, sources, reqs, ops, budget, eq, max_skipped)
+            if region is None:
+                continue
+            nodes, skipped = region
+            size = sum(1 for oid in nodes if oid not in self.wiring)
+            score = (self._anchor(cand, nodes, scopes, params), -len(skipped), size, -cand)
+            if best is None or score > best[0]:
+                best = (score, cand, nodes)
+        if best is None:
+            best = self._anchored_fallback(tn, eq, ops, budget, scopes, params)
+        return None if best is None else (best[1], best[2])
+
+    def _reachable(self, sources: frozenset[int], ops: frozenset[str], max_skipped: int) -> list[tuple[int, int]]:
+        """Unmatched ONNX nodes of the wanted op types downstream of ``sources``, with skip counts."""
+        cost: dict[int, int] = {}
+        queue: deque[tuple[int, int]] = deque()
+        for gid in sorted(sources):
+            for v in self._out_values(gid):
+                for c in self.consumers.get(v, ()):
+                    queue.append((c, 0))
+        while queue and len(cost) < 2000:
+            oid, c = queue.popleft()
+            if oid in self.matched or (oid in cost and cost[oid] <= c) or self.onodes[oid].kind != "function":
+                continue
+            cost[oid] = c
+            nxt = c if (oid in self.wiring or self.op(oid) in ops) else c + 1
+            if nxt > max_skipped:
+                continue
+            for r in self.onodes[oid].outputs:
+                for d in self.consumers.get(r.obj_id, ()):
+                    if nxt == c:
+                        queue.appendleft((d, nxt))
+                    else:
+                        queue.append((d, nxt))
+        return sorted(((oid, c) for oid, c in cost.items() if self.op(oid) in ops), key=lambda x: (x[1], x[0]))
+
+    def _region(
+        self,
+        key: int,
+        sources: frozenset[int],
+        reqs: list[frozenset[int]],
+        ops: frozenset[str],
+        budget: Counter[str],
+        eq: Equivalence,
+        max_skipped: int,
+    ) -> tuple[set[int], set[int]] | None:
+        """The ONNX nodes between the sources and ``key`` that implement the call, or None."""
+        region = {key}
+        counts: Counter[str] = Counter({self.op(key): 1})
+        skipped: set[int] = set()
+        touched: set[int] = set()
+        stack = [key]
+        while stack:
+            oid = stack.pop()
+            for v in self._data_inputs(self.onodes[oid]):
+                p = self.producer[v]
+                if p in self.matched:
+                    g = self.matched[p]
+                    if g not in sources:
+                        return None  # the candidate also depends on some other matched call
+                    touched.add(g)
+                    continue
+                if p in region or p in skipped:
+                    continue
+                op = self.op(p)
+                if p in self.wiring:
+                    region.add(p)
+                elif op in ops and counts[op] < budget[op]:
+                    region.add(p)
+                    counts[op] += 1
+                else:
+                    skipped.add(p)
+                    if len(skipped) > max_skipped:
+                        return None
+                if len(region) > 400:
+                    return None
+                stack.append(p)
+        if not all(req & touched for req in reqs):
+            return None
+        # Views in front of the call belong to the wiring between calls, not to the call.
+        trimmed = True
+        while trimmed:
+            trimmed = False
+            for oid in sorted(region):
+                if oid != key and oid in self.wiring and not any(
+                    self.producer[v] in region for v in self._data_inputs(self.onodes[oid])
+                ):
+                    region.discard(oid)
+                    trimmed = True
+        if not any(p.admits(counts, self.op(key)) for p in eq.patterns):
+            return None
+        return region, skipped
+
+    def _anchored_fallback(
+        self, tn: Node, eq: Equivalence, ops: frozenset[str], budget: Counter[str], scopes: set[str], params: set[str]
+    ) -> tuple[tuple[Any, ...], int, set[int]] | None:
+        """A partner away from where the inputs landed, but named by its scope or weights: rewired."""
+        best: tuple[tuple[Any, ...], int, set[int]] | None = None
+        for n in self.onodes:
+            if n.kind != "function" or n.id in self.matched or n.id in self.wiring or self.op(n.id) not in ops:
+                continue
+            if not self._compatible(tn, n.id):
+                continue
+            anchor = self._anchor(n.id, {n.id}, scopes, params)
+            if anchor < 1:
+                continue
+            region = {n.id}
+            counts: Counter[str] = Counter({self.op(n.id): 1})
+            stack = [n.id]
+            while stack:
+                for v in self._data_inputs(self.onodes[stack.pop()]):
+                    p = self.producer[v]
+                    if p in self.matched or p in region:
+                        continue
+                    op = self.op(p)
+                    if p in self.wiring or (op in ops and counts[op] < budget[op]):
+                        region.add(p)
+                        counts[op] += 0 if p in self.wiring else 1
+                        stack.append(p)
+            score = (anchor, 0, len(region), -n.id)
+            if best is None or score > best[0]:
+                best = (score, n.id, region)
+        return best
+
+    def _trace_scopes(self, tn: Node) -> set[str]:
+        scopes = {tn.module_path}
+        if tn.call_index:
+            scopes.add(f"{tn.module_path}_{tn.call_index}")
+        for s in self.trace_succ.get(tn.id, ()):
+            succ = self.tnodes[s]
+            eq = equivalence_for(succ) if succ.kind in ("module", "function") else None
+            if eq is not None and eq.folds_into:
+                scopes.add(succ.module_path)
+        return scopes
+
+    def _anchor(self, key: int, region: Iterable[int], scopes: set[str], params: set[str]) -> int:
+        scope = self.onodes[key].meta.get("scope")
+        score = 2 if scope is not None and scope in scopes else 0
+        if params and any(
+            r.param in params or r.param.startswith(tuple(p for p in params if p.endswith(".")))
+            for oid in region
+            for r in self.onodes[oid].inputs
+            if r.param
+        ):
+            score += 1
+        return score
+
+    def _compatible(self, tn: Node, oid: int) -> bool:
+        """Attributes and output sizes that must agree, where both sides state them."""
+        on = self.onodes[oid]
+        for t_name, o_name in _ATTR_PAIRS:
+            tv, ov = tn.attrs.get(t_name), on.attrs.get(o_name)
+            if tv is None or ov is None:
+                continue
+            ovl = list(ov) if isinstance(ov, list) else [ov]
+            tvl = list(tv) if isinstance(tv, list) else [tv] * len(ovl)
+            if tvl != ovl:
+                return False
+        if tn.outputs and on.outputs:
+            t_shape, o_shape = tn.outputs[0].shape, on.outputs[0].shape
+            if all(d >= 0 for d in o_shape) and _numel(t_shape) != _numel(o_shape):
+                return False
+        return True
+
+    # -- connectivity -----------------------------------------------------------------------------
+    def _rewired(self, out_node: Node | None) -> list[tuple[str, int, int]]:
+        trace_edges: set[tuple[int, int]] = set()
+        for tid, reqs in self.reqs.items():
+            dst = _OUTPUT_GROUP if out_node is not None and tid == out_node.id else tid
+            if dst not in self.groups:
+                continue
+            for req in reqs:
+                trace_edges.update((g, dst) for g in req if g != dst)
+        onnx_edges: set[tuple[int, int]] = set()
+        for gid in self.groups:
+            seen: set[int] = set()
+            queue = deque(c for v in self._out_values(gid) for c in self.consumers.get(v, ()))
+            while queue:
+                oid = queue.popleft()
+                if oid in seen:
+                    continue
+                seen.add(oid)
+                h = self.matched.get(oid)
+                if h is not None:
+                    if h != gid:
+                        onnx_edges.add((gid, h))
+                    continue
+                for r in self.onodes[oid].outputs:
+                    queue.extend(self.consumers.get(r.obj_id, ()))
+        return sorted(
+            [("trace", s, d) for s, d in trace_edges - onnx_edges] + [("onnx", s, d) for s, d in onnx_edges - trace_edges],
+            key=lambda x: (x[1], x[2], x[0]),
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _pair_inputs(t_inputs: list[Node], o_inputs: list[Node]) -> tuple[list[tuple[Node, Node]], list[Node], list[Node]]:
+    """Trace inputs with ONNX graph inputs: by name where names agree, then in order."""
+    by_name = {n.name: n for n in o_inputs}
+    pairs: list[tuple[Node, Node]] = []
+    rest_t: list[Node] = []
+    used: set[int] = set()
+    for tn in t_inputs:
+        on = by_name.get(tn.name)
+        if on is not None and on.id not in used:
+            pairs.append((tn, on))
+            used.add(on.id)
+        else:
+            rest_t.append(tn)
+    rest_o = [n for n in o_inputs if n.id not in used]
+    pairs += list(zip(rest_t, rest_o, strict=False))
+    k = min(len(rest_t), len(rest_o))
+    return pairs, rest_t[k:], rest_o[k:]
+
+
+# -- the report -----------------------------------------------------------------------------------
+def _trace_label(n: Node) -> str:
+    if n.kind == "input":
+        return f"input {n.name}"
+    if n.kind == "output":
+        return "output"
+    if n.kind == "module":
+        call = f"#{n.call_index}" if n.call_index else ""
+        return f"{n.module_path or '<root>'}{call} ({n.class_name})"
+    where = f" in {n.module_path}" if n.module_path else ""
+    return f"{n.name} = {n.target}{where}"
+
+
+def _onnx_name(n: Node) -> str:
+    return str(n.meta.get("onnx_name", n.name))
+
+
+class _Texts:
+    def __init__(self, trace: Graph, og: Graph, result: _Result) -> None:
+        self.t, self.o, self.r = trace, og, result
+
+    def group(self, gid: int) -> str:
+        if gid == _OUTPUT_GROUP:
+            return "output"
+        return _trace_label(self.t.nodes[gid])
+
+    def group_onnx(self, gid: int) -> str:
+        g = self.r.groups[gid]
+        if g.key is None:
+            return "?"
+        n = self.o.nodes[g.key]
+        return "the graph outputs" if n.kind == "output" else f"'{_onnx_name(n)}'"
+
+    def onnx_node(self, oid: int) -> str:
+        n = self.o.nodes[oid]
+        scope = n.meta.get("scope")
+        return f"'{_onnx_name(n)}' [{n.meta.get('op_type')}]" + (f" in {scope or '<root>'}" if scope is not None else "")
+
+    def onnx_neighbours(self, oid: int, forward: bool) -> list[str]:
+        """Labels of the nearest matched calls before (or after) an ONNX node."""
+        m = {o: g for g in self.r.groups.values() for o in g.onodes}
+        producer = {r.obj_id: n.id for n in self.o.nodes for r in n.outputs}
+        consumers: dict[int, list[int]] = {}
+        for n in self.o.nodes:
+            for r in n.inputs:
+                consumers.setdefault(r.obj_id, []).append(n.id)
+        found: list[str] = []
+        seen = {oid}
+        queue = deque([oid])
+        while queue:
+            cur = self.o.nodes[queue.popleft()]
+            nxt = (
+                [c for r in cur.outputs for c in consumers.get(r.obj_id, ())]
+                if forward
+                else [producer[r.obj_id] for r in cur.inputs if r.obj_id in producer]
+            )
+            for x in nxt:
+                if x in seen:
+                    continue
+                seen.add(x)
+                if x in m:
+                    label = self.group(m[x].gid)
+                    if label not in found:
+                        found.append(label)
+                else:
+                    queue.append(x)
+        return found
+
+
+def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None) -> TopologyReport:
+    tx = _Texts(trace, og, result)
+    wiring = {n.id for n in og.nodes if n.kind == "function" and n.meta.get("wiring")}
+    matched = [
+        (_trace_label(trace.nodes[g.gid]), tuple(_onnx_name(og.nodes[o]) for o in sorted(g.onodes) if o not in wiring))
+        for g in sorted(result.groups.values(), key=lambda g: g.gid)
+        if g.gid >= 0 and trace.nodes[g.gid].kind not in ("input", "output")
+    ]
+    missing = [_trace_label(trace.nodes[i]) for i in result.missing + result.unmatched_inputs[0]]
+    extra = [_onnx_name(og.nodes[i]) for i in result.extra + result.unmatched_inputs[1]]
+    rewired: list[str] = []
+    for side, s, d in result.rewired:
+        if side == "trace":
+            rewired.append(
+                f"trace edge {tx.group(s)} -> {tx.group(d)} has no ONNX path from {tx.group_onnx(s)} "
+                f"to {tx.group_onnx(d)} that avoids other matched ops"
+            )
+        else:
+            rewired.append(
+                f"ONNX connects {tx.group_onnx(s)} -> {tx.group_onnx(d)} ({tx.group(s)} -> {tx.group(d)}), "
+                "an edge the trace does not have"
+            )
+    elided = [(_trace_label(trace.nodes[i]), how) for i, how in result.elided]
+    ok = not (missing or extra or rewired)
+
+    lines = [
+        f"ONNX cross-check{f' ({exporter} exporter)' if exporter else ''}: "
+        + ("the export has the topology of the trace" if ok else "the export DIFFERS from the trace"),
+        f"  {len(matched)} traced calls matched to "
+        f"{sum(len(o) for _, o in matched)} ONNX nodes; {len(elided)} elided "
+        f"({sum(1 for _, h in elided if h.startswith('folded'))} folded, "
+        f"{sum(1 for _, h in elided if h == 'wiring')} wiring, "
+        f"{sum(1 for _, h in elided if h.startswith('removed'))} removed); "
+        f"{len(missing)} missing, {len(extra)} extra, {len(rewired)} rewired",
+    ]
+    if result.missing or result.unmatched_inputs[0]:
+        lines.append("missing (in the trace, not in the ONNX graph):")
+        for i in result.missing + result.unmatched_inputs[0]:
+            n = trace.nodes[i]
+            feeds = [tx.group(g) for req in result.reqs.get(i, []) for g in sorted(req)]
+            after = f", after {', '.join(dict.fromkeys(feeds))}" if feeds else ""
+            hint = "" if equivalence_for(n) is not None or n.kind == "input" else (
+                f" (no ONNX equivalence is registered for {n.target}; see fwdtrace.onnx_equivalent)"
+            )
+            lines.append(f"  - {_trace_label(n)}{after}{hint}")
+    if result.extra or result.unmatched_inputs[1]:
+        lines.append("extra (in the ONNX graph, not in the trace):")
+        for i in result.extra + result.unmatched_inputs[1]:
+            before = tx.onnx_neighbours(i, forward=False)
+            after_ = tx.onnx_neighbours(i, forward=True)
+            where = (f", after {', '.join(before)}" if before else "") + (f", before {', '.join(after_)}" if after_ else "")
+            lines.append(f"  - {tx.onnx_node(i)}{where}")
+    if rewired:
+        lines.append("rewired (edges on one side only):")
+        lines += [f"  - {r}" for r in rewired]
+    if matched:
+        lines.append("matched:")
+        folded = {lbl: how for lbl, how in elided}
+        width = max(len(t) for t, _ in matched)
+        for t, o in matched:
+            lines.append(f"  {t.ljust(width)}  <->  {', '.join(o)}")
+        for lbl, how in folded.items():
+            if how.startswith("folded"):
+                lines.append(f"  {lbl.ljust(width)}  <->  {how}")
+    return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter)
+
+
+def _compare(graph: Graph, proto: Any) -> tuple[Graph, _Result]:
+    if not isinstance(graph, Graph):
+        raise FwdtraceError(f"compare_onnx() expected a fwdtrace.Graph (from fwdtrace.trace) as graph, got {describe(graph)}")
+    og = onnx_graph(proto, prune=True)
+    matcher = _Matcher(graph, og)
+    return og, matcher.run()
+
+
+def compare_onnx(graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str]) -> TopologyReport:
+    """Diff a traced graph against an ONNX model (a ModelProto or a path to a .onnx file).
+
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 2)).eval()
+    >>> x = torch.ones(1, 4)
+    >>> report = fwdtrace.compare_onnx(fwdtrace.trace(model, x), fwdtrace.export_onnx(model, x, exporter="torchscript"))
+    >>> report.ok, len(report.matched)
+    (True, 3)
+
+    See :class:`TopologyReport` for what it returns and the module docstring for how it matches.
+    """
+    og, result = _compare(graph, proto)
+    return _build_report(graph, og, result, None)
+
+
+def check_onnx(model: Any, *args: Any, exporter: str = "dynamo", **kwargs: Any) -> TopologyReport:
+    """Trace ``model(*args, **kwargs)``, export it with ``exporter`` and diff the two graphs.
+
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    >>> report = fwdtrace.check_onnx(model, torch.ones(1, 3, 8, 8), exporter="torchscript")
+    >>> report.ok, report.elided
+    (True, [('1 (BatchNorm2d)', 'folded into /0/Conv')])
+
+    Put the model in eval mode first if that is how you deploy it: exporters fold
+    BatchNorm and drop dropout only in eval mode, and the trace runs the model as it is.
+    """
+    from .tracer import trace
+
+    graph = trace(model, *args, **kwargs)
+    proto = export_onnx(model, *args, exporter=exporter, **kwargs)
+    og, result = _compare(graph, proto)
+    return _build_report(graph, og, result, exporter)
+
+
+def render_side_by_side(
+    graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str], path: str | os.PathLike[str], depth: int | None = None
+) -> str:
+    """Draw the trace and the ONNX graph in one picture (PNG, SVG or PDF by suffix), differences in red.
+
+    >>> import torch, fwdtrace, tempfile, os
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    >>> x = torch.ones(1, 4)
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     out = fwdtrace.render_side_by_side(fwdtrace.trace(model, x),
+    ...                                        fwdtrace.export_onnx(model, x, exporter="torchscript"),
+    ...                                        os.path.join(d, "both.svg"))
+    ...     os.path.getsize(out) > 0
+    True
+
+    Missing trace calls, extra ONNX nodes and both ends of rewired edges are highlighted.
+    Returns the path written.
+    """
+    from .passes.draw import Digraph, render_digraph, to_dot
+
+    og, result = _compare(graph, proto)
+    bad_groups = {g for _, s, d in result.rewired for g in (s, d)}
+    trace_hl = set(result.missing) | {tid for g in bad_groups if g in result.groups for tid in result.groups[g].trace_ids}
+    onnx_hl = set(result.extra) | {
+        k for g in bad_groups if g in result.groups and (k := result.groups[g].key) is not None
+    }
+    outer = Digraph(name="side_by_side")
+    outer.attr(rankdir="TB", compound="true")
+    outer.subgraph(to_dot(graph, depth, highlight=trace_hl, name_prefix="t_", cluster_name="cluster_trace",
+                          title="traced (PyTorch eager)"))
+    outer.subgraph(to_dot(og, depth, highlight=onnx_hl, name_prefix="o_", cluster_name="cluster_onnx",
+                          title="exported (ONNX)"))
+    return render_digraph(outer, path)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``fwdtrace check-onnx``."""
+    parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
+    parser.add_argument("--input-shape", required=True, help="shape of the one input tensor, e.g. 1,3,224,224")
+    parser.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch's ONNX exporter (default dynamo)")
+    parser.add_argument("--dtype", choices=("float32", "int64"), default="float32",
+                        help="input dtype; int64 gives token ids in [0, 10) (default float32)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``fwdtrace check-onnx``: 0 when the export agrees with the trace, 1 when it does not.
+
+    The model is put in eval mode and fed one seeded random input of ``--input-shape``.
+    """
+    import torch
+
+    from .cli import load_factory, parse_shape
+
+    shape = parse_shape(args.input_shape)
+    model = load_factory(args.factory).eval()
+    gen = torch.Generator().manual_seed(0)
+    if args.dtype == "int64":
+        x = torch.randint(0, 10, shape, generator=gen)
+    else:
+        x = torch.randn(shape, generator=gen)
+    report = check_onnx(model, x, exporter=args.exporter)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.text)
+    return 0 if report.ok else 1

@@ -1,0 +1,285 @@
+"""ONNX export, thin and honest, and the exported model read back as a fwdtrace Graph.
+
+:func:`export_onnx` calls ``torch.onnx.export`` with one of torch's two exporters and
+returns the ``onnx.ModelProto``; :func:`onnx_graph` turns any ONNX model into a
+:class:`~fwdtrace.Graph`, so the same renderer and the same comparison work on both.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import io
+import logging
+import os
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from ._tree import tensors_of
+from .errors import FwdtraceError, describe
+from .graph import Graph
+from .node import Scope, TensorRef
+from .patching import Patcher
+
+if TYPE_CHECKING:
+    import onnx
+
+__all__ = ["export_onnx", "onnx_graph", "EXPORTERS"]
+
+EXPORTERS = ("dynamo", "torchscript")
+# ONNX ops whose output describes a tensor's shape, not its values: what they feed is
+# shape arithmetic, folded away by the comparison.
+_SHAPE_OPS = frozenset({"Shape", "Size"})
+
+
+def _import_onnx() -> Any:
+    try:
+        import onnx
+    except ImportError as e:  # pragma: no cover - onnx is a dependency
+        raise FwdtraceError("the ONNX features need the onnx package: pip install onnx onnxscript onnxruntime") from e
+    return onnx
+
+
+def export_onnx(
+    model: torch.nn.Module,
+    *args: Any,
+    exporter: str = "dynamo",
+    path: str | os.PathLike[str] | None = None,
+    opset_version: int | None = None,
+    **kwargs: Any,
+) -> onnx.ModelProto:
+    """Export ``model(*args, **kwargs)`` with torch's ONNX exporter and return the ModelProto.
+
+    >>> import torch, fwdtrace
+    >>> proto = fwdtrace.export_onnx(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()),
+    ...                              torch.ones(1, 4), exporter="torchscript")
+    >>> [n.op_type for n in proto.graph.node]
+    ['Gemm', 'Relu']
+
+    ``exporter`` is ``"dynamo"`` (torch.export based, torch's default; needs onnxscript) or
+    ``"torchscript"`` (the legacy ``dynamo=False`` exporter). Keyword inputs go to the
+    model as keyword inputs. Outputs that are dicts, dataclasses or transformers'
+    ``ModelOutput`` become the flat list of their tensors, in order. ``path`` also writes
+    the model to a file. When the exporter fails, the error names it, quotes its first
+    line and suggests the other exporter.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FwdtraceError(f"export_onnx() expected a torch.nn.Module as model, got {describe(model)}")
+    if exporter not in EXPORTERS:
+        raise FwdtraceError(f"export_onnx() expected exporter 'dynamo' or 'torchscript', got {exporter!r}")
+    onnx_mod = _import_onnx()
+    other = EXPORTERS[1 - EXPORTERS.index(exporter)]
+    try:
+        with _flat_outputs(model, args, kwargs), _quiet_exporter_logs():
+            if exporter == "dynamo":
+                program = torch.onnx.export(
+                    model, args, kwargs=kwargs or None, dynamo=True, verbose=False, opset_version=opset_version
+                )
+                if program is None:  # pragma: no cover - dynamo=True always returns a program
+                    raise RuntimeError("torch.onnx.export returned no ONNXProgram")
+                proto = program.model_proto
+            else:
+                buffer = io.BytesIO()
+                torch.onnx.export(
+                    model, args, cast(Any, buffer), kwargs=kwargs or None, dynamo=False, opset_version=opset_version
+                )
+                proto = onnx_mod.load_from_string(buffer.getvalue())
+    except FwdtraceError:
+        raise
+    except Exception as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        first = re.sub(r"\x1b\[[0-9;]*m", "", first)  # the dynamo exporter colours its messages
+        raise FwdtraceError(
+            f"the {exporter} ONNX exporter failed on {type(model).__name__}: {type(e).__name__}: {first} "
+            f"(try exporter={other!r})"
+        ) from e
+    if path is not None:
+        onnx_mod.save(proto, os.fspath(path))
+    return cast("onnx.ModelProto", proto)
+
+
+def _needs_flattening(out: Any) -> bool:
+    """True when an output holds something other than tensors in plain tuples, lists and dicts."""
+    if out is None or isinstance(out, (torch.Tensor, int, float, bool)):
+        return False
+    if type(out) in (tuple, list):
+        return any(_needs_flattening(o) for o in out)
+    if type(out) is dict:
+        return any(_needs_flattening(o) for o in out.values())
+    return True
+
+
+@contextlib.contextmanager
+def _flat_outputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """While active, ``model`` returns a tuple of its output tensors if its outputs need that.
+
+    Both exporters refuse dataclass outputs and the TorchScript one refuses ModelOutput;
+    the forward is patched on the instance (not wrapped in a parent module), so module
+    scopes and parameter names in the export stay those of ``model``.
+    """
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    if not _needs_flattening(out):
+        yield
+        return
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def flat_forward(*a: Any, **k: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(tensors_of(forward(*a, **k)))
+
+    with Patcher() as patcher:
+        patcher.patch(cast(Any, model), "forward", flat_forward)
+        yield
+
+
+@contextlib.contextmanager
+def _quiet_exporter_logs() -> Iterator[None]:
+    # The dynamo exporter logs a warning per torchvision op when torchvision is absent.
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# -- reading an ONNX model ------------------------------------------------------------------------
+def onnx_scope(node: onnx.NodeProto) -> tuple[str | None, tuple[Scope, ...]]:
+    """The module path an ONNX node came from, and its enclosing scopes, when the export says so.
+
+    The dynamo exporter writes ``pkg.torch.onnx.name_scopes`` (``['', 'blocks', 'blocks.0',
+    'blocks.0.c1', 'conv2d']``); the TorchScript exporter names nodes after their scope
+    (``/blocks/blocks.0/c1/Conv``). Anything else gives ``(None, ())``.
+    """
+    props = {p.key: p.value for p in node.metadata_props}
+    names = _literal_list(props.get("pkg.torch.onnx.name_scopes"))
+    if names and len(names) >= 2:
+        classes = _literal_list(props.get("pkg.torch.onnx.class_hierarchy")) or []
+        scopes = tuple(
+            Scope(names[i], classes[i].rsplit(".", 1)[-1] if i < len(classes) else "")
+            for i in range(1, len(names) - 1)
+        )
+        return names[-2], scopes
+    if node.name.startswith("/"):
+        path = ""
+        scopes_list = []
+        for seg in node.name.split("/")[1:-1]:
+            last = path.rsplit(".", 1)[-1] if path else ""
+            # TorchScript names a container's child "stem.0" under "stem": one level, not two
+            if last and seg.startswith(last + "."):
+                path = path[: len(path) - len(last)] + seg
+            else:
+                path = f"{path}.{seg}" if path else seg
+            scopes_list.append(Scope(path, ""))
+        return path, tuple(scopes_list)
+    return None, ()
+
+
+def _literal_list(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
+    return [str(v) for v in value] if isinstance(value, list) else None
+
+
+def _dtype_name(elem_type: int) -> str:
+    onnx = _import_onnx()
+    try:
+        return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, ValueError, TypeError):
+        return "unknown"
+
+
+def _attr_value(attr: Any) -> Any:
+    onnx = _import_onnx()
+    value = onnx.helper.get_attribute_value(attr)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, (int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+        return list(value)
+    return None  # tensors and subgraphs are not display attributes
+
+
+def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool = False) -> Graph:
+    """An ONNX model as a :class:`~fwdtrace.Graph`: one node per ONNX node, edges by value.
+
+    >>> import torch, fwdtrace
+    >>> proto = fwdtrace.export_onnx(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()),
+    ...                              torch.ones(1, 4), exporter="torchscript")
+    >>> [(n.kind, n.target) for n in fwdtrace.onnx_graph(proto).nodes]
+    [('input', 'input'), ('function', 'onnx.Gemm'), ('function', 'onnx.Relu'), ('output', 'output')]
+
+    Graph inputs become input nodes and graph outputs one output node. Value names map
+    to ``obj_id`` s 0, 1, 2, ... in first-seen order; initializers are parameters
+    (``TensorRef.param`` is their name). ``module_path`` is the module scope the exporter
+    recorded, if any. ``meta`` holds ``onnx_name``, ``op_type`` and ``data`` (False for
+    constants and shape arithmetic, which ``prune=True`` leaves out). Shapes come from ONNX
+    shape inference; unknown dimensions are -1.
+    """
+    onnx = _import_onnx()
+    if isinstance(proto, (str, os.PathLike)):
+        proto = onnx.load(os.fspath(proto))
+    if not isinstance(proto, onnx.ModelProto):
+        raise FwdtraceError(f"onnx_graph() expected an onnx.ModelProto or a path to a .onnx file, got {describe(proto)}")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # a model shape inference cannot follow still has a topology
+        inferred = proto
+    g = inferred.graph
+    info: dict[str, tuple[tuple[int, ...], str]] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        t = vi.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+        info[vi.name] = (dims, _dtype_name(t.elem_type))
+    initializers = {init.name: init for init in g.initializer}
+    for name, init in initializers.items():
+        info[name] = (tuple(init.dims), _dtype_name(init.data_type))
+
+    name2id: dict[str, int] = {}
+
+    def ref(name: str) -> TensorRef:
+        obj = name2id.setdefault(name, len(name2id))
+        shape, dtype = info.get(name, ((), "unknown"))
+        return TensorRef(obj, shape, dtype, name if name in initializers else None)
+
+    graph = Graph()
+    data_values: set[str] = set()
+    for vi in g.input:
+        if vi.name in initializers:  # old exports list initializers as inputs too
+            continue
+        data_values.add(vi.name)
+        graph.add_node("input", "input", name=vi.name, outputs=[ref(vi.name)])
+    for i, node in enumerate(g.node):
+        data = node.op_type not in _SHAPE_OPS and any(n in data_values for n in node.input if n)
+        if data:
+            data_values.update(o for o in node.output if o)
+        if prune and not data:
+            continue
+        scope_path, scopes = onnx_scope(node)
+        domain = node.domain if node.domain not in ("", "ai.onnx") else "onnx"
+        attrs = {a.name: v for a in node.attribute if (v := _attr_value(a)) is not None}
+        graph.add_node(
+            "function",
+            f"{domain}.{node.op_type}",
+            name=node.name or f"{node.op_type}_{i}",
+            module_path=scope_path or "",
+            inputs=[ref(n) for n in node.input if n],
+            outputs=[ref(n) for n in node.output if n],
+            attrs=attrs,
+            scope=scopes,
+            meta={"onnx_name": node.name or f"{node.op_type}_{i}", "op_type": node.op_type, "data": data,
+                  "scope": scope_path},
+        )
+    graph.add_node("output", "output", inputs=[ref(o.name) for o in g.output])
+    return graph

@@ -1,0 +1,372 @@
+"""Which ONNX ops a traced torch call may become: the registry the ONNX cross-check reads.
+
+A rule maps a trace node's ``target`` (``"torch.nn.Conv2d"``, ``"torch.Tensor.add"``) to
+the ONNX op patterns an exporter may write for it. A pattern is ``"Conv"`` or
+``"MatMul+Add"`` (the ops of one call, ``Op*2`` for two of them); several patterns are
+alternatives (Linear: ``"Gemm"`` or ``"MatMul+Add"``). A rule may also let the call
+vanish: ``optional=True`` (dropout in eval, views and transposes, which the comparison
+treats as wiring) or ``folds_into=("Conv",)`` (BatchNorm folded into the Conv before it).
+Users extend it for their own layers, the way ``@hook_forward`` registers callbacks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
+
+import torch
+
+from .errors import FwdtraceError, describe
+from .node import Node
+from .registry import qualified_name
+
+__all__ = ["onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "ONNX_WIRING_OPS"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+# What a rule function may return for a node: one pattern, several, or None to vanish.
+RuleResult = str | Sequence[str] | None
+
+# ONNX ops that only move, reshape or retype data: the comparison treats them as wiring,
+# as it treats views and transposes on the torch side.
+ONNX_WIRING_OPS = frozenset({
+    "Identity", "Cast", "CastLike", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
+    "Expand", "Dropout", "Slice", "Split", "Tile",
+})
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The ONNX ops one torch call may become, with how many of each: ``Pattern.parse("MatMul+Add")``."""
+
+    ops: tuple[tuple[str, int], ...]
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> Pattern:
+        counts: Counter[str] = Counter()
+        for part in text.split("+"):
+            op, _, times = part.strip().partition("*")
+            if not op.isidentifier() or (times and not times.isdigit()):
+                raise FwdtraceError(
+                    f"expected an ONNX op pattern such as 'Conv', 'MatMul+Add' or 'Mul*2+Erf', got {text!r}"
+                )
+            counts[op] += int(times) if times else 1
+        return cls(tuple(sorted(counts.items())), text)
+
+    @property
+    def counts(self) -> Counter[str]:
+        return Counter(dict(self.ops))
+
+    def admits(self, ops: Counter[str], key: str) -> bool:
+        """True when ``ops`` (a region's op counts) fit inside this pattern and it contains ``key``."""
+        budget = dict(self.ops)
+        return key in budget and all(budget.get(op, 0) >= n for op, n in ops.items())
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """What one trace node may be in ONNX: alternative patterns, and whether it may vanish."""
+
+    patterns: tuple[Pattern, ...] = ()
+    optional: bool = False
+    folds_into: frozenset[str] = frozenset()
+    source: str = ""  # the rule's target, for messages
+
+    @property
+    def op_types(self) -> frozenset[str]:
+        return frozenset(op for p in self.patterns for op, _ in p.ops)
+
+
+@dataclass
+class _Rule:
+    fn: Callable[[Node], RuleResult]
+    optional: bool
+    folds_into: frozenset[str]
+    cache: dict[Any, Equivalence] = field(default_factory=dict)
+
+
+_RULES: dict[str, _Rule] = {}
+_loaded_plugins = False
+
+
+def _target_name(target: Any) -> str:
+    """The trace ``target`` string a class, a function or a dotted path names."""
+    if isinstance(target, str):
+        name = target.removesuffix(".forward")
+        if not name or not all(p.isidentifier() for p in name.split(".")):
+            raise FwdtraceError(
+                f"onnx_equivalent() expected a target such as 'torch.nn.Conv2d' or 'torch.Tensor.add', got {target!r}"
+            )
+        return name
+    if isinstance(target, type) and issubclass(target, torch.nn.Module):
+        return qualified_name(target)
+    if callable(target):
+        from .tracer import function_name
+
+        return function_name(target)
+    raise FwdtraceError(
+        f"onnx_equivalent() expected a torch.nn.Module subclass, a torch function or a dotted name, "
+        f"got {target!r} ({describe(target)})"
+    )
+
+
+@overload
+def onnx_equivalent(
+    target: Any, *, optional: bool = False, folds_into: Iterable[str] = ()
+) -> Callable[[F], F]: ...
+
+
+@overload
+def onnx_equivalent(
+    target: Any, pattern: str, /, *patterns: str, optional: bool = False, folds_into: Iterable[str] = ()
+) -> None: ...
+
+
+def onnx_equivalent(
+    target: Any, *patterns: str, optional: bool = False, folds_into: Iterable[str] = ()
+) -> Callable[[F], F] | None:
+    """Declare which ONNX ops a layer or torch function may export as.
+
+    >>> import fwdtrace
+    >>> fwdtrace.onnx_equivalent("mypkg.Swish", "Sigmoid+Mul", "Swish")
+    >>> @fwdtrace.onnx_equivalent("mypkg.Block")
+    ... def block(node):
+    ...     return "Conv+Relu" if node.attrs.get("act", True) else "Conv"
+
+    With patterns, the rule is registered at once. Without, it is a decorator: the
+    function gets the trace :class:`~fwdtrace.Node` (its ``attrs``, ``inputs``) and returns a
+    pattern, a list of alternative patterns, or None when the call may vanish. A pattern
+    lists the ops of one call joined by ``+`` (``"Mul*2+Erf"`` for repeats); shape ops
+    (Reshape, Transpose, ...) never need listing. ``optional=True`` lets the call vanish
+    from the export; ``folds_into=("Conv",)`` lets it vanish into the op that feeds it.
+    A later rule for the same target replaces the earlier one.
+    """
+    name = _target_name(target)
+    folds = frozenset(folds_into)
+    if patterns or optional or folds:
+        parsed = tuple(Pattern.parse(p) for p in patterns)
+        _RULES[name] = _Rule(lambda node: [p.text for p in parsed], optional, folds)
+        return None
+
+    def decorate(fn: F) -> F:
+        if not callable(fn) or not _takes_one_argument(fn):
+            raise FwdtraceError(
+                f"@onnx_equivalent({target!r}) expected a function of one argument (the trace node), got {describe(fn)}"
+            )
+        _RULES[name] = _Rule(fn, optional, folds)
+        return fn
+
+    return decorate
+
+
+def _takes_one_argument(fn: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # builtins without a signature: let the call decide
+        return True
+    return True
+
+
+def equivalence_for(node: Node) -> Equivalence | None:
+    """The :class:`Equivalence` registered for ``node.target``, or None when no rule knows it."""
+    _load_plugins_once()
+    rule = _RULES.get(node.target)
+    if rule is None:
+        return None
+    result = rule.fn(node)
+    texts = (result,) if isinstance(result, str) else tuple(result or ())
+    key = (texts, rule.optional, rule.folds_into)
+    eq = rule.cache.get(key)
+    if eq is None:
+        eq = Equivalence(
+            tuple(Pattern.parse(t) for t in texts),
+            optional=rule.optional or not texts,
+            folds_into=rule.folds_into,
+            source=node.target,
+        )
+        rule.cache[key] = eq
+    return eq
+
+
+def _load_plugins_once() -> None:
+    global _loaded_plugins
+    if not _loaded_plugins:
+        from .plugins import load_plugins
+
+        _loaded_plugins = True
+        load_plugins()
+
+
+# -- the built-in rules ---------------------------------------------------------------------------
+def _register(targets: Iterable[str], *patterns: str, optional: bool = False, folds_into: Iterable[str] = ()) -> None:
+    for t in targets:
+        onnx_equivalent(t, *patterns, optional=optional, folds_into=folds_into)
+
+
+def _functions(*names: str) -> list[str]:
+    """``torch.X``, ``torch.Tensor.X`` and ``torch.nn.functional.X`` for each name that exists."""
+    out = []
+    for n in names:
+        for owner, prefix in ((torch, "torch"), (torch.Tensor, "torch.Tensor"), (torch.nn.functional, "torch.nn.functional")):
+            if hasattr(owner, n):
+                out.append(f"{prefix}.{n}")
+    return out
+
+
+def _binary(name: str) -> list[str]:
+    """``x + y`` is traced as ``torch.Tensor.add``, ``__add__``, ``__radd__``, ``__iadd__`` or ``add_``."""
+    return _functions(name, f"{name}_") + [f"torch.Tensor.__{name}__", f"torch.Tensor.__r{name}__", f"torch.Tensor.__i{name}__"]
+
+
+def _nn(*names: str) -> list[str]:
+    return [f"torch.nn.{n}" for n in names]
+
+
+# Views, layout and copies: wiring on both sides.
+_register(
+    _functions(
+        "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute", "contiguous",
+        "squeeze", "unsqueeze", "expand", "expand_as", "t", "chunk", "split", "unbind", "narrow", "select",
+        "movedim", "repeat", "tile", "clone", "detach", "to", "float", "double", "half", "type_as", "type",
+        "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones", "new_full", "new_empty",
+    )
+    + ["torch.Tensor.__getitem__", "torch.Tensor.T", "torch.Tensor.mT", "torch.Tensor.dropout"]
+    + _functions("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+    + _nn("Flatten", "Unflatten", "Identity", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout",
+          "FeatureAlphaDropout"),
+    optional=True,
+)
+
+_register(_nn("Conv1d", "Conv2d", "Conv3d") + _functions("conv1d", "conv2d", "conv3d"), "Conv")
+_register(
+    _nn("ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
+    + _functions("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
+    "ConvTranspose",
+)
+_register(_nn("Linear") + _functions("linear"), "Gemm", "MatMul+Add", "MatMul")
+_register(_functions("matmul", "mm", "bmm") + ["torch.Tensor.__matmul__", "torch.Tensor.__rmatmul__"], "MatMul", "Gemm")
+_register(_functions("addmm", "baddbmm"), "Gemm", "MatMul+Add", "MatMul+Mul+Add")
+_register(
+    _nn("BatchNorm1d", "BatchNorm2d", "BatchNorm3d") + _functions("batch_norm"),
+    "BatchNormalization",
+    folds_into=("Conv", "ConvTranspose", "Gemm"),
+)
+_register(
+    _nn("LayerNorm") + _functions("layer_norm"),
+    "LayerNormalization",
+    # opset < 17 writes it out: mean, centre, variance, normalise, scale and shift
+    "ReduceMean*2+Sub+Pow+Add*2+Sqrt+Div+Mul",
+)
+_register(_nn("RMSNorm") + _functions("rms_norm"), "RMSNormalization", "Pow+ReduceMean+Add+Sqrt+Reciprocal+Div+Mul*2")
+_register(
+    _nn("GroupNorm") + _functions("group_norm"),
+    "GroupNormalization", "InstanceNormalization+Mul+Add", "GroupNormalization+Mul+Add",
+)
+_register(_nn("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d") + _functions("instance_norm"),
+          "InstanceNormalization")
+_register(_nn("Embedding") + _functions("embedding"), "Gather")
+_register(_nn("ReLU") + _functions("relu", "relu_"), "Relu")
+_register(_nn("ReLU6", "Hardtanh") + _functions("relu6", "hardtanh", "clamp", "clip", "clamp_", "clamp_min",
+                                                 "clamp_max"), "Clip", "Max", "Min", "Max+Min", "Relu")
+_register(_nn("LeakyReLU") + _functions("leaky_relu"), "LeakyRelu")
+_register(_nn("PReLU") + _functions("prelu"), "PRelu")
+_register(_nn("ELU") + _functions("elu"), "Elu")
+_register(_nn("SELU") + _functions("selu"), "Selu")
+_register(_nn("CELU") + _functions("celu"), "Celu")
+_register(
+    _nn("GELU") + _functions("gelu"),
+    "Gelu",
+    "Div+Erf+Add+Mul*2",  # exact GELU written out (opset < 20)
+    "Mul*5+Pow+Add*2+Tanh",  # the tanh approximation written out
+)
+_register(_nn("SiLU") + _functions("silu"), "Sigmoid+Mul", "Swish")
+_register(_nn("Mish") + _functions("mish"), "Mish", "Softplus+Tanh+Mul")
+_register(_nn("Sigmoid") + _functions("sigmoid"), "Sigmoid")
+_register(_nn("Tanh") + _functions("tanh"), "Tanh")
+_register(_nn("Hardswish") + _functions("hardswish"), "HardSwish", "HardSigmoid+Mul")
+_register(_nn("Hardsigmoid") + _functions("hardsigmoid"), "HardSigmoid")
+_register(_nn("Softplus") + _functions("softplus"), "Softplus")
+_register(_nn("Softmax") + _functions("softmax"), "Softmax", "ReduceMax+Sub+Exp+ReduceSum+Div", "Exp+ReduceSum+Div")
+_register(_nn("LogSoftmax") + _functions("log_softmax"), "LogSoftmax", "Softmax+Log")
+_register(_nn("MaxPool1d", "MaxPool2d", "MaxPool3d") + _functions("max_pool1d", "max_pool2d", "max_pool3d"), "MaxPool")
+_register(_nn("AvgPool1d", "AvgPool2d", "AvgPool3d") + _functions("avg_pool1d", "avg_pool2d", "avg_pool3d"),
+          "AveragePool")
+_register(
+    _nn("AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d")
+    + _functions("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"),
+    "GlobalAveragePool", "ReduceMean", "AveragePool",
+)
+_register(
+    _nn("AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d")
+    + _functions("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d"),
+    "GlobalMaxPool", "ReduceMax", "MaxPool",
+)
+_register(_nn("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d") + _functions("interpolate", "upsample"),
+          "Resize", "Upsample")
+_register(_nn("PixelShuffle") + _functions("pixel_shuffle"), "DepthToSpace")
+_register(_functions("pad"), "Pad")
+_register(_binary("add"), "Add", "Sum")
+_register(_binary("sub") + _functions("rsub"), "Sub")
+_register(_binary("mul") + _functions("multiply"), "Mul")
+_register(_binary("div") + _binary("truediv") + _functions("divide"), "Div", "Mul")
+_register(_binary("pow"), "Pow", "Mul", "Sqrt")
+_register(_functions("neg") + ["torch.Tensor.__neg__"], "Neg")
+_register(_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"), "Concat")
+for _name, _op in {
+    "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "erf": "Erf", "abs": "Abs", "reciprocal": "Reciprocal",
+    "sin": "Sin", "cos": "Cos", "floor": "Floor", "ceil": "Ceil", "round": "Round", "sign": "Sign",
+    "where": "Where", "masked_fill": "Where", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
+    "amin": "ReduceMin", "argmax": "ArgMax", "argmin": "ArgMin", "cumsum": "CumSum", "einsum": "Einsum",
+    "topk": "TopK", "minimum": "Min", "maximum": "Max", "logsumexp": "ReduceLogSumExp",
+}.items():
+    _register(_functions(_name, f"{_name}_"), _op)
+_register(_functions("rsqrt"), "Sqrt+Reciprocal", "Sqrt+Div", "Pow")
+_register(_functions("max"), "ReduceMax", "Max")
+_register(_functions("min"), "ReduceMin", "Min")
+_register(_functions("var"), "ReduceMean*2+Sub+Mul+Pow+Div", "ReduceVariance")
+_register(_functions("normalize"), "LpNormalization", "ReduceL2+Clip+Div", "ReduceL2+Max+Div", "ReduceL2+Div")
+
+
+@onnx_equivalent("torch.nn.MultiheadAttention")
+def _multihead_attention(node: Node) -> RuleResult:
+    # Projections, scaled q.k^T, softmax, weighted sum, output projection; masks add
+    # Where/Add and averaged weights a ReduceMean. Exporters differ in the details.
+    return [
+        "MatMul*6+Gemm*4+Add*6+Mul*4+Div*2+Sqrt*2+Softmax+Where*3+ReduceMean+Sub+IsNaN+Not+And+Or+Equal+Less",
+        "Attention+MatMul*3+Gemm*4+Add*4",
+    ]
+
+
+@onnx_equivalent("torch.nn.functional.scaled_dot_product_attention")
+def _sdpa(node: Node) -> RuleResult:
+    return ["MatMul*2+Mul*3+Div+Sqrt*2+Softmax+Add*2+Where*3+IsNaN+Not+And+Or", "Attention"]
+
+
+def _recurrent(op: str) -> Callable[[Node], RuleResult]:
+    def rule(node: Node) -> RuleResult:
+        layers = int(node.attrs.get("num_layers", 1) or 1)
+        # one ONNX op per layer; bidirectional layers stack their two directions with Concat
+        return [f"{op}*{layers}" + (f"+Concat*{layers}" if layers > 1 else "")]
+
+    rule.__name__ = f"_{op.lower()}"
+    return rule
+
+
+for _cls in ("LSTM", "GRU", "RNN"):
+    onnx_equivalent(f"torch.nn.{_cls}")(_recurrent(_cls))
+
+
+@onnx_equivalent("torch.cat")
+def _cat(node: Node) -> RuleResult:
+    # cat of one tensor is a copy; exporters may drop it
+    return None if len(node.inputs) <= 1 else "Concat"
+
+
+def rules() -> dict[str, Callable[[Node], RuleResult]]:
+    """Every registered target and its rule function (for inspection and tests)."""
+    return {name: rule.fn for name, rule in sorted(_RULES.items())}
