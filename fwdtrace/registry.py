@@ -27,8 +27,13 @@ T = TypeVar("T")
 _NOT_LEAF = {
     "Module", "Sequential", "ModuleList", "ModuleDict", "ParameterList", "ParameterDict", "Container",
     "Transformer", "TransformerEncoder", "TransformerDecoder", "TransformerEncoderLayer",
-    "TransformerDecoderLayer",
+    "TransformerDecoderLayer", "DataParallel",
 }
+
+
+def has_forward(cls: type) -> bool:
+    """Whether ``cls`` defines or inherits a ``forward`` other than ``torch.nn.Module``'s placeholder."""
+    return any("forward" in k.__dict__ for k in cls.__mro__ if k is not torch.nn.Module)
 
 
 def default_atomic_classes() -> list[type[torch.nn.Module]]:
@@ -37,7 +42,7 @@ def default_atomic_classes() -> list[type[torch.nn.Module]]:
     for name in sorted(dir(torch.nn)):
         obj = getattr(torch.nn, name)
         if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and name not in _NOT_LEAF:
-            if any("forward" in k.__dict__ for k in obj.__mro__ if k is not torch.nn.Module):
+            if has_forward(obj):
                 out.append(obj)  # abstract bases such as RNNBase have no forward to run
     return out
 
@@ -90,18 +95,38 @@ class Registry:
     def is_atomic(self, module_type: type) -> bool:
         return any(issubclass(module_type, c) for c in self.atomic)
 
-    def owners(self, with_atomic: bool = True) -> list[type[torch.nn.Module]]:
-        """The classes whose ``forward`` a session patches, in a deterministic order."""
+    def owners(self, with_atomic: bool = True, with_subclasses: bool = False) -> list[type[torch.nn.Module]]:
+        """The classes whose ``forward`` a session patches, in a deterministic order.
+
+        ``with_subclasses`` adds every subclass now defined that overrides ``forward``
+        (and maybe calls ``super().forward()``), so that its whole forward is what the
+        callbacks see. The tracer patches those lazily instead, on their first call.
+        """
         classes = [c for c, _ in self.callbacks]
         if with_atomic:
             classes += sorted(self.atomic, key=qualified_name)
         owners: dict[type[torch.nn.Module], None] = {}
         for cls in classes:
-            owners.setdefault(forward_owner(cls))
+            if has_forward(cls):  # an abstract base (``_ConvNd``) has none: its subclasses do
+                owners.setdefault(forward_owner(cls))
+            if with_subclasses:
+                owners.update((sub, None) for sub in _subclasses(cls) if "forward" in sub.__dict__)
         return list(owners)
 
 
 REGISTRY = Registry()
+
+
+def _subclasses(cls: type) -> list[type]:
+    """Every class now defined that derives from ``cls``, depth first, each once."""
+    out: dict[type, None] = {}
+    todo: list[type] = list(reversed(type.__subclasses__(cls)))
+    while todo:
+        sub = todo.pop()
+        if sub not in out:
+            out[sub] = None
+            todo += reversed(type.__subclasses__(sub))
+    return list(out)
 
 
 def _same_function(a: Callable[..., Any], b: Callable[..., Any]) -> bool:

@@ -135,10 +135,13 @@ class Tracer:
         self._stack: list[tuple[torch.nn.Module, Scope]] = []  # module calls, outermost first
         self._forwarding: list[torch.nn.Module] = []  # modules inside a patched forward
         self._quiet = 0  # > 0 inside a leaf, a callback or fwdtrace's own bookkeeping
+        self._leaf_call: torch.nn.Module | None = None  # the leaf whose __call__ (hooks included) runs
         self._module2path: dict[int, str] = {}
         self._param_names: dict[int, str] = {}
-        self._calls: dict[str, int] = {}
+        self._calls: dict[str, int] = {}  # nodes so far per module path (and per op in a module)
+        self._scope_calls: dict[str, int] = {}  # calls so far of every module, atomic or not
         self._type2info: dict[type, tuple[bool, list[_registry.Callback]]] = {}
+        self._patched: set[type[torch.nn.Module]] = set()  # classes whose forward this tracer has patched
 
     # -- activation -------------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -151,8 +154,7 @@ class Tracer:
         _load_plugins()
         try:
             for owner in _registry.REGISTRY.owners():
-                original = unwrap(owner.forward)
-                self._patcher.patch(owner, "forward", _wrap(original, self._on_forward))
+                self._patch_forward(owner)
             call = unwrap(torch.nn.Module.__call__)
             self._patcher.patch(torch.nn.Module, "__call__", _wrap(call, self._on_call))
             self._mode = _Recorder(self)
@@ -176,6 +178,8 @@ class Tracer:
             self._weakrefs.clear()  # dropping the weakrefs also drops their callbacks
             self._raw2obj.clear()
             self._stack.clear()
+            self._patched.clear()
+            self._type2info.clear()
 
     # -- tensor identity --------------------------------------------------------------------------
     def obj_id(self, t: torch.Tensor) -> int:
@@ -211,14 +215,26 @@ class Tracer:
             path = self._module2path[id(module)] = f"<{type(module).__name__}@{len(self._module2path)}>"
         return path
 
+    def _patch_forward(self, owner: type[torch.nn.Module]) -> None:
+        self._patcher.patch(owner, "forward", _wrap(unwrap(owner.forward), self._on_forward))
+        self._patched.add(owner)
+
     def _on_call(self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        atomic = self._info(type(module))[0]  # also patches a layer subclass's forward on first call
+        # The hooks of a leaf (a lazy layer's set-up, a probe) are not nodes either: only its forward is.
+        leaf_call = atomic and not self._quiet
         root = not self._stack
         if root:
             self._begin_root(module, args, kwargs)
             path = ""
         else:
             path = self._path(module)
-        self._stack.append((module, Scope(path, type(module).__name__, self._calls.get(path, 0))))
+        call_index = self._scope_calls.get(path, 0)
+        self._scope_calls[path] = call_index + 1
+        self._stack.append((module, Scope(path, type(module).__name__, call_index)))
+        if leaf_call:
+            self._quiet += 1
+            self._leaf_call = module
         try:
             out = call(module, *args, **kwargs)
         except BaseException as e:
@@ -226,6 +242,9 @@ class Tracer:
             raise
         finally:
             self._stack.pop()
+            if leaf_call:
+                self._quiet -= 1
+                self._leaf_call = None
         if root:
             self._end_root(out)
         return out
@@ -251,13 +270,20 @@ class Tracer:
         if info is None:
             reg = _registry.REGISTRY
             info = self._type2info[module_type] = (reg.is_atomic(module_type), reg.callbacks_for(module_type))
+            if (info[0] or info[1]) and _registry.has_forward(module_type):
+                owner = _registry.forward_owner(module_type)
+                if owner not in self._patched:
+                    # A subclass overriding forward (say, calling super().forward()): patch its
+                    # own forward, so that all of it is the one node and callbacks see its output.
+                    self._patch_forward(owner)
         return info
 
     def _on_forward(self, forward: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._forwarding and self._forwarding[-1] is module:
             return forward(module, *args, **kwargs)  # super().forward() of a patched class
         atomic, callbacks = self._info(type(module))
-        record = atomic and not self._quiet
+        # not quiet, or quiet only because this very leaf's __call__ is running its hooks
+        record = atomic and (not self._quiet or (self._quiet == 1 and self._leaf_call is module))
         if record:
             in_refs = self._refs(tensors_of((args, kwargs)))
             self._quiet += 1  # what runs inside a leaf is not a separate node
@@ -506,7 +532,7 @@ def install() -> None:
     _load_plugins()
     session = _Installed()
     try:
-        for owner in _registry.REGISTRY.owners(with_atomic=False):
+        for owner in _registry.REGISTRY.owners(with_atomic=False, with_subclasses=True):
             session.patcher.patch(owner, "forward", _wrap(unwrap(owner.forward), session.on_forward))
     except BaseException:
         session.patcher.restore()
