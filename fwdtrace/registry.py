@@ -36,6 +36,11 @@ def has_forward(cls: type) -> bool:
     return any("forward" in k.__dict__ for k in cls.__mro__ if k is not torch.nn.Module)
 
 
+def patchable_forward(cls: type) -> bool:
+    """Whether ``cls`` itself defines ``forward`` as a plain function (not a TorchScript descriptor)."""
+    return inspect.isfunction(cls.__dict__.get("forward"))
+
+
 def default_atomic_classes() -> list[type[torch.nn.Module]]:
     """Every leaf layer class that ``torch.nn`` exports (Conv*, Linear, norms, activations, RNNs, ...)."""
     out = []
@@ -110,7 +115,7 @@ class Registry:
             if has_forward(cls):  # an abstract base (``_ConvNd``) has none: its subclasses do
                 owners.setdefault(forward_owner(cls))
             if with_subclasses:
-                owners.update((sub, None) for sub in _subclasses(cls) if "forward" in sub.__dict__)
+                owners.update((sub, None) for sub in _subclasses(cls) if patchable_forward(sub))
         return list(owners)
 
 

@@ -272,7 +272,7 @@ class Tracer:
             info = self._type2info[module_type] = (reg.is_atomic(module_type), reg.callbacks_for(module_type))
             if (info[0] or info[1]) and _registry.has_forward(module_type):
                 owner = _registry.forward_owner(module_type)
-                if owner not in self._patched:
+                if owner not in self._patched and _registry.patchable_forward(owner):
                     # A subclass overriding forward (say, calling super().forward()): patch its
                     # own forward, so that all of it is the one node and callbacks see its output.
                     self._patch_forward(owner)
