@@ -1,0 +1,605 @@
+"""The tracer against independent references: plain forward hooks, raw ``id()``, torch's own outputs."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import weakref
+from typing import Any
+
+import networkx as nx
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from torch import nn
+
+import fwdtrace
+from fwdtrace import FwdtraceError
+from fwdtrace.registry import REGISTRY
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def patchable_state() -> dict[tuple[type, str], Any]:
+    """What every attribute a trace or install() may patch holds right now (by identity)."""
+    owners = REGISTRY.owners(with_subclasses=True) + REGISTRY.owners(with_atomic=False, with_subclasses=True)
+    state: dict[tuple[type, str], Any] = {(o, "forward"): o.__dict__.get("forward") for o in owners}
+    state[(nn.Module, "__call__")] = nn.Module.__dict__["__call__"]
+    return state
+
+
+def assert_same_objects(before: dict[tuple[type, str], Any]) -> None:
+    after = patchable_state()
+    changed = [f"{o.__qualname__}.{n}" for (o, n), v in before.items() if after[(o, n)] is not v]
+    assert not changed, f"still patched: {changed}"
+    assert nn.Module.__dict__["__call__"] is nn.modules.module.Module._wrapped_call_impl
+
+
+def recipe_model() -> nn.Module:
+    """The model of the original recipe: conv1 -> relu -> conv2."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 3, 1, 1), nn.ReLU(), nn.Conv2d(3, 1, 1, 1))
+
+
+def atomic_hook_calls(model: nn.Module, *inputs: Any, **kwargs: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(module path, output shape) of every outermost atomic layer call, seen by plain forward hooks."""
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    depth = [0]
+    handles = []
+    for path, m in model.named_modules():
+        if not REGISTRY.is_atomic(type(m)):
+            continue
+
+        def pre(mod: nn.Module, args: Any) -> None:
+            depth[0] += 1
+
+        def post(mod: nn.Module, args: Any, out: Any, path: str = path) -> None:
+            depth[0] -= 1
+            if depth[0] == 0:
+                first = out if isinstance(out, torch.Tensor) else out[0]
+                calls.append((path, tuple(first.shape)))
+
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def module_calls(graph: fwdtrace.Graph) -> list[tuple[str, tuple[int, ...]]]:
+    return [(n.module_path, n.outputs[0].shape) for n in graph.nodes if n.kind == "module"]
+
+
+# -- the recipe and the id-reuse trap --------------------------------------------------------------
+@pytest.mark.parametrize("pin", [True, False])
+def test_recipe_callbacks_see_ids_0_1_2_3(pin: bool) -> None:
+    seen: list[tuple[str, int, int]] = []
+
+    @fwdtrace.hook_forward("torch.nn.Conv2d.forward")
+    def on_conv(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        seen.append(("Conv2d", fwdtrace.obj_id(inputs[0]), fwdtrace.obj_id(output)))
+
+    @fwdtrace.hook_forward("torch.nn.ReLU.forward")
+    def on_relu(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        seen.append(("ReLU", fwdtrace.obj_id(inputs[0]), fwdtrace.obj_id(output)))
+
+    with torch.no_grad():  # the setting where raw ids get reused (see the next test)
+        graph = fwdtrace.trace(recipe_model(), torch.ones(1, 3, 3, 3), pin=pin)
+    assert seen == [("Conv2d", 0, 1), ("ReLU", 1, 2), ("Conv2d", 2, 3)]
+    assert [(e.src, e.dst, e.obj_id) for e in graph.edges] == [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 4, 3)]
+
+
+def test_raw_ids_repeat_on_the_recipe_model_without_pinning() -> None:
+    """The trap itself: CPython gives a dead tensor's id() to the next one."""
+    model = recipe_model()
+    raw: list[int] = []  # ids only: keeping the tensors would pin them
+    handles = [m.register_forward_hook(lambda m, i, o: raw.append(id(o))) for m in model]
+    try:
+        with torch.no_grad():
+            model(torch.ones(1, 3, 3, 3))
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(raw) == 3
+    assert len(set(raw)) < 3, "three different tensors should have shared an id()"
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_many_short_lived_tensors_never_share_an_obj_id(pin: bool) -> None:
+    class Chain(nn.Module):
+        def __init__(self, raw_ids: list[int] | None = None) -> None:
+            super().__init__()
+            self.raw_ids = raw_ids
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(40):
+                x = x + 1  # each temporary dies right away: its id() is free for the next
+                if self.raw_ids is not None:
+                    self.raw_ids.append(id(x))
+            return x
+
+    raw: list[int] = []
+    with torch.no_grad():
+        Chain(raw)(torch.zeros(2))
+        graph = fwdtrace.trace(Chain(), torch.zeros(2), pin=pin)
+    assert len(set(raw)) < len(raw)  # the reuse happens on this model
+    adds = graph.find(kind="function")
+    assert len(adds) == 40
+    assert len({n.outputs[0].obj_id for n in adds}) == 40
+    # a single chain input -> add -> add ... -> output, never a shortcut to a reused id
+    assert [(e.src, e.dst) for e in graph.edges] == [(i, i + 1) for i in range(41)]
+
+
+def test_pin_false_keeps_no_tensor_alive_and_pin_true_does() -> None:
+    model, (x,) = zoo.resnetish()
+    for pin in (True, False):
+        refs: list[weakref.ref[torch.Tensor]] = []
+        handles = [m.register_forward_hook(lambda m, i, o, refs=refs: refs.append(weakref.ref(o)))
+                   for m in model.modules()]
+        try:
+            with torch.no_grad(), fwdtrace.Tracer(pin=pin):
+                model(x)
+                gc.collect()
+                alive = sum(r() is not None for r in refs)
+        finally:
+            for h in handles:
+                h.remove()
+        gc.collect()
+        assert len(refs) > 20
+        assert alive == (len(refs) if pin else 0)
+        assert all(r() is None for r in refs)  # after the trace, nothing is kept either way
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_pin_true_and_false_give_the_same_graph(name: str) -> None:
+    model, inputs = zoo.ZOO[name]()
+    with torch.no_grad():
+        pinned = fwdtrace.trace(model, *inputs, pin=True)
+        unpinned = fwdtrace.trace(model, *inputs, pin=False)
+    assert pinned == unpinned
+    assert pinned.to_json() == unpinned.to_json()
+
+
+# -- the graph against plain hooks and torch -------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_module_nodes_match_plain_forward_hooks(name: str) -> None:
+    model, inputs = zoo.ZOO[name]()
+    with torch.no_grad():
+        graph = fwdtrace.trace(model, *inputs)
+        expected = model(*inputs)
+    assert module_calls(graph) == atomic_hook_calls(model, *inputs)
+    assert [r.shape for n in graph.output_nodes for r in n.inputs] == [tuple(expected.shape)]
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_graph_is_connected_end_to_end(name: str) -> None:
+    model, inputs = zoo.ZOO[name]()
+    graph = fwdtrace.trace(model, *inputs)
+    edges = {(e.src, e.dst, e.obj_id) for e in graph.edges}
+    producer: dict[int, int] = {}
+    for node in graph.nodes:
+        for ref in node.inputs:
+            # from a node (a constant like torch.arange is one) or a graph input, or a parameter/buffer
+            assert ref.param is not None or (producer.get(ref.obj_id), node.id, ref.obj_id) in edges, (node, ref)
+        for ref in node.outputs:
+            producer[ref.obj_id] = node.id
+    params = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    assert {r.param for n in graph.nodes for r in n.inputs if r.param} <= params
+    g = graph.to_networkx()
+    for out in graph.output_nodes:
+        assert any(nx.has_path(g, i.id, out.id) for i in graph.input_nodes), out
+
+
+def test_functional_ops_between_layers_become_function_nodes() -> None:
+    class Ops(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.fc(x))  # (2, 4)
+            h = torch.cat([h, x], 0)  # (4, 4)
+            h = h + x.repeat(2, 1)
+            v = h.view(2, 2, 4)
+            f = torch.flatten(v, 1)  # (2, 8)
+            m = torch.matmul(f, f.T)  # (2, 2)
+            s = torch.softmax(m, -1)
+            q = v[:, None]  # (2, 1, 2, 4)
+            a = F.scaled_dot_product_attention(q, q, q)
+            return a.sum(1)[0] + s.sum()
+
+    torch.manual_seed(0)
+    model, x = Ops(), torch.randn(2, 4)
+    graph = fwdtrace.trace(model, x)
+    targets = [n.target for n in graph.nodes if n.kind == "function"]
+    assert targets == [
+        "torch.nn.functional.relu", "torch.cat", "torch.Tensor.repeat", "torch.Tensor.add", "torch.Tensor.view",
+        "torch.flatten", "torch.Tensor.T", "torch.matmul", "torch.softmax", "torch.Tensor.__getitem__",
+        "torch.nn.functional.scaled_dot_product_attention", "torch.Tensor.sum", "torch.Tensor.__getitem__",
+        "torch.Tensor.sum", "torch.Tensor.add",
+    ]
+    assert graph.find(target="torch.nn.Linear")[0].module_path == "fc"
+    assert all(n.module_path == "" for n in graph.nodes if n.kind == "function")
+    assert graph.output_nodes[0].inputs[0].shape == tuple(model(x).shape)
+    assert graph.find(target="torch.cat")[0].outputs[0].shape == (4, 4)
+
+
+class _CountFunctions(torch.overrides.TorchFunctionMode):
+    def __init__(self, funcs: list[Any]) -> None:
+        super().__init__()
+        self.funcs = funcs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_ops_inside_a_leaf_layer_are_not_nodes() -> None:
+    torch.manual_seed(0)
+    layers_inputs = [
+        (nn.MultiheadAttention(8, 2, batch_first=True), (torch.randn(1, 3, 8),) * 3),
+        (nn.LSTM(4, 5, batch_first=True), (torch.randn(2, 3, 4),)),
+        (nn.GRU(4, 5), (torch.randn(3, 2, 4),)),
+        (nn.BatchNorm2d(3), (torch.randn(2, 3, 4, 4),)),
+        (nn.GELU(), (torch.randn(5),)),
+    ]
+    for layer, inputs in layers_inputs:
+        funcs: list[Any] = []
+        with _CountFunctions(funcs):
+            layer(*inputs)
+        graph = fwdtrace.trace(layer, *inputs)
+        assert funcs  # the layer's forward does call torch functions ...
+        assert [n.kind for n in graph.nodes if n.kind in ("module", "function")] == ["module"]  # ... not nodes
+
+
+# -- subclasses, atomic user classes, weight sharing -----------------------------------------------
+class InheritsForward(nn.Conv2d):
+    pass
+
+
+class OverridesForward(nn.Conv2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 2) + 1
+
+
+@pytest.mark.parametrize("cls", [InheritsForward, OverridesForward])
+def test_a_layer_subclass_is_one_node_per_call(cls: type[nn.Conv2d]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(3, 3, 1), nn.ReLU(), cls(3, 2, 1))
+    x = torch.randn(1, 3, 4, 4)
+    seen: list[torch.Tensor] = []
+
+    @fwdtrace.hook_forward(nn.Conv2d)
+    def grab(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        seen.append(output)
+
+    graph = fwdtrace.trace(model, x)
+    assert [(n.kind, n.target) for n in graph.nodes[1:-1]] == [
+        ("module", f"{__name__}.{cls.__qualname__}"), ("module", "torch.nn.ReLU"), ("module", f"{__name__}.{cls.__qualname__}"),
+    ]
+    assert module_calls(graph) == atomic_hook_calls(model, x)
+    assert graph.nodes[1].inputs[0].obj_id == graph.nodes[0].outputs[0].obj_id  # its input is x itself
+    # the callback ran once per call and saw the subclass's own output, as torch computes it
+    with torch.no_grad():
+        assert len(seen) == 2
+        torch.testing.assert_close(seen[0], model[0](x))
+        torch.testing.assert_close(seen[1], model(x))
+
+
+def test_a_subclass_overriding_forward_under_install_runs_callbacks_once_on_its_output() -> None:
+    torch.manual_seed(0)
+    layer, x = OverridesForward(3, 3, 1), torch.randn(1, 3, 2, 2)
+    expected = layer(x).detach() * 10
+
+    @fwdtrace.hook_forward("torch.nn.Conv2d")
+    def scale(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output * 10
+
+    fwdtrace.install()
+    try:
+        torch.testing.assert_close(layer(x).detach(), expected)
+    finally:
+        fwdtrace.uninstall()
+
+
+def test_user_classes_made_atomic() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.fc(x)) * 2
+
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sigmoid() * x
+
+    model, x = nn.Sequential(Block(), Gate()), torch.ones(2, 4)
+    before = [n.target for n in fwdtrace.trace(model, x).nodes]
+    assert "torch.nn.Linear" in before and "torch.Tensor.sigmoid" in before
+
+    fwdtrace.register_atomic(Block)
+
+    @fwdtrace.hook_forward(Gate, atomic=True)
+    def noop(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        return None
+
+    graph = fwdtrace.trace(model, x)
+    assert [(n.kind, n.class_name, n.module_path) for n in graph.nodes] == [
+        ("input", "input", ""), ("module", "Block", "0"), ("module", "Gate", "1"), ("output", "output", ""),
+    ]
+    assert module_calls(graph) == atomic_hook_calls(model, x)
+
+
+def test_weight_sharing_gives_one_node_per_call() -> None:
+    model, (x,) = zoo.shared_weights()
+    graph = fwdtrace.trace(model, x)
+    shared = graph.find(module_path="shared")
+    assert [n.call_index for n in shared] == [0, 1]
+    assert [n.name for n in shared] == ["shared", "shared_1"]
+    assert collections.Counter(p for p, _ in atomic_hook_calls(model, x))["shared"] == 2
+    assert shared[1].inputs[0].obj_id == graph.find(module_path="act")[0].outputs[0].obj_id
+
+
+def test_a_shared_container_gets_one_scope_per_call() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).relu()
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(self.block(x))
+
+    graph = fwdtrace.trace(Twice(), torch.ones(1, 3))
+    inner = [n for n in graph.nodes if n.kind in ("module", "function")]
+    assert [(n.target, n.call_index, [(s.module_path, s.call_index) for s in n.scope]) for n in inner] == [
+        ("torch.nn.Linear", 0, [("block", 0)]), ("torch.Tensor.relu", 0, [("block", 0)]),
+        ("torch.nn.Linear", 1, [("block", 1)]), ("torch.Tensor.relu", 1, [("block", 1)]),
+    ]
+
+
+# -- inputs and outputs of every shape -------------------------------------------------------------
+@pytest.mark.parametrize("factory", [zoo.DictOutput, zoo.DataclassOutput])
+def test_dict_and_dataclass_outputs(factory: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    model, x = factory(), torch.randn(2, 4)
+    out = model(x)
+    leaves = out if isinstance(out, dict) else vars(out)
+    graph = fwdtrace.trace(model, x)
+    assert [n.name for n in graph.output_nodes] == [f"output_{k}" for k in leaves]
+    assert [n.inputs[0].shape for n in graph.output_nodes] == [tuple(v.shape) for v in leaves.values()]
+    for node in graph.output_nodes:  # each output is produced by a node of the graph
+        assert len(graph.in_edges(node.id)) == 1
+
+
+def test_transformers_model_output_and_kwargs_inputs() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    bert = transformers.BertModel(config).eval()
+    ids, mask = torch.randint(0, 40, (1, 6)), torch.ones(1, 6, dtype=torch.long)
+    with torch.no_grad():
+        out = bert(input_ids=ids, attention_mask=mask)
+        graph = fwdtrace.trace(bert, input_ids=ids, attention_mask=mask)
+    leaves = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    assert len(leaves) >= 2
+    assert [n.name for n in graph.input_nodes] == ["input_ids", "attention_mask"]
+    assert [n.name for n in graph.output_nodes] == [f"output_{k}" for k in leaves]
+    assert [n.inputs[0].shape for n in graph.output_nodes] == [tuple(v.shape) for v in leaves.values()]
+    assert module_calls(graph) == atomic_hook_calls(bert, input_ids=ids, attention_mask=mask)
+    assert {r.param for n in graph.nodes for r in n.inputs if r.param} <= dict(bert.named_buffers()).keys()
+
+
+def test_nested_and_keyword_inputs_become_named_input_nodes() -> None:
+    class TwoInputs(nn.Module):
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor], scale: torch.Tensor, flag: bool = True) -> torch.Tensor:
+            return (pair[0] + pair[1]) * scale
+
+    a, b, s = torch.ones(2), torch.zeros(2), torch.full((2,), 3.0)
+    graph = fwdtrace.trace(TwoInputs(), (a, b), scale=s, flag=False)
+    assert [(n.name, n.outputs[0].shape) for n in graph.input_nodes] == [("pair[0]", (2,)), ("pair[1]", (2,)), ("scale", (2,))]
+    assert [n.target for n in graph.nodes if n.kind == "function"] == ["torch.Tensor.add", "torch.Tensor.mul"]
+    assert [r.obj_id for r in graph.find(target="torch.Tensor.add")[0].inputs] == [0, 1]
+
+
+def test_python_control_flow_records_the_path_taken() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.act = nn.ReLU()
+            self.alt = nn.Tanh()
+
+        def forward(self, x: torch.Tensor, use_relu: bool) -> torch.Tensor:
+            h = self.fc(x)
+            if use_relu:
+                return self.act(h)
+            for _ in range(2):
+                h = self.alt(h)
+            return h
+
+    model, x = Branchy(), torch.ones(1, 3)
+    relu = fwdtrace.trace(model, x, True)
+    tanh = fwdtrace.trace(model, x, False)
+    assert module_calls(relu) == atomic_hook_calls(model, x, True)
+    assert module_calls(tanh) == atomic_hook_calls(model, x, False)
+    assert [n.module_path for n in relu.find(kind="module")] == ["fc", "act"]
+    assert [(n.module_path, n.call_index) for n in tanh.find(kind="module")] == [("fc", 0), ("alt", 0), ("alt", 1)]
+
+
+# -- devices and grad modes -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["resnetish", "transformer_encoder", "lstm_tagger"])
+def test_meta_device_gives_the_same_graph(name: str) -> None:
+    model, inputs = zoo.ZOO[name]()
+    cpu = fwdtrace.trace(model, *inputs)
+    meta = fwdtrace.trace(model.to("meta"), *(t.to("meta") for t in inputs))
+    assert meta == cpu
+
+
+def test_grad_enabled_trace_then_backward_matches_a_plain_backward() -> None:
+    model, (x,) = zoo.resnetish()
+    model.train()
+    plain = model(x).square().sum()
+    plain.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+    model.zero_grad()
+    with fwdtrace.Tracer(pin=False) as tracer:
+        traced = model(x).square().sum()
+    traced.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[n])
+    with torch.no_grad(), fwdtrace.Tracer() as no_grad_tracer:
+        model(x)
+    assert tracer.graph == no_grad_tracer.graph
+
+
+# -- restore, nesting, install ----------------------------------------------------------------------
+def test_everything_patched_is_the_very_same_object_afterwards() -> None:
+    before = patchable_state()
+    conv_forward = nn.Conv2d.__dict__["forward"]
+    model, inputs = zoo.resnetish()
+    with fwdtrace.Tracer():
+        assert nn.Conv2d.__dict__["forward"] is not conv_forward  # patched only while active
+        assert nn.Module.__dict__["__call__"] is not before[(nn.Module, "__call__")]
+        model(*inputs)
+    assert nn.Conv2d.__dict__["forward"] is conv_forward
+    assert_same_objects(before)
+
+
+def test_a_forward_that_raises_keeps_its_type_gets_a_note_and_leaves_nothing_patched() -> None:
+    before = patchable_state()
+    model, x = nn.Sequential(nn.Linear(4, 3), nn.Sequential(nn.ReLU(), nn.Linear(4, 2))), torch.ones(2, 4)
+    with pytest.raises(RuntimeError) as plain:
+        model(x)
+    with pytest.raises(RuntimeError) as traced:
+        fwdtrace.trace(model, x)
+    assert str(traced.value) == str(plain.value)
+    assert traced.value.__notes__ == [
+        "fwdtrace: raised in module '1.1.Linear' (torch.nn.Linear) with inputs float32[2, 3]"
+    ]
+    assert_same_objects(before)
+
+
+def test_an_op_between_layers_that_raises_is_noted_with_its_function() -> None:
+    class Bad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, torch.ones(3, 3)], 0)
+
+    before = patchable_state()
+    with pytest.raises(RuntimeError) as info:
+        fwdtrace.trace(nn.Sequential(Bad()), torch.ones(2, 4))
+    assert len(info.value.__notes__) == 1
+    assert info.value.__notes__[0].startswith(
+        f"fwdtrace: raised in torch.cat called by module '0.Bad' ({__name__}.{Bad.__qualname__}) with inputs float32[2, 4], float32[3, 3]"
+    )
+    assert_same_objects(before)
+
+
+def test_nested_tracers_raise_and_leave_nothing_patched() -> None:
+    before = patchable_state()
+    with pytest.raises(FwdtraceError, match=r"^a fwdtrace Tracer is already active: nested tracing is not supported"):
+        with fwdtrace.Tracer():
+            with fwdtrace.Tracer():
+                pass
+    assert_same_objects(before)
+
+    @fwdtrace.hook_forward(nn.ReLU)
+    def trace_again(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        fwdtrace.trace(module, inputs[0])
+
+    with pytest.raises(FwdtraceError, match=r"^a fwdtrace Tracer is already active"):
+        fwdtrace.trace(nn.ReLU(), torch.ones(1))
+    assert_same_objects(before)
+
+
+def test_install_runs_callbacks_on_every_forward_and_once_inside_a_trace() -> None:
+    before = patchable_state()
+    model, (x,) = zoo.resnetish()
+    calls: list[str] = []
+    hook_calls: list[str] = []
+    names = {m: p for p, m in model.named_modules()}
+
+    @fwdtrace.hook_forward(nn.Conv2d)
+    def count(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        calls.append(names[module])
+
+    handles = [m.register_forward_hook(lambda m, i, o: hook_calls.append(names[m]))
+               for m in model.modules() if isinstance(m, nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model(x)
+            assert calls == [] and len(hook_calls) == 6  # not installed, no trace: no callbacks
+            hook_calls.clear()
+            fwdtrace.install()
+            model(x)
+            assert calls == hook_calls and len(calls) == 6
+            graph = fwdtrace.trace(model, x)  # the trace runs each callback once, not twice
+            assert calls == hook_calls and len(calls) == 12
+            assert len(graph.find(target="torch.nn.Conv2d")) == 6
+            with pytest.raises(FwdtraceError, match=r"^install\(\) cannot run while a trace is active"):
+                with fwdtrace.Tracer():
+                    fwdtrace.install()
+            fwdtrace.uninstall()
+            model(x)
+            assert len(calls) == 12 and len(hook_calls) == 18
+    finally:
+        fwdtrace.uninstall()
+        for h in handles:
+            h.remove()
+    assert_same_objects(before)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+BAD_CALLS = [
+    (lambda: fwdtrace.trace("not a model", torch.ones(1)), r"^trace\(\) expected a torch\.nn\.Module as model, got str"),
+    (lambda: fwdtrace.trace(nn.Linear(2, 2), [1, 2], scale=3.0),
+     r"^trace\(\) expected at least one tensor among the model's inputs .*got \(list, scale=float\)"),
+    (lambda: fwdtrace.trace(nn.Linear(2, 2)), r"^trace\(\) expected at least one tensor among the model's inputs"),
+    (lambda: fwdtrace.obj_id(torch.ones(1)), r"^obj_id\(\) works only while a trace is active"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), BAD_CALLS)
+def test_bad_input_raises_a_clear_error_and_patches_nothing(call: Any, message: str) -> None:
+    before = patchable_state()
+    with pytest.raises(FwdtraceError, match=message):
+        call()
+    assert_same_objects(before)
+
+
+def test_obj_id_of_a_non_tensor() -> None:
+    before = patchable_state()
+    with pytest.raises(FwdtraceError, match=r"^obj_id\(\) expected a torch\.Tensor, got int"):
+        with fwdtrace.Tracer():
+            fwdtrace.obj_id(3)
+    assert_same_objects(before)
+
+
+def test_hooks_on_a_leaf_are_not_nodes() -> None:
+    """Instrumentation (a probe's forward hook) is not part of the model's graph."""
+    model, (x,) = zoo.mobilenetish()
+    stats: list[float] = []
+    handles = [m.register_forward_hook(lambda m, i, o: stats.append(o.abs().mean().item()))
+               for m in model.modules() if isinstance(m, nn.Conv2d)]
+    try:
+        hooked = fwdtrace.trace(model, x)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(stats) == 3
+    assert hooked == fwdtrace.trace(model, x)
