@@ -1,0 +1,459 @@
+"""One-pass model analysis: parameters, FLOPs, latency and memory, per module key.
+
+The model runs ``max(warmup, 1) + repeats`` times, always under ``torch.no_grad()``:
+
+1. the first warmup run counts. Every aten op's FLOPs (:mod:`fwdtrace.flops`, torch's
+   ``FlopCounterMode`` registry plus the fused CPU attention and LSTM kernels) go to the
+   module running it, and every tensor storage created is followed until it is freed, for
+   memory. With ``warmup=0`` this run still happens (untimed): a model must run to be counted;
+2. the other warmup runs time each module: its share of the forward's time;
+3. the repeats run the plain, unpatched forward, timed as a whole (``torch.cuda.synchronize``
+   around each on GPU): ``latency_ms`` is their median, ``latency_p90_ms`` their 90th percentile.
+
+On the meta device (``model.to("meta")`` or a model built under ``torch.device("meta")``)
+only the counting run happens, without allocating memory: parameters and FLOPs are exact,
+``peak_memory_bytes`` is what the tensors would occupy, every time is None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._tree import tensors_of
+from .errors import FwdtraceError, describe, shapes_text
+from .flops import flops_of
+from .keys import key2module
+from .patching import Patcher
+from .registry import qualified_name
+from .tracer import _wrap, active_tracer, layer_notes
+from .units import human_bytes, human_count, human_flops, human_ms
+
+__all__ = ["analyze", "Analysis", "ModuleRow", "configure_parser", "run_cli"]
+
+Shape = tuple[int, ...]
+
+MEMORY_CUDA = "torch.cuda.max_memory_allocated"
+MEMORY_TRACKED = "tracked tensor storages"
+MEMORY_META = "tracked tensor storages (meta: what they would occupy)"
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One module key's numbers. FLOPs come twice: ``flops`` are the module's own (the ops its
+    forward runs outside its child modules), ``flops_total`` include everything it called.
+    The ``flops`` of all rows add up to :attr:`Analysis.flops`."""
+
+    key: str
+    class_name: str
+    calls: int  # forward calls in one run of the model
+    input_shapes: tuple[Shape, ...]  # of its first call; () when it did not run
+    output_shapes: tuple[Shape, ...]
+    params: int  # parameters in the module and its children, each counted once
+    flops: int
+    flops_total: int
+    latency_ms: float | None  # time inside the module per model run, median of the timing runs
+    latency_share: float | None  # latency_ms over the root module's
+    peak_memory_bytes: int  # tensor memory while it ran: model and inputs included
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["input_shapes"] = [list(s) for s in self.input_shapes]
+        out["output_shapes"] = [list(s) for s in self.output_shapes]
+        return out
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What :func:`analyze` found; ``print()`` it for a table, ``to_dict()`` for JSON."""
+
+    model: str
+    device: str
+    params: int
+    trainable_params: int
+    flops: int
+    latency_ms: float | None
+    latency_p90_ms: float | None
+    peak_memory_bytes: int
+    memory_method: str
+    warmup: int
+    repeats: int  # timed runs; 0 on the meta device
+    rows: tuple[ModuleRow, ...]
+
+    def row(self, key: str) -> ModuleRow:
+        """The row of one module key (see :func:`fwdtrace.module_keys`)."""
+        for r in self.rows:
+            if r.key == key:
+                return r
+        raise FwdtraceError(f"expected a module key of {self.model} such as {self.rows[-1].key!r}, got {key!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "rows"}
+        out["rows"] = [r.to_dict() for r in self.rows]
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Analysis(model={self.model!r}, params={self.params}, flops={self.flops}, "
+            f"latency_ms={self.latency_ms}, peak_memory_bytes={self.peak_memory_bytes}, rows={len(self.rows)})"
+        )
+
+    def __str__(self) -> str:
+        if self.latency_ms is None:
+            timing = "latency not measured (meta device)"
+        else:
+            timing = f"latency {human_ms(self.latency_ms)} median, {human_ms(self.latency_p90_ms)} p90 of {self.repeats}"
+        head = [
+            f"{self.model} on {self.device}",
+            f"params {human_count(self.params)} ({human_count(self.trainable_params)} trainable) | "
+            f"{human_flops(self.flops)} | {timing} | peak memory {human_bytes(self.peak_memory_bytes)} "
+            f"({self.memory_method})",
+        ]
+        header = ["Module", "Input", "Output", "Params", "FLOPs", "FLOPs incl.", "Time", "Peak mem"]
+        body = [
+            [
+                r.key,
+                _shapes_cell(r.input_shapes, r.calls),
+                _shapes_cell(r.output_shapes, r.calls),
+                human_count(r.params),
+                human_flops(r.flops),
+                human_flops(r.flops_total),
+                "-" if r.latency_share is None else f"{100 * r.latency_share:.1f}%",
+                human_bytes(r.peak_memory_bytes) if r.calls else "-",
+            ]
+            for r in self.rows
+        ]
+        widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+        left = 3  # text columns; the numbers align right
+
+        def fmt(cells: list[str]) -> str:
+            return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+        rule = "-" * len(fmt(header))
+        foot = "FLOPs: the module's own; FLOPs incl.: with what it called; Time: share of the model's forward"
+        return "\n".join([*head, rule, fmt(header), rule, *map(fmt, body), rule, foot])
+
+
+def _shapes_cell(shapes: tuple[Shape, ...], calls: int, width: int = 30) -> str:
+    if not calls:
+        return "(not run)"
+    text = ", ".join("x".join(map(str, s)) if s else "scalar" for s in shapes) or "-"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+# -- the counting run -----------------------------------------------------------------------------
+class _Counts:
+    """What the counting run records per module key: calls, shapes, FLOPs, tensor memory."""
+
+    def __init__(self, keys: list[str], base: list[torch.Tensor]) -> None:
+        self.calls = dict.fromkeys(keys, 0)
+        self.inputs: dict[str, tuple[Shape, ...]] = {}
+        self.outputs: dict[str, tuple[Shape, ...]] = {}
+        self.flops = dict.fromkeys(keys, 0)
+        self.flops_total = dict.fromkeys(keys, 0)
+        self.peak = dict.fromkeys(keys, 0)
+        self.stack: list[str] = []
+        # Memory: storages alive now, by their StorageImpl address. The model's parameters and
+        # buffers and the inputs (``base``) stay alive throughout; new ones are followed until freed.
+        self._base = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in base}
+        self._live: dict[int, tuple[Any, int]] = {}
+        self.live_bytes = sum(self._base.values())
+        self.peak_bytes = self.live_bytes
+
+    def enter(self, key: str, args: tuple, kwargs: dict) -> None:
+        if not self.calls[key]:
+            self.inputs[key] = tuple(tuple(t.shape) for t in tensors_of((args, kwargs)))
+        self.calls[key] += 1
+        self.stack.append(key)
+        self.peak[key] = max(self.peak[key], self.live_bytes)
+
+    def leave(self, key: str, out: Any) -> None:
+        self.stack.pop()
+        if key not in self.outputs:
+            self.outputs[key] = tuple(tuple(t.shape) for t in tensors_of(out))
+
+    def add_flops(self, flops: int) -> None:
+        if self.stack:
+            self.flops[self.stack[-1]] += flops
+            for key in set(self.stack):  # a module called inside itself counts once
+                self.flops_total[key] += flops
+
+    def add_outputs(self, out: Any) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        for cdata, (ref, nbytes) in list(self._live.items()):  # first retire, then add: addresses get reused
+            if ref.expired():
+                del self._live[cdata]
+                self.live_bytes -= nbytes
+        for t in tensors_of(out):
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without one storage
+                continue
+            cdata = storage._cdata
+            if cdata not in self._base and cdata not in self._live:
+                self._live[cdata] = (StorageWeakRef(storage), storage.nbytes())
+                self.live_bytes += storage.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        for key in self.stack:
+            self.peak[key] = max(self.peak[key], self.live_bytes)
+
+
+class _CountingMode(TorchDispatchMode):
+    """Counts each aten op's FLOPs and follows its outputs' memory.
+
+    Ops decompose exactly as under ``FlopCounterMode``, so totals agree with it.
+    """
+
+    def __init__(self, counts: _Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.ops.prim.device.default:
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed  # its parts came through here and were counted
+        out = func(*args, **kwargs)
+        flops = flops_of(func, args, kwargs, out)
+        if flops:
+            self.counts.add_flops(flops)
+        self.counts.add_outputs(out)
+        return out
+
+
+@contextlib.contextmanager
+def _around_calls(handler: Callable[..., Any]) -> Iterator[None]:
+    """Send every module call to ``handler(call, module, args, kwargs)``, on top of what is patched."""
+    with Patcher() as patcher:
+        current = torch.nn.Module.__dict__["__call__"]
+        patcher.patch(torch.nn.Module, "__call__", _wrap(current, handler))
+        yield
+
+
+def _device_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    for t in [*model.parameters(), *model.buffers(), *tensors_of((args, kwargs))]:
+        return t.device
+    return torch.device("cpu")
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise FwdtraceError(f"analyze() expected {name} as an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 10, **kwargs: Any) -> Analysis:
+    """Parameters, FLOPs, latency and memory of ``model(*args, **kwargs)``, per module key.
+
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    >>> a = fwdtrace.analyze(model, torch.ones(2, 8), repeats=3)
+    >>> a.params, a.flops, a.row("0.Linear").flops  # 2 x 2*8*4 multiply-adds
+    (36, 128, 128)
+    >>> print(a)  # doctest: +SKIP
+
+    - ``params`` counts each parameter tensor once, however many modules share it;
+      ``trainable_params`` those with ``requires_grad``.
+    - ``flops`` are forward FLOPs, a multiply-add being 2 FLOPs, as ``FlopCounterMode``
+      counts them; attention and LSTM count on CPU too (see :mod:`fwdtrace.flops`).
+    - ``rows`` has one :class:`ModuleRow` per key of :func:`fwdtrace.module_keys`, in that
+      order (children first, the root last). A row's ``flops`` are its own; summed over all
+      rows they give ``flops``. ``flops_total`` includes the modules it called.
+    - ``peak_memory_bytes``: on CUDA ``torch.cuda.max_memory_allocated`` over the counting run
+      (everything on the device). Elsewhere it is tracked: the bytes of the parameters,
+      buffers and inputs plus every tensor storage the forward creates, alive at once, at
+      the worst moment. It misses kernels' private workspaces and allocator overhead.
+
+    How the runs are spent is in the module docstring of :mod:`fwdtrace.analyze`. An error in
+    the forward is re-raised with a note naming the module key, class and input shapes.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FwdtraceError(f"analyze() expected a torch.nn.Module as model, got {describe(model)}")
+    warmup = _check_count("warmup", warmup, 0)
+    repeats = _check_count("repeats", repeats, 1)
+    if active_tracer() is not None:
+        raise FwdtraceError("analyze() cannot run while a trace is active; call it before or after the trace")
+    key2mod = key2module(model)
+    keys = list(key2mod)
+    module2key = {id(m): k for k, m in key2mod.items()}
+    device = _device_of(model, args, kwargs)
+    on_meta, on_cuda = device.type == "meta", device.type == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if on_cuda else (lambda: None)
+
+    base = [*model.parameters(), *model.buffers(), *tensors_of((args, kwargs))]
+    counts = _Counts(keys, base)
+
+    def counting_call(call: Callable[..., Any], module: torch.nn.Module, a: tuple, kw: dict) -> Any:
+        key = module2key.get(id(module))
+        if key is None:  # a module made at run time: its work belongs to the caller
+            return call(module, *a, **kw)
+        counts.enter(key, a, kw)
+        try:
+            out = call(module, *a, **kw)
+        except BaseException:
+            counts.stack.pop()
+            raise
+        counts.leave(key, out)
+        return out
+
+    with torch.no_grad():
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        with layer_notes(model), _around_calls(counting_call), _CountingMode(counts):
+            model(*args, **kwargs)
+        peak_bytes = counts.peak_bytes
+        if on_cuda:
+            sync()
+            peak_bytes = torch.cuda.max_memory_allocated(device)
+
+        runs: list[dict[str, float]] = []
+        times: list[float] = []
+        if not on_meta:
+            for _ in range(warmup - 1):
+                runs.append(_timed_modules(model, module2key, args, kwargs, sync))
+            for _ in range(repeats):
+                sync()
+                start = time.perf_counter()
+                model(*args, **kwargs)
+                sync()
+                times.append((time.perf_counter() - start) * 1000)
+
+    module_ms = {k: _percentile([r[k] for r in runs], 50) * 1000 for k in keys} if runs else {}
+    root_ms = module_ms.get(keys[-1]) or None
+    rows = tuple(
+        ModuleRow(
+            key=k,
+            class_name=qualified_name(type(m)),
+            calls=counts.calls[k],
+            input_shapes=counts.inputs.get(k, ()),
+            output_shapes=counts.outputs.get(k, ()),
+            params=sum(p.numel() for p in m.parameters()),
+            flops=counts.flops[k],
+            flops_total=counts.flops_total[k],
+            latency_ms=module_ms.get(k),
+            latency_share=module_ms[k] / root_ms if root_ms else None,
+            peak_memory_bytes=counts.peak[k],
+        )
+        for k, m in key2mod.items()
+    )
+    params = list(model.parameters())  # each shared parameter once
+    return Analysis(
+        model=type(model).__name__,
+        device=str(device),
+        params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        flops=sum(counts.flops.values()),
+        latency_ms=_percentile(times, 50) if times else None,
+        latency_p90_ms=_percentile(times, 90) if times else None,
+        peak_memory_bytes=peak_bytes,
+        memory_method=MEMORY_CUDA if on_cuda else MEMORY_META if on_meta else MEMORY_TRACKED,
+        warmup=warmup,
+        repeats=len(times),
+        rows=rows,
+    )
+
+
+def _timed_modules(
+    model: torch.nn.Module, module2key: dict[int, str], args: tuple, kwargs: dict, sync: Callable[[], None]
+) -> dict[str, float]:
+    """One run with every module timed (seconds per key, all its calls together)."""
+    spent = dict.fromkeys(module2key.values(), 0.0)
+
+    def timing_call(call: Callable[..., Any], module: torch.nn.Module, a: tuple, kw: dict) -> Any:
+        key = module2key.get(id(module))
+        if key is None:
+            return call(module, *a, **kw)
+        sync()
+        start = time.perf_counter()
+        try:
+            return call(module, *a, **kw)
+        finally:
+            sync()
+            spent[key] += time.perf_counter() - start
+
+    with layer_notes(model), _around_calls(timing_call):
+        model(*args, **kwargs)
+    return spent
+
+
+# -- command line ---------------------------------------------------------------------------------
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``fwdtrace analyze``."""
+    parser.add_argument("factory", help="'pkg.module:function' returning the model (put in eval mode)")
+    parser.add_argument("--input-shape", action="append", required=True, metavar="1,3,224,224",
+                        help="shape of a random input (normal floats; int64 inputs are zeros); repeat for more inputs")
+    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the inputs")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models, no memory)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``fwdtrace analyze``: 0 when the model ran, FwdtraceError (exit 2) on bad input."""
+    from .cli import load_factory, parse_shape
+
+    shapes = [parse_shape(s) for s in args.input_shape]
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise FwdtraceError(f"expected --device as cpu, cuda, cuda:1 or meta, got {args.device!r}") from e
+    dtype = _DTYPES[args.dtype]
+    model = load_factory(args.factory).eval().to(device)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [
+        torch.randn(s, generator=generator, dtype=dtype).to(device) if dtype.is_floating_point
+        else torch.zeros(s, dtype=dtype, device=device)
+        for s in shapes
+    ]
+    try:
+        result = analyze(model, *inputs, warmup=args.warmup, repeats=args.repeats)
+    except FwdtraceError:
+        raise
+    except Exception as e:
+        notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", ()))
+        raise FwdtraceError(
+            f"{args.factory}: the forward failed on inputs {shapes_text(inputs)}: {type(e).__name__}: {e}{notes}"
+        ) from e
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`analyze`.
+
+    ``fwdtrace.analyze`` names both the function and this module. Whichever Python binds to the
+    package attribute (importing the submodule, as the CLI does, binds the module and so
+    hides the lazily exported function), ``fwdtrace.analyze(model, x)`` must work.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Analysis:
+        return analyze(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
