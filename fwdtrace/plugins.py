@@ -1,9 +1,15 @@
 """Plugins: third-party packages that register callbacks, atomic layers and ONNX equivalences.
 
-A package declares an entry point in the group ``fwdtrace.plugins``; its target is a module
-(importing it runs its ``@hook_forward`` / ``register_atomic`` decorators) or a callable
-taking no arguments. Plugins load once, lazily, on the first trace, install or ONNX check.
-A plugin that fails to load gives a warning naming it; tracing goes on without it.
+A package declares an entry point in the group ``fwdtrace.plugins``, in its pyproject.toml::
+
+    [project.entry-points."fwdtrace.plugins"]
+    mylayers = "mylayers.fwdtrace_plugin"            # a module: importing it registers
+    mylayers_setup = "mylayers.fwdtrace_plugin:setup"  # or a callable taking no arguments
+
+The module's ``@fwdtrace.hook_forward`` and ``@fwdtrace.register_atomic`` decorators (and
+``fwdtrace.onnx_equivalent`` calls) run when it is imported. Plugins load once, lazily, on
+the first trace or install, in entry-point name order. A plugin that fails to load gives a
+warning naming it and its distribution; tracing goes on without it.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ def load_plugins(reload: bool = False) -> list[str]:
             if callable(obj) and not isinstance(obj, type):
                 obj()
         except Exception as e:  # a broken plugin must not break tracing
+            dist = getattr(ep, "dist", None)
+            origin = f" from {dist.name} {dist.version}" if dist is not None else ""
             warnings.warn(
-                f"fwdtrace plugin {ep.name!r} ({ep.value}) failed to load and is skipped: "
+                f"fwdtrace plugin {ep.name!r} ({ep.value}{origin}) failed to load and is skipped: "
                 f"{type(e).__name__}: {e}",
                 RuntimeWarning,
                 stacklevel=2,
