@@ -173,25 +173,27 @@ class _Matcher:
             if tn.kind in ("input", "output"):
                 continue
             data_in = [r for r in tn.inputs if r.obj_id in tdata]
-            if not data_in:
-                continue  # constants the exporter folds: positions, masks, arange
+            if not data_in:  # computed from no model input: exporters fold it to a constant
+                self.elided.append((tn.id, "constant"))
+                continue
             tdata.update(r.obj_id for r in tn.outputs)
             reqs = list(dict.fromkeys(self.tensor_groups[r.obj_id] for r in data_in if r.obj_id in self.tensor_groups))
             self.reqs[tn.id] = reqs
             self._match(tn, reqs, data_in)
-        out_node = next((n for n in self.tnodes if n.kind == "output"), None)
+        # the trace has an output node per returned tensor, the ONNX graph one for all
+        out_nodes = [n for n in self.tnodes if n.kind == "output"]
         o_out = next((n for n in self.onodes if n.kind == "output"), None)
-        if out_node is not None and o_out is not None:
-            self.reqs[out_node.id] = list(dict.fromkeys(
-                self.tensor_groups[r.obj_id] for r in out_node.inputs if r.obj_id in self.tensor_groups
+        if out_nodes and o_out is not None:
+            self.reqs[_OUTPUT_GROUP] = list(dict.fromkeys(
+                self.tensor_groups[r.obj_id] for n in out_nodes for r in n.inputs if r.obj_id in self.tensor_groups
             ))
             self._new_group(_OUTPUT_GROUP, {o_out.id}, o_out.id)
-            self.groups[_OUTPUT_GROUP].trace_ids.append(out_node.id)
+            self.groups[_OUTPUT_GROUP].trace_ids.extend(n.id for n in out_nodes)
         extra = [
             n.id for n in self.onodes
             if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
         ]
-        return _Result(self.groups, self.missing, extra, self.elided, self._rewired(out_node),
+        return _Result(self.groups, self.missing, extra, self.elided, self._rewired(),
                        ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs)
 
     def _add_missing(self, tn: Node) -> None:
@@ -424,10 +426,9 @@ class _Matcher:
         return True
 
     # -- connectivity -----------------------------------------------------------------------------
-    def _rewired(self, out_node: Node | None) -> list[tuple[str, int, int]]:
+    def _rewired(self) -> list[tuple[str, int, int]]:
         trace_edges: set[tuple[int, int]] = set()
-        for tid, reqs in self.reqs.items():
-            dst = _OUTPUT_GROUP if out_node is not None and tid == out_node.id else tid
+        for dst, reqs in self.reqs.items():
             if dst not in self.groups:
                 continue
             for req in reqs:
@@ -581,7 +582,8 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
         f"{sum(len(o) for _, o in matched)} ONNX nodes; {len(elided)} elided "
         f"({sum(1 for _, h in elided if h.startswith('folded'))} folded, "
         f"{sum(1 for _, h in elided if h == 'wiring')} wiring, "
-        f"{sum(1 for _, h in elided if h.startswith('removed'))} removed); "
+        f"{sum(1 for _, h in elided if h.startswith('removed'))} removed, "
+        f"{sum(1 for _, h in elided if h == 'constant')} constant); "
         f"{len(missing)} missing, {len(extra)} extra, {len(rewired)} rewired",
     ]
     if result.missing or result.unmatched_inputs[0]:

@@ -91,15 +91,30 @@ def export_onnx(
     except FwdtraceError:
         raise
     except Exception as e:
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        first = re.sub(r"\x1b\[[0-9;]*m", "", first)  # the dynamo exporter colours its messages
+        root = _cause_chain(e)[-1]
+        why = f"{type(e).__name__}: {_first_line(e)}"
+        if root is not e:  # the dynamo exporter wraps the real reason in its step messages
+            why += f"; caused by {type(root).__name__}: {_first_line(root)}"
         raise FwdtraceError(
-            f"the {exporter} ONNX exporter failed on {type(model).__name__}: {type(e).__name__}: {first} "
-            f"(try exporter={other!r})"
+            f"the {exporter} ONNX exporter failed on {type(model).__name__}: {why} (try exporter={other!r})"
         ) from e
     if path is not None:
         onnx_mod.save(proto, os.fspath(path))
     return cast("onnx.ModelProto", proto)
+
+
+def _cause_chain(e: BaseException) -> list[BaseException]:
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def _first_line(e: BaseException) -> str:
+    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)  # the dynamo exporter colours its messages
+    line = line.removesuffix(" Next steps:")
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _needs_flattening(out: Any) -> bool:

@@ -1,0 +1,415 @@
+"""The topology diff: honest exports of the zoo agree, tampered ones are caught where they were changed.
+
+Independent references: onnxruntime runs every honest export and must reproduce torch's
+outputs (so the export itself is right), and every tampered model must compute something
+else (so the tampering is real). Exports are cached per (model, exporter) for the module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import zoo
+from onnx import helper
+from test_onnx_export import assert_runs_like_torch, run_ort
+
+import fwdtrace
+from fwdtrace import FwdtraceError, onnx_ops
+from fwdtrace.cli import main
+
+EXPORTERS = ["dynamo", "torchscript"]
+CASES = [(name, exporter) for name in zoo.ZOO for exporter in EXPORTERS]
+# ONNX ops that carry a layer's weights: every one of them must belong to some traced call.
+WEIGHTED_OPS = {"Conv", "Gemm", "MatMul", "LSTM", "GRU", "LayerNormalization", "BatchNormalization", "Gather"}
+
+
+@pytest.fixture(scope="module")
+def exported():
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(name: str, exporter: str):
+        if (name, exporter) not in cache:
+            model, inputs = zoo.ZOO[name]()
+            graph = fwdtrace.trace(model, *inputs)
+            cache[name, exporter] = (model, inputs, graph, fwdtrace.export_onnx(model, *inputs, exporter=exporter))
+        return cache[name, exporter]
+
+    return get
+
+
+@pytest.fixture
+def restore_rules():
+    saved = dict(onnx_ops._RULES)
+    yield
+    onnx_ops._RULES.clear()
+    onnx_ops._RULES.update(saved)
+
+
+def strip_scopes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model with no module-scope metadata and meaningless node names."""
+    p = copy.deepcopy(proto)
+    for i, node in enumerate(p.graph.node):
+        del node.metadata_props[:]
+        node.name = f"n{i}"
+    return p
+
+
+# -- honest exports -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "exporter"), CASES)
+def test_honest_export_runs_like_torch(exported, name: str, exporter: str) -> None:
+    model, inputs, _, proto = exported(name, exporter)
+    assert_runs_like_torch(proto, model(*inputs), *inputs)
+
+
+@pytest.mark.parametrize(("name", "exporter"), CASES)
+def test_honest_export_has_the_topology_of_the_trace(exported, name: str, exporter: str) -> None:
+    _, _, graph, proto = exported(name, exporter)
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+    assert (report.missing, report.extra, report.rewired) == ([], [], [])
+    claimed = [o for _, onnx_names in report.matched for o in onnx_names]
+    assert len(claimed) == len(set(claimed)), "an ONNX node was matched to two traced calls"
+    weights = {t.name for t in proto.graph.initializer}
+    data_nodes = {n.meta["onnx_name"] for n in fwdtrace.onnx_graph(proto, prune=True).nodes if n.kind == "function"}
+    weighted = {  # a Gather reads a weight only as an embedding table (input 0), not as indices
+        n.name for n in proto.graph.node
+        if n.op_type in WEIGHTED_OPS and n.name in data_nodes
+        and any(i in weights for i in (n.input[:1] if n.op_type == "Gather" else n.input))
+    }
+    assert weighted <= set(claimed)
+    layers = [n for n in graph.nodes if n.kind == "module"]
+    accounted = {t for t, _ in report.matched} | {t for t, _ in report.elided}
+    assert all(fwdtrace.onnx_compare._trace_label(n) in accounted for n in layers)
+
+
+@pytest.mark.parametrize("name", ["resnetish", "transformer_encoder", "hand_attention", "lstm_tagger", "shared_weights"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_honest_export_agrees_without_scope_metadata(exported, name: str, exporter: str) -> None:
+    _, _, graph, proto = exported(name, exporter)
+    report = fwdtrace.compare_onnx(graph, strip_scopes(proto))
+    assert report.ok, report.text
+
+
+@pytest.mark.parametrize("name", ["transformer_encoder", "embed_norm_gelu"])
+def test_layer_norm_and_gelu_written_out_by_an_old_opset_still_agree(name: str) -> None:
+    model, inputs = zoo.ZOO[name]()
+    proto = fwdtrace.export_onnx(model, *inputs, exporter="torchscript", opset_version=16)
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["LayerNormalization"] == ops["Gelu"] == 0 and ops["Erf"] > 0 and ops["ReduceMean"] > 0
+    assert_runs_like_torch(proto, model(*inputs), *inputs)
+    report = fwdtrace.compare_onnx(fwdtrace.trace(model, *inputs), proto)
+    assert report.ok, report.text
+
+
+def test_batchnorm_folds_and_flatten_is_wiring(exported) -> None:
+    _, _, graph, proto = exported("resnetish", "torchscript")
+    assert not any(n.op_type == "BatchNormalization" for n in proto.graph.node)
+    report = fwdtrace.compare_onnx(graph, proto)
+    folded = dict(report.elided)
+    assert folded["blocks.0.b1 (BatchNorm2d)"] == "folded into /blocks/blocks.0/c1/Conv"
+    assert folded["flatten = torch.flatten"] == "wiring"
+
+
+@pytest.mark.parametrize("factory", [zoo.DictOutput, zoo.DataclassOutput])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_check_onnx_handles_structured_outputs(factory: type, exporter: str) -> None:
+    torch.manual_seed(0)
+    report = fwdtrace.check_onnx(factory().eval(), torch.randn(2, 4), exporter=exporter)
+    assert report.ok, report.text
+    assert report.exporter == exporter and report.text.startswith(f"ONNX cross-check ({exporter} exporter)")
+
+
+def test_check_onnx_passes_keyword_inputs() -> None:
+    from test_onnx_export import WithKeyword
+
+    torch.manual_seed(0)
+    report = fwdtrace.check_onnx(WithKeyword().eval(), torch.randn(2, 4), exporter="torchscript", scale=torch.ones(1))
+    assert report.ok, report.text
+    assert [t for t, _ in report.matched] == ["fc (Linear)", "mul = torch.Tensor.mul"]
+
+
+def test_report_serialises_and_prints_its_text(exported) -> None:
+    _, _, graph, proto = exported("unetish", "dynamo")
+    report = fwdtrace.compare_onnx(graph, proto)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["ok"] is True and len(data["matched"]) == len(report.matched)
+    assert data["matched"][0] == {"trace": "enc (Conv2d)", "onnx": ["node_conv2d"]}
+    assert str(report) == report.text
+
+
+def test_compare_refuses_a_non_graph(exported) -> None:
+    _, _, _, proto = exported("unetish", "dynamo")
+    with pytest.raises(FwdtraceError, match=r"^compare_onnx\(\) expected a fwdtrace.Graph"):
+        fwdtrace.compare_onnx(proto, proto)  # type: ignore[arg-type]
+
+
+def test_a_different_model_does_not_agree(exported) -> None:
+    _, _, graph, _ = exported("resnetish", "torchscript")
+    _, _, _, other = exported("mobilenetish", "torchscript")
+    report = fwdtrace.compare_onnx(graph, other)
+    assert not report.ok and "stem.0 (Conv2d)" in report.missing
+
+
+# -- tampered exports -----------------------------------------------------------------------------
+def _replace_uses(graph: onnx.GraphProto, old: str, new: str) -> None:
+    for node in graph.node:
+        for k, name in enumerate(node.input):
+            if name == old:
+                node.input[k] = new
+    for out in graph.output:
+        if out.name == old:
+            out.name = new
+
+
+def _convs(proto: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in proto.graph.node if n.op_type == "Conv"]
+
+
+def insert_relu(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A Relu after blocks.0.c2's Conv (the third Conv), before the residual Add."""
+    p = copy.deepcopy(proto)
+    conv = _convs(p)[2]
+    _replace_uses(p.graph, conv.output[0], "tampered")
+    p.graph.node.insert(list(p.graph.node).index(conv) + 1,
+                        helper.make_node("Relu", [conv.output[0]], ["tampered"], name="tampered_relu"))
+    return p
+
+
+def remove_residual_add(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """blocks.0's residual Add gone: its output is the Conv branch alone."""
+    p = copy.deepcopy(proto)
+    add = next(n for n in p.graph.node if n.op_type == "Add")
+    p.graph.node.remove(add)
+    _replace_uses(p.graph, add.output[0], add.input[0])
+    return p
+
+
+def rewire_conv(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """blocks.0.c2's Conv reads the block's input instead of the ReLU before it (same shape)."""
+    p = copy.deepcopy(proto)
+    convs = _convs(p)
+    convs[2].input[0] = convs[1].input[0]
+    return p
+
+
+def delete_conv(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """blocks.0.c2's Conv (8 -> 8 channels) deleted: its readers read its input."""
+    p = copy.deepcopy(proto)
+    conv = _convs(p)[2]
+    p.graph.node.remove(conv)
+    _replace_uses(p.graph, conv.output[0], conv.input[0])
+    return p
+
+
+TAMPERS = {"insert_relu": insert_relu, "remove_add": remove_residual_add, "rewire_conv": rewire_conv,
+           "delete_conv": delete_conv}
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("tamper", TAMPERS)
+def test_tampering_is_real(exported, exporter: str, tamper: str) -> None:
+    model, (x,), _, proto = exported("resnetish", exporter)
+    tampered = TAMPERS[tamper](proto)
+    onnx.checker.check_model(tampered)
+    got = run_ort(tampered, x)[0]
+    assert not np.allclose(got, model(x).detach().numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_inserted_relu_is_extra(exported, exporter: str, stripped: bool) -> None:
+    _, _, graph, proto = exported("resnetish", exporter)
+    base = strip_scopes(proto) if stripped else proto
+    report = fwdtrace.compare_onnx(graph, insert_relu(base))
+    assert not report.ok and report.missing == [] and report.rewired == []
+    assert len(report.extra) == 1 and "[Relu]" in report.text
+    if not stripped:  # with scopes, the exporter's own Relu keeps its match
+        assert report.extra == ["tampered_relu"]
+        assert "'tampered_relu' [Relu], after blocks.0.c2 (Conv2d), before add = torch.Tensor.add in blocks.0" in report.text
+
+
+@pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_removed_residual_add_is_missing(exported, exporter: str, stripped: bool) -> None:
+    _, _, graph, proto = exported("resnetish", exporter)
+    base = strip_scopes(proto) if stripped else proto
+    report = fwdtrace.compare_onnx(graph, remove_residual_add(base))
+    assert not report.ok and report.extra == []
+    assert report.missing == ["add = torch.Tensor.add in blocks.0"]
+    # the skip connection from the stem no longer reaches the block's last ReLU
+    assert len(report.rewired) == 1 and report.rewired[0].startswith("trace edge stem.2 (ReLU) -> blocks.0.relu#1 (ReLU)")
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_conv_fed_by_another_tensor_is_rewired(exported, exporter: str) -> None:
+    _, _, graph, proto = exported("resnetish", exporter)
+    tampered = rewire_conv(proto)
+    # a multiset of op types cannot see it
+    assert Counter(n.op_type for n in tampered.graph.node) == Counter(n.op_type for n in proto.graph.node)
+    report = fwdtrace.compare_onnx(graph, tampered)
+    assert not report.ok and report.missing == [] and report.extra == []
+    onnx_side, trace_side = sorted(report.rewired)
+    assert onnx_side.startswith(f"ONNX connects '{_stem_relu(proto)}' -> '{_convs(proto)[2].name}' "
+                                "(stem.2 (ReLU) -> blocks.0.c2 (Conv2d))")
+    assert trace_side.startswith("trace edge blocks.0.relu (ReLU) -> blocks.0.c2 (Conv2d) has no ONNX path")
+
+
+def _stem_relu(proto: onnx.ModelProto) -> str:
+    return next(n.name for n in proto.graph.node if n.op_type == "Relu")
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_rewired_conv_without_scopes_is_still_caught_there(exported, exporter: str) -> None:
+    _, _, graph, proto = exported("resnetish", exporter)
+    report = fwdtrace.compare_onnx(graph, rewire_conv(strip_scopes(proto)))
+    assert not report.ok
+    assert "blocks.0.c2 (Conv2d)" in report.text.split("matched:")[0]
+
+
+@pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_deleted_conv_is_missing(exported, exporter: str, stripped: bool) -> None:
+    _, _, graph, proto = exported("resnetish", exporter)
+    base = strip_scopes(proto) if stripped else proto
+    report = fwdtrace.compare_onnx(graph, delete_conv(base))
+    assert not report.ok and report.extra == [] and report.rewired == []
+    assert report.missing == ["blocks.0.c2 (Conv2d)"]
+    assert ("blocks.0.b2 (BatchNorm2d)", "would fold into blocks.0.c2 (Conv2d), missing") in report.elided
+
+
+# -- the equivalence registry ---------------------------------------------------------------------
+class Swish(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+
+def _swish_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), Swish(), torch.nn.Linear(4, 2)).eval()
+
+
+def test_every_call_in_the_zoo_has_an_equivalence() -> None:
+    for name, factory in zoo.ZOO.items():
+        model, inputs = factory()
+        for node in fwdtrace.trace(model, *inputs).nodes:
+            if node.kind in ("module", "function") and node.inputs:  # constants need no rule
+                assert onnx_ops.equivalence_for(node) is not None, f"{name}: {node.target}"
+
+
+def test_a_user_layer_needs_an_equivalence_then_agrees(restore_rules) -> None:
+    fwdtrace.register_atomic(Swish)
+    model, x = _swish_net(), torch.randn(3, 4)
+    before = fwdtrace.check_onnx(model, x, exporter="torchscript")
+    assert not before.ok and before.missing == ["1 (Swish)"]
+    assert f"no ONNX equivalence is registered for {__name__}.Swish" in before.text
+    fwdtrace.onnx_equivalent(Swish, "Sigmoid+Mul")
+    after = fwdtrace.check_onnx(model, x, exporter="torchscript")
+    assert after.ok, after.text
+    assert after.matched[1] == ("1 (Swish)", ("/1/Sigmoid", "/1/Mul"))
+
+
+def test_decorated_rule_sees_the_node(restore_rules) -> None:
+    fwdtrace.register_atomic(Swish)
+    seen = []
+
+    @fwdtrace.onnx_equivalent(f"{__name__}.Swish")
+    def swish(node):
+        seen.append(node.module_path)
+        return ["Swish", "Sigmoid+Mul"]
+
+    assert fwdtrace.check_onnx(_swish_net(), torch.randn(3, 4), exporter="torchscript").ok
+    assert set(seen) == {"1"}
+
+
+def test_plugins_load_before_the_first_lookup(monkeypatch, restore_rules) -> None:
+    def plugin() -> list[str]:
+        fwdtrace.onnx_equivalent(f"{__name__}.Swish", "Sigmoid+Mul")
+        return ["swish-plugin"]
+
+    monkeypatch.setattr("fwdtrace.plugins.load_plugins", plugin)
+    monkeypatch.setattr(onnx_ops, "_loaded_plugins", False)
+    fwdtrace.register_atomic(Swish)
+    assert fwdtrace.check_onnx(_swish_net(), torch.randn(3, 4), exporter="torchscript").ok
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: fwdtrace.onnx_equivalent("torch.nn.ReLU", "Relu+"), r"^expected an ONNX op pattern such as 'Conv'"),
+        (lambda: fwdtrace.onnx_equivalent(42, "Relu"), r"^onnx_equivalent\(\) expected a torch.nn.Module subclass"),
+        (lambda: fwdtrace.onnx_equivalent("not a name", "Relu"), r"^onnx_equivalent\(\) expected a target such as"),
+        (lambda: fwdtrace.onnx_equivalent("torch.nn.ReLU")(lambda a, b: "Relu"),
+         r"^@onnx_equivalent\('torch.nn.ReLU'\) expected a function of one argument"),
+    ],
+)
+def test_bad_registrations_are_refused(call, message: str, restore_rules) -> None:
+    with pytest.raises(FwdtraceError, match=message):
+        call()
+
+
+# -- picture and command line ---------------------------------------------------------------------
+def test_side_by_side_draws_both_graphs_and_marks_the_difference(exported, tmp_path) -> None:
+    _, _, graph, proto = exported("resnetish", "dynamo")
+    png = fwdtrace.render_side_by_side(graph, insert_relu(proto), tmp_path / "both.png")
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = Path(fwdtrace.render_side_by_side(graph, insert_relu(proto), tmp_path / "both.svg")).read_text()
+    assert "traced (PyTorch eager)" in svg and "exported (ONNX)" in svg
+    honest = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "honest.svg")).read_text()
+    red = "#c0392b"  # fwdtrace.passes.draw's highlight colour
+    assert honest.count(red) == 0 and svg.count(red) > 0  # the inserted Relu is highlighted
+
+
+def test_cli_agrees_on_an_honest_export(capsys) -> None:
+    assert main(["check-onnx", "zoo:ResNetish", "--input-shape", "1,3,16,16", "--exporter", "torchscript"]) == 0
+    assert "the export has the topology of the trace" in capsys.readouterr().out
+
+
+def make_unregistered() -> torch.nn.Module:
+    """A factory whose export cannot agree: a layer with no ONNX equivalence."""
+    fwdtrace.register_atomic(Swish)
+    return _swish_net()
+
+
+def test_cli_exits_1_when_the_export_differs(capsys) -> None:
+    assert main(["check-onnx", f"{__name__}:make_unregistered", "--input-shape", "2,4", "--exporter", "torchscript",
+                 "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["missing"] == ["1 (Swish)"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["zoo:NoSuchModel", "--input-shape", "1,3,16,16"], "module 'zoo' has no attribute 'NoSuchModel'"),
+        (["no_such_pkg.models:f", "--input-shape", "1,3,16,16"], "could not import 'no_such_pkg.models'"),
+        (["zoo:resnetish", "--input-shape", "1,3,16,16"], "expected to return a torch.nn.Module, got tuple"),
+        (["zoo:ResNetish", "--input-shape", "1,x,16"], "expected --input-shape as positive integers"),
+    ],
+)
+def test_cli_exits_2_on_bad_input(argv: list[str], message: str, capsys) -> None:
+    assert main(["check-onnx", *argv, "--exporter", "torchscript"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_installed_command_runs() -> None:
+    command = Path(sys.executable).parent / "fwdtrace"
+    if not command.exists():
+        pytest.skip("the fwdtrace console script is not installed next to this Python")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    done = subprocess.run(
+        [str(command), "check-onnx", "zoo:MobileNetish", "--input-shape", "1,3,16,16", "--exporter", "torchscript"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the export has the topology of the trace" in done.stdout
+    assert "pw (Conv2d)" in done.stdout
