@@ -28,6 +28,7 @@ __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "con
 
 FORMAT_ATTR = "fwdtrace_dump"
 FORMAT_VERSION = 1
+ORDER_DATASET = "execution_order"
 _GROUP_RE = re.compile(r"^(\d+)_(\w+)$")
 
 # dtypes HDF5 has no type for: stored as the integer bit pattern of the same size.
@@ -53,7 +54,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class _Recording:
     """One registration: the open file, the hooks, and the call bookkeeping."""
 
-    def __init__(self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None) -> None:
+    def __init__(
+        self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool
+    ) -> None:
         h5py = _h5py()
         self.path = path
         self.file = h5py.File(path, "w", track_order=True)
@@ -63,7 +66,7 @@ class _Recording:
         self.file.attrs["step"] = step
         if rank is not None:
             self.file.attrs["rank"] = rank
-        self.seq = 0  # order of every tensor written, forward and backward
+        self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.path2calls: dict[str, int] = {}
         self.module2groups: dict[int, list[Any]] = {}  # calls not yet through backward, per module
@@ -72,9 +75,9 @@ class _Recording:
         self.forward_handles: list[Any] = []
         self.backward_handles: list[Any] = []
         self.forward_done = False
-        self._register(model)
+        self._register(model, grads)
 
-    def _register(self, model: torch.nn.Module) -> None:
+    def _register(self, model: torch.nn.Module, grads: bool) -> None:
         root = model
         for key, module in key2module(model).items():
             path = key[: -len(type(module).__name__) - 1] if module is not root else ""
@@ -84,7 +87,8 @@ class _Recording:
             self.forward_handles.append(
                 module.register_forward_hook(self._post_hook(module is root), with_kwargs=True)
             )
-            self.backward_handles.append(module.register_full_backward_hook(self._grad_hook))
+            if grads:
+                self.backward_handles.append(module.register_full_backward_hook(self._grad_hook))
 
     def _write(self, group: Any, name: str, t: torch.Tensor) -> None:
         t = t.detach()
@@ -96,11 +100,10 @@ class _Recording:
         else:
             arr = t.resolve_conj().resolve_neg().contiguous().numpy()
         ds = group.create_dataset(name, data=arr)
-        ds.attrs["seq"] = self.seq
         if store_as is not None:
             # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
             ds.attrs["torch_dtype"] = _dtype_name(t.dtype)
-        self.seq += 1
+        self.order.append(f"{group.name.lstrip('/')}/{name}")
 
     def _write_all(self, group: Any, prefix: str, obj: Any) -> None:
         for i, (_, t) in enumerate(iter_tensors(obj, prefix)):
@@ -128,7 +131,6 @@ class _Recording:
             group.attrs["module_key"] = key
             group.attrs["module_path"] = path
             group.attrs["call_index"] = call_index
-            group.attrs["call_order"] = self.calls
             self.calls += 1
             self._write_all(group, "input", (args, kwargs) if kwargs else args)
             self.open_calls.setdefault(id(module), []).append(group)
@@ -168,6 +170,9 @@ class _Recording:
             h.remove()
         if self.file:
             self.file.attrs["calls"] = self.calls
+            # One dataset at the end instead of an attribute per tensor: attributes cost more
+            # than small datasets. Without it (a file never closed) group order is used.
+            self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
             if self.skipped:
                 self.file.attrs["skipped"] = "\n".join(self.skipped)
             self.file.close()
@@ -197,8 +202,13 @@ class Dumper:
         self._recordings: list[_Recording] = []
         self._written: list[Path] = []
 
-    def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0) -> None:
-        """Hook ``model`` so its next forward and backward are written to this step's file."""
+    def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0, grads: bool = True) -> None:
+        """Hook ``model`` so its next forward and backward are written to this step's file.
+
+        Gradients come from ``register_full_backward_hook``, which torch refuses for a module
+        whose output a later module changes in place (``ReLU(inplace=True)``); dump such a
+        model with ``grads=False`` (inputs and outputs only).
+        """
         if not isinstance(model, torch.nn.Module):
             raise FwdtraceError(f"Dumper.register() expected a torch.nn.Module, got {describe(model)}")
         rank = None
@@ -210,7 +220,7 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank)
+            recording = _Recording(path, model, epoch, step, rank, grads)
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e}") from e
         self._recordings.append(recording)
@@ -264,6 +274,13 @@ def _groups(f: Any) -> list[tuple[str, Any]]:
     """The call groups in call order (numeric prefix; the name alone sorts wrong past 999)."""
     found = [(name, f[name]) for name in f if _GROUP_RE.match(name)]
     return sorted(found, key=lambda item: int(item[0].split("_", 1)[0]))
+
+
+def _execution_order(f: Any) -> list[tuple[str, str]]:
+    """(group, dataset) of every tensor in the order the run wrote them."""
+    if ORDER_DATASET in f:
+        return [tuple(s.decode().split("/", 1)) for s in f[ORDER_DATASET][()]]
+    return [(gname, dname) for gname, group in _groups(f) for dname in group]
 
 
 def _load(ds: Any) -> torch.Tensor:
@@ -414,12 +431,7 @@ def compare_dumps(
     """
     report = DumpReport(str(a), str(b), rtol, atol)
     with _open(a, "compare_dumps()") as fa, _open(b, "compare_dumps()") as fb:
-        entries: list[tuple[int, str, str]] = []
-        for gname, group in _groups(fa):
-            for dname, ds in group.items():
-                entries.append((int(ds.attrs.get("seq", len(entries))), gname, dname))
-        entries.sort()
-        for _, gname, dname in entries:
+        for gname, dname in _execution_order(fa):
             ga = fa[gname]
             key = str(_attr(ga.attrs.get("module_key", gname)))
             path = str(_attr(ga.attrs.get("module_path", "")))

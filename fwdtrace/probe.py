@@ -44,12 +44,21 @@ class Hooks:
     def __init__(self, probe: Probe, keys: list[str]) -> None:
         self.probe = probe
         self.keys = keys
+        self._registrations: list[tuple[Callable[[str, torch.nn.Module], Any], str, torch.nn.Module]] = []
         self._torch_handles: list[Any] = []
+
+    def _attach(self) -> None:
+        if not self._torch_handles:
+            self._torch_handles = [register(key, module) for register, key, module in self._registrations]
+
+    def _detach(self) -> None:
+        while self._torch_handles:
+            self._torch_handles.pop().remove()
 
     def remove(self) -> None:
         """Remove every hook of this handle; calling it twice is harmless."""
-        while self._torch_handles:
-            self._torch_handles.pop().remove()
+        self._detach()
+        self._registrations.clear()
         if self in self.probe.handles:
             self.probe.handles.remove(self)
 
@@ -140,7 +149,7 @@ class Probe:
     {'input_shape': [[3, 4]], 'output_shape': [[3, 2]]}
 
     ``probe.keys`` lists the keys, children before parents, the root (its class name) last.
-    Set ``probe.enabled = False`` to make every hook of the probe a no-op without removing it.
+    Set ``probe.enabled = False`` to switch every hook of the probe off without removing it.
     """
 
     def __init__(self, model: torch.nn.Module, name: str | None = None) -> None:
@@ -150,7 +159,7 @@ class Probe:
             raise FwdtraceError(f"Probe expected name as a str or None, got {describe(name)}")
         self.model = model
         self.name = name
-        self.enabled = True
+        self._enabled = True
         self.handles: list[Hooks] = []
         self._key2module = key2module(model)
         self._module2key = {id(m): k for k, m in self._key2module.items()}
@@ -159,6 +168,21 @@ class Probe:
     @property
     def keys(self) -> list[str]:
         return list(self._key2module)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the probe's hooks run. Disabling takes its torch hooks off the modules (so a
+        disabled probe costs a forward nothing) and enabling puts them back, state kept."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = bool(value)
+        for handle in self.handles:
+            if self._enabled:
+                handle._attach()
+            else:
+                handle._detach()
 
     # -- lifetime ---------------------------------------------------------------------------------
     def __enter__(self) -> Probe:
@@ -226,14 +250,12 @@ class Probe:
         return next(iter(found))
 
     def _add(self, handle: Hooks, register: Callable[[str, torch.nn.Module], Any], selector: Selector) -> Any:
-        """Call ``register(key, module)`` for every selected module and keep the torch handles."""
-        try:
-            for key, module in self.select(selector).items():
-                handle.keys.append(key)
-                handle._torch_handles.append(register(key, module))
-        except BaseException:
-            handle.remove()
-            raise
+        """Call ``register(key, module)`` for every selected module (now, or when the probe is enabled)."""
+        for key, module in self.select(selector).items():
+            handle.keys.append(key)
+            handle._registrations.append((register, key, module))
+        if self._enabled:
+            handle._attach()
         self.handles.append(handle)
         return handle
 
@@ -293,8 +315,6 @@ class Probe:
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:
-                if not self.enabled:
-                    return
                 n = calls[key] = calls.get(key, -1) + 1
                 lines = [f"{key} forward call {n}"]
                 lines += [f"  input{i}  {summary_text(t, values)}" for i, t in enumerate(tensors_of((a, kw)))]
@@ -323,7 +343,7 @@ class Probe:
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-                if not self.enabled:
+                if not self.enabled:  # a forward run while enabled keeps its backward hooks
                     return
                 n = calls[key] = calls.get(key, -1) + 1
                 lines = [f"{key} backward call {n}"]
@@ -352,7 +372,7 @@ class Probe:
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple) -> Any:
-                return fn(m, inputs, None) if self.enabled else None
+                return fn(m, inputs, None)
 
             return module.register_forward_pre_hook(hook)
 
@@ -371,7 +391,7 @@ class Probe:
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
-                return fn(m, inputs, output) if self.enabled else None
+                return fn(m, inputs, output)
 
             return module.register_forward_hook(hook)
 
@@ -436,9 +456,8 @@ class Probe:
         def capture(store: dict[str, torch.Tensor], detach: bool) -> Callable[[str, torch.nn.Module], Any]:
             def register(key: str, module: torch.nn.Module) -> Any:
                 def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> None:
-                    if self.enabled:
-                        t = tensors_of(output)[0]
-                        store[key] = t.detach() if detach else t
+                    t = tensors_of(output)[0]
+                    store[key] = t.detach() if detach else t
 
                 return module.register_forward_hook(hook)
 
@@ -471,7 +490,7 @@ class Probe:
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
-                return engine.apply(key, m, inputs, output) if self.enabled else None
+                return engine.apply(key, m, inputs, output)
 
             return module.register_forward_hook(hook)
 
@@ -537,8 +556,7 @@ class Probe:
             if of in ("input", "output"):
 
                 def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:
-                    if self.enabled:
-                        add(key, tensors_of((a, kw)) if of == "input" else tensors_of(result))
+                    add(key, tensors_of((a, kw)) if of == "input" else tensors_of(result))
 
                 return module.register_forward_hook(hook, with_kwargs=True)
 

@@ -132,15 +132,25 @@ def test_replace_input_and_single_handle_removal() -> None:
     assert not probe.handles and _hook_count(model) == 0
 
 
-def test_disabled_probe_changes_nothing() -> None:
+def test_a_disabled_probe_takes_its_hooks_off_and_keeps_its_state() -> None:
     model, x = _model(), torch.randn(1, 3, 5, 5)
     before = model(x)
     with fwdtrace.Probe(model) as probe:
         probe.replace_output("fc.Linear", lambda m, i, o: o * 0)
+        stats = probe.running_stats("fc.Linear")
+        printed = io.StringIO()
+        probe.print_grads("fc.Linear", file=printed)
+        model(x)
         probe.enabled = False
+        assert _hook_count(model) == 0
         assert torch.equal(model(x), before)
         probe.enabled = True
         assert torch.equal(model(x), torch.zeros_like(before))
+        assert stats.stats["fc.Linear"].count == 2 * before.numel()  # the disabled call not counted
+        y = model(x.requires_grad_())
+        probe.enabled = False  # a backward after disabling stays quiet
+        y.sum().backward()
+        assert printed.getvalue() == "" and _hook_count(model) == 0
 
 
 class _StraightThroughReLU(torch.autograd.Function):

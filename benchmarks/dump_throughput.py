@@ -1,0 +1,270 @@
+"""Dump throughput against plain h5py, and what a registered-but-disabled probe costs.
+
+    python benchmarks/dump_throughput.py [--repeats 3] [--batch 2] [--size 128] [--device cpu|cuda] [--dir DIR]
+
+1. Dump: a training step (forward + backward) of a ResNet-50-sized CNN (defined here) with
+   ``fwdtrace.Dumper`` registered; its MB/s is the bytes dumped over the time its tensor
+   writes took (timed inside the dumper: copy to CPU, numpy, dataset and attributes), which
+   other load on the machine disturbs far less than a whole step's time would (the step's
+   time with and without the dumper is printed too). The same tensors, collected once by
+   plain hooks, are written with plain h5py (one group per call, one dataset per tensor, no
+   attributes): MB/s over that write. Target: dumper >= 0.8x plain h5py.
+2. Probe: a ``no_grad`` forward with a probe whose replace/stats hooks were registered on
+   every module and then disabled (``probe.enabled = False`` takes the torch hooks off),
+   against the same forward without a probe. Target: under 2% overhead. For scale it also
+   reports two enabled no-op hooks per module.
+
+Runs are interleaved and the medians over ``--repeats`` reported; the defaults fit in
+24 GiB RAM and a couple of minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fwdtrace
+import fwdtrace.dump
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        # Not in place: torch's full backward hooks (the dump's gradients) refuse in-place changes.
+        self.relu = nn.ReLU()
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet50(nn.Module):
+    """The ResNet-50 layout: 3-4-6-3 bottlenecks, 25.6 M parameters."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        layers: list[nn.Module] = []
+        cin = 64
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(blocks):
+                layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+                cin = width * Bottleneck.expansion
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn: Callable[[], object], device: str) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(x).logsumexp(1).sum().backward()
+
+
+def _collect(model: nn.Module, x: torch.Tensor) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """Every tensor the dumper writes, by plain hooks, copied to the CPU: (group, [(name, tensor)])."""
+    calls: list[tuple[str, list[tuple[str, torch.Tensor]]]] = []
+    open_calls: dict[int, list[int]] = {}
+    done: dict[int, list[int]] = {}
+    handles = []
+
+    def pre(m: nn.Module, args: tuple) -> None:
+        open_calls.setdefault(id(m), []).append(len(calls))
+        calls.append((f"{len(calls):03d}_{type(m).__name__}", [("input0", args[0].detach().cpu().clone())]))
+
+    def post(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        i = open_calls[id(m)].pop()
+        calls[i][1].append(("output0", out.detach().cpu().clone()))
+        done.setdefault(id(m), []).append(i)
+
+    def back(m: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        i = done[id(m)].pop()
+        calls[i][1].extend(
+            (f"{prefix}{j}", g.detach().cpu().clone())
+            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input))
+            for j, g in enumerate(grads)
+            if g is not None
+        )
+
+    for m in model.modules():
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post), m.register_full_backward_hook(back)]
+    _step(model, x)
+    for h in handles:
+        h.remove()
+    return calls
+
+
+def _write_plain(path: Path, calls: list[tuple[str, list[tuple[str, torch.Tensor]]]]) -> None:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        for group_name, tensors in calls:
+            group = f.create_group(group_name)
+            for name, t in tensors:
+                group.create_dataset(name, data=t.numpy())
+
+
+class _WriteTimer:
+    """Times the Dumper's tensor writes (its ``_Recording._write``) from inside, while patched in."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._original = fwdtrace.dump._Recording._write
+
+    def __enter__(self) -> _WriteTimer:
+        original = self._original
+
+        def timed(recording: object, group: object, name: str, t: torch.Tensor) -> None:
+            start = time.perf_counter()
+            original(recording, group, name, t)
+            self.seconds += time.perf_counter() - start
+
+        fwdtrace.dump._Recording._write = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fwdtrace.dump._Recording._write = self._original  # type: ignore[method-assign]
+
+
+def bench_dump(model: nn.Module, x: torch.Tensor, repeats: int, device: str, directory: Path) -> dict[str, float]:
+    _step(model, x)  # warm up
+    calls = _collect(model, x)
+    nbytes = sum(t.numel() * t.element_size() for _, tensors in calls for _, t in tensors)
+    plain_step, dumped_step, dump_writes, h5py_write = [], [], [], []
+    for r in range(repeats):
+        plain_step.append(_time(lambda: _step(model, x), device))
+        dumper = fwdtrace.Dumper(directory)
+        timer = _WriteTimer()
+
+        def dumped(dumper: fwdtrace.Dumper = dumper, r: int = r, timer: _WriteTimer = timer) -> None:
+            with timer:
+                dumper.register(model, epoch=0, step=r)
+                _step(model, x)
+                dumper.remove()
+
+        def plain(r: int = r) -> None:
+            _write_plain(directory / f"plain_{r}.hdf5", calls)
+
+        # alternate which writes first, so neither always meets the other's dirty pages
+        for fn, times, dev in sorted([(dumped, dumped_step, device), (plain, h5py_write, "cpu")],
+                                     key=lambda item: (item[0] is plain) == (r % 2 == 0)):
+            times.append(_time(fn, dev))
+        dump_writes.append(timer.seconds)
+        for p in directory.iterdir():  # keep the disk use to one repeat's files
+            p.unlink()
+    mb = nbytes / 1e6
+    return {
+        "calls": len(calls),
+        "mb": mb,
+        "step_s": statistics.median(plain_step),
+        "dumped_step_s": statistics.median(dumped_step),
+        "dumper_mb_s": mb / statistics.median(dump_writes),
+        "h5py_mb_s": mb / statistics.median(h5py_write),
+    }
+
+
+def _probe(model: nn.Module) -> fwdtrace.Probe:
+    probe = fwdtrace.Probe(model)
+    probe.replace_input("*", lambda m, i, o: None)
+    probe.replace_output("*", lambda m, i, o: None)
+    probe.running_stats("*", of="output")
+    return probe
+
+
+def bench_probe(model: nn.Module, x: torch.Tensor, repeats: int, device: str) -> dict[str, float]:
+    """A forward without hooks, with a disabled probe, and (for scale) with no-op hooks enabled."""
+    model.eval()
+    plain, disabled, noop = [], [], []
+    with torch.no_grad():
+        for _ in range(2):  # warm up
+            model(x)
+        for _ in range(repeats):
+            plain.append(_time(lambda: model(x), device))
+            probe = _probe(model)
+            probe.enabled = False
+            disabled.append(_time(lambda: model(x), device))
+            probe.remove()
+            probe = fwdtrace.Probe(model)
+            probe.replace_input("*", lambda m, i, o: None)
+            probe.replace_output("*", lambda m, i, o: None)
+            noop.append(_time(lambda: model(x), device))
+            probe.remove()
+    model.train()
+    p, q, r = statistics.median(plain), statistics.median(disabled), statistics.median(noop)
+    return {
+        "hooked_modules": len(probe.keys),
+        "forward_s": p,
+        "disabled_s": q,
+        "overhead_pct": 100 * (q - p) / p,
+        "noop_overhead_pct": 100 * (r - p) / p,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--probe-repeats", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--size", type=int, default=128, help="image side in pixels")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dir", default=None, help="where to write the dumps (default: a temporary folder)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = ResNet50().to(args.device)
+    x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
+    print(f"ResNet-50-sized CNN, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+          f"input {list(x.shape)}, device {args.device}, torch threads {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        d = bench_dump(model, x, args.repeats, args.device, Path(tmp))
+    print(f"dump: {d['calls']} module calls, {d['mb']:.0f} MB per step; step {d['step_s']:.2f} s, "
+          f"with dumper {d['dumped_step_s']:.2f} s")
+    print(f"  dumper {d['dumper_mb_s']:.0f} MB/s, plain h5py {d['h5py_mb_s']:.0f} MB/s: "
+          f"{d['dumper_mb_s'] / d['h5py_mb_s']:.2f}x (target >= 0.8x)")
+    p = bench_probe(model, x, args.probe_repeats, args.device)
+    print(f"disabled probe: {p['hooked_modules']} modules with 3 hooks each; forward {p['forward_s'] * 1e3:.1f} ms, "
+          f"with the probe disabled {p['disabled_s'] * 1e3:.1f} ms: {p['overhead_pct']:+.2f}% (target < 2%)")
+    print(f"  for scale, two enabled no-op hooks per module: {p['noop_overhead_pct']:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
