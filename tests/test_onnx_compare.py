@@ -215,6 +215,12 @@ TAMPERS = {"insert_relu": insert_relu, "remove_add": remove_residual_add, "rewir
            "delete_conv": delete_conv}
 
 
+def compare_tampered(exported, exporter: str, tamper, stripped: bool) -> fwdtrace.TopologyReport:
+    """The resnetish trace against its export tampered by ``tamper``, scope metadata kept or stripped."""
+    _, _, graph, proto = exported("resnetish", exporter)
+    return fwdtrace.compare_onnx(graph, tamper(strip_scopes(proto) if stripped else proto))
+
+
 @pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("tamper", TAMPERS)
 def test_tampering_is_real(exported, exporter: str, tamper: str) -> None:
@@ -228,9 +234,7 @@ def test_tampering_is_real(exported, exporter: str, tamper: str) -> None:
 @pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_inserted_relu_is_extra(exported, exporter: str, stripped: bool) -> None:
-    _, _, graph, proto = exported("resnetish", exporter)
-    base = strip_scopes(proto) if stripped else proto
-    report = fwdtrace.compare_onnx(graph, insert_relu(base))
+    report = compare_tampered(exported, exporter, insert_relu, stripped)
     assert not report.ok and report.missing == [] and report.rewired == []
     assert len(report.extra) == 1 and "[Relu]" in report.text
     if not stripped:  # with scopes, the exporter's own Relu keeps its match
@@ -241,9 +245,7 @@ def test_inserted_relu_is_extra(exported, exporter: str, stripped: bool) -> None
 @pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_removed_residual_add_is_missing(exported, exporter: str, stripped: bool) -> None:
-    _, _, graph, proto = exported("resnetish", exporter)
-    base = strip_scopes(proto) if stripped else proto
-    report = fwdtrace.compare_onnx(graph, remove_residual_add(base))
+    report = compare_tampered(exported, exporter, remove_residual_add, stripped)
     assert not report.ok and report.extra == []
     assert report.missing == ["add = torch.Tensor.add in blocks.0"]
     # the skip connection from the stem no longer reaches the block's last ReLU
@@ -270,8 +272,7 @@ def _stem_relu(proto: onnx.ModelProto) -> str:
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_rewired_conv_without_scopes_is_still_caught_there(exported, exporter: str) -> None:
-    _, _, graph, proto = exported("resnetish", exporter)
-    report = fwdtrace.compare_onnx(graph, rewire_conv(strip_scopes(proto)))
+    report = compare_tampered(exported, exporter, rewire_conv, stripped=True)
     assert not report.ok
     assert "blocks.0.c2 (Conv2d)" in report.text.split("matched:")[0]
 
@@ -279,9 +280,7 @@ def test_rewired_conv_without_scopes_is_still_caught_there(exported, exporter: s
 @pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_deleted_conv_is_missing(exported, exporter: str, stripped: bool) -> None:
-    _, _, graph, proto = exported("resnetish", exporter)
-    base = strip_scopes(proto) if stripped else proto
-    report = fwdtrace.compare_onnx(graph, delete_conv(base))
+    report = compare_tampered(exported, exporter, delete_conv, stripped)
     assert not report.ok and report.extra == [] and report.rewired == []
     assert report.missing == ["blocks.0.c2 (Conv2d)"]
     assert ("blocks.0.b2 (BatchNorm2d)", "would fold into blocks.0.c2 (Conv2d), missing") in report.elided
