@@ -192,14 +192,15 @@ class Probe:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-    def remove(self) -> None:
-        """Remove every hook this probe added (and stop noting errors, if in a ``with``)."""
-        while self.handles:
-            self.handles[-1].remove()
+        # Only here, so nested probes restore Module.__call__ last in, first out.
         if self._notes is not None:
             self._notes.close()
             self._notes = None
+
+    def remove(self) -> None:
+        """Remove every hook this probe added; the probe stays usable."""
+        while self.handles:
+            self.handles[-1].remove()
 
     # -- selection --------------------------------------------------------------------------------
     def select(self, selector: Selector) -> dict[str, torch.nn.Module]:
