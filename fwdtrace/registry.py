@@ -147,7 +147,13 @@ def resolve_target(target: Any, caller: str = "hook_forward()") -> type[torch.nn
         obj, owner = _resolve_dotted(target)
     elif inspect.isfunction(target) and target.__qualname__.endswith(".forward"):
         cls_path = f"{target.__module__}.{target.__qualname__.rsplit('.', 1)[0]}"
-        obj, owner = target, _resolve_dotted(cls_path)[0]
+        try:
+            obj, owner = target, _resolve_dotted(cls_path)[0]
+        except FwdtraceError:  # a class defined inside a function: say what to pass instead
+            raise FwdtraceError(
+                f"{caller} could not find the class of {target.__qualname__} by its path "
+                f"{cls_path!r}; pass the class itself"
+            ) from None
     else:
         obj, owner = target, None
     if isinstance(obj, type) and issubclass(obj, torch.nn.Module):

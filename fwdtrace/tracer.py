@@ -137,6 +137,8 @@ class Tracer:
         self._quiet = 0  # > 0 inside a leaf, a callback or fwdtrace's own bookkeeping
         self._leaf_call: torch.nn.Module | None = None  # the leaf whose __call__ (hooks included) runs
         self._module2path: dict[int, str] = {}
+        self._outside: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules not in the model
+        self._forgotten = 0  # paths of such modules that died (numbering goes on past them)
         self._param_names: dict[int, str] = {}
         self._calls: dict[str, int] = {}  # nodes so far per module path (and per op in a module)
         self._scope_calls: dict[str, int] = {}  # calls so far of every module, atomic or not
@@ -176,6 +178,7 @@ class Tracer:
             self._patcher.restore()
             self._pinned.clear()
             self._weakrefs.clear()  # dropping the weakrefs also drops their callbacks
+            self._outside.clear()
             self._raw2obj.clear()
             self._stack.clear()
             self._patched.clear()
@@ -212,8 +215,18 @@ class Tracer:
     def _path(self, module: torch.nn.Module) -> str:
         path = self._module2path.get(id(module))
         if path is None:  # a module outside the traced model, made or passed in at run time
-            path = self._module2path[id(module)] = f"<{type(module).__name__}@{len(self._module2path)}>"
+            number = len(self._module2path) + self._forgotten
+            path = self._module2path[id(module)] = f"<{type(module).__name__}@{number}>"
+            # One made in forward dies soon and a new one may get its id(): forget the path then.
+            raw = id(module)
+            self._outside[raw] = weakref.ref(module, functools.partial(self._forget_module, raw))
         return path
+
+    def _forget_module(self, raw: int, ref: weakref.ref[torch.nn.Module]) -> None:
+        if self._outside.get(raw) is ref:
+            del self._outside[raw]
+            if self._module2path.pop(raw, None) is not None:
+                self._forgotten += 1
 
     def _patch_forward(self, owner: type[torch.nn.Module]) -> None:
         self._patcher.patch(owner, "forward", _wrap(unwrap(owner.forward), self._on_forward))
