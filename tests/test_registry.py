@@ -49,6 +49,17 @@ def test_bad_targets_raise_naming_what_failed(target: Any, message: str) -> None
     assert_same_objects(before)
 
 
+def test_the_forward_of_a_local_class_asks_for_the_class() -> None:
+    class Local(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(FwdtraceError, match=r"^hook_forward\(\) could not find the class of .*<locals>\.Local\.forward "
+                       r"by its path '.*'; pass the class itself"):
+        fwdtrace.hook_forward(Local.forward)
+    assert resolve_target(Local) is Local
+
+
 def test_register_atomic_of_a_non_class_names_itself() -> None:
     with pytest.raises(FwdtraceError, match=r"^register_atomic\(\) expected a torch\.nn\.Module subclass"):
         fwdtrace.register_atomic("torch.nn.functional.relu")

@@ -603,3 +603,24 @@ def test_hooks_on_a_leaf_are_not_nodes() -> None:
             h.remove()
     assert len(stats) == 3
     assert hooked == fwdtrace.trace(model, x)
+
+
+def test_layers_made_in_forward_get_their_own_paths() -> None:
+    """Throwaway layers die at once and CPython hands their id() to the next one."""
+
+    class OnTheFly(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for cls in (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.ReLU):
+                x = cls()(x)
+            return x
+
+    seen: list[str] = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    try:
+        graph = fwdtrace.trace(OnTheFly(), torch.ones(2))
+    finally:
+        handle.remove()
+    layers = graph.find(kind="module")
+    assert [n.class_name for n in layers] == seen[:-1] == ["ReLU", "Tanh", "Sigmoid", "ReLU"]
+    assert len({n.module_path for n in layers}) == 4
+    assert all(n.module_path == f"<{n.class_name}@{i + 1}>" and n.call_index == 0 for i, n in enumerate(layers))
