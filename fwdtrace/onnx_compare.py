@@ -112,6 +112,7 @@ class _Matcher:
         self.o = og
         self.tnodes = trace.nodes
         self.onodes = og.nodes
+        self.op_types = [str(n.meta.get("op_type", n.target.rsplit(".", 1)[-1])) for n in og.nodes]
         # ONNX side: og is pruned, so every node is data; a value with a producer is data
         self.producer: dict[int, int] = {}
         self.consumers: dict[int, list[int]] = {}
@@ -138,7 +139,7 @@ class _Matcher:
 
     # -- ONNX helpers -----------------------------------------------------------------------------
     def op(self, oid: int) -> str:
-        return str(self.onodes[oid].meta.get("op_type", self.onodes[oid].target.rsplit(".", 1)[-1]))
+        return self.op_types[oid]
 
     def _data_inputs(self, n: Node) -> list[int]:
         return [r.obj_id for r in n.inputs if r.obj_id in self.producer]
@@ -575,15 +576,16 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
     elided = [(_trace_label(trace.nodes[i]), how) for i, how in result.elided]
     ok = not (missing or extra or rewired)
 
+    kinds = Counter(
+        "folded" if how.startswith("folded") else how if how in ("wiring", "constant") else "removed"
+        for _, how in elided
+    )
+    how_elided = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
     lines = [
         f"ONNX cross-check{f' ({exporter} exporter)' if exporter else ''}: "
         + ("the export has the topology of the trace" if ok else "the export DIFFERS from the trace"),
-        f"  {len(matched)} traced calls matched to "
-        f"{sum(len(o) for _, o in matched)} ONNX nodes; {len(elided)} elided "
-        f"({sum(1 for _, h in elided if h.startswith('folded'))} folded, "
-        f"{sum(1 for _, h in elided if h == 'wiring')} wiring, "
-        f"{sum(1 for _, h in elided if h.startswith('removed'))} removed, "
-        f"{sum(1 for _, h in elided if h == 'constant')} constant); "
+        f"  {len(matched)} traced calls matched to {sum(len(o) for _, o in matched)} ONNX nodes; "
+        f"{len(elided)} elided{f' ({how_elided})' if how_elided else ''}; "
         f"{len(missing)} missing, {len(extra)} extra, {len(rewired)} rewired",
     ]
     if result.missing or result.unmatched_inputs[0]:
@@ -608,13 +610,12 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
         lines += [f"  - {r}" for r in rewired]
     if matched:
         lines.append("matched:")
-        folded = {lbl: how for lbl, how in elided}
-        width = max(len(t) for t, _ in matched)
+        folded = [(lbl, how) for lbl, how in elided if how.startswith("folded")]
+        width = max(len(t) for t, _ in matched + folded)
         for t, o in matched:
             lines.append(f"  {t.ljust(width)}  <->  {', '.join(o)}")
-        for lbl, how in folded.items():
-            if how.startswith("folded"):
-                lines.append(f"  {lbl.ljust(width)}  <->  {how}")
+        for lbl, how in folded:
+            lines.append(f"  {lbl.ljust(width)}  <->  {how}")
     return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter)
 
 

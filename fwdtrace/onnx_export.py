@@ -226,6 +226,42 @@ def _attr_value(attr: Any) -> Any:
     return None  # tensors and subgraphs are not display attributes
 
 
+def _inferred_value_info(proto: onnx.ModelProto) -> list[Any]:
+    """Shapes of the values the model itself does not describe, from ONNX shape inference.
+
+    Inference runs on a copy without the weights' data (weights become typed inputs):
+    serialising hundreds of megabytes of weights would cost more than the comparison.
+    """
+    onnx = _import_onnx()
+    g = proto.graph
+    known = {vi.name for vi in [*g.input, *g.value_info, *g.output]} | {i.name for i in g.initializer}
+    if all(o in known for n in g.node for o in n.output if o):
+        return []
+    small = [i for i in g.initializer if _numel(i.dims) <= 64]  # shape constants: inference reads them
+    large = [
+        onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+        for i in g.initializer if _numel(i.dims) > 64
+    ]
+    light = onnx.helper.make_model(
+        onnx.helper.make_graph(list(g.node), g.name, [*g.input, *large], list(g.output),
+                               initializer=small, value_info=list(g.value_info)),
+        opset_imports=list(proto.opset_import),
+        functions=list(proto.functions),
+        ir_version=proto.ir_version,
+    )
+    try:
+        return list(onnx.shape_inference.infer_shapes(light).graph.value_info)
+    except Exception:  # a model shape inference cannot follow still has a topology
+        return []
+
+
+def _numel(dims: Any) -> int:
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
+
+
 def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool = False) -> Graph:
     """An ONNX model as a :class:`~fwdtrace.Graph`: one node per ONNX node, edges by value.
 
@@ -247,13 +283,9 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
         proto = onnx.load(os.fspath(proto))
     if not isinstance(proto, onnx.ModelProto):
         raise FwdtraceError(f"onnx_graph() expected an onnx.ModelProto or a path to a .onnx file, got {describe(proto)}")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception:  # a model shape inference cannot follow still has a topology
-        inferred = proto
-    g = inferred.graph
+    g = proto.graph
     info: dict[str, tuple[tuple[int, ...], str]] = {}
-    for vi in [*g.input, *g.value_info, *g.output]:
+    for vi in [*g.input, *g.value_info, *g.output, *_inferred_value_info(proto)]:
         t = vi.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
         info[vi.name] = (dims, _dtype_name(t.elem_type))

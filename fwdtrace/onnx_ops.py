@@ -235,10 +235,15 @@ _register(
         "movedim", "repeat", "tile", "clone", "detach", "to", "float", "double", "half", "type_as", "type",
         "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones", "new_full", "new_empty",
     )
-    + ["torch.Tensor.__getitem__", "torch.Tensor.T", "torch.Tensor.mT", "torch.Tensor.dropout"]
-    + _functions("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
-    + _nn("Flatten", "Unflatten", "Identity", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout",
-          "FeatureAlphaDropout"),
+    + ["torch.Tensor.__getitem__", "torch.Tensor.T", "torch.Tensor.mT"]
+    + _nn("Flatten", "Unflatten", "Identity"),
+    optional=True,
+)
+# Dropout is an ONNX Dropout in a training-mode export and nothing at all in eval mode.
+_register(
+    _functions("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+    + _nn("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout"),
+    "Dropout",
     optional=True,
 )
 
