@@ -15,7 +15,8 @@
    reports two enabled no-op hooks per module.
 
 Runs are interleaved and the medians over ``--repeats`` reported; the defaults fit in
-24 GiB RAM and a couple of minutes on two CPU cores.
+24 GiB RAM and a couple of minutes on two CPU cores. On CPU the clock is the process's CPU
+time (``--clock wall`` for wall-clock), which other load on a shared machine disturbs less.
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# time.process_time (CPU seconds of this process, all its threads) on a CPU run: a shared
+# machine's other load changes it far less than wall-clock time. Set by --clock.
+_CLOCK: Callable[[], float] = time.process_time
+
+
 def _time(fn: Callable[[], object], device: str) -> float:
     _sync(device)
-    start = time.perf_counter()
+    start = _CLOCK()
     fn()
     _sync(device)
-    return time.perf_counter() - start
+    return _CLOCK() - start
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> None:
@@ -153,10 +159,10 @@ class _WriteTimer:
     def __enter__(self) -> _WriteTimer:
         original = self._original
 
-        def timed(recording: object, group: object, name: str, t: torch.Tensor) -> None:
-            start = time.perf_counter()
-            original(recording, group, name, t)
-            self.seconds += time.perf_counter() - start
+        def timed(*args: object) -> None:
+            start = _CLOCK()
+            original(*args)
+            self.seconds += _CLOCK() - start
 
         fwdtrace.dump._Recording._write = timed  # type: ignore[method-assign]
         return self
@@ -247,13 +253,23 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128, help="image side in pixels")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dir", default=None, help="where to write the dumps (default: a temporary folder)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: idle worker threads spin, which CPU time would count)")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                        help="cpu: process CPU time (default on CPU), wall: wall-clock (default on CUDA)")
     args = parser.parse_args()
+    global _CLOCK
+    if (args.clock or ("wall" if args.device == "cuda" else "cpu")) == "wall":
+        _CLOCK = time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     model = ResNet50().to(args.device)
     x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
     print(f"ResNet-50-sized CNN, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
-          f"input {list(x.shape)}, device {args.device}, torch threads {torch.get_num_threads()}")
+          f"input {list(x.shape)}, device {args.device}, torch threads {torch.get_num_threads()}, "
+          f"clock {'wall' if _CLOCK is time.perf_counter else 'process CPU time'}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         d = bench_dump(model, x, args.repeats, args.device, Path(tmp))
     print(f"dump: {d['calls']} module calls, {d['mb']:.0f} MB per step; step {d['step_s']:.2f} s, "

@@ -51,6 +51,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass
+class _Call:
+    """One module call's group, with its name (asking HDF5 for a group's name is slow)."""
+
+    name: str
+    group: Any
+
+
 class _Recording:
     """One registration: the open file, the hooks, and the call bookkeeping."""
 
@@ -69,8 +77,8 @@ class _Recording:
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.path2calls: dict[str, int] = {}
-        self.module2groups: dict[int, list[Any]] = {}  # calls not yet through backward, per module
-        self.open_calls: dict[int, list[Any]] = {}  # calls whose forward is running, per module
+        self.module2calls: dict[int, list[_Call]] = {}  # calls not yet through backward, per module
+        self.open_calls: dict[int, list[_Call]] = {}  # calls whose forward is running, per module
         self.skipped: list[str] = []
         self.forward_handles: list[Any] = []
         self.backward_handles: list[Any] = []
@@ -90,7 +98,7 @@ class _Recording:
             if grads:
                 self.backward_handles.append(module.register_full_backward_hook(self._grad_hook))
 
-    def _write(self, group: Any, name: str, t: torch.Tensor) -> None:
+    def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -99,17 +107,17 @@ class _Recording:
             arr = t.contiguous().view(store_as).numpy()
         else:
             arr = t.resolve_conj().resolve_neg().contiguous().numpy()
-        ds = group.create_dataset(name, data=arr)
+        ds = call.group.create_dataset(name, data=arr)
         if store_as is not None:
             # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
             ds.attrs["torch_dtype"] = _dtype_name(t.dtype)
-        self.order.append(f"{group.name.lstrip('/')}/{name}")
+        self.order.append(f"{call.name}/{name}")
 
-    def _write_all(self, group: Any, prefix: str, obj: Any) -> None:
+    def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
         for i, (_, t) in enumerate(iter_tensors(obj, prefix)):
-            self._write(group, f"{prefix}{i}", t)
+            self._write(call, f"{prefix}{i}", t)
 
-    def _note_skipped(self, group: Any, output: Any) -> None:
+    def _note_skipped(self, call: _Call, output: Any) -> None:
         # Non-tensor results (None, ints, strings) get no dataset: say so in the attributes.
         parts = list(enumerate(output)) if isinstance(output, (tuple, list)) else [(None, output)]
         notes = [
@@ -118,8 +126,8 @@ class _Recording:
             if part is not None and not isinstance(part, torch.Tensor) and not any(True for _ in iter_tensors(part))
         ] + [f"output[{j}]: None" for j, part in parts if part is None]
         if notes:
-            group.attrs["skipped"] = "; ".join(notes)
-            self.skipped += [f"{group.name.lstrip('/')} {n}" for n in notes]
+            call.group.attrs["skipped"] = "; ".join(notes)
+            self.skipped += [f"{call.name} {n}" for n in notes]
 
     def _pre_hook(self, key: str, path: str) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -127,13 +135,14 @@ class _Recording:
                 return
             call_index = self.path2calls.get(path, 0)
             self.path2calls[path] = call_index + 1
-            group = self.file.create_group(f"{self.calls:03d}_{type(module).__name__}", track_order=True)
-            group.attrs["module_key"] = key
-            group.attrs["module_path"] = path
-            group.attrs["call_index"] = call_index
+            name = f"{self.calls:03d}_{type(module).__name__}"
+            call = _Call(name, self.file.create_group(name, track_order=True))
+            call.group.attrs["module_key"] = key
+            call.group.attrs["module_path"] = path
+            call.group.attrs["call_index"] = call_index
             self.calls += 1
-            self._write_all(group, "input", (args, kwargs) if kwargs else args)
-            self.open_calls.setdefault(id(module), []).append(group)
+            self._write_all(call, "input", (args, kwargs) if kwargs else args)
+            self.open_calls.setdefault(id(module), []).append(call)
 
         return hook
 
@@ -142,10 +151,10 @@ class _Recording:
             stack = self.open_calls.get(id(module))
             if self.forward_done or not stack:
                 return
-            group = stack.pop()
-            self._write_all(group, "output", result)
-            self._note_skipped(group, result)
-            self.module2groups.setdefault(id(module), []).append(group)
+            call = stack.pop()
+            self._write_all(call, "output", result)
+            self._note_skipped(call, result)
+            self.module2calls.setdefault(id(module), []).append(call)
             if is_root:
                 # The step's forward is over. The backward hooks of the calls recorded stay
                 # attached to their autograd graph; later forwards get none.
@@ -156,14 +165,14 @@ class _Recording:
         return hook
 
     def _grad_hook(self, module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-        groups = self.module2groups.get(id(module))
-        if not groups or not self.file:
+        calls = self.module2calls.get(id(module))
+        if not calls or not self.file:
             return
-        group = groups.pop()  # backward visits a module's calls last first
+        call = calls.pop()  # backward visits a module's calls last first
         for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)):
             for i, g in enumerate(grads):
                 if isinstance(g, torch.Tensor):
-                    self._write(group, f"{prefix}{i}", g)
+                    self._write(call, f"{prefix}{i}", g)
 
     def close(self) -> None:
         for h in self.forward_handles + self.backward_handles:
