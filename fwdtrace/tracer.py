@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
+from torch.overrides import _get_current_function_mode as _current_function_mode
 
 from . import registry as _registry
 from ._tree import iter_tensors, tensors_of
@@ -248,8 +249,15 @@ class Tracer:
         if leaf_call:
             self._quiet += 1
             self._leaf_call = module
+        # Inside a leaf the function recorder steps aside: torch's fused fast paths (nn.MultiheadAttention's)
+        # check for an active mode and would fall back to slower, memory-hungrier kernels.
+        step_aside = leaf_call and self._mode is not None and _current_function_mode() is self._mode
         try:
-            out = call(module, *args, **kwargs)
+            if step_aside:
+                with _pop_mode_temporarily():
+                    out = call(module, *args, **kwargs)
+            else:
+                out = call(module, *args, **kwargs)
         except BaseException as e:
             _note_layer(e, path, module, args, kwargs)
             raise
