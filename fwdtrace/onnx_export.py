@@ -74,7 +74,7 @@ def export_onnx(
     onnx_mod = _import_onnx()
     other = EXPORTERS[1 - EXPORTERS.index(exporter)]
     try:
-        with _flat_outputs(model, args, kwargs), _quiet_exporter_logs():
+        with _flat_outputs(model), _quiet_exporter_logs():
             if exporter == "dynamo":
                 program = torch.onnx.export(
                     model, args, kwargs=kwargs or None, dynamo=True, verbose=False, opset_version=opset_version
@@ -129,23 +129,21 @@ def _needs_flattening(out: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _flat_outputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """While active, ``model`` returns a tuple of its output tensors if its outputs need that.
+def _flat_outputs(model: torch.nn.Module) -> Iterator[None]:
+    """While active, ``model`` returns the tuple of its output tensors when its outputs need that.
 
-    Both exporters refuse dataclass outputs and the TorchScript one refuses ModelOutput;
-    the forward is patched on the instance (not wrapped in a parent module), so module
-    scopes and parameter names in the export stay those of ``model``.
+    Both exporters refuse dataclass outputs and the TorchScript one refuses ModelOutput.
+    The forward is patched on the instance (not wrapped in a parent module), so module
+    scopes and parameter names in the export stay those of ``model``; the decision is
+    made while the exporter runs it, so no extra forward runs (and no BatchNorm in
+    training mode updates its statistics twice).
     """
-    with torch.no_grad():
-        out = model(*args, **kwargs)
-    if not _needs_flattening(out):
-        yield
-        return
     forward = model.forward
 
     @functools.wraps(forward)
-    def flat_forward(*a: Any, **k: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(tensors_of(forward(*a, **k)))
+    def flat_forward(*a: Any, **k: Any) -> Any:
+        out = forward(*a, **k)
+        return tuple(tensors_of(out)) if _needs_flattening(out) else out
 
     with Patcher() as patcher:
         patcher.patch(cast(Any, model), "forward", flat_forward)
