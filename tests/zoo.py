@@ -232,51 +232,53 @@ class DataclassOutput(nn.Module):
         return Output(logits=h * 2, hidden=h)
 
 
-def _seeded(factory: Callable[[], nn.Module], *inputs: torch.Tensor) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def _seeded(
+    factory: Callable[[], nn.Module], make_inputs: Callable[[], tuple[torch.Tensor, ...]]
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The model and its inputs, both drawn after seeding: every call gives the same ones."""
     torch.manual_seed(0)
     model = factory().eval()
-    return model, inputs
+    return model, make_inputs()
 
 
 def resnetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(ResNetish, torch.randn(1, 3, 16, 16))
+    return _seeded(ResNetish, lambda: (torch.randn(1, 3, 16, 16),))
 
 
 def densenetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(DenseNetish, torch.randn(1, 3, 16, 16))
+    return _seeded(DenseNetish, lambda: (torch.randn(1, 3, 16, 16),))
 
 
 def mobilenetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(MobileNetish, torch.randn(1, 3, 16, 16))
+    return _seeded(MobileNetish, lambda: (torch.randn(1, 3, 16, 16),))
 
 
 def unetish() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(UNetish, torch.randn(1, 3, 16, 16))
+    return _seeded(UNetish, lambda: (torch.randn(1, 3, 16, 16),))
 
 
 def transformer_encoder() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(TransformerEncoder, torch.randn(2, 6, 32))
+    return _seeded(TransformerEncoder, lambda: (torch.randn(2, 6, 32),))
 
 
 def hand_attention() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(HandAttention, torch.randn(2, 5, 16))
+    return _seeded(HandAttention, lambda: (torch.randn(2, 5, 16),))
 
 
 def embed_norm_gelu() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    torch.manual_seed(1)
-    return _seeded(EmbedNormGelu, torch.randint(0, 50, (2, 8)))
+    return _seeded(EmbedNormGelu, lambda: (torch.randint(0, 50, (2, 8)),))
 
 
 def lstm_tagger() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(LSTMTagger, torch.randn(2, 5, 8))
+    return _seeded(LSTMTagger, lambda: (torch.randn(2, 5, 8),))
 
 
 def gru_net() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(GRUNet, torch.randn(2, 5, 8))
+    return _seeded(GRUNet, lambda: (torch.randn(2, 5, 8),))
 
 
 def shared_weights() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    return _seeded(SharedWeights, torch.randn(3, 8))
+    return _seeded(SharedWeights, lambda: (torch.randn(3, 8),))
 
 
 # name -> factory; the architectures every cross-check runs on.
