@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._tree import tensors_of
@@ -174,7 +175,7 @@ class _Counts:
         self.stack: list[str] = []
         # Memory: storages alive now, by their StorageImpl address. The model's parameters and
         # buffers and the inputs (``base``) stay alive throughout; new ones are followed until freed.
-        self._base = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in base}
+        self._base = dict(filter(None, map(_storage, base)))
         self._live: dict[int, tuple[Any, int]] = {}
         self.live_bytes = sum(self._base.values())
         self.peak_bytes = self.live_bytes
@@ -198,8 +199,6 @@ class _Counts:
                 self.flops_total[key] += flops
 
     def add_outputs(self, out: Any) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         for cdata, (ref, nbytes) in list(self._live.items()):  # first retire, then add: addresses get reused
             if ref.expired():
                 del self._live[cdata]
@@ -211,11 +210,21 @@ class _Counts:
                 continue
             cdata = storage._cdata
             if cdata not in self._base and cdata not in self._live:
-                self._live[cdata] = (StorageWeakRef(storage), storage.nbytes())
-                self.live_bytes += storage.nbytes()
+                nbytes = storage.nbytes()
+                self._live[cdata] = (StorageWeakRef(storage), nbytes)
+                self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         for key in self.stack:
             self.peak[key] = max(self.peak[key], self.live_bytes)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(StorageImpl address, bytes) of a tensor's storage; None for subclasses without one."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage._cdata, storage.nbytes()
 
 
 class _CountingMode(TorchDispatchMode):
