@@ -13,42 +13,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-# The same ResNet-50 as the trace benchmark's; this script runs from benchmarks/, which Python puts on sys.path.
+# One definition of each model: the trace benchmark's ResNet-50 (this script runs from benchmarks/,
+# which Python puts on sys.path) and the test zoo's pre-norm encoder on nn.MultiheadAttention.
 from trace_overhead import ResNet50
 
 import fwdtrace
 
-
-class EncoderLayer(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.norm2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class Encoder(nn.Module):
-    """A BERT-base-sized pre-norm encoder: 12 layers, width 768, 12 heads (85 M parameters)."""
-
-    def __init__(self, d: int = 768, heads: int = 12, layers: int = 12) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[EncoderLayer(d, heads) for _ in range(layers)])
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.layers(x))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from zoo import TransformerEncoder  # noqa: E402
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -89,7 +69,7 @@ def measure(name: str, make: Callable[[], tuple[nn.Module, torch.Tensor]], round
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
     "ResNet-50, 1x3x224x224": lambda: (ResNet50().eval(), torch.randn(1, 3, 224, 224)),
-    "Encoder 12x768, 1x128 tokens": lambda: (Encoder().eval(), torch.randn(1, 128, 768)),
+    "Encoder 12x768, 1x128 tokens": lambda: (TransformerEncoder(d=768, layers=12).eval(), torch.randn(1, 128, 768)),
 }
 
 
