@@ -164,6 +164,11 @@ class _Matcher:
         t_inputs = [n for n in self.tnodes if n.kind == "input"]
         o_inputs = [n for n in self.onodes if n.kind == "input"]
         pairs, lone_t, lone_o = _pair_inputs(t_inputs, o_inputs)
+        # an input nothing reads may be dropped by an exporter (TorchScript does) or kept
+        for tn in [n for n in lone_t if n.id not in self.trace_succ]:
+            self.elided.append((tn.id, "unused input"))
+            lone_t.remove(tn)
+        lone_o = [n for n in lone_o if any(r.obj_id in self.consumers for r in n.outputs)]
         for tn, on in pairs:
             self._new_group(tn.id, {on.id}, on.id)
             for r in tn.outputs:
@@ -577,7 +582,7 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
     ok = not (missing or extra or rewired)
 
     kinds = Counter(
-        "folded" if how.startswith("folded") else how if how in ("wiring", "constant") else "removed"
+        "folded" if how.startswith("folded") else how if how in ("wiring", "constant", "unused input") else "removed"
         for _, how in elided
     )
     how_elided = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import inspect
 import io
 import logging
 import os
@@ -74,20 +75,27 @@ def export_onnx(
     onnx_mod = _import_onnx()
     other = EXPORTERS[1 - EXPORTERS.index(exporter)]
     try:
-        with _flat_outputs(model), _quiet_exporter_logs():
-            if exporter == "dynamo":
+        if exporter == "dynamo":
+            with _export_forward(model, len(args), ()), _quiet_exporter_logs():
                 program = torch.onnx.export(
                     model, args, kwargs=kwargs or None, dynamo=True, verbose=False, opset_version=opset_version
                 )
-                if program is None:  # pragma: no cover - dynamo=True always returns a program
-                    raise RuntimeError("torch.onnx.export returned no ONNXProgram")
-                proto = program.model_proto
-            else:
-                buffer = io.BytesIO()
+            if program is None:  # pragma: no cover - dynamo=True always returns a program
+                raise RuntimeError("torch.onnx.export returned no ONNXProgram")
+            proto = program.model_proto
+        else:
+            # The TorchScript exporter passes kwargs as one trailing positional dict, which
+            # models such as transformers' refuse: keyword tensors go in as positions and the
+            # patched forward hands them back by name.
+            tensor_kw = [k for k, v in kwargs.items() if tensors_of(v)]
+            consts = {k: v for k, v in kwargs.items() if k not in tensor_kw}
+            buffer = io.BytesIO()
+            with _export_forward(model, len(args), tuple(tensor_kw), consts), _quiet_exporter_logs():
                 torch.onnx.export(
-                    model, args, cast(Any, buffer), kwargs=kwargs or None, dynamo=False, opset_version=opset_version
+                    model, (*args, *(kwargs[k] for k in tensor_kw)), cast(Any, buffer), dynamo=False,
+                    opset_version=opset_version, input_names=_input_names(model, len(args)) + tensor_kw,
                 )
-                proto = onnx_mod.load_from_string(buffer.getvalue())
+            proto = onnx_mod.load_from_string(buffer.getvalue())
     except FwdtraceError:
         raise
     except Exception as e:
@@ -129,25 +137,42 @@ def _needs_flattening(out: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _flat_outputs(model: torch.nn.Module) -> Iterator[None]:
-    """While active, ``model`` returns the tuple of its output tensors when its outputs need that.
+def _export_forward(
+    model: torch.nn.Module, n_args: int, keywords: tuple[str, ...], consts: dict[str, Any] | None = None
+) -> Iterator[None]:
+    """While active, ``model``'s forward takes keyword tensors by position and returns plain outputs.
 
-    Both exporters refuse dataclass outputs and the TorchScript one refuses ModelOutput.
-    The forward is patched on the instance (not wrapped in a parent module), so module
-    scopes and parameter names in the export stay those of ``model``; the decision is
-    made while the exporter runs it, so no extra forward runs (and no BatchNorm in
-    training mode updates its statistics twice).
+    Positions after the first ``n_args`` go back to the forward as ``keywords``, with
+    ``consts`` added. Both exporters refuse dataclass outputs and the TorchScript one
+    refuses ModelOutput: such outputs become the tuple of their tensors, decided while the
+    exporter runs the model (no extra forward). The forward is patched on the instance, not
+    wrapped in a parent module, so scopes and parameter names in the export stay ``model``'s.
     """
     forward = model.forward
+    fixed = dict(consts or {})
 
     @functools.wraps(forward)
-    def flat_forward(*a: Any, **k: Any) -> Any:
+    def export_forward(*a: Any, **k: Any) -> Any:
+        if keywords or fixed:
+            k = {**k, **fixed, **dict(zip(keywords, a[n_args:], strict=False))}
+            a = a[:n_args]
         out = forward(*a, **k)
         return tuple(tensors_of(out)) if _needs_flattening(out) else out
 
     with Patcher() as patcher:
-        patcher.patch(cast(Any, model), "forward", flat_forward)
+        patcher.patch(cast(Any, model), "forward", export_forward)
         yield
+
+
+def _input_names(model: torch.nn.Module, n_args: int) -> list[str]:
+    """The names of forward's first ``n_args`` parameters (``input_ids``), as the dynamo exporter uses."""
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:n_args]]
+    return names if len(names) == n_args else [f"input_{i}" for i in range(n_args)]
 
 
 @contextlib.contextmanager

@@ -138,6 +138,36 @@ def test_check_onnx_passes_keyword_inputs() -> None:
     assert [t for t, _ in report.matched] == ["fc (Linear)", "mul = torch.Tensor.mul"]
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_transformers_model_called_with_keyword_ids_agrees(exporter: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    proto = fwdtrace.export_onnx(model, exporter=exporter, input_ids=ids)  # returns a ModelOutput
+    assert [i.name for i in proto.graph.input] == ["input_ids"]
+    assert_runs_like_torch(proto, model(input_ids=ids), ids)
+    report = fwdtrace.compare_onnx(fwdtrace.trace(model, input_ids=ids), proto)
+    assert report.ok, report.text
+    assert "encoder.layer.1.attention.self.query (Linear)" in dict(report.matched)
+
+
+class Unused(torch.nn.Module):
+    def forward(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_an_input_nothing_reads_may_be_dropped(exporter: str) -> None:
+    report = fwdtrace.check_onnx(Unused().eval(), torch.ones(2), torch.ones(3), exporter=exporter)
+    assert report.ok, report.text
+    kept = any(i.name == "unused" for i in fwdtrace.export_onnx(Unused().eval(), torch.ones(2), torch.ones(3),
+                                                                exporter=exporter).graph.input)
+    assert (("input unused", "unused input") in report.elided) is not kept
+
+
 def test_report_serialises_and_prints_its_text(exported) -> None:
     _, _, graph, proto = exported("unetish", "dynamo")
     report = fwdtrace.compare_onnx(graph, proto)
