@@ -295,8 +295,10 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
       buffers and inputs plus every tensor storage the forward creates, alive at once, at
       the worst moment. It misses kernels' private workspaces and allocator overhead.
 
-    How the runs are spent is in the module docstring of :mod:`fwdtrace.analyze`. An error in
-    the forward is re-raised with a note naming the module key, class and input shapes.
+    How the runs are spent is in the module docstring of :mod:`fwdtrace.analyze`. The model
+    runs in the mode it is in: call ``model.eval()`` first, or dropout stays on and BatchNorm
+    updates its running statistics on every run. An error in the forward is re-raised with
+    a note naming the module key, class and input shapes.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"analyze() expected a torch.nn.Module as model, got {describe(model)}")
