@@ -41,8 +41,8 @@ _LAZY: dict[str, str] = {
     "compare_dumps": "fwdtrace.dump",
     "DumpReport": "fwdtrace.dump",
     # analysis (issue 5)
-    "analyze": "fwdtrace.analyze",
-    "Analysis": "fwdtrace.analyze",
+    "analyze": "fwdtrace.analysis",
+    "Analysis": "fwdtrace.analysis",
     "install_excepthook": "fwdtrace.excepthook",
     "uninstall_excepthook": "fwdtrace.excepthook",
 }

@@ -18,7 +18,7 @@ from .errors import FwdtraceError, describe
 # command -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
     "check-onnx": ("fwdtrace.onnx_compare", "trace a model, export it to ONNX and diff the two graphs"),
-    "analyze": ("fwdtrace.analyze", "parameters, FLOPs, latency and memory per module"),
+    "analyze": ("fwdtrace.analysis", "parameters, FLOPs, latency and memory per module"),
     "dump-diff": ("fwdtrace.dump", "compare two HDF5 dumps tensor by tensor"),
 }
 

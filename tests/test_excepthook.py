@@ -8,7 +8,7 @@ import traceback
 
 import pytest
 import torch
-from test_analyze import LAYER_NOTE, Deep
+from test_analysis import LAYER_NOTE, Deep
 
 import fwdtrace
 from fwdtrace.excepthook import layer_block

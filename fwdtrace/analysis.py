@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -295,7 +293,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
       buffers and inputs plus every tensor storage the forward creates, alive at once, at
       the worst moment. It misses kernels' private workspaces and allocator overhead.
 
-    How the runs are spent is in the module docstring of :mod:`fwdtrace.analyze`. The model
+    How the runs are spent is in the module docstring of :mod:`fwdtrace.analysis`. The model
     runs in the mode it is in: call ``model.eval()`` first, or dropout stays on and BatchNorm
     updates its running statistics on every run. An error in the forward is re-raised with
     a note naming the module key, class and input shapes.
@@ -453,18 +451,3 @@ def run_cli(args: argparse.Namespace) -> int:
         ) from e
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     return 0
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`analyze`.
-
-    ``fwdtrace.analyze`` names both the function and this module. Whichever Python binds to the
-    package attribute (importing the submodule, as the CLI does, binds the module and so
-    hides the lazily exported function), ``fwdtrace.analyze(model, x)`` must work.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Analysis:
-        return analyze(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -274,7 +274,7 @@ def test_installed_command_runs_in_a_subprocess():
 def test_fwdtrace_analyze_stays_callable_after_the_cli_imports_its_module():
     import importlib
 
-    importlib.import_module("fwdtrace.analyze")  # binds the package attribute to the module
+    importlib.import_module("fwdtrace.analysis")  # the CLI imports it; fwdtrace.analyze stays the function
     model, inputs = zoo.shared_weights()
     result = fwdtrace.analyze(model, *inputs, warmup=1, repeats=1)
     assert isinstance(result, fwdtrace.Analysis)
