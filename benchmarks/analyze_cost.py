@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+
+# The models every benchmark shares (this script runs from benchmarks/, which Python puts on sys.path).
+from bench_models import ResNet50, TransformerEncoder
 from torch import nn
 
-# One definition of each model: the trace benchmark's ResNet-50 (this script runs from benchmarks/,
-# which Python puts on sys.path) and the test zoo's pre-norm encoder on nn.MultiheadAttention.
-from trace_overhead import ResNet50
-
 import fwdtrace
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from zoo import TransformerEncoder  # noqa: E402
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:

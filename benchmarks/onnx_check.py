@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_models import ResNet50, TransformerEncoder
 from torch import nn
 
 import fwdtrace
@@ -25,80 +26,9 @@ import fwdtrace
 BUDGET = 0.10  # compare / export
 
 
-class Bottleneck(nn.Module):
-    def __init__(self, cin: int, width: int, stride: int) -> None:
-        super().__init__()
-        cout = 4 * width
-        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU()
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.down is None else self.down(x)
-        y = self.relu(self.bn1(self.conv1(x)))
-        y = self.relu(self.bn2(self.conv2(y)))
-        return self.relu(self.bn3(self.conv3(y)) + identity)
-
-
-class ResNet50ish(nn.Module):
-    """ResNet-50's layout: 7x7 stem, bottleneck stages of 3, 4, 6, 3 blocks, 25.6 M parameters."""
-
-    def __init__(self, classes: int = 1000) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-                                  nn.MaxPool2d(3, 2, 1))
-        layers: list[nn.Module] = []
-        cin = 64
-        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
-            for i in range(blocks):
-                layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
-                cin = 4 * width
-        self.layers = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
-
-
-class EncoderLayer(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.norm2 = nn.LayerNorm(d)
-        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.ff(self.norm2(x))
-
-
-class Encoder(nn.Module):
-    """Six pre-norm layers, d=512, 8 heads: a BERT-small-sized encoder without embeddings."""
-
-    def __init__(self, d: int = 512, heads: int = 8, layers: int = 6) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(d, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
-
-
 MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
-    "resnet50ish 1x3x224x224": lambda: (ResNet50ish().eval(), torch.randn(1, 3, 224, 224)),
-    "encoder 6x512 1x128": lambda: (Encoder().eval(), torch.randn(1, 128, 512)),
+    "resnet50 1x3x224x224": lambda: (ResNet50().eval(), torch.randn(1, 3, 224, 224)),
+    "encoder 6x512 1x128": lambda: (TransformerEncoder(d=512, layers=6, heads=8).eval(), torch.randn(1, 128, 512)),
 }
 
 

@@ -81,5 +81,20 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerly
-    pass
+if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerly ("X as X" re-exports)
+    from .analysis import Analysis as Analysis
+    from .analysis import analyze as analyze
+    from .dump import Dumper as Dumper
+    from .dump import DumpReport as DumpReport
+    from .dump import compare_dumps as compare_dumps
+    from .dump import read_dump as read_dump
+    from .excepthook import install_excepthook as install_excepthook
+    from .excepthook import uninstall_excepthook as uninstall_excepthook
+    from .onnx_compare import TopologyReport as TopologyReport
+    from .onnx_compare import check_onnx as check_onnx
+    from .onnx_compare import compare_onnx as compare_onnx
+    from .onnx_compare import render_side_by_side as render_side_by_side
+    from .onnx_export import export_onnx as export_onnx
+    from .onnx_export import onnx_graph as onnx_graph
+    from .onnx_ops import onnx_equivalent as onnx_equivalent
+    from .probe import Probe as Probe

@@ -122,9 +122,9 @@ class EncoderLayer(nn.Module):
 
 
 class TransformerEncoder(nn.Module):
-    def __init__(self, d: int = 32, layers: int = 2) -> None:
+    def __init__(self, d: int = 32, layers: int = 2, heads: int = 4) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(d) for _ in range(layers))
+        self.layers = nn.ModuleList(EncoderLayer(d, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
