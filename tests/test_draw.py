@@ -113,6 +113,9 @@ def test_render_writes_valid_files(tmp_path: Path, suffix: str, magic: bytes) ->
         texts = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
         assert "Conv2d" in texts and "cat" in texts
     assert [p.name for p in tmp_path.iterdir()] == [f"graph{suffix}"]  # no temporary left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert Path(path).stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not a private temporary
 
 
 def test_png_size_matches_layout(tmp_path: Path) -> None:

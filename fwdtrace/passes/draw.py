@@ -10,7 +10,6 @@ Graphviz's layout engine, so no ``dot`` binary is needed.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,13 +66,14 @@ def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise FwdtraceError(f"render() expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    # A plain open() (not mkstemp, whose files are private) so the file gets the user's umask.
+    tmp = directory / f".{path.name}.{os.getpid()}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return str(path)
 
