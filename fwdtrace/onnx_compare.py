@@ -149,7 +149,7 @@ class _Matcher:
         if op in ONNX_WIRING_OPS:
             return True
         data = self._data_inputs(n)
-        if op == "Gather":  # select/index on data is wiring; Gather from a weight is an Embedding
+        if op in ("Gather", "GatherND"):  # select/index on data is wiring; Gather from a weight is an Embedding
             return bool(n.inputs) and n.inputs[0].obj_id in self.producer
         if op == "Concat":
             return len(n.inputs) == 1 and len(data) == 1
@@ -175,8 +175,12 @@ class _Matcher:
                 self.tensor_groups[r.obj_id] = frozenset({tn.id})
         for tn in t_inputs:
             tdata.update(r.obj_id for r in tn.outputs)
+        live = self._reaches_an_output()
         for tn in self.tnodes:
             if tn.kind in ("input", "output"):
+                continue
+            if tn.id not in live:  # read only by Python (`if mask.all():`): exporters drop it
+                self.elided.append((tn.id, "unused result"))
                 continue
             data_in = [r for r in tn.inputs if r.obj_id in tdata]
             if not data_in:  # computed from no model input: exporters fold it to a constant
@@ -195,12 +199,68 @@ class _Matcher:
             ))
             self._new_group(_OUTPUT_GROUP, {o_out.id}, o_out.id)
             self.groups[_OUTPUT_GROUP].trace_ids.extend(n.id for n in out_nodes)
+        self._absorb_merges()
         extra = [
             n.id for n in self.onodes
             if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
         ]
         return _Result(self.groups, self.missing, extra, self.elided, self._rewired(),
                        ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs)
+
+    def _absorb_merges(self) -> None:
+        """An unmatched op fed from inside one call's region, as its rule allows, is that call's.
+
+        The walk builds a region backwards from its last op, so it misses side outputs: the
+        Concat stacking a multi-layer GRU's final states, the ReduceMean averaging a
+        MultiheadAttention's weights. An op fed by the call's result alone comes after the
+        call and stays extra.
+        """
+        for n in self.onodes:
+            if n.kind != "function" or n.id in self.matched or n.id in self.wiring:
+                continue
+            feeders: set[int] = set()
+            wires: set[int] = set()
+            stack = list(self._data_inputs(n))
+            blocked = False
+            while stack and not blocked:
+                p = self.producer[stack.pop()]
+                if p in self.matched:
+                    feeders.add(p)
+                elif p not in self.wiring:
+                    blocked = True  # fed by another unmatched op: not a merge of one region
+                elif p not in wires:
+                    wires.add(p)
+                    stack.extend(self._data_inputs(self.onodes[p]))
+            if blocked or len(owners := {self.matched[p] for p in feeders}) != 1:
+                continue
+            group = self.groups[owners.pop()]
+            if feeders <= {group.key}:  # fed by the call's result alone: an op after the call
+                continue
+            tn = self.tnodes[group.gid] if group.gid >= 0 else None
+            eq = equivalence_for(tn) if tn is not None and tn.kind in ("module", "function") else None
+            counts = Counter(self.op(o) for o in group.onodes if o not in self.wiring) + Counter([self.op(n.id)])
+            if eq is not None and group.key is not None and any(
+                p.admits(counts, self.op(group.key)) for p in eq.patterns
+            ):
+                for oid in {n.id} | wires:
+                    group.onodes.add(oid)
+                    self.matched[oid] = group.gid
+
+    def _reaches_an_output(self) -> set[int]:
+        """Trace nodes some output depends on."""
+        preds: dict[int, list[int]] = {}
+        for e in self.t.edges:
+            preds.setdefault(e.dst, []).append(e.src)
+        live: set[int] = set()
+        stack = [n.id for n in self.tnodes if n.kind == "output"]
+        if not stack:
+            return {n.id for n in self.tnodes}
+        while stack:
+            nid = stack.pop()
+            if nid not in live:
+                live.add(nid)
+                stack.extend(preds.get(nid, ()))
+        return live
 
     def _add_missing(self, tn: Node) -> None:
         self.missing.append(tn.id)
@@ -432,6 +492,74 @@ class _Matcher:
         return True
 
     # -- connectivity -----------------------------------------------------------------------------
+    def _prelude(self, gid: int) -> set[int]:
+        """Nodes of a call's region computed from its inputs alone, before any of its own work.
+
+        An exporter may compute such a node once for several calls (the ``Where`` that turns
+        one attention mask into additive form, shared by every layer): for connectivity it
+        passes the call's inputs on rather than standing for the call.
+        """
+        group = self.groups[gid]
+        # region node -> the groups it is computed from, for nodes not fed by the call's own work
+        from_inputs: dict[int, set[int]] = {}
+        for oid in sorted(group.onodes):  # ONNX node order is topological
+            feeds: set[int] = set()
+            for v in self._data_inputs(self.onodes[oid]):
+                p = self.producer[v]
+                if p in from_inputs:
+                    feeds |= from_inputs[p]
+                elif p in group.onodes:
+                    break
+                else:
+                    feeds |= self._groups_behind(p)
+            else:
+                if oid != group.key:
+                    from_inputs[oid] = feeds
+        every_source = set().union(*from_inputs.values()) if from_inputs else set()
+        # only what some of the call's inputs make (a mask turned additive), not all of them
+        shared = {
+            oid for oid, feeds in from_inputs.items()
+            if feeds < every_source and self._feeds_another_group(oid, gid)
+        }
+        # with what they are computed from inside the region
+        stack = list(shared)
+        while stack:
+            for v in self._data_inputs(self.onodes[stack.pop()]):
+                p = self.producer[v]
+                if p in from_inputs and p not in shared:
+                    shared.add(p)
+                    stack.append(p)
+        return shared
+
+    def _groups_behind(self, oid: int) -> set[int]:
+        """The matched groups an ONNX node is, or is reached from through unmatched wiring."""
+        found: set[int] = set()
+        stack, seen = [oid], {oid}
+        while stack:
+            cur = stack.pop()
+            if cur in self.matched:
+                found.add(self.matched[cur])
+            elif cur in self.wiring:
+                for v in self._data_inputs(self.onodes[cur]):
+                    if (p := self.producer[v]) not in seen:
+                        seen.add(p)
+                        stack.append(p)
+        return found
+
+    def _feeds_another_group(self, oid: int, gid: int) -> bool:
+        stack = [oid]
+        seen: set[int] = set()
+        while stack:
+            for r in self.onodes[stack.pop()].outputs:
+                for c in self.consumers.get(r.obj_id, ()):
+                    h = self.matched.get(c)
+                    if h is not None and h != gid:
+                        return True
+                    if h is None and c in self.wiring and c not in seen:
+                        seen.add(c)
+                        stack.append(c)
+        return False
+
     def _rewired(self) -> list[tuple[str, int, int]]:
         trace_edges: set[tuple[int, int]] = set()
         for dst, reqs in self.reqs.items():
@@ -440,9 +568,13 @@ class _Matcher:
             for req in reqs:
                 trace_edges.update((g, dst) for g in req if g != dst)
         onnx_edges: set[tuple[int, int]] = set()
+        prelude = {oid for gid in self.groups for oid in self._prelude(gid)}
         for gid in self.groups:
             seen: set[int] = set()
-            queue = deque(c for v in self._out_values(gid) for c in self.consumers.get(v, ()))
+            queue = deque(
+                c for oid in sorted(self.groups[gid].onodes - prelude)
+                for r in self.onodes[oid].outputs for c in self.consumers.get(r.obj_id, ())
+            )
             while queue:
                 oid = queue.popleft()
                 if oid in seen:
@@ -452,7 +584,8 @@ class _Matcher:
                 if h is not None:
                     if h != gid:
                         onnx_edges.add((gid, h))
-                    continue
+                    if oid not in prelude:
+                        continue
                 for r in self.onodes[oid].outputs:
                     queue.extend(self.consumers.get(r.obj_id, ()))
         return sorted(
@@ -582,7 +715,7 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
     ok = not (missing or extra or rewired)
 
     kinds = Counter(
-        "folded" if how.startswith("folded") else how if how in ("wiring", "constant", "unused input") else "removed"
+        "folded" if how.startswith("folded") else how if how in ("wiring", "constant", "unused input", "unused result") else "removed"
         for _, how in elided
     )
     how_elided = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))

@@ -37,6 +37,13 @@ ONNX_WIRING_OPS = frozenset({
 })
 
 
+# Elementwise ops that written-out patterns share: alone they do not identify a layer.
+ARITHMETIC_OPS = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Max", "Min", "Sum", "Where", "Not", "And",
+    "Or", "Xor", "Equal", "Less", "Greater", "IsNaN",
+})
+
+
 @dataclass(frozen=True)
 class Pattern:
     """The ONNX ops one torch call may become, with how many of each: ``Pattern.parse("MatMul+Add")``."""
@@ -61,9 +68,17 @@ class Pattern:
         return Counter(dict(self.ops))
 
     def admits(self, ops: Counter[str], key: str) -> bool:
-        """True when ``ops`` (a region's op counts) fit inside this pattern and it contains ``key``."""
+        """True when ``ops`` (a region's op counts) fit inside this pattern, contain ``key`` and are not mere arithmetic.
+
+        A region of a written-out pattern must hold one of its telling ops (the ReduceMean
+        of a LayerNorm, the Erf of a GELU), or, when the pattern is all arithmetic, each of
+        its ops: a lone Add is not a LayerNorm.
+        """
         budget = dict(self.ops)
-        return key in budget and all(budget.get(op, 0) >= n for op, n in ops.items())
+        if key not in budget or any(budget.get(op, 0) < n for op, n in ops.items()):
+            return False
+        telling = [op for op in budget if op not in ARITHMETIC_OPS]
+        return any(ops.get(op) for op in telling) if telling else all(ops.get(op) for op in budget)
 
 
 @dataclass(frozen=True)
@@ -330,6 +345,21 @@ for _name, _op in {
     "topk": "TopK", "minimum": "Min", "maximum": "Max", "logsumexp": "ReduceLogSumExp",
 }.items():
     _register(_functions(_name, f"{_name}_"), _op)
+# Comparisons and boolean logic (masks): ``a > b`` is traced as ``torch.Tensor.__gt__`` or ``gt``.
+for _name, _ops in {
+    "eq": ("Equal",), "ne": ("Equal+Not",), "gt": ("Greater",), "lt": ("Less",),
+    "ge": ("GreaterOrEqual", "Less+Not"), "le": ("LessOrEqual", "Greater+Not"),
+    "and": ("And",), "or": ("Or",), "xor": ("Xor",),
+}.items():
+    _register(_binary(_name) + _functions(f"logical_{_name}", f"bitwise_{_name}", f"{_name}_"), *_ops)
+_register(_functions("logical_not", "bitwise_not") + ["torch.Tensor.__invert__"], "Not")
+_register(_functions("all"), "ReduceMin", "ReduceProd", "Not+ReduceMax+Not")
+_register(_functions("any"), "ReduceMax", "ReduceSum+Greater")
+_register(_functions("isnan"), "IsNaN")
+_register(_functions("isinf"), "IsInf")
+# Indexing by a tensor of indices; indexing by constants is wiring (see onnx_compare).
+_register(_functions("gather", "take_along_dim"), "GatherElements", "Gather", optional=True)
+_register(_functions("index_select", "take"), "Gather", optional=True)
 _register(_functions("rsqrt"), "Sqrt+Reciprocal", "Sqrt+Div", "Pow")
 _register(_functions("max"), "ReduceMax", "Max")
 _register(_functions("min"), "ReduceMin", "Min")

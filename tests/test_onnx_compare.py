@@ -316,6 +316,123 @@ def test_deleted_conv_is_missing(exported, exporter: str, stripped: bool) -> Non
     assert ("blocks.0.b2 (BatchNorm2d)", "would fold into blocks.0.c2 (Conv2d), missing") in report.elided
 
 
+# -- models beyond the zoo ------------------------------------------------------------------------
+class MaskOps(torch.nn.Module):
+    """Comparisons, where/masked_fill/clamp, chunk/split and einsum between two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 12)
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        a, b, c = h.chunk(3, dim=-1)
+        p, q = torch.split(h, [4, 8], dim=-1)
+        y = torch.where(a > 0, b, c).masked_fill(mask, 0.0).clamp(-1.0, 1.0)
+        return y + torch.einsum("bi,ij->bj", p, self.w) + q[:, :4]
+
+
+class SideOutputs(torch.nn.Module):
+    """A 2-layer GRU's final states and a MultiheadAttention's averaged weights are outputs too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(8, 16, num_layers=2, batch_first=True)
+        self.attn = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, h = self.gru(x)
+        out, weights = self.attn(y, y, y)
+        return out, weights, h
+
+
+def _bert_with_padding() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    return model, {"input_ids": torch.randint(0, 100, (2, 8)), "attention_mask": mask}
+
+
+def _mask_ops() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    return MaskOps().eval(), {"x": torch.randn(3, 8), "mask": torch.rand(3, 4) > 0.5}
+
+
+def _side_outputs() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    return SideOutputs().eval(), {"x": torch.randn(2, 5, 8)}
+
+
+BEYOND = {"bert_padded": _bert_with_padding, "mask_ops": _mask_ops, "side_outputs": _side_outputs}
+
+
+@pytest.fixture(scope="module")
+def exported_beyond():
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(name: str, exporter: str):
+        if (name, exporter) not in cache:
+            model, kwargs = BEYOND[name]()
+            graph = fwdtrace.trace(model, **kwargs)
+            cache[name, exporter] = (model, kwargs, graph, fwdtrace.export_onnx(model, exporter=exporter, **kwargs))
+        return cache[name, exporter]
+
+    return get
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("name", BEYOND)
+def test_models_beyond_the_zoo_agree(exported_beyond, name: str, exporter: str) -> None:
+    model, kwargs, graph, proto = exported_beyond(name, exporter)
+    assert_runs_like_torch(proto, model(**kwargs), *kwargs.values())
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+
+
+def test_a_mask_is_built_by_comparisons_and_bool_logic(exported_beyond) -> None:
+    _, _, graph, proto = exported_beyond("bert_padded", "torchscript")
+    report = fwdtrace.compare_onnx(graph, proto)
+    matched = dict(report.matched)
+    # `mask & causal` and `x > 0` are ops of their own; `if mask.all():` only steers Python
+    assert matched["and_1 = torch.Tensor.__and__"] == ("/And_1",)
+    assert ("all = torch.Tensor.all", "unused result") in report.elided
+    _, _, graph, proto = exported_beyond("mask_ops", "torchscript")
+    assert dict(fwdtrace.compare_onnx(graph, proto).matched)["gt = torch.Tensor.gt"] == ("/Greater",)
+
+
+def test_side_outputs_belong_to_their_layer(exported_beyond) -> None:
+    _, _, graph, proto = exported_beyond("side_outputs", "torchscript")
+    matched = dict(fwdtrace.compare_onnx(graph, proto).matched)
+    assert "/gru/Concat_2" in matched["gru (GRU)"]  # stacks the two layers' final states
+    assert "/attn/ReduceMean" in matched["attn (MultiheadAttention)"]  # averages the heads' weights
+
+
+def drop_layer_norm(proto: onnx.ModelProto, index: int) -> onnx.ModelProto:
+    p = copy.deepcopy(proto)
+    ln = [n for n in p.graph.node if n.op_type == "LayerNormalization"][index]
+    _replace_uses(p.graph, ln.output[0], ln.input[0])
+    p.graph.node.remove(ln)
+    return p
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_dropped_layer_norm_is_missing_there(exported_beyond, exporter: str) -> None:
+    model, kwargs, graph, proto = exported_beyond("bert_padded", exporter)
+    tampered = drop_layer_norm(proto, 1)
+    # the later LayerNorms renormalise, so the change is small, but it is there
+    assert np.abs(run_ort(tampered, *kwargs.values())[0] - run_ort(proto, *kwargs.values())[0]).max() > 1e-6
+    report = fwdtrace.compare_onnx(graph, tampered)
+    # a lone Add is not a LayerNorm written out: nothing else may stand in for it
+    assert (report.missing, report.extra, report.rewired) == (
+        ["encoder.layer.0.attention.output.LayerNorm (LayerNorm)"], [], []
+    )
+
+
 # -- the equivalence registry ---------------------------------------------------------------------
 class Swish(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
