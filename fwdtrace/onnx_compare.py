@@ -41,6 +41,11 @@ MAX_SKIPPED = 2
 # Trace attributes and the ONNX attributes that must agree with them when both exist.
 _ATTR_PAIRS = (("kernel_size", "kernel_shape"), ("stride", "strides"), ("groups", "group"), ("dilation", "dilations"))
 _OUTPUT_GROUP = -1
+# ONNX ops whose result depends on the order of their inputs.
+_ORDERED_OPS = frozenset({
+    "Concat", "Sub", "Div", "Pow", "MatMul", "Gemm", "Einsum", "Where", "Less", "Greater", "LessOrEqual",
+    "GreaterOrEqual", "Mod", "BitShift",
+})
 
 
 @dataclass
@@ -101,9 +106,11 @@ class _Result:
     missing: list[int]  # trace node ids
     extra: list[int]  # ONNX graph node ids
     elided: list[tuple[int, str]]
-    rewired: list[tuple[str, int, int]]  # ("trace" | "onnx", src gid, dst gid)
+    rewired: list[tuple[str, int, int]]  # ("trace" | "onnx" | "order", src gid, dst gid)
     unmatched_inputs: tuple[list[int], list[int]]  # (trace input ids, onnx input ids)
     reqs: dict[int, list[frozenset[int]]]  # trace node id -> the groups that fed each input
+    # gid -> where each input comes from, in trace and in ONNX order, for calls whose order differs
+    reordered: dict[int, tuple[list[int | None], list[int | None]]] = field(default_factory=dict)
 
 
 class _Matcher:
@@ -204,8 +211,10 @@ class _Matcher:
             n.id for n in self.onodes
             if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
         ]
-        return _Result(self.groups, self.missing, extra, self.elided, self._rewired(),
-                       ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs)
+        reordered = self._reordered()
+        rewired = self._rewired() + [("order", gid, gid) for gid in reordered]
+        return _Result(self.groups, self.missing, extra, self.elided, rewired,
+                       ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs, reordered)
 
     def _absorb_merges(self) -> None:
         """An unmatched op fed from inside one call's region, as its rule allows, is that call's.
@@ -236,6 +245,8 @@ class _Matcher:
             group = self.groups[owners.pop()]
             if feeders <= {group.key}:  # fed by the call's result alone: an op after the call
                 continue
+            if not any(self.consumers.get(r.obj_id) for r in n.outputs):
+                continue  # a dead end (a tampered call's orphaned input) stays extra
             tn = self.tnodes[group.gid] if group.gid >= 0 else None
             eq = equivalence_for(tn) if tn is not None and tn.kind in ("module", "function") else None
             counts = Counter(self.op(o) for o in group.onodes if o not in self.wiring) + Counter([self.op(n.id)])
@@ -492,6 +503,40 @@ class _Matcher:
         return True
 
     # -- connectivity -----------------------------------------------------------------------------
+    def input_order(self, gid: int) -> tuple[list[int | None], list[int | None]] | None:
+        """Where each input of a one-op call comes from (a group, None for a constant), in trace and ONNX order."""
+        group = self.groups[gid]
+        tn = self.tnodes[gid] if gid >= 0 else None
+        if tn is None or tn.kind != "function" or group.key is None or self.op(group.key) not in _ORDERED_OPS:
+            return None
+        if sum(1 for oid in group.onodes if oid not in self.wiring) != 1:
+            return None
+        trace_side: list[int | None] = []
+        for r in tn.inputs:
+            groups = self.tensor_groups.get(r.obj_id)
+            if groups is not None and len(groups) != 1:
+                return None
+            trace_side.append(next(iter(groups)) if groups else None)
+        onnx_side: list[int | None] = []
+        for r in self.onodes[group.key].inputs:
+            behind = self._groups_behind(self.producer[r.obj_id]) if r.obj_id in self.producer else set()
+            if len(behind) > 1:
+                return None
+            onnx_side.append(next(iter(behind)) if behind else None)
+        return trace_side, onnx_side
+
+    def _reordered(self) -> dict[int, tuple[list[int | None], list[int | None]]]:
+        """One-op calls whose inputs arrive in another order (``cat([b, a])`` for ``cat([a, b])``)."""
+        out = {}
+        for gid in sorted(self.groups):
+            orders = self.input_order(gid)
+            if orders is None:
+                continue
+            t, o = orders
+            if len(t) == len(o) and t != o and Counter(t) == Counter(o):
+                out[gid] = orders
+        return out
+
     def _prelude(self, gid: int) -> set[int]:
         """Nodes of a call's region computed from its inputs alone, before any of its own work.
 
@@ -706,10 +751,20 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
                 f"trace edge {tx.group(s)} -> {tx.group(d)} has no ONNX path from {tx.group_onnx(s)} "
                 f"to {tx.group_onnx(d)} that avoids other matched ops"
             )
-        else:
+        elif side == "onnx":
             rewired.append(
                 f"ONNX connects {tx.group_onnx(s)} -> {tx.group_onnx(d)} ({tx.group(s)} -> {tx.group(d)}), "
                 "an edge the trace does not have"
+            )
+        else:
+            t_order, o_order = result.reordered[s]
+
+            def names(order: list[int | None]) -> str:
+                return ", ".join("a constant" if g is None else tx.group(g) for g in order)
+
+            rewired.append(
+                f"{tx.group(s)} takes its inputs in another order in ONNX ({tx.group_onnx(s)}): "
+                f"trace ({names(t_order)}), ONNX ({names(o_order)})"
             )
     elided = [(_trace_label(trace.nodes[i]), how) for i, how in result.elided]
     ok = not (missing or extra or rewired)

@@ -369,12 +369,21 @@ _register(_functions("normalize"), "LpNormalization", "ReduceL2+Clip+Div", "Redu
 
 @onnx_equivalent("torch.nn.MultiheadAttention")
 def _multihead_attention(node: Node) -> RuleResult:
-    # Projections, scaled q.k^T, softmax, weighted sum, output projection; masks add
-    # Where/Add and averaged weights a ReduceMean. Exporters differ in the details.
-    return [
-        "MatMul*6+Gemm*4+Add*6+Mul*4+Div*2+Sqrt*2+Softmax+Where*3+ReduceMean+Sub+IsNaN+Not+And+Or+Equal+Less",
-        "Attention+MatMul*3+Gemm*4+Add*4",
-    ]
+    # Input projections, scaled q.k^T and the weighted sum (two MatMuls), softmax, the
+    # output projection; masks add Where/Add and averaged weights a ReduceMean. Self-attention
+    # (query is key is value) projects once with the packed weight; otherwise there are up to
+    # three projections (kdim/vdim give key and value their own even when they are one tensor).
+    # Exact MatMul/Gemm counts for self-attention, so an op slipped into it shows as extra.
+    distinct = 1 if len({r.obj_id for r in node.inputs[:3]}) == 1 else 3
+    masks = "+Mul*4+Div*2+Sqrt*2+Softmax+Where*3+ReduceMean+Sub+IsNaN+Not+And+Or+Equal+Less"
+    out = []
+    for proj in ("MatMul", "Gemm"):
+        for out_proj, adds in (("Gemm", 0), ("MatMul", 1)):
+            ops = Counter({proj: distinct, "Add": distinct + 2 + adds})
+            ops["MatMul"] += 2
+            ops[out_proj] += 1
+            out.append("+".join(f"{op}*{n}" for op, n in sorted(ops.items())) + masks)
+    return [*out, "Attention+MatMul*3+Gemm*4+Add*4"]
 
 
 @onnx_equivalent("torch.nn.functional.scaled_dot_product_attention")

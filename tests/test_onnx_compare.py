@@ -316,6 +316,87 @@ def test_deleted_conv_is_missing(exported, exporter: str, stripped: bool) -> Non
     assert ("blocks.0.b2 (BatchNorm2d)", "would fold into blocks.0.c2 (Conv2d), missing") in report.elided
 
 
+def report_on_real_tampering(exported, name: str, exporter: str, tamper) -> fwdtrace.TopologyReport:
+    """The zoo model's trace against its export tampered by ``tamper``, after checking ORT sees the change."""
+    model, (x,), graph, proto = exported(name, exporter)
+    tampered = tamper(proto)
+    assert not np.allclose(run_ort(tampered, x)[0], model(x).detach().numpy(), atol=1e-4)
+    return fwdtrace.compare_onnx(graph, tampered)
+
+
+def swap_concat_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+    p = copy.deepcopy(proto)
+    cat = next(n for n in p.graph.node if n.op_type == "Concat")
+    cat.input[0], cat.input[1] = cat.input[1], cat.input[0]
+    return p
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_concat_inputs_in_another_order_are_reported(exported, exporter: str) -> None:
+    # the same edges, so only the order of the inputs can tell
+    report = report_on_real_tampering(exported, "unetish", exporter, swap_concat_inputs)
+    proto = exported("unetish", exporter)[3]
+    assert not report.ok and report.missing == report.extra == []
+    assert report.rewired == [
+        f"cat = torch.cat takes its inputs in another order in ONNX ('{_concat(proto)}'): "
+        "trace (up (Upsample), relu = torch.nn.functional.relu), ONNX (relu = torch.nn.functional.relu, up (Upsample))"
+    ]
+
+
+def _concat(proto: onnx.ModelProto) -> str:
+    return next(n.name for n in proto.graph.node if n.op_type == "Concat")
+
+
+def insert_matmul_before_softmax(proto: onnx.ModelProto) -> onnx.ModelProto:
+    p = copy.deepcopy(proto)
+    softmax = next(n for n in p.graph.node if n.op_type == "Softmax")
+    shapes = {v.name: v for v in onnx.shape_inference.infer_shapes(p).graph.value_info}
+    size = shapes[softmax.input[0]].type.tensor_type.shape.dim[-1].dim_value
+    p.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(size, dtype=np.float32) * 0.5, "tampered_w"))
+    scores = softmax.input[0]
+    softmax.input[0] = "tampered_scores"
+    at = list(p.graph.node).index(softmax)
+    p.graph.node.insert(at, helper.make_node("MatMul", [scores, "tampered_w"], ["tampered_scores"], name="tampered_matmul"))
+    return p
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_matmul_slipped_into_self_attention_is_extra(exported, exporter: str) -> None:
+    # MultiheadAttention is one traced call: only its exact op counts can show it
+    report = report_on_real_tampering(exported, "transformer_encoder", exporter, insert_matmul_before_softmax)
+    assert not report.ok and report.missing == [] and len(report.extra) == 1
+    # the one op too many is the attention's: the slipped MatMul, or the output projection it
+    # displaced from the attention's region (the exporter's scope names the layer)
+    line = report.text.split("extra (in the ONNX graph, not in the trace):\n  - ")[1].split("\n")[0]
+    assert report.extra == ["tampered_matmul"] or " in layers.0.attn, after layers.0.attn (MultiheadAttention)" in line
+
+
+def attend_query_to_itself(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The q.k^T MatMul of the first attention reads the queries twice; the keys go nowhere."""
+    p = copy.deepcopy(proto)
+    softmax = next(n for n in p.graph.node if n.op_type == "Softmax")
+    producer = {o: n for n in p.graph.node for o in n.output}
+    scores = producer[softmax.input[0]]
+    while scores.op_type != "MatMul":
+        scores = producer[scores.input[0]]
+    shapes = {v.name: v for v in onnx.shape_inference.infer_shapes(p).graph.value_info}
+    rank = len(shapes[scores.input[0]].type.tensor_type.shape.dim)
+    at = list(p.graph.node).index(scores)
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    p.graph.node.insert(at, helper.make_node("Transpose", [scores.input[0]], ["tampered_qT"], perm=perm,
+                                             name="tampered_transpose"))
+    scores.input[1] = "tampered_qT"
+    return p
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_keys_cut_off_inside_self_attention_leave_an_extra_op(exported, exporter: str) -> None:
+    report = report_on_real_tampering(exported, "transformer_encoder", exporter, attend_query_to_itself)
+    # the keys' scaling Mul now leads nowhere: it is not absorbed into the attention
+    assert not report.ok and report.missing == [] and len(report.extra) == 1
+    assert "[Mul] in layers.0.attn, after layers.0.attn (MultiheadAttention)" in report.text
+
+
 # -- models beyond the zoo ------------------------------------------------------------------------
 class MaskOps(torch.nn.Module):
     """Comparisons, where/masked_fill/clamp, chunk/split and einsum between two layers."""
