@@ -41,11 +41,10 @@ MAX_SKIPPED = 2
 # Trace attributes and the ONNX attributes that must agree with them when both exist.
 _ATTR_PAIRS = (("kernel_size", "kernel_shape"), ("stride", "strides"), ("groups", "group"), ("dilation", "dilations"))
 _OUTPUT_GROUP = -1
-# ONNX ops whose result depends on the order of their inputs.
-_ORDERED_OPS = frozenset({
-    "Concat", "Sub", "Div", "Pow", "MatMul", "Gemm", "Einsum", "Where", "Less", "Greater", "LessOrEqual",
-    "GreaterOrEqual", "Mod", "BitShift",
-})
+# ONNX ops whose result depends on the order of their inputs and that take them in the
+# order of the torch call: Concat all of them (constants too), the others their data inputs
+# (torch.addmm puts the bias first, Gemm last; masked_fill and Where differ alike).
+_ORDERED_OPS = frozenset({"Concat", "Sub", "Div", "Pow", "MatMul", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"})
 
 
 @dataclass
@@ -158,8 +157,8 @@ class _Matcher:
         data = self._data_inputs(n)
         if op in ("Gather", "GatherND"):  # select/index on data is wiring; Gather from a weight is an Embedding
             return bool(n.inputs) and n.inputs[0].obj_id in self.producer
-        if op == "Concat":
-            return len(n.inputs) == 1 and len(data) == 1
+        if op == "Concat":  # of one tensor, or with empty ones (a key/value cache's first step)
+            return len(data) == 1 and all(0 in r.shape for r in n.inputs if r.obj_id not in self.producer)
         return False
 
     def _out_values(self, gid: int) -> list[int]:
@@ -509,6 +508,8 @@ class _Matcher:
         tn = self.tnodes[gid] if gid >= 0 else None
         if tn is None or tn.kind != "function" or group.key is None or self.op(group.key) not in _ORDERED_OPS:
             return None
+        if ".__r" in tn.target or "rsub" in tn.target:  # reflected: b - a for rsub(a, b)
+            return None
         if sum(1 for oid in group.onodes if oid not in self.wiring) != 1:
             return None
         trace_side: list[int | None] = []
@@ -523,6 +524,8 @@ class _Matcher:
             if len(behind) > 1:
                 return None
             onnx_side.append(next(iter(behind)) if behind else None)
+        if self.op(group.key) != "Concat":
+            return [g for g in trace_side if g is not None], [g for g in onnx_side if g is not None]
         return trace_side, onnx_side
 
     def _reordered(self) -> dict[int, tuple[list[int | None], list[int | None]]]:

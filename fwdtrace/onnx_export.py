@@ -153,6 +153,10 @@ def _export_forward(
 
     @functools.wraps(forward)
     def export_forward(*a: Any, **k: Any) -> Any:
+        # The TorchScript exporter appends forward's defaults as positions after the inputs
+        # it was given: they would collide with keywords that wrappers of forward pass
+        # (transformers' use_cache) and could turn into graph inputs (logits_to_keep).
+        a = a[: n_args + len(keywords)]
         if keywords or fixed:
             k = {**k, **fixed, **dict(zip(keywords, a[n_args:], strict=False))}
             a = a[:n_args]

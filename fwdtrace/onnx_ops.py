@@ -407,8 +407,9 @@ for _cls in ("LSTM", "GRU", "RNN"):
 
 @onnx_equivalent("torch.cat")
 def _cat(node: Node) -> RuleResult:
-    # cat of one tensor is a copy; exporters may drop it
-    return None if len(node.inputs) <= 1 else "Concat"
+    # cat of one tensor, or with empty ones (a key/value cache's first step), is a copy;
+    # exporters may drop it
+    return None if sum(1 for r in node.inputs if 0 not in r.shape) <= 1 else "Concat"
 
 
 def rules() -> dict[str, Callable[[Node], RuleResult]]:

@@ -493,6 +493,21 @@ def test_side_outputs_belong_to_their_layer(exported_beyond) -> None:
     assert "/attn/ReduceMean" in matched["attn (MultiheadAttention)"]  # averages the heads' weights
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_gpt2_with_its_cache_called_positionally_agrees(exporter: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()  # use_cache: the first step concatenates empty caches
+    ids = torch.randint(0, 50, (1, 8))
+    proto = fwdtrace.export_onnx(model, ids, exporter=exporter)
+    np.testing.assert_allclose(run_ort(proto, ids)[0], model(ids).logits.detach().numpy(), rtol=1e-4, atol=1e-5)
+    report = fwdtrace.compare_onnx(fwdtrace.trace(model, ids), proto)
+    # Conv1D is torch.addmm(bias, x, w), a Gemm(x, w, bias): the same inputs, not reordered
+    assert report.ok, report.text
+    assert "addmm = torch.addmm in transformer.h.0.attn.c_attn" in dict(report.matched)
+
+
 def drop_layer_norm(proto: onnx.ModelProto, index: int) -> onnx.ModelProto:
     p = copy.deepcopy(proto)
     ln = [n for n in p.graph.node if n.op_type == "LayerNormalization"][index]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -74,6 +76,36 @@ def test_keyword_inputs_become_graph_inputs(exporter: str) -> None:
     proto = fwdtrace.export_onnx(model, x, exporter=exporter, scale=scale)
     assert len(proto.graph.input) == 2
     assert_runs_like_torch(proto, model(x, scale=scale), x, scale)
+
+
+def _passes_flag(forward):
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        kwargs.setdefault("flag", True)  # as transformers' decorators pass use_cache
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class WithDefaults(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    @_passes_flag
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, flag: bool = False, keep: int = 0):
+        y = self.fc(x)[:, keep:]
+        return y * 2 if flag else y
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_defaults_stay_defaults_for_a_wrapped_forward(exporter: str) -> None:
+    # the TorchScript exporter appends forward's defaults as positions: flag twice, keep an input
+    torch.manual_seed(0)
+    model, x = WithDefaults().eval(), torch.randn(2, 4)
+    proto = fwdtrace.export_onnx(model, x, exporter=exporter)
+    assert [i.name for i in proto.graph.input] == ["x"]
+    assert_runs_like_torch(proto, model(x), x)
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
