@@ -155,3 +155,16 @@ def test_bad_render_arguments(tmp_path: Path) -> None:
     with pytest.raises(fwdtrace.FwdtraceError, match=r"^to_dot\(\) expected depth as None or an integer >= 0, got -1"):
         graph.to_dot(depth=-1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_onnx_style_scopes_and_unknown_dimensions() -> None:
+    from fwdtrace.node import Scope, TensorRef
+
+    graph = fwdtrace.Graph()
+    scope = (Scope("c1", ""),)
+    x = TensorRef(0, (-1, 8), "float32")
+    graph.add_node("input", "input", name="x", outputs=[x])
+    graph.add_node("function", "onnx.Relu", scope=scope, inputs=[x], outputs=[TensorRef(1, (-1, 8), "float32")])
+    source = graph.to_dot().source
+    assert 'label=c1 ' in source or 'label="c1"' in source  # no empty "()" for a scope without a class
+    assert "?×8" in source and "-1" not in source

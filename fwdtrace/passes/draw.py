@@ -106,11 +106,12 @@ class _Unit:
 
 def _scope_label(s: Scope) -> str:
     call = f" call {s.call_index + 1}" if s.call_index else ""
-    return f"{s.module_path} ({s.class_name}){call}"
+    cls = f" ({s.class_name})" if s.class_name else ""  # an ONNX scope may not know its class
+    return f"{s.module_path}{cls}{call}"
 
 
 def _shape_text(shape: Iterable[int]) -> str:
-    return "×".join(str(d) for d in shape) or "scalar"
+    return "×".join(str(d) if d >= 0 else "?" for d in shape) or "scalar"  # ONNX writes -1 for unknown
 
 
 _ATTR_ORDER = ("kernel_size", "stride", "padding", "dilation", "groups", "num_heads", "p", "mode", "scale_factor")
