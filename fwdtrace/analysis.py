@@ -417,7 +417,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-shape", action="append", required=True, metavar="1,3,224,224",
                         help="shape of a random input (normal floats; int64 inputs are zeros); repeat for more inputs")
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the inputs")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models, no memory)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models without allocating their memory)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")

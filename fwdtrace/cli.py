@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -78,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FwdtraceError as e:
         print(f"fwdtrace {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fwdtrace analyze ... | head` closed the pipe: not an error of ours
+        # The Python docs' recipe: point stdout at devnull so the exit flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -501,7 +501,8 @@ def obj_id(obj: torch.Tensor) -> int:
     if _ACTIVE is None:
         raise FwdtraceError(
             "obj_id() works only while a trace is active (inside fwdtrace.trace(), "
-            "`with fwdtrace.Tracer():` or a callback they run)"
+            "`with fwdtrace.Tracer():` or a callback they run); callbacks that install() runs "
+            "outside a trace have no ids"
         )
     if not isinstance(obj, torch.Tensor):
         raise FwdtraceError(f"obj_id() expected a torch.Tensor, got {describe(obj)}")
