@@ -17,16 +17,15 @@ import argparse
 import statistics
 import time
 import tracemalloc
-import weakref
 from collections.abc import Callable
 
 import torch
 from bench_models import ResNet50, TransformerEncoder
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import fwdtrace
+from fwdtrace.memory import StorageTracker
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "resnet50": (ResNet50, lambda: torch.randn(1, 3, 224, 224)),
@@ -70,29 +69,22 @@ def time_variants(name: str, device: str, repeats: int) -> dict[str, float]:
 class LiveTensorBytes(TorchDispatchMode):
     """Peak bytes of tensor storage created while active (a CPU stand-in for CUDA's peak stats).
 
-    Every storage an op returns is counted once, until it is freed (a weakref finalizer);
-    storages that existed before (weights, inputs) are not counted.
+    Every op's outputs go to fwdtrace's own :class:`~fwdtrace.memory.StorageTracker` (the one
+    ``analyze`` uses); storages that existed before (weights, inputs) are not counted.
     """
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
         super().__init__()
-        self.live = self.peak = 0
-        self.counted: dict[int, object] = {id(t.untyped_storage()): None for t in existing}
+        self.tracker = StorageTracker(existing)
+        self.base = self.tracker.live_bytes
 
-    def _free(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self.counted.pop(key, None)
+    @property
+    def peak(self) -> int:
+        return self.tracker.peak_bytes - self.base
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if id(storage) not in self.counted:
-                    nbytes = storage.nbytes()
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    self.counted[id(storage)] = weakref.finalize(storage, self._free, id(storage), nbytes)
+        self.tracker.add(out)
         return out
 
 

@@ -26,13 +26,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._tree import tensors_of
 from .errors import FwdtraceError, describe, shapes_text
 from .flops import flops_of
 from .keys import key2module
+from .memory import StorageTracker
 from .patching import Patcher
 from .registry import qualified_name
 from .tracer import _wrap, active_tracer, layer_notes
@@ -171,19 +171,16 @@ class _Counts:
         self.flops_total = dict.fromkeys(keys, 0)
         self.peak = dict.fromkeys(keys, 0)
         self.stack: list[str] = []
-        # Memory: storages alive now, by their StorageImpl address. The model's parameters and
-        # buffers and the inputs (``base``) stay alive throughout; new ones are followed until freed.
-        self._base = dict(filter(None, map(_storage, base)))
-        self._live: dict[int, tuple[Any, int]] = {}
-        self.live_bytes = sum(self._base.values())
-        self.peak_bytes = self.live_bytes
+        # Memory: the model's parameters and buffers and the inputs (``base``) stay alive
+        # throughout; storages the ops create are followed until freed.
+        self.memory = StorageTracker(base)
 
     def enter(self, key: str, args: tuple, kwargs: dict) -> None:
         if not self.calls[key]:
             self.inputs[key] = tuple(tuple(t.shape) for t in tensors_of((args, kwargs)))
         self.calls[key] += 1
         self.stack.append(key)
-        self.peak[key] = max(self.peak[key], self.live_bytes)
+        self.peak[key] = max(self.peak[key], self.memory.live_bytes)
 
     def leave(self, key: str, out: Any) -> None:
         self.stack.pop()
@@ -197,32 +194,9 @@ class _Counts:
                 self.flops_total[key] += flops
 
     def add_outputs(self, out: Any) -> None:
-        for cdata, (ref, nbytes) in list(self._live.items()):  # first retire, then add: addresses get reused
-            if ref.expired():
-                del self._live[cdata]
-                self.live_bytes -= nbytes
-        for t in tensors_of(out):
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensor subclasses without one storage
-                continue
-            cdata = storage._cdata
-            if cdata not in self._base and cdata not in self._live:
-                nbytes = storage.nbytes()
-                self._live[cdata] = (StorageWeakRef(storage), nbytes)
-                self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.memory.add(out)
         for key in self.stack:
-            self.peak[key] = max(self.peak[key], self.live_bytes)
-
-
-def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """(StorageImpl address, bytes) of a tensor's storage; None for subclasses without one."""
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return storage._cdata, storage.nbytes()
+            self.peak[key] = max(self.peak[key], self.memory.live_bytes)
 
 
 class _CountingMode(TorchDispatchMode):
@@ -332,7 +306,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
             torch.cuda.reset_peak_memory_stats(device)
         with layer_notes(model), _around_calls(counting_call), _CountingMode(counts):
             model(*args, **kwargs)
-        peak_bytes = counts.peak_bytes
+        peak_bytes = counts.memory.peak_bytes
         if on_cuda:
             sync()
             peak_bytes = torch.cuda.max_memory_allocated(device)
