@@ -341,13 +341,9 @@ class Tracer:
     def _run_callbacks(self, callbacks: list[_registry.Callback], module: torch.nn.Module, args: tuple, out: Any) -> Any:
         self._quiet += 1  # a callback's own tensor work is not part of the model's graph
         try:
-            for fn in callbacks:
-                replaced = fn(module, args, out)
-                if replaced is not None:
-                    out = replaced
+            return _chain_callbacks(callbacks, module, args, out)
         finally:
             self._quiet -= 1
-        return out
 
     def _scope(self, exclude: torch.nn.Module | None = None) -> tuple[Scope, ...]:
         # The root call is not part of any scope: every node is inside it.
@@ -510,6 +506,15 @@ def obj_id(obj: torch.Tensor) -> int:
         return _ACTIVE.obj_id(obj)
 
 
+def _chain_callbacks(callbacks: list[_registry.Callback], module: torch.nn.Module, args: tuple, out: Any) -> Any:
+    """Run ``@hook_forward`` callbacks in order; each non-None result replaces the output."""
+    for fn in callbacks:
+        replaced = fn(module, args, out)
+        if replaced is not None:
+            out = replaced
+    return out
+
+
 class _Installed:
     """The always-on style: registered callbacks run after every forward, no graph is kept."""
 
@@ -525,11 +530,7 @@ class _Installed:
             out = forward(module, *args, **kwargs)
         finally:
             self._forwarding.pop()
-        for fn in _registry.REGISTRY.callbacks_for(type(module)):
-            replaced = fn(module, args, out)
-            if replaced is not None:
-                out = replaced
-        return out
+        return _chain_callbacks(_registry.REGISTRY.callbacks_for(type(module)), module, args, out)
 
 
 def install() -> None:
