@@ -1,4 +1,4 @@
-"""Walking the tensors inside nested inputs and outputs.
+"""Walking the tensors inside nested inputs and outputs, and naming what they are.
 
 Tuples, lists, dicts (transformers' ModelOutput is one) and dataclasses are opened;
 every tensor leaf is yielded with a readable path such as ``output.logits`` or ``x[1]``.
@@ -11,6 +11,21 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+
+_DTYPE2NAME: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``: the dtype as graphs, dumps and messages write it."""
+    name = _DTYPE2NAME.get(dtype)
+    if name is None:
+        name = _DTYPE2NAME[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def tensor_text(t: torch.Tensor) -> str:
+    """``"float32[1, 3, 8, 8]"``: a tensor's dtype and shape, as every message shows them."""
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 
 def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:

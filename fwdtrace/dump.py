@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._tree import iter_tensors
+from ._tree import dtype_name, iter_tensors
 from .errors import FwdtraceError, describe
 from .keys import key2module
 
@@ -36,7 +36,7 @@ _BITS_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _BITS_AS[getattr(torch, _name)] = torch.uint8
-_STR2DTYPE = {str(d).removeprefix("torch."): d for d in _BITS_AS}
+_STR2DTYPE = {dtype_name(d): d for d in _BITS_AS}
 
 
 def _h5py() -> Any:
@@ -45,10 +45,6 @@ def _h5py() -> Any:
     except ImportError as e:  # pragma: no cover - h5py is a dependency
         raise FwdtraceError("HDF5 dumps need h5py: pip install h5py") from e
     return h5py
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -110,7 +106,7 @@ class _Recording:
         ds = call.group.create_dataset(name, data=arr)
         if store_as is not None:
             # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
-            ds.attrs["torch_dtype"] = _dtype_name(t.dtype)
+            ds.attrs["torch_dtype"] = dtype_name(t.dtype)
         self.order.append(f"{call.name}/{name}")
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:

@@ -41,11 +41,9 @@ def shapes_text(tensors: Iterable[Any]) -> str:
     """``float32[1, 3, 8, 8], int64[2]`` for the tensors among ``tensors``."""
     import torch
 
-    parts = [
-        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-        for t in tensors
-        if isinstance(t, torch.Tensor)
-    ]
+    from ._tree import tensor_text
+
+    parts = [tensor_text(t) for t in tensors if isinstance(t, torch.Tensor)]
     return ", ".join(parts) if parts else "no tensors"
 
 

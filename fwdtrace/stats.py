@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ._tree import tensor_text
 from .errors import FwdtraceError, describe
 
 __all__ = ["RunningStats", "summary_text"]
@@ -186,7 +187,7 @@ def summary_text(tensor: Any, values: bool = False) -> str:
     """
     if not isinstance(tensor, torch.Tensor):
         return "None" if tensor is None else describe(tensor)
-    head = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+    head = tensor_text(tensor)
     if tensor.numel() and not tensor.is_complex() and tensor.dtype != torch.bool:
         with torch.no_grad():
             x = tensor.detach().to(torch.float64)

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.overrides import _get_current_function_mode as _current_function_mode
 
 from . import registry as _registry
-from ._tree import iter_tensors, tensors_of
+from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .keys import module_key
@@ -32,16 +32,8 @@ __all__ = ["Tracer", "trace", "obj_id", "install", "uninstall"]
 _ACTIVE: Tracer | None = None  # the one active tracer; nesting is refused
 _INSTALLED: _Installed | None = None
 
-_DTYPE2STR: dict[torch.dtype, str] = {}
 _FUNC2NAME: dict[Any, str] = {}
 _SIMPLE = (int, float, bool, str, type(None))
-
-
-def _dtype_str(dtype: torch.dtype) -> str:
-    s = _DTYPE2STR.get(dtype)
-    if s is None:
-        s = _DTYPE2STR[dtype] = str(dtype).removeprefix("torch.")
-    return s
 
 
 def function_name(func: Any) -> str:
@@ -74,7 +66,7 @@ def _simple(value: Any) -> Any:
     if isinstance(value, _SIMPLE):
         return value
     if isinstance(value, torch.dtype):
-        return _dtype_str(value)
+        return dtype_name(value)
     if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, bool)) for v in value):
         return list(value)
     return None
@@ -208,7 +200,7 @@ class Tracer:
     def _refs(self, tensors: list[torch.Tensor]) -> list[TensorRef]:
         with torch._C.DisableTorchFunction():
             return [
-                TensorRef(self.obj_id(t), tuple(t.shape), _dtype_str(t.dtype), self._param_names.get(id(t)))
+                TensorRef(self.obj_id(t), tuple(t.shape), dtype_name(t.dtype), self._param_names.get(id(t)))
                 for t in tensors
             ]
 
