@@ -18,10 +18,9 @@ only the counting run happens, without allocating memory: parameters and FLOPs a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,9 +32,8 @@ from .errors import FwdtraceError, describe, shapes_text
 from .flops import flops_of
 from .keys import key2module
 from .memory import StorageTracker
-from .patching import Patcher
 from .registry import qualified_name
-from .tracer import _wrap, active_tracer, layer_notes
+from .tracer import active_tracer, around_module_calls, layer_notes
 from .units import human_bytes, human_count, human_flops, human_ms
 
 __all__ = ["analyze", "Analysis", "ModuleRow", "configure_parser", "run_cli"]
@@ -224,15 +222,6 @@ class _CountingMode(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def _around_calls(handler: Callable[..., Any]) -> Iterator[None]:
-    """Send every module call to ``handler(call, module, args, kwargs)``, on top of what is patched."""
-    with Patcher() as patcher:
-        current = torch.nn.Module.__dict__["__call__"]
-        patcher.patch(torch.nn.Module, "__call__", _wrap(current, handler))
-        yield
-
-
 def _device_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for t in [*model.parameters(), *model.buffers(), *tensors_of((args, kwargs))]:
         return t.device
@@ -304,7 +293,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     with torch.no_grad():
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        with layer_notes(model), _around_calls(counting_call), _CountingMode(counts):
+        with layer_notes(model), around_module_calls(counting_call), _CountingMode(counts):
             model(*args, **kwargs)
         peak_bytes = counts.memory.peak_bytes
         if on_cuda:
@@ -376,7 +365,7 @@ def _timed_modules(
             sync()
             spent[key] += time.perf_counter() - start
 
-    with layer_notes(model), _around_calls(timing_call):
+    with layer_notes(model), around_module_calls(timing_call):
         model(*args, **kwargs)
     return spent
 

@@ -419,8 +419,18 @@ def layer_notes(model: torch.nn.Module) -> Iterator[None]:
             _note_layer(e, module2path.get(id(module), f"<{type(module).__name__}>"), module, args, kwargs)
             raise
 
+    with around_module_calls(on_call):
+        yield
+
+
+@contextlib.contextmanager
+def around_module_calls(handler: Callable[..., Any]) -> Iterator[None]:
+    """Send every module call to ``handler(call, module, args, kwargs)``, on top of what is patched.
+
+    Layer notes and analysis's counting and timing runs stack this way; traces replace it.
+    """
     with Patcher() as patcher:
-        patcher.patch(torch.nn.Module, "__call__", _wrap(unwrap(torch.nn.Module.__call__), on_call))
+        patcher.patch(torch.nn.Module, "__call__", _wrap(torch.nn.Module.__dict__["__call__"], handler))
         yield
 
 
