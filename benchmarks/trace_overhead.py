@@ -1,77 +1,129 @@
-"""What tracing costs against a plain forward: time (medians) and peak memory.
+"""What tracing costs against a plain forward, beside torchview and torchlens: time, memory, threads, install().
 
-    python benchmarks/trace_overhead.py [--repeats 10] [--device cpu|cuda]
+    python benchmarks/trace_overhead.py [--repeats 10] [--models resnet50 bert gpt2] [--no-peers]
 
-For a ResNet-50-sized CNN and a small transformer encoder (both defined here), it times a
-plain ``torch.no_grad()`` forward, ``fwdtrace.trace(pin=False)`` and ``trace(pin=True)``
-(all under no_grad, interleaved, medians over repeats) and reports the ratios. Peak memory
-is what a variant adds over the built model: on CPU the peak of live tensor storage
-(counted by a dispatch mode) plus the peak of the Python heap (tracemalloc), on CUDA
-``torch.cuda.max_memory_allocated``. Targets: ``pin=False`` at most 2.0x a plain
-forward in time and at most 1.1x in peak memory.
+One torch thread, everything under ``torch.no_grad()``. For each model it times, interleaved so
+drift hits all alike, a plain forward, ``fwdtrace.trace()`` (the default, ``pin=False``) and
+``trace(pin=True)``, and reports medians and ratios against the plain forward. torchview
+(``draw_graph``, no rendering) and torchlens (``trace`` with nothing saved) are measured the same
+way, each in a child process of this run with its own plain forward beside it: both wrap torch
+functions process-wide, which would slow every later measurement here.
+
+Peak memory is what a variant adds over the built model: on CPU the peak of live tensor storage
+(counted by a dispatch mode) plus the peak of the Python heap (tracemalloc); on CUDA
+``torch.cuda.max_memory_allocated``.
+
+Two more measurements (ResNet-50): the throughput of a thread running plain forwards while
+another thread traces, against the same thread while its neighbour runs plain forwards; and a
+forward with ``fwdtrace.install()`` and one callback on a layer class the model does not use.
+
+Targets: default ``trace()`` at most 1.5x a plain forward on BERT and GPT-2, at most 1.2x on
+ResNet-50, within 1.1x in peak memory; a neighbour thread loses under 5% throughput;
+``install()`` costs under 2% on layers it does not hook.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from bench_models import ResNet50, TransformerEncoder
+from bench_models import ResNet50
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fwdtrace
 from fwdtrace.memory import StorageTracker
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
-    "resnet50": (ResNet50, lambda: torch.randn(1, 3, 224, 224)),
-    "transformer": (lambda: TransformerEncoder(d=256, layers=4, heads=8), lambda: torch.randn(8, 128, 256)),
+torch.set_num_threads(1)
+
+
+def bert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                        vocab_size=1000)
+    return BertModel(config), {"input_ids": torch.randint(0, 1000, (1, 128))}
+
+
+def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000, n_positions=128)
+    return GPT2Model(config), {"input_ids": torch.randint(0, 1000, (1, 64))}
+
+
+def resnet50() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    return ResNet50(), {"x": torch.randn(1, 3, 224, 224)}
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
+    "resnet50": resnet50, "bert": bert, "gpt2": gpt2,
 }
-VARIANTS: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
-    "plain": lambda m, x: m(x),
-    "trace(pin=False)": lambda m, x: fwdtrace.trace(m, x, pin=False),
-    "trace(pin=True)": lambda m, x: fwdtrace.trace(m, x, pin=True),
+LABELS = {"resnet50": "ResNet-50, 1x3x224x224", "bert": "BERT 4x256, 128 tokens", "gpt2": "GPT-2 2x128, 64 tokens"}
+
+Variant = Callable[[nn.Module, dict[str, torch.Tensor]], object]
+
+
+def _positional(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(inputs.values())
+
+
+OURS: dict[str, Variant] = {
+    "plain": lambda m, kw: m(**kw),
+    "trace()": lambda m, kw: fwdtrace.trace(m, **kw),
+    "trace(pin=True)": lambda m, kw: fwdtrace.trace(m, pin=True, **kw),
 }
 
 
-def build(name: str, device: str) -> tuple[nn.Module, torch.Tensor]:
+def _torchview(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
+    from torchview import draw_graph
+
+    return draw_graph(m, input_data=kw, device="cpu", save_graph=False)
+
+
+def _torchlens(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
+    import torchlens
+
+    return torchlens.trace(m, input_args=_positional(kw), save="none")
+
+
+PEERS: dict[str, Variant] = {"torchview": _torchview, "torchlens": _torchlens}
+
+
+def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    make_model, make_input = MODELS[name]
-    return make_model().eval().to(device), make_input().to(device)
+    model, inputs = MODELS[name]()
+    return model.eval(), inputs
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_variants(name: str, device: str, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each variant, interleaved so drift hits all alike."""
-    model, x = build(name, device)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+def time_variants(name: str, variants: dict[str, Variant], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each variant, interleaved."""
+    model, inputs = build(name)
+    times: dict[str, list[float]] = {v: [] for v in variants}
     with torch.no_grad():
-        for fn in VARIANTS.values():  # warm-up
-            fn(model, x)
+        for fn in variants.values():  # warm-up: lazy imports, caches
+            fn(model, inputs)
+            fn(model, inputs)
         for _ in range(repeats):
-            for variant, fn in VARIANTS.items():
-                sync(device)
+            for variant, fn in variants.items():
                 start = time.perf_counter()
-                fn(model, x)
-                sync(device)
+                fn(model, inputs)
                 times[variant].append(time.perf_counter() - start)
     return {v: statistics.median(t) for v, t in times.items()}
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensor storage created while active (a CPU stand-in for CUDA's peak stats).
-
-    Every op's outputs go to fwdtrace's own :class:`~fwdtrace.memory.StorageTracker` (the one
-    ``analyze`` uses); storages that existed before (weights, inputs) are not counted.
-    """
+    """Peak bytes of tensor storage created while active (a CPU stand-in for CUDA's peak stats)."""
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
         super().__init__()
@@ -88,50 +140,135 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def peak_memory(name: str, variant: str, device: str) -> tuple[int, int]:
-    """Peak bytes a variant adds over the built model: (tensor storage, Python objects).
-
-    CUDA: ``max_memory_allocated``. CPU: tensor storage counted by :class:`LiveTensorBytes`
-    plus the Python heap's peak from ``tracemalloc`` (the graph's own objects), an upper bound.
-    """
-    model, x = build(name, device)
+def peak_memory(name: str, fn: Variant) -> int:
+    """Peak bytes a variant adds over the built model: tensor storage plus the Python heap's peak."""
+    model, inputs = build(name)
     with torch.no_grad():
-        VARIANTS[variant](model, x)  # first-call work (lazy imports, kernel caches) is not the variant's
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            VARIANTS[variant](model, x)
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - base, 0
-        existing = [x, *model.parameters(), *model.buffers()]
+        fn(model, inputs)
+        existing = [*inputs.values(), *model.parameters(), *model.buffers()]
         for _ in range(2):  # the first round under the mode and tracemalloc pays their own set-up
             tracemalloc.start()
             with LiveTensorBytes(existing) as tensors:
-                VARIANTS[variant](model, x)
+                fn(model, inputs)
             python_peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-        return tensors.peak, python_peak
+        return tensors.peak + python_peak
+
+
+def measure(name: str, variants: dict[str, Variant], repeats: int) -> dict[str, dict[str, float]]:
+    medians = time_variants(name, variants, repeats)
+    peaks = {v: peak_memory(name, fn) for v, fn in variants.items()}
+    return {v: {"ms": medians[v] * 1e3, "x_plain": medians[v] / medians["plain"],
+                "peak_mib": peaks[v] / 2**20, "peak_x_plain": peaks[v] / peaks["plain"]} for v in variants}
+
+
+def measure_peer(name: str, peer: str, repeats: int) -> dict[str, dict[str, float]] | str:
+    """One peer in a child process, with its own plain forward beside it."""
+    cmd = [sys.executable, __file__, "--child", name, peer, "--repeats", str(repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(__file__), timeout=1800)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"failed: {last[:120]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
+    """Forwards per second of a thread while its neighbour runs plain forwards, or traces."""
+    server, server_in = build("resnet50")
+    other, other_in = build("bert")
+
+    def run(neighbour: Variant) -> float:
+        stop = threading.Event()
+        count = [0]
+
+        def serve() -> None:
+            with torch.no_grad():
+                while not stop.is_set():
+                    server(**server_in)
+                    count[0] += 1
+
+        def disturb() -> None:
+            with torch.no_grad():
+                while not stop.is_set():
+                    neighbour(other, other_in)
+
+        threads = [threading.Thread(target=serve), threading.Thread(target=disturb)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        return count[0] / seconds
+
+    rounds = {"plain": [], "trace()": []}  # type: dict[str, list[float]]
+    for _ in range(3):
+        for variant in rounds:
+            rounds[variant].append(run(OURS[variant]))
+    plain, traced = statistics.median(rounds["plain"]), statistics.median(rounds["trace()"])
+    return {"plain_per_s": plain, "traced_per_s": traced, "loss": 1 - traced / plain}
+
+
+def install_cost(repeats: int) -> dict[str, float]:
+    """A plain forward, without and with install() and one callback on a class the model does not use."""
+    model, inputs = build("resnet50")
+
+    @fwdtrace.hook_forward(nn.Embedding)
+    def unused(module: nn.Module, args: tuple, out: Any) -> None:
+        pass
+
+    times: dict[str, list[float]] = {"plain": [], "installed": []}
+    try:
+        with torch.no_grad():
+            model(**inputs)
+            for _ in range(repeats):
+                for variant in times:
+                    if variant == "installed":
+                        fwdtrace.install()
+                    start = time.perf_counter()
+                    model(**inputs)
+                    times[variant].append(time.perf_counter() - start)
+                    fwdtrace.uninstall()
+    finally:
+        fwdtrace.uninstall()
+        fwdtrace.remove_hook(unused)
+    plain, installed = statistics.median(times["plain"]), statistics.median(times["installed"])
+    return {"plain_ms": plain * 1e3, "installed_ms": installed * 1e3, "cost": installed / plain - 1}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--no-peers", action="store_true", help="skip torchview and torchlens")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "PEER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"median of {args.repeats} repeats")
-    print(f"{'model':<12} {'variant':<17} {'median ms':>10} {'x plain':>8} "
-          f"{'tensors MiB':>12} {'python MiB':>11} {'peak x plain':>13}")
+    if args.child:
+        name, peer = args.child
+        result = measure(name, {"plain": OURS["plain"], peer: PEERS[peer]}, args.repeats)
+        print(json.dumps(result))
+        return
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.repeats} repeats, no_grad")
+    print(f"{'model':<24} {'variant':<17} {'median ms':>10} {'x plain':>8} {'peak MiB':>9} {'peak x plain':>13}")
     for name in args.models:
-        medians = time_variants(name, args.device, args.repeats)
-        peaks = {v: peak_memory(name, v, args.device) for v in VARIANTS}
-        for v in VARIANTS:
-            total, plain_total = sum(peaks[v]), sum(peaks["plain"])
-            print(f"{name:<12} {v:<17} {medians[v] * 1e3:>10.1f} {medians[v] / medians['plain']:>8.2f} "
-                  f"{peaks[v][0] / 2**20:>12.1f} {peaks[v][1] / 2**20:>11.2f} {total / plain_total:>13.2f}")
+        rows = measure(name, OURS, args.repeats)
+        for peer in ([] if args.no_peers else list(PEERS)):
+            result = measure_peer(name, peer, args.repeats)
+            if isinstance(result, str):
+                print(f"{LABELS[name]:<24} {peer:<17} {result}")
+                continue
+            rows[peer] = result[peer]
+        for v, r in rows.items():
+            print(f"{LABELS[name]:<24} {v:<17} {r['ms']:>10.1f} {r['x_plain']:>8.2f} {r['peak_mib']:>9.1f} "
+                  f"{r['peak_x_plain']:>13.2f}")
+    n = neighbour_throughput()
+    print(f"neighbour thread (ResNet-50 forwards) while another thread traces BERT: {n['traced_per_s']:.2f}/s "
+          f"against {n['plain_per_s']:.2f}/s beside plain BERT forwards: {n['loss'] * 100:+.1f}% lost")
+    c = install_cost(args.repeats)
+    print(f"install() with one callback on a class ResNet-50 does not use: {c['installed_ms']:.1f} ms against "
+          f"{c['plain_ms']:.1f} ms plain: {c['cost'] * 100:+.2f}%")
 
 
 if __name__ == "__main__":

@@ -1,31 +1,309 @@
-"""All of fwdtrace's patching goes through one :class:`Patcher`.
+"""All of fwdtrace's patching: one dispatch point for ``nn.Module.__call__``, and a :class:`Patcher`.
 
-It records every attribute it replaces and puts each original back, in reverse order,
-on exit, exceptions included (torch.fx's ``_Patcher`` does the same: reverse order
-keeps duplicates correct).
+Traces, layer notes (probes, analysis) and :func:`fwdtrace.install` all need to see module
+calls. They share **one** wrapper of ``torch.nn.Module.__call__``, installed when the first of
+them starts and removed (the original object put back) when the last one leaves, in any
+order. Which handlers a call goes through is decided per thread, at the call: a thread with
+no handler of its own goes straight to the original, so a trace in one thread never sees,
+slows or breaks the forwards of another (OpenTelemetry's instrumentors and torch's own
+``TorchFunctionMode`` stack work the same way).
+
+Installing, removing and the bookkeeping around them run under a lock and cannot be cut
+short by Ctrl-C: a SIGINT that arrives meanwhile is held back and raised when the
+critical section ends (:class:`critical`).
+
+:class:`Patcher` replaces attributes of one object (an exporter's ``forward`` of one
+instance) and puts each original back, in reverse order, exceptions included, as torch.fx's
+``_Patcher`` does.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
+
+import torch
+
+__all__ = ["Patcher", "critical", "InterruptGuard", "add_call_handler", "remove_call_handler", "CallHandler", "call_dispatch_active"]
 
 _MISSING = object()
 
-# Every wrapper fwdtrace installs carries the function it wraps under this attribute,
-# so a second patcher (a trace inside ``install()``) can reach the true original.
-ORIGINAL_ATTR = "__fwdtrace_original__"
+# A handler gets ``(call, module, args, kwargs)`` and returns the call's result; ``call(module,
+# *args, **kwargs)`` runs the rest of the chain (inner handlers, then the original __call__).
+CallHandler = Callable[[Callable[..., Any], torch.nn.Module, tuple, dict], Any]
 
 
+# -- critical sections -----------------------------------------------------------------------------
+_LOCK = threading.RLock()
+
+
+class critical:
+    """Hold the patching lock and defer Ctrl-C until the block ends.
+
+    >>> from fwdtrace.patching import critical
+    >>> with critical():
+    ...     pass  # a SIGINT here would be raised on leaving the block, not inside it
+
+    In the main thread, SIGINT's Python handler is swapped for one that only records the
+    signal; on exit the original handler is put back and called with it (so a default
+    handler raises ``KeyboardInterrupt`` there). Other threads never receive Python signal
+    handlers, so for them this is just the lock. Sections nest.
+    """
+
+    __slots__ = ("_previous", "_pending")
+
+    def __enter__(self) -> critical:
+        self._previous: Any = None
+        self._pending: tuple[int, FrameType | None] | None = None
+        # The handler first, then the lock: an interrupt before the swap leaves nothing held.
+        if threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGINT) is not None:  # None: set outside Python, leave it
+                    self._previous = signal.signal(signal.SIGINT, self._defer)
+            except ValueError:  # not the main interpreter
+                self._previous = None
+        _LOCK.acquire()
+        return self
+
+    def _defer(self, signum: int, frame: FrameType | None) -> None:
+        if self._pending is None:
+            self._pending = (signum, frame)
+
+    def __exit__(self, *exc: object) -> None:
+        _LOCK.release()
+        previous, pending = self._previous, self._pending
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        if pending is not None:
+            _deliver(previous, *pending)
+
+
+class InterruptGuard:
+    """For the length of a trace: a Ctrl-C that lands in fwdtrace's own set-up or clean-up waits.
+
+    >>> from fwdtrace.patching import InterruptGuard
+    >>> guard = InterruptGuard(protected=())
+    >>> guard.start(); guard.stop()  # a SIGINT in between, in protected code, is raised by stop()
+
+    A ``with`` statement cannot protect the first instruction of ``__exit__`` (CPython checks
+    for signals on entering any function), so a handler that only defers inside critical
+    sections would let an interrupt skip the whole clean-up. This handler looks at the
+    frame the signal landed in: in this module's functions or in a ``protected`` code
+    object it records the signal (``pending``), anywhere else (the model's code) it
+    calls the previous handler at once. :meth:`raise_pending` delivers a held signal at
+    the next safe point; :meth:`stop` puts the previous handler back and delivers it.
+    Main thread only (Python runs signal handlers there); elsewhere it does nothing.
+    """
+
+    __slots__ = ("_protected", "_previous", "pending")
+
+    def __init__(self, protected: tuple[Any, ...]) -> None:
+        self._protected = frozenset(protected)
+        self._previous: Any = None
+        self.pending: tuple[int, FrameType | None] | None = None
+
+    def start(self) -> None:
+        # Not inside critical(): that swaps the handler itself. A signal before the swap simply
+        # raises here, before anything was set up.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if frame is not None and (frame.f_globals is _GLOBALS or frame.f_code in self._protected):
+            if self.pending is None:
+                self.pending = (signum, frame)
+            return
+        _deliver(self._previous, signum, frame)
+
+    def raise_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            _deliver(self._previous, *pending)
+
+    def stop(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            if signal.getsignal(signal.SIGINT) == self._handler:  # a handler set since stays
+                signal.signal(signal.SIGINT, previous)
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                _deliver(previous, *pending)
+
+
+def _deliver(handler: Any, signum: int, frame: FrameType | None) -> None:
+    if callable(handler):
+        handler(signum, frame)  # default_int_handler raises KeyboardInterrupt here
+    elif handler == signal.SIG_DFL:
+        signal.raise_signal(signum)
+
+
+_GLOBALS = globals()
+
+
+# -- the one dispatch point of nn.Module.__call__ ---------------------------------------------------
+@dataclass(eq=False)
+class _Handle:
+    handler: CallHandler
+    thread: _ThreadHandlers | None  # None: every thread (install())
+
+
+class _ThreadHandlers:
+    """One thread's handlers, outermost first, and the chain built from them."""
+
+    __slots__ = ("handlers", "version", "chain")
+
+    def __init__(self) -> None:
+        self.handlers: list[_Handle] = []
+        self.version = -1  # the _Dispatch.version the chain was built for; -1: rebuild
+        self.chain: Callable[..., Any] | None = None
+
+
+_local = threading.local()
+
+
+def _thread_handlers() -> _ThreadHandlers:
+    try:
+        return _local.handlers
+    except AttributeError:
+        state = _local.handlers = _ThreadHandlers()
+        return state
+
+
+class _Dispatch:
+    """The wrapper of ``nn.Module.__call__`` and who is using it."""
+
+    def __init__(self) -> None:
+        self.original: Callable[..., Any] | None = None
+        self.users = 0
+        self.global_handlers: list[_Handle] = []
+        self.version = 0  # bumped whenever the global handlers change
+
+    def chain(self) -> Callable[..., Any] | None:
+        local = _thread_handlers()
+        if local.version != self.version:
+            local.chain = _build_chain(self.global_handlers + local.handlers, self.original)
+            local.version = self.version
+        return local.chain
+
+    def add(self, handle: _Handle) -> None:
+        with critical():
+            if self.users == 0:
+                self._install()
+            self.users += 1
+            if handle.thread is None:
+                self.global_handlers.insert(0, handle)
+                self.version += 1
+            else:
+                handle.thread.handlers.insert(0, handle)  # the newest is outermost
+                handle.thread.version = -1
+
+    def remove(self, handle: _Handle) -> bool:
+        with critical():
+            handlers = self.global_handlers if handle.thread is None else handle.thread.handlers
+            if not any(h is handle for h in handlers):
+                return False
+            handlers[:] = [h for h in handlers if h is not handle]
+            if handle.thread is None:
+                self.version += 1
+            else:
+                handle.thread.version = -1
+            self.users -= 1
+            if self.users == 0:
+                self._uninstall()
+            return True
+
+    def _install(self) -> None:
+        current = torch.nn.Module.__dict__["__call__"]
+        self.original = current
+        _dispatching_call.__wrapped__ = current  # type: ignore[attr-defined]
+        torch.nn.Module.__call__ = _dispatching_call  # type: ignore[method-assign]
+        self.version += 1
+
+    def _uninstall(self) -> None:
+        # Put back what was there, unless someone patched over us since: theirs stays.
+        if torch.nn.Module.__dict__.get("__call__") is _dispatching_call:
+            torch.nn.Module.__call__ = self.original  # type: ignore[method-assign,assignment]
+        self.version += 1
+
+
+def _build_chain(handles: list[_Handle], original: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    if not handles or original is None:
+        return None
+    call: Callable[..., Any] = original
+    for handle in reversed(handles):
+        call = _link(handle.handler, call)
+    return call
+
+
+def _link(handler: CallHandler, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def link(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return handler(inner, module, args, kwargs)
+
+    return link
+
+
+_DISPATCH = _Dispatch()
+_is_compiling = torch.compiler.is_compiling
+
+
+def _dispatching_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``nn.Module.__call__`` while fwdtrace is in use: this thread's handlers, else the original."""
+    if _is_compiling():  # dynamo tracing a compiled model: it must see the plain call
+        return _DISPATCH.original(self, *args, **kwargs)  # type: ignore[misc]
+    chain = _DISPATCH.chain()
+    if chain is None:
+        return _DISPATCH.original(self, *args, **kwargs)  # type: ignore[misc]
+    return chain(self, *args, **kwargs)
+
+
+def add_call_handler(handler: CallHandler, *, all_threads: bool = False) -> _Handle:
+    """Send module calls of this thread (or of every thread) through ``handler``; returns a handle.
+
+    >>> import torch
+    >>> from fwdtrace.patching import add_call_handler, remove_call_handler
+    >>> seen = []
+    >>> def note(call, module, args, kwargs):
+    ...     seen.append(type(module).__name__)
+    ...     return call(module, *args, **kwargs)
+    >>> handle = add_call_handler(note)
+    >>> _ = torch.nn.ReLU()(torch.ones(1))
+    >>> remove_call_handler(handle), seen
+    (True, ['ReLU'])
+    >>> torch.nn.Module.__call__ is torch.nn.Module._wrapped_call_impl  # the original is back
+    True
+
+    The newest handler is the outermost. Remove handles in any order; the last removal puts
+    the original ``__call__`` back.
+    """
+    handle = _Handle(handler, None if all_threads else _thread_handlers())
+    _DISPATCH.add(handle)
+    return handle
+
+
+def remove_call_handler(handle: _Handle) -> bool:
+    """Remove a handler added with :func:`add_call_handler`; False when it was already gone."""
+    return _DISPATCH.remove(handle)
+
+
+def call_dispatch_active() -> bool:
+    """Whether fwdtrace's wrapper of ``nn.Module.__call__`` is installed now."""
+    return _DISPATCH.users > 0
+
+
+# -- patching one object ---------------------------------------------------------------------------
 @dataclass
 class _Patch:
-    owner: type
+    owner: Any
     name: str
     previous: Any  # what owner.__dict__ held, or _MISSING when the attribute was inherited
 
 
 class Patcher:
-    """Replace class attributes and restore the very same originals later.
+    """Replace attributes and restore the very same originals later.
 
     >>> import torch
     >>> from fwdtrace.patching import Patcher
@@ -34,23 +312,36 @@ class Patcher:
     ...     p.patch(torch.nn.ReLU, "forward", lambda self, x: x)
     >>> torch.nn.ReLU.__dict__["forward"] is original
     True
+
+    Patching and restoring are critical sections (:class:`critical`): Ctrl-C cannot leave
+    half of them done.
     """
 
     def __init__(self) -> None:
         self._patches: list[_Patch] = []
 
-    def patch(self, owner: type, name: str, value: Any) -> None:
-        self._patches.append(_Patch(owner, name, owner.__dict__.get(name, _MISSING)))
-        setattr(owner, name, value)
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        with critical():
+            previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+            setattr(owner, name, value)
+            self._patches.append(_Patch(owner, name, previous))
 
     def restore(self) -> None:
-        """Undo every patch, newest first. Safe to call twice."""
-        while self._patches:
-            p = self._patches.pop()
-            if p.previous is _MISSING:
-                delattr(p.owner, p.name)
-            else:
-                setattr(p.owner, p.name, p.previous)
+        """Undo every patch, newest first. Safe to call twice; one failing undo does not stop the others."""
+        errors: list[BaseException] = []
+        with critical():
+            while self._patches:
+                p = self._patches.pop()
+                try:
+                    if p.previous is _MISSING:
+                        if p.name in getattr(p.owner, "__dict__", {}):
+                            delattr(p.owner, p.name)
+                    else:
+                        setattr(p.owner, p.name, p.previous)
+                except Exception as e:  # keep undoing the rest; report the first failure after
+                    errors.append(e)
+        if errors:
+            raise errors[0]
 
     def __len__(self) -> int:
         return len(self._patches)
@@ -60,10 +351,3 @@ class Patcher:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
-
-
-def unwrap(fn: Any) -> Any:
-    """The function under any fwdtrace wrappers around ``fn``."""
-    while hasattr(fn, ORIGINAL_ATTR):
-        fn = getattr(fn, ORIGINAL_ATTR)
-    return fn

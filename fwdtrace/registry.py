@@ -2,7 +2,8 @@
 
 ``@hook_forward("torch.nn.Conv2d.forward")`` registers a callback; every leaf layer class
 of ``torch.nn`` is atomic (one node per call) with no user code. Nothing is patched
-here: the tracer patches what the registry names, only while it is active.
+here: traces and :func:`fwdtrace.install` read the registry at each module call, from
+fwdtrace's one dispatch point of ``nn.Module.__call__`` (:mod:`fwdtrace.patching`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,6 @@ _NOT_LEAF = {
 def has_forward(cls: type) -> bool:
     """Whether ``cls`` defines or inherits a ``forward`` other than ``torch.nn.Module``'s placeholder."""
     return any("forward" in k.__dict__ for k in cls.__mro__ if k is not torch.nn.Module)
-
-
-def patchable_forward(cls: type) -> bool:
-    """Whether ``cls`` itself defines ``forward`` as a plain function (not a TorchScript descriptor)."""
-    return inspect.isfunction(cls.__dict__.get("forward"))
 
 
 def default_atomic_classes() -> list[type[torch.nn.Module]]:
@@ -75,7 +71,7 @@ class Registry:
 
     callbacks: list[tuple[type, Callback]] = field(default_factory=list)
     atomic: set[type] = field(default_factory=lambda: set(default_atomic_classes()))
-    version: int = 0  # bumped on every change, so tracers can cache per-type lookups
+    version: int = 0  # bumped on every change
 
     def add_callback(self, cls: type, fn: Callback) -> None:
         # Re-running a notebook cell makes a new function with the same name: replace it.
@@ -100,38 +96,8 @@ class Registry:
     def is_atomic(self, module_type: type) -> bool:
         return any(issubclass(module_type, c) for c in self.atomic)
 
-    def owners(self, with_atomic: bool = True, with_subclasses: bool = False) -> list[type[torch.nn.Module]]:
-        """The classes whose ``forward`` a session patches, in a deterministic order.
-
-        ``with_subclasses`` adds every subclass now defined that overrides ``forward``
-        (and maybe calls ``super().forward()``), so that its whole forward is what the
-        callbacks see. The tracer patches those lazily instead, on their first call.
-        """
-        classes = [c for c, _ in self.callbacks]
-        if with_atomic:
-            classes += sorted(self.atomic, key=qualified_name)
-        owners: dict[type[torch.nn.Module], None] = {}
-        for cls in classes:
-            if has_forward(cls):  # an abstract base (``_ConvNd``) has none: its subclasses do
-                owners.setdefault(forward_owner(cls))
-            if with_subclasses:
-                owners.update((sub, None) for sub in _subclasses(cls) if patchable_forward(sub))
-        return list(owners)
-
 
 REGISTRY = Registry()
-
-
-def _subclasses(cls: type) -> list[type]:
-    """Every class now defined that derives from ``cls``, depth first, each once."""
-    out: dict[type, None] = {}
-    todo: list[type] = list(reversed(type.__subclasses__(cls)))
-    while todo:
-        sub = todo.pop()
-        if sub not in out:
-            out[sub] = None
-            todo += reversed(type.__subclasses__(sub))
-    return list(out)
 
 
 def _same_function(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
@@ -200,7 +166,7 @@ def _resolve_dotted(path: str) -> tuple[Any, Any]:
 
 
 def hook_forward(target: Any, *, atomic: bool = False) -> Callable[[F], F]:
-    """Run the decorated ``fn(module, inputs, output)`` after every forward of a layer class.
+    """Run the decorated ``fn(module, inputs, output)`` after every call of a layer class.
 
     >>> import torch, fwdtrace
     >>> @fwdtrace.hook_forward("torch.nn.ReLU.forward")
@@ -212,10 +178,14 @@ def hook_forward(target: Any, *, atomic: bool = False) -> Callable[[F], F]:
     1
 
     ``target`` is a class, or a dotted path to it or to its ``forward`` (resolved with
-    importlib and getattr). A non-None return value replaces the output. With
-    ``atomic=True`` the class also becomes one node per call in traced graphs (a user's
-    own layer). The function is returned unchanged. Callbacks run while a trace is
-    active, or always after :func:`fwdtrace.install`.
+    importlib and getattr); subclasses are included. The callback runs once per
+    ``module(...)`` call, after the layer's forward and its own torch hooks, on what the
+    call returned (a subclass's whole ``forward``, ``super().forward()`` included); a
+    non-None return value replaces the output. Like torch's forward hooks, a direct
+    ``module.forward(...)`` call is not seen. With ``atomic=True`` the class also becomes
+    one node per call in traced graphs (a user's own layer). The function is returned
+    unchanged. Callbacks run in the thread of an active trace, or in every thread after
+    :func:`fwdtrace.install`.
     """
     cls = resolve_target(target)
 

@@ -1,9 +1,16 @@
-"""The tracer: patch layer forwards while active, give tensors stable ids, record a Graph.
+"""The tracer: see every module call and torch function of one forward, give tensors stable ids, record a Graph.
 
-Three things are patched, all through one :class:`~fwdtrace.patching.Patcher` that always
-restores them: the ``forward`` of every registered layer class (nodes and callbacks),
-``torch.nn.Module.__call__`` (which module is running, for paths and error notes), and a
-``TorchFunctionMode`` is pushed so torch functions called between layers become nodes.
+Two things see the model run, both only in the thread that traces:
+
+- a handler on fwdtrace's one dispatch point of ``torch.nn.Module.__call__``
+  (:mod:`fwdtrace.patching`): which module is running (paths, scopes, error notes), a
+  ``"module"`` node per call of an atomic layer, with what the call really received and
+  returned (the user's own pre-hooks and forward hooks included), and the
+  ``@hook_forward`` callbacks;
+- a ``TorchFunctionMode`` pushed on this thread's mode stack: torch functions called
+  between layers become ``"function"`` nodes.
+
+Other threads keep running their forwards untouched, and may trace at the same time.
 """
 
 from __future__ import annotations
@@ -11,13 +18,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import torch
-from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
+from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode as _current_function_mode
+from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 
 from . import registry as _registry
 from ._tree import dtype_name, iter_tensors, tensors_of
@@ -25,12 +35,12 @@ from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .keys import module_key
 from .node import Scope, TensorRef
-from .patching import ORIGINAL_ATTR, Patcher, unwrap
+from .patching import InterruptGuard, add_call_handler, critical, remove_call_handler
 
-__all__ = ["Tracer", "trace", "obj_id", "install", "uninstall"]
+__all__ = ["Tracer", "trace", "obj_id", "install", "uninstall", "layer_notes", "around_module_calls"]
 
-_ACTIVE: Tracer | None = None  # the one active tracer; nesting is refused
-_INSTALLED: _Installed | None = None
+_local = threading.local()  # .tracer: this thread's active Tracer
+_INSTALLED: Any = None  # the handle of install()'s handler, for every thread
 
 _FUNC2NAME: dict[Any, str] = {}
 _SIMPLE = (int, float, bool, str, type(None))
@@ -82,6 +92,47 @@ def _module_attrs(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+class _TypeInfo(NamedTuple):
+    """What a trace does with the calls of one module class (cached per trace)."""
+
+    atomic: bool  # one node per call
+    callbacks: list[_registry.Callback]  # @hook_forward callbacks, in registration order
+    splits: bool  # atomic only by inheritance and overrides forward: an instance with children is not
+    scripted: bool  # a torch.jit.ScriptModule: opaque, one node
+    compiled: bool  # torch.compile(module): traced through the module it wraps
+
+
+_TYPE2INFO: dict[type, _TypeInfo] = {}
+_TYPE2INFO_STATE: list[Any] = [None]  # the registry state the cache was filled for
+
+
+def _cached_type_info(module_type: type) -> _TypeInfo:
+    """:func:`_type_info`, kept across traces until the registry changes."""
+    reg = _registry.REGISTRY
+    state = (reg.version, id(reg.atomic), id(reg.callbacks))
+    if _TYPE2INFO_STATE[0] != state:
+        _TYPE2INFO.clear()
+        _TYPE2INFO_STATE[0] = state
+    info = _TYPE2INFO.get(module_type)
+    if info is None:
+        info = _TYPE2INFO[module_type] = _type_info(module_type)
+    return info
+
+
+def _type_info(module_type: type) -> _TypeInfo:
+    reg = _registry.REGISTRY
+    scripted = issubclass(module_type, torch.jit.ScriptModule)
+    compiled = module_type.__name__ == "OptimizedModule" and module_type.__module__.startswith("torch._dynamo")
+    atomic = scripted or reg.is_atomic(module_type)
+    # timm's BatchNormAct2d: a BatchNorm2d subclass whose forward also calls its own act and drop
+    # children. Registered classes (and torch's own, MultiheadAttention with its out_proj) stay whole.
+    splits = (
+        atomic and not scripted and module_type not in reg.atomic and _registry.has_forward(module_type)
+        and _registry.forward_owner(module_type) not in reg.atomic
+    )
+    return _TypeInfo(atomic, reg.callbacks_for(module_type), splits, scripted, compiled)
+
+
 class _Recorder(TorchFunctionMode):
     """Sends torch functions called between layers to the tracer."""
 
@@ -90,15 +141,14 @@ class _Recorder(TorchFunctionMode):
         self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         t = self.tracer
         if t._quiet or not t._stack:  # inside a leaf layer or a callback, or outside the model
-            return func(*args, **kwargs)
-        return t._on_function(func, args, kwargs)
+            return func(*args, **(kwargs or {}))
+        return t._on_function(func, args, kwargs or {})
 
 
 class Tracer:
-    """Record the graph of whatever model runs inside the ``with`` block.
+    """Record the graph of whatever model runs inside the ``with`` block, in this thread.
 
     >>> import torch, fwdtrace
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.ReLU())
@@ -108,17 +158,24 @@ class Tracer:
     ['input', 'torch.nn.Conv2d', 'torch.nn.ReLU', 'output']
 
     The outermost module call's tensor arguments become input nodes and its tensor
-    results output nodes. ``pin=True`` keeps a reference to every tensor seen, so
-    CPython cannot reuse an ``id()`` during the trace; ``pin=False`` keeps none alive
-    and retires an id when its tensor dies, so two tensors are never confused either.
-    Everything patched on entry is restored on exit, exceptions included.
+    results output nodes. ``pin=False`` (the default) keeps no tensor alive and retires an
+    id when its tensor dies, so CPython's reuse of ``id()`` can never confuse two tensors;
+    ``pin=True`` keeps every tensor seen alive until the trace ends (for callbacks that
+    want them). Both give the same graph.
+
+    Only calls made in the thread that entered the tracer are recorded; other threads run
+    as if nothing were traced, and may trace at the same time. Leaving puts everything
+    back, exceptions and Ctrl-C included. A torch.jit scripted module is one opaque node;
+    a ``torch.compile``'d module is traced through the module it wraps; both are said
+    once per trace with a warning that names their paths.
     """
 
-    def __init__(self, pin: bool = True) -> None:
+    def __init__(self, pin: bool = False) -> None:
         self.pin = pin
         self.graph = Graph()
-        self._patcher = Patcher()
+        self._handle: Any = None
         self._mode: _Recorder | None = None
+        self._entered = False
         # tensor identity
         self._next_id = 0
         self._raw2obj: dict[int, int] = {}
@@ -126,61 +183,81 @@ class Tracer:
         self._weakrefs: dict[int, weakref.ref[torch.Tensor]] = {}
         # where we are
         self._stack: list[tuple[torch.nn.Module, Scope]] = []  # module calls, outermost first
-        self._forwarding: list[torch.nn.Module] = []  # modules inside a patched forward
+        self._scopes: list[tuple[Scope, ...]] = [()]  # the scope of a node made at each depth
         self._quiet = 0  # > 0 inside a leaf, a callback or fwdtrace's own bookkeeping
-        self._leaf_call: torch.nn.Module | None = None  # the leaf whose __call__ (hooks included) runs
         self._module2path: dict[int, str] = {}
         self._outside: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules not in the model
         self._forgotten = 0  # paths of such modules that died (numbering goes on past them)
-        self._param_names: dict[int, str] = {}
-        self._calls: dict[str, int] = {}  # nodes so far per module path (and per op in a module)
+        self._param_names: dict[int, tuple[str, torch.Tensor]] = {}
+        self._calls: dict[str, int] = {}  # nodes so far per op in a module
         self._scope_calls: dict[str, int] = {}  # calls so far of every module, atomic or not
-        self._type2info: dict[type, tuple[bool, list[_registry.Callback]]] = {}
-        self._patched: set[type[torch.nn.Module]] = set()  # classes whose forward this tracer has patched
+        self._type2info: dict[type, _TypeInfo] = {}
+        self._unseen: dict[str, list[str]] = {}  # what the trace could not see inside, for one warning
+        self._guard = InterruptGuard(_GUARDED_CODE)
 
     # -- activation -------------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
-        global _ACTIVE
-        if _ACTIVE is not None:
+        if getattr(_local, "tracer", None) is not None:
             raise FwdtraceError(
                 "a fwdtrace Tracer is already active: nested tracing is not supported; "
                 "trace the inner model inside the outer trace's graph instead"
             )
+        if self._entered:
+            raise FwdtraceError("a Tracer records one graph: make a new Tracer for another trace")
         _load_plugins()
         try:
-            for owner in _registry.REGISTRY.owners():
-                self._patch_forward(owner)
-            call = unwrap(torch.nn.Module.__call__)
-            self._patcher.patch(torch.nn.Module, "__call__", _wrap(call, self._on_call))
-            self._mode = _Recorder(self)
-            self._mode.__enter__()
+            self._guard.start()  # from here on, Ctrl-C waits while fwdtrace's own code runs
+            with critical():
+                self._entered = True
+                _local.tracer = self
+                self._handle = add_call_handler(self._on_call)
+                self._mode = _Recorder(self)
+                self._mode.__enter__()
         except BaseException:
-            self._patcher.restore()
+            self._close()
             raise
-        _ACTIVE = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _ACTIVE
-        _ACTIVE = None
         try:
-            if self._mode is not None:
-                self._mode.__exit__(None, None, None)
-                self._mode = None
+            while self._entered:
+                self._close()
+            self._warn_unseen()
         finally:
-            self._patcher.restore()
+            self._guard.stop()  # raises a Ctrl-C held back meanwhile
+
+    def _close(self) -> None:
+        with critical():
+            if self._mode is not None:
+                _remove_mode(self._mode)
+                self._mode = None
+            if self._handle is not None:
+                remove_call_handler(self._handle)
+                self._handle = None
+            if getattr(_local, "tracer", None) is self:
+                _local.tracer = None
             self._pinned.clear()
             self._weakrefs.clear()  # dropping the weakrefs also drops their callbacks
             self._outside.clear()
             self._raw2obj.clear()
+            self._param_names.clear()
             self._stack.clear()
-            self._patched.clear()
             self._type2info.clear()
+            self._entered = False
+
+    def _warn_unseen(self) -> None:
+        unseen, self._unseen = self._unseen, {}
+        for what, paths in unseen.items():
+            warnings.warn(f"fwdtrace: {what}: {', '.join(repr(p or '<root>') for p in paths)}", stacklevel=3)
 
     # -- tensor identity --------------------------------------------------------------------------
     def obj_id(self, t: torch.Tensor) -> int:
         raw = id(t)
         oid = self._raw2obj.get(raw)
+        if oid is not None and not self.pin:
+            ref = self._weakrefs.get(raw)
+            if ref is None or ref() is not t:  # its retirement was lost (Ctrl-C in the callback)
+                oid = None
         if oid is None:
             oid = self._next_id
             self._next_id += 1
@@ -198,11 +275,12 @@ class Tracer:
             del self._raw2obj[raw]
 
     def _refs(self, tensors: list[torch.Tensor]) -> list[TensorRef]:
-        with torch._C.DisableTorchFunction():
-            return [
-                TensorRef(self.obj_id(t), tuple(t.shape), dtype_name(t.dtype), self._param_names.get(id(t)))
-                for t in tensors
-            ]
+        out = []
+        for t in tensors:
+            named = self._param_names.get(id(t))
+            param = named[0] if named is not None and named[1] is t else None
+            out.append(TensorRef(self.obj_id(t), tuple(t.shape), dtype_name(t.dtype), param))
+        return out
 
     # -- module calls -----------------------------------------------------------------------------
     def _path(self, module: torch.nn.Module) -> str:
@@ -221,53 +299,100 @@ class Tracer:
             if self._module2path.pop(raw, None) is not None:
                 self._forgotten += 1
 
-    def _patch_forward(self, owner: type[torch.nn.Module]) -> None:
-        self._patcher.patch(owner, "forward", _wrap(unwrap(owner.forward), self._on_forward))
-        self._patched.add(owner)
+    def _info(self, module_type: type) -> _TypeInfo:
+        info = self._type2info.get(module_type)
+        if info is None:  # one look-up per class and trace: registering mid-trace takes effect next trace
+            info = self._type2info[module_type] = _cached_type_info(module_type)
+        return info
 
     def _on_call(self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        atomic = self._info(type(module))[0]  # also patches a layer subclass's forward on first call
-        # The hooks of a leaf (a lazy layer's set-up, a probe) are not nodes either: only its forward is.
-        leaf_call = atomic and not self._quiet
+        if self._guard.pending is not None:  # a Ctrl-C held back in fwdtrace's code: now is safe
+            self._guard.raise_pending()
+        info = self._info(type(module))
+        if info.compiled:  # torch.compile(module): run the module it wraps, eagerly, as one would read it
+            self._say_unseen("torch.compile'd modules were traced through the modules they wrap", module)
+            return cast("torch.nn.Module", module._orig_mod)(*args, **kwargs)
+        if module.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
+            self._say_unseen("compiled modules (module.compile()) were traced uncompiled", module)
+            call = _uncompiled_call
+        if self._quiet:  # inside a leaf or a callback: not part of the graph, callbacks still run
+            out = self._call_noted(call, module, args, kwargs)
+            return self._run_callbacks(info.callbacks, module, args, out) if info.callbacks else out
+        atomic = info.atomic and not (info.splits and module._modules)
         root = not self._stack
         if root:
             self._begin_root(module, args, kwargs)
-            path = ""
-        else:
-            path = self._path(module)
+        path = "" if root else self._path(module)
         call_index = self._scope_calls.get(path, 0)
         self._scope_calls[path] = call_index + 1
-        self._stack.append((module, Scope(path, type(module).__name__, call_index)))
-        if leaf_call:
+        scope = Scope(path, type(module).__name__, call_index)
+        if info.scripted:
+            self._say_unseen("scripted modules (torch.jit) are opaque, one node each", module)
+        in_refs: list[TensorRef] = []
+        if atomic:
+            with torch._C.DisableTorchFunction():
+                in_refs = self._refs(_call_tensors(args, kwargs))
             self._quiet += 1
-            self._leaf_call = module
-        # Inside a leaf the function recorder steps aside: torch's fused fast paths (nn.MultiheadAttention's)
-        # check for an active mode and would fall back to slower, memory-hungrier kernels.
-        step_aside = leaf_call and self._mode is not None and _current_function_mode() is self._mode
+        self._stack.append((module, scope))
+        self._scopes.append(self._scopes[-1] if root else (*self._scopes[-1], scope))
         try:
-            if step_aside:
-                with _pop_mode_temporarily():
-                    out = call(module, *args, **kwargs)
+            # Inside a leaf the function recorder steps aside: torch's fused fast paths (nn.MultiheadAttention's)
+            # check for an active mode and would fall back to slower, memory-hungrier kernels.
+            # (Inline, not torch's generator-based _pop_mode_temporarily: a generator cut short by
+            # Ctrl-C would push the mode back whenever it is collected, after the trace ended.)
+            if atomic and self._mode is not None and _current_function_mode() is self._mode:
+                torch._C._pop_torch_function_stack()
+                try:
+                    out = self._call_noted(call, module, args, kwargs, path)
+                finally:
+                    torch._C._push_on_torch_function_stack(self._mode)
             else:
-                out = call(module, *args, **kwargs)
-        except BaseException as e:
-            _note_layer(e, path, module, args, kwargs)
-            raise
+                out = self._call_noted(call, module, args, kwargs, path)
         finally:
             self._stack.pop()
-            if leaf_call:
+            self._scopes.pop()
+            if atomic:
                 self._quiet -= 1
-                self._leaf_call = None
+        if info.callbacks:
+            out = self._run_callbacks(info.callbacks, module, args, out)
+        if atomic:
+            with torch._C.DisableTorchFunction():
+                self.graph.add_node(
+                    "module",
+                    _registry.qualified_name(type(module)) if not info.scripted else "torch.jit.ScriptModule",
+                    name=path or type(module).__name__,
+                    module_path=path,
+                    call_index=call_index,
+                    inputs=in_refs,
+                    outputs=self._refs([out] if isinstance(out, torch.Tensor) else tensors_of(out)),
+                    attrs=_module_attrs(module) if not info.scripted else _scripted_attrs(module),
+                    scope=self._scopes[-1],
+                )
         if root:
             self._end_root(out)
         return out
 
+    def _call_noted(
+        self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict, path: str | None = None
+    ) -> Any:
+        try:
+            return call(module, *args, **kwargs)
+        except BaseException as e:
+            _note_layer(e, self._path(module) if path is None else path, module, args, kwargs)
+            raise
+
+    def _say_unseen(self, what: str, module: torch.nn.Module) -> None:
+        paths = self._unseen.setdefault(what, [])
+        path = "" if not self._stack else self._path(module)
+        if path not in paths:
+            paths.append(path)
+
     def _begin_root(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():
-            if not self._module2path or self._module2path.get(id(model)) != "":
-                self._module2path = {id(m): p for p, m in model.named_modules()}
-                self._param_names = {id(t): n for n, t in model.named_parameters()}
-                self._param_names.update({id(t): n for n, t in model.named_buffers()})
+            if self._module2path.get(id(model)) != "":
+                self._module2path = _module_paths(model)
+                self._param_names = {id(t): (n, t) for n, t in model.named_parameters()}
+                self._param_names.update({id(t): (n, t) for n, t in model.named_buffers()})
             for name, t in _named_inputs(model, args, kwargs):
                 ref = self._refs([t])[0]
                 if ref.obj_id not in self.graph._producer:
@@ -278,58 +403,6 @@ class Tracer:
             for name, t in iter_tensors(out, "output"):
                 self.graph.add_node("output", "output", name=name, inputs=self._refs([t]))
 
-    def _info(self, module_type: type) -> tuple[bool, list[_registry.Callback]]:
-        info = self._type2info.get(module_type)
-        if info is None:
-            reg = _registry.REGISTRY
-            info = self._type2info[module_type] = (reg.is_atomic(module_type), reg.callbacks_for(module_type))
-            if (info[0] or info[1]) and _registry.has_forward(module_type):
-                owner = _registry.forward_owner(module_type)
-                if owner not in self._patched and _registry.patchable_forward(owner):
-                    # A subclass overriding forward (say, calling super().forward()): patch its
-                    # own forward, so that all of it is the one node and callbacks see its output.
-                    self._patch_forward(owner)
-        return info
-
-    def _on_forward(self, forward: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        if self._forwarding and self._forwarding[-1] is module:
-            return forward(module, *args, **kwargs)  # super().forward() of a patched class
-        atomic, callbacks = self._info(type(module))
-        # not quiet, or quiet only because this very leaf's __call__ is running its hooks
-        record = atomic and (not self._quiet or (self._quiet == 1 and self._leaf_call is module))
-        if record:
-            in_refs = self._refs(tensors_of((args, kwargs)))
-            self._quiet += 1  # what runs inside a leaf is not a separate node
-        self._forwarding.append(module)
-        try:
-            out = forward(module, *args, **kwargs)
-        finally:
-            self._forwarding.pop()
-            if record:
-                self._quiet -= 1
-        if record:
-            out_refs = self._refs(tensors_of(out))
-        if callbacks:
-            out = self._run_callbacks(callbacks, module, args, out)
-            if record:
-                out_refs = self._refs(tensors_of(out))
-        if record:
-            path = self._path(module)
-            call_index = self._calls.get(path, 0)
-            self._calls[path] = call_index + 1
-            self.graph.add_node(
-                "module",
-                _registry.qualified_name(type(module)),
-                name=path or type(module).__name__,
-                module_path=path,
-                call_index=call_index,
-                inputs=in_refs,
-                outputs=out_refs,
-                attrs=_module_attrs(module),
-                scope=self._scope(exclude=module),
-            )
-        return out
-
     def _run_callbacks(self, callbacks: list[_registry.Callback], module: torch.nn.Module, args: tuple, out: Any) -> Any:
         self._quiet += 1  # a callback's own tensor work is not part of the model's graph
         try:
@@ -337,28 +410,28 @@ class Tracer:
         finally:
             self._quiet -= 1
 
-    def _scope(self, exclude: torch.nn.Module | None = None) -> tuple[Scope, ...]:
-        # The root call is not part of any scope: every node is inside it.
-        return tuple(s for m, s in self._stack[1:] if m is not exclude)
-
     # -- torch functions between layers -----------------------------------------------------------
     def _on_function(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        module, scope = self._stack[-1]
+        # Runs inside the mode's handler, where torch has already set the mode aside.
         try:
             out = func(*args, **kwargs)
         except BaseException as e:
+            module, scope = self._stack[-1]
             _note_layer(e, scope.module_path, module, args, kwargs, op=function_name(func))
             raise
-        if func is torch.Tensor.__setitem__:
+        if isinstance(out, torch.Tensor):
+            out_tensors = [out]
+        elif func is torch.Tensor.__setitem__:
             out_tensors = [args[0]]  # x[i] = y writes into x
         else:
-            out_tensors = tensors_of(out)
+            out_tensors = tensors_of(out) if isinstance(out, (tuple, list)) else []
             if not out_tensors:  # x.shape, x.size(), x.item(): no tensor flows on
                 return out
+        module_path = self._stack[-1][1].module_path
         target = function_name(func)
-        in_refs = self._refs(tensors_of((args, kwargs)))
+        in_refs = self._refs(_call_tensors(args, kwargs))
         out_refs = self._refs(out_tensors)
-        call_key = f"{scope.module_path}:{target}"
+        call_key = f"{module_path}:{target}"
         call_index = self._calls.get(call_key, 0)
         self._calls[call_key] = call_index + 1
         attrs = {}
@@ -373,14 +446,65 @@ class Tracer:
             "function",
             target,
             name=_short_op_name(target),
-            module_path=scope.module_path,
+            module_path=module_path,
             call_index=call_index,
             inputs=in_refs,
             outputs=out_refs,
             attrs=attrs,
-            scope=self._scope(),
+            scope=self._scopes[-1],
         )
         return out
+
+
+def _uncompiled_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's function-mode stack, wherever it is (or do nothing)."""
+    stack = _function_mode_stack()
+    if not any(m is mode for m in stack):
+        return  # already gone (an interrupt inside a step-aside)
+    above: list[Any] = []
+    while _current_function_mode() is not mode:
+        above.append(torch._C._pop_torch_function_stack())
+    torch._C._pop_torch_function_stack()
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+# Where a Ctrl-C must wait: entering and leaving a trace (fwdtrace.patching's own code always waits).
+_GUARDED_CODE = tuple(
+    f.__code__ for f in (Tracer.__enter__, Tracer.__exit__, Tracer._close, Tracer._retire, _remove_mode)
+)
+
+
+def _module_paths(model: torch.nn.Module) -> dict[int, str]:
+    """Every module's path; the modules that ``torch.compile`` wraps take the path of their wrapper."""
+    return {id(m): p.replace("._orig_mod", "").removeprefix("_orig_mod.").removeprefix("_orig_mod")
+            for p, m in model.named_modules()}
+
+
+def _call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, one level of lists deep (what torch functions take) or deeper."""
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple, dict)) and a:
+            out += tensors_of(a)
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple, dict)) and v:
+                out += tensors_of(v)
+    return out
+
+
+def _scripted_attrs(module: torch.nn.Module) -> dict[str, Any]:
+    name = getattr(module, "original_name", None)
+    return {"original_name": name} if isinstance(name, str) else {}
 
 
 def _note_layer(
@@ -392,8 +516,33 @@ def _note_layer(
 
 
 @contextlib.contextmanager
+def around_module_calls(handler: Callable[..., Any]) -> Iterator[None]:
+    """Send every module call of this thread to ``handler(call, module, args, kwargs)`` while active.
+
+    >>> import torch
+    >>> from fwdtrace.tracer import around_module_calls
+    >>> names = []
+    >>> def count(call, module, args, kwargs):
+    ...     names.append(type(module).__name__)
+    ...     return call(module, *args, **kwargs)
+    >>> with around_module_calls(count):
+    ...     _ = torch.nn.Sequential(torch.nn.ReLU())(torch.ones(1))
+    >>> names
+    ['Sequential', 'ReLU']
+
+    Layer notes, analysis's counting and timing runs and traces all go through the one
+    dispatch point of :mod:`fwdtrace.patching`; they may be left in any order.
+    """
+    handle = add_call_handler(handler)
+    try:
+        yield
+    finally:
+        remove_call_handler(handle)
+
+
+@contextlib.contextmanager
 def layer_notes(model: torch.nn.Module) -> Iterator[None]:
-    """While active, an error raised in any module of ``model`` gets a note naming that layer.
+    """While active, an error raised in any module of ``model`` (in this thread) gets a note naming that layer.
 
     >>> import torch
     >>> from fwdtrace.tracer import layer_notes
@@ -407,10 +556,7 @@ def layer_notes(model: torch.nn.Module) -> Iterator[None]:
 
     Traces add the same note by themselves; probes and analysis use this for plain forwards.
     """
-    if _ACTIVE is not None:  # the active trace already notes errors
-        yield
-        return
-    module2path = {id(m): p for p, m in model.named_modules()}
+    module2path = _module_paths(model)
 
     def on_call(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         try:
@@ -421,28 +567,6 @@ def layer_notes(model: torch.nn.Module) -> Iterator[None]:
 
     with around_module_calls(on_call):
         yield
-
-
-@contextlib.contextmanager
-def around_module_calls(handler: Callable[..., Any]) -> Iterator[None]:
-    """Send every module call to ``handler(call, module, args, kwargs)``, on top of what is patched.
-
-    Layer notes and analysis's counting and timing runs stack this way; traces replace it.
-    """
-    with Patcher() as patcher:
-        patcher.patch(torch.nn.Module, "__call__", _wrap(torch.nn.Module.__dict__["__call__"], handler))
-        yield
-
-
-def _wrap(original: Callable[..., Any], handler: Callable[..., Any]) -> Callable[..., Any]:
-    """A method that sends each call to ``handler(original, module, args, kwargs)``."""
-
-    def wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return handler(original, module, args, kwargs)
-
-    functools.update_wrapper(wrapper, original)  # keeps the signature that transformers inspects
-    setattr(wrapper, ORIGINAL_ATTR, original)
-    return wrapper
 
 
 def _named_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
@@ -463,7 +587,7 @@ def _named_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tup
     return [(path, t) for name, value in named for path, t in iter_tensors(value, name)]
 
 
-def trace(model: torch.nn.Module, *args: Any, pin: bool = True, **kwargs: Any) -> Graph:
+def trace(model: torch.nn.Module, *args: Any, pin: bool = False, **kwargs: Any) -> Graph:
     """Run ``model(*args, **kwargs)`` once and return the graph it ran.
 
     >>> import torch, fwdtrace
@@ -472,7 +596,8 @@ def trace(model: torch.nn.Module, *args: Any, pin: bool = True, **kwargs: Any) -
     >>> [(n.name, [r.obj_id for r in n.inputs], [r.obj_id for r in n.outputs]) for n in g.nodes]
     [('input', [], [0]), ('0', [0], [1]), ('1', [1], [2]), ('2', [2], [3]), ('output', [3], [])]
 
-    Grad mode is left as it is. See :class:`Tracer` for ``pin``.
+    Grad mode is left as it is. See :class:`Tracer` for ``pin`` and threads. A
+    ``torch.compile``'d model is traced through the module it wraps.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"trace() expected a torch.nn.Module as model, got {describe(model)}")
@@ -487,8 +612,13 @@ def trace(model: torch.nn.Module, *args: Any, pin: bool = True, **kwargs: Any) -
     return tracer.graph
 
 
+def active_tracer() -> Tracer | None:
+    """This thread's active tracer, if any (for fwdtrace's own features)."""
+    return getattr(_local, "tracer", None)
+
+
 def obj_id(obj: torch.Tensor) -> int:
-    """The stable id of a tensor in the active trace: 0, 1, 2, ... in first-seen order.
+    """The stable id of a tensor in this thread's active trace: 0, 1, 2, ... in first-seen order.
 
     >>> import torch, fwdtrace
     >>> with fwdtrace.Tracer():
@@ -496,16 +626,17 @@ def obj_id(obj: torch.Tensor) -> int:
     ...     fwdtrace.obj_id(x), fwdtrace.obj_id(x * 2), fwdtrace.obj_id(x)
     (0, 1, 0)
     """
-    if _ACTIVE is None:
+    tracer = active_tracer()
+    if tracer is None:
         raise FwdtraceError(
-            "obj_id() works only while a trace is active (inside fwdtrace.trace(), "
+            "obj_id() works only while a trace is active in this thread (inside fwdtrace.trace(), "
             "`with fwdtrace.Tracer():` or a callback they run); callbacks that install() runs "
             "outside a trace have no ids"
         )
     if not isinstance(obj, torch.Tensor):
         raise FwdtraceError(f"obj_id() expected a torch.Tensor, got {describe(obj)}")
     with torch._C.DisableTorchFunction():
-        return _ACTIVE.obj_id(obj)
+        return tracer.obj_id(obj)
 
 
 def _chain_callbacks(callbacks: list[_registry.Callback], module: torch.nn.Module, args: tuple, out: Any) -> Any:
@@ -517,26 +648,17 @@ def _chain_callbacks(callbacks: list[_registry.Callback], module: torch.nn.Modul
     return out
 
 
-class _Installed:
-    """The always-on style: registered callbacks run after every forward, no graph is kept."""
-
-    def __init__(self) -> None:
-        self.patcher = Patcher()
-        self._forwarding: list[torch.nn.Module] = []
-
-    def on_forward(self, forward: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        if _ACTIVE is not None or (self._forwarding and self._forwarding[-1] is module):
-            return forward(module, *args, **kwargs)  # a trace runs the callbacks itself
-        self._forwarding.append(module)
-        try:
-            out = forward(module, *args, **kwargs)
-        finally:
-            self._forwarding.pop()
-        return _chain_callbacks(_registry.REGISTRY.callbacks_for(type(module)), module, args, out)
+def _installed_call(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """install()'s handler, in every thread: callbacks after each call (a trace runs them itself)."""
+    out = call(module, *args, **kwargs)
+    if getattr(_local, "tracer", None) is not None:
+        return out
+    callbacks = _cached_type_info(type(module)).callbacks
+    return _chain_callbacks(callbacks, module, args, out) if callbacks else out
 
 
 def install() -> None:
-    """Patch the forwards of every class with a ``@hook_forward`` callback, until :func:`uninstall`.
+    """Run every ``@hook_forward`` callback after each call of its layer class, in every thread, until :func:`uninstall`.
 
     >>> import torch, fwdtrace
     >>> @fwdtrace.hook_forward(torch.nn.Tanh)
@@ -548,36 +670,27 @@ def install() -> None:
     >>> fwdtrace.uninstall(); fwdtrace.remove_hook(double)
     1
 
-    Calling it again picks up callbacks registered since; traces work as usual meanwhile.
+    Callbacks registered later run too; traces work as usual meanwhile. Installing
+    twice changes nothing.
     """
     global _INSTALLED
-    if _ACTIVE is not None:
+    if active_tracer() is not None:
         raise FwdtraceError("install() cannot run while a trace is active; call it before or after")
-    uninstall()
     _load_plugins()
-    session = _Installed()
-    try:
-        for owner in _registry.REGISTRY.owners(with_atomic=False, with_subclasses=True):
-            session.patcher.patch(owner, "forward", _wrap(unwrap(owner.forward), session.on_forward))
-    except BaseException:
-        session.patcher.restore()
-        raise
-    _INSTALLED = session
+    with critical():
+        if _INSTALLED is None:
+            _INSTALLED = add_call_handler(_installed_call, all_threads=True)
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: every patched forward is the original object again."""
+    """Undo :func:`install`: ``nn.Module.__call__`` is the original object again once nothing else uses it."""
     global _INSTALLED
-    if _ACTIVE is not None:
+    if active_tracer() is not None:
         raise FwdtraceError("uninstall() cannot run while a trace is active; call it after the trace")
-    if _INSTALLED is not None:
-        _INSTALLED.patcher.restore()
-        _INSTALLED = None
-
-
-def active_tracer() -> Tracer | None:
-    """The active tracer, if any (for fwdtrace's own features)."""
-    return _ACTIVE
+    with critical():
+        if _INSTALLED is not None:
+            remove_call_handler(_INSTALLED)
+            _INSTALLED = None
 
 
 def _load_plugins() -> None:

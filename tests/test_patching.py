@@ -1,11 +1,19 @@
-"""The one patcher: every original comes back, the very same object, exceptions included."""
+"""The one dispatch point and the one patcher: every original comes back, the very same object,
+in any order, from any thread, exceptions and Ctrl-C included."""
 
 from __future__ import annotations
 
+import signal
+import threading
+from typing import Any
+
 import pytest
+import torch
 from torch import nn
 
-from fwdtrace.patching import ORIGINAL_ATTR, Patcher, unwrap
+from fwdtrace.patching import Patcher, add_call_handler, call_dispatch_active, critical, remove_call_handler
+
+ORIGINAL_CALL = nn.modules.module.Module._wrapped_call_impl
 
 
 class Base:
@@ -59,17 +67,133 @@ def test_restore_on_exception_and_twice() -> None:
     assert Base.__dict__["greet"] is original
 
 
-def test_unwrap_reaches_the_true_original() -> None:
-    def original() -> None:
-        pass
+def test_a_failing_undo_does_not_stop_the_others() -> None:
+    class Frozen:
+        __slots__ = ("value",)
 
-    def inner() -> None:
-        pass
+    original = Base.__dict__["greet"]
+    frozen = Frozen()
+    frozen.value = 1
+    p = Patcher()
+    p.patch(Base, "greet", lambda self: "patched")
+    p._patches.append(type(p._patches[0])(frozen, "missing_slot", 2))  # an undo that cannot work
+    with pytest.raises(AttributeError):
+        p.restore()
+    assert Base.__dict__["greet"] is original and len(p) == 0
 
-    def outer() -> None:
-        pass
 
-    setattr(inner, ORIGINAL_ATTR, original)
-    setattr(outer, ORIGINAL_ATTR, inner)
-    assert unwrap(outer) is original
-    assert unwrap(original) is original
+# -- the dispatch point of nn.Module.__call__ ------------------------------------------------------
+def recorder(seen: list[str], tag: str) -> Any:
+    def handler(call: Any, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        seen.append(f"{tag}:{type(module).__name__}")
+        return call(module, *args, **kwargs)
+
+    return handler
+
+
+def test_handlers_nest_newest_outermost_and_leave_in_any_order() -> None:
+    seen: list[str] = []
+    a = add_call_handler(recorder(seen, "a"))
+    b = add_call_handler(recorder(seen, "b"))
+    assert nn.Module.__dict__["__call__"] is not ORIGINAL_CALL and call_dispatch_active()
+    nn.ReLU()(torch.ones(1))
+    assert seen == ["b:ReLU", "a:ReLU"]
+    assert remove_call_handler(a)  # the first one leaves first
+    seen.clear()
+    nn.ReLU()(torch.ones(1))
+    assert seen == ["b:ReLU"]
+    assert remove_call_handler(b)
+    assert not remove_call_handler(b)  # twice is harmless
+    assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL and not call_dispatch_active()
+
+
+def test_a_handler_sees_only_its_own_threads_calls() -> None:
+    seen: list[str] = []
+    other_seen: list[str] = []
+    handle = add_call_handler(recorder(seen, "main"))
+    try:
+        def other() -> None:
+            nn.Tanh()(torch.ones(1))
+            other_handle = add_call_handler(recorder(other_seen, "other"))
+            nn.Sigmoid()(torch.ones(1))
+            remove_call_handler(other_handle)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        nn.ReLU()(torch.ones(1))
+    finally:
+        remove_call_handler(handle)
+    assert seen == ["main:ReLU"] and other_seen == ["other:Sigmoid"]
+    assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL
+
+
+def test_a_handler_can_be_removed_from_another_thread() -> None:
+    seen: list[str] = []
+    handle = add_call_handler(recorder(seen, "main"))
+    thread = threading.Thread(target=remove_call_handler, args=(handle,))
+    thread.start()
+    thread.join()
+    nn.ReLU()(torch.ones(1))
+    assert seen == [] and nn.Module.__dict__["__call__"] is ORIGINAL_CALL
+
+
+def test_every_thread_handler_runs_in_other_threads_too() -> None:
+    seen: list[str] = []
+    handle = add_call_handler(recorder(seen, "all"), all_threads=True)
+    try:
+        thread = threading.Thread(target=lambda: nn.Tanh()(torch.ones(1)))
+        thread.start()
+        thread.join()
+        nn.ReLU()(torch.ones(1))
+    finally:
+        remove_call_handler(handle)
+    assert seen == ["all:Tanh", "all:ReLU"]
+
+
+def test_someone_elses_patch_made_after_ours_stays() -> None:
+    handle = add_call_handler(recorder([], "a"))
+    theirs = nn.Module.__dict__["__call__"]
+
+    def their_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return theirs(self, *args, **kwargs)
+
+    nn.Module.__call__ = their_call  # type: ignore[method-assign]
+    try:
+        remove_call_handler(handle)
+        assert nn.Module.__dict__["__call__"] is their_call
+    finally:
+        nn.Module.__call__ = ORIGINAL_CALL  # type: ignore[method-assign]
+
+
+# -- critical sections -----------------------------------------------------------------------------
+def test_ctrl_c_inside_a_critical_section_is_raised_when_it_ends() -> None:
+    steps: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with critical():
+            signal.raise_signal(signal.SIGINT)
+            steps.append("finished the section")  # not cut short
+    assert steps == ["finished the section"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_nested_critical_sections_raise_once_at_the_outermost_end() -> None:
+    steps: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with critical():
+            with critical():
+                signal.raise_signal(signal.SIGINT)
+            steps.append("after the inner section")
+    assert steps == ["after the inner section"]
+
+
+def test_a_users_own_sigint_handler_is_called_after_the_section() -> None:
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        with critical():
+            signal.raise_signal(signal.SIGINT)
+            assert calls == []
+        assert calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -21,9 +21,9 @@ from fwdtrace.registry import REGISTRY
 
 # -- helpers ----------------------------------------------------------------------------------------
 def patchable_state() -> dict[tuple[type, str], Any]:
-    """What every attribute a trace or install() may patch holds right now (by identity)."""
-    owners = REGISTRY.owners(with_subclasses=True) + REGISTRY.owners(with_atomic=False, with_subclasses=True)
-    state: dict[tuple[type, str], Any] = {(o, "forward"): o.__dict__.get("forward") for o in owners}
+    """What every layer's forward and ``nn.Module.__call__`` hold right now (by identity)."""
+    classes = {*REGISTRY.atomic, *(c for c, _ in REGISTRY.callbacks)}
+    state: dict[tuple[type, str], Any] = {(c, "forward"): c.__dict__.get("forward") for c in classes}
     state[(nn.Module, "__call__")] = nn.Module.__dict__["__call__"]
     return state
 
@@ -469,15 +469,19 @@ def test_grad_enabled_trace_then_backward_matches_a_plain_backward() -> None:
 
 
 # -- restore, nesting, install ----------------------------------------------------------------------
-def test_everything_patched_is_the_very_same_object_afterwards() -> None:
+def test_a_trace_patches_one_attribute_and_puts_the_very_same_object_back() -> None:
     before = patchable_state()
-    conv_forward = nn.Conv2d.__dict__["forward"]
     model, inputs = zoo.resnetish()
+
+    @fwdtrace.hook_forward(nn.Conv2d)
+    def noop(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
     with fwdtrace.Tracer():
-        assert nn.Conv2d.__dict__["forward"] is not conv_forward  # patched only while active
-        assert nn.Module.__dict__["__call__"] is not before[(nn.Module, "__call__")]
+        during = patchable_state()
+        changed = [f"{o.__qualname__}.{n}" for (o, n), v in during.items() if before.get((o, n), v) is not v]
+        assert changed == ["Module.__call__"]  # the one dispatch point, layer forwards untouched
         model(*inputs)
-    assert nn.Conv2d.__dict__["forward"] is conv_forward
     assert_same_objects(before)
 
 
@@ -624,3 +628,172 @@ def test_layers_made_in_forward_get_their_own_paths() -> None:
     assert [n.class_name for n in layers] == seen[:-1] == ["ReLU", "Tanh", "Sigmoid", "ReLU"]
     assert len({n.module_path for n in layers}) == 4
     assert all(n.module_path == f"<{n.class_name}@{i + 1}>" and n.call_index == 0 for i, n in enumerate(layers))
+
+
+# -- where users already hook: their hooks, instance forwards, scripted and compiled modules -------
+class TwoLayers(nn.Module):
+    """conv1 -> relu -> conv2 -> flatten -> fc: the layers between which every case checks the path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.conv2(self.relu(self.conv1(x))), 1))
+
+
+def two_layers() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return TwoLayers().eval(), torch.randn(2, 3, 5, 5)
+
+
+def connected(graph: fwdtrace.Graph, src_path: str, dst_path: str) -> bool:
+    """Whether a path of edges leads from the node of ``src_path`` to the node of ``dst_path``."""
+    g = graph.to_networkx()
+    (src,), (dst,) = graph.find(kind="module", module_path=src_path), graph.find(kind="module", module_path=dst_path)
+    return nx.has_path(g, src.id, dst.id)
+
+
+def outputs_reach_the_output_node(graph: fwdtrace.Graph) -> bool:
+    g = graph.to_networkx()
+    return all(nx.has_path(g, i.id, o.id) for i in graph.input_nodes for o in graph.output_nodes)
+
+
+def test_a_users_forward_hook_that_replaces_an_output_keeps_the_edge() -> None:
+    model, x = two_layers()
+    replaced: list[torch.Tensor] = []
+
+    def double(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        replaced.append(output * 2)
+        return replaced[-1]
+
+    handle = model.conv1.register_forward_hook(double)
+    try:
+        graph = fwdtrace.trace(model, x, pin=True)  # pinned: the hook's tensor keeps its id() to compare
+    finally:
+        handle.remove()
+    (conv1,) = graph.find(module_path="conv1")
+    (relu,) = graph.find(module_path="relu")
+    assert len(replaced) == 1 and conv1.outputs[0].shape == tuple(replaced[0].shape)
+    assert conv1.outputs[0].obj_id == relu.inputs[0].obj_id  # what the call returned: the hook's tensor
+    assert connected(graph, "conv1", "relu") and connected(graph, "conv1", "fc")
+
+
+def test_a_users_pre_hook_that_changes_an_input_keeps_the_edge() -> None:
+    model, x = two_layers()
+    handle = model.conv2.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    try:
+        graph = fwdtrace.trace(model, x)
+    finally:
+        handle.remove()
+    assert connected(graph, "relu", "conv2") and connected(graph, "conv2", "fc")
+    assert outputs_reach_the_output_node(graph)
+
+
+def test_an_instance_level_forward_override_is_traced_like_the_layer() -> None:
+    model, x = two_layers()
+    plain = fwdtrace.trace(model, x)
+    original = model.conv2.forward
+
+    def logged_forward(*args: Any, **kwargs: Any) -> Any:  # as accelerate's hooks wrap forward
+        return original(*args, **kwargs)
+
+    model.conv2.forward = logged_forward  # type: ignore[method-assign]
+    try:
+        graph = fwdtrace.trace(model, x)
+    finally:
+        del model.conv2.forward
+    assert graph == plain
+    assert connected(graph, "relu", "conv2") and connected(graph, "conv2", "fc")
+
+
+def test_a_scripted_submodule_is_one_opaque_node_wired_to_its_neighbours() -> None:
+    model, x = two_layers()
+    tail = nn.Sequential(model.conv2, nn.ReLU())
+    with torch.no_grad():
+        expected = model.fc(torch.flatten(tail(model.relu(model.conv1(x))), 1))
+    model.conv2 = torch.jit.script(tail)
+    with pytest.warns(UserWarning, match=r"fwdtrace: scripted modules \(torch\.jit\) are opaque.*'conv2'"):
+        graph = fwdtrace.trace(model, x)
+    (scripted,) = graph.find(module_path="conv2")
+    assert scripted.target == "torch.jit.ScriptModule" and scripted.attrs == {"original_name": "Sequential"}
+    assert connected(graph, "relu", "conv2") and connected(graph, "conv2", "fc")
+    assert graph.find(module_path="conv2.0") == []  # its insides are not seen
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected)
+
+
+def test_a_scripted_root_is_one_node_between_input_and_output() -> None:
+    model, x = two_layers()
+    scripted = torch.jit.script(model)
+    with pytest.warns(UserWarning, match=r"opaque"):
+        graph = fwdtrace.trace(scripted, x)
+    assert [n.kind for n in graph.nodes] == ["input", "module", "output"]
+    assert outputs_reach_the_output_node(graph)
+
+
+def test_a_torch_compiled_model_is_traced_through_the_module_it_wraps() -> None:
+    model, x = two_layers()
+    reference = fwdtrace.trace(model, x)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.warns(UserWarning, match=r"torch\.compile'd modules were traced through the modules they wrap"):
+        graph = fwdtrace.trace(compiled, x)
+    assert graph == reference
+
+
+def test_module_compile_traces_uncompiled_and_keeps_working_compiled() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, x = two_layers()
+    reference = fwdtrace.trace(model, x)
+    with torch.no_grad():
+        expected = model(x)
+    compiles: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        compiles.append(len(gm.graph.nodes))
+        return gm.forward
+
+    model.compile(backend=counting_backend)
+    for _ in range(5):  # traces and compiled calls taking turns
+        with pytest.warns(UserWarning, match=r"^fwdtrace: compiled modules \(module\.compile\(\)\) were traced uncompiled"):
+            graph = fwdtrace.trace(model, x)
+        assert graph == reference
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), expected)
+    assert len(compiles) == 1  # compiled once: the traces neither broke nor recompiled it
+    torch._dynamo.reset()
+
+
+class BNAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d in small: a BatchNorm2d subclass that also owns and calls an activation."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+def test_a_layer_subclass_that_calls_its_own_children_shows_them() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), BNAct(4), nn.Conv2d(4, 2, 1)).eval()
+    x = torch.randn(1, 3, 4, 4)
+    graph = fwdtrace.trace(model, x)
+    hooked: list[str] = []
+    names = {m: p for p, m in model.named_modules()}
+    handles = [m.register_forward_hook(lambda m, i, o: hooked.append(names[m]))
+               for m in model.modules() if isinstance(m, (nn.Conv2d, nn.ReLU))]
+    try:
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    assert [n.module_path for n in graph.find(kind="module")] == hooked == ["0", "1.act", "2"]
+    assert [n.target for n in graph.find(kind="function")] == ["torch.nn.functional.batch_norm"]
+    assert connected(graph, "0", "1.act") and connected(graph, "1.act", "2")
