@@ -167,7 +167,8 @@ class _Recording:
         except Exception:  # noqa: S110 - the file is being dropped; the first error is the one to report
             pass
         self.atomic.discard()
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+        # HDF5's own text runs over several lines; the errno says it in a few words
+        reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else _one_line(exc)
         return FwdtraceError(
             f"Dumper could not write {str(self.path)!r} ({where}): {reason}; the dump was dropped and its hooks removed"
         )

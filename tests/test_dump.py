@@ -603,3 +603,33 @@ def test_a_damaged_execution_order_is_named(tmp_path: Path) -> None:
     with pytest.raises(FwdtraceError, match=r"^compare_dumps\(\) expected a self-contained fwdtrace dump, got .*, "
                        r"whose 'execution_order' names '000_Linear/nothing', which is not in the file"):
         fwdtrace.compare_dumps(path, path)
+
+
+REAL_WRITE_FAILURE = '''
+import os, resource, signal, sys, torch, fwdtrace
+from torch import nn
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, resource.RLIM_INFINITY))
+try:
+    with fwdtrace.Dumper(sys.argv[1]) as dumper:
+        dumper.register(model)
+        model(torch.randn(256, 256)).sum().backward()
+except fwdtrace.FwdtraceError as e:
+    print(e)
+print(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()))
+'''
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file size limits")
+def test_a_real_write_failure_past_a_file_size_limit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REAL_WRITE_FAILURE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    message, hooks = done.stdout.strip().splitlines()
+    assert re.match(r"^Dumper could not write '.*0-epoch_0-step_dump.hdf5' \(\d{3}_Linear/\w+\): File too large; "
+                    r"the dump was dropped and its hooks removed$", message), message
+    assert hooks == "0" and os.listdir(tmp_path) == []
