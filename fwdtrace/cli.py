@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import NOTE_PREFIX, FwdtraceError, describe
+from .errors import FwdtraceError, describe, one_line
 
 # command -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -142,14 +142,6 @@ def make_inputs(args: argparse.Namespace, device: Any = "cpu") -> list[Any]:
         except Exception as e:
             raise FwdtraceError(f"could not make an input of shape {text!r} as {args.dtype} on {device}: {one_line(e)}") from e
     return inputs
-
-
-def one_line(e: BaseException) -> str:
-    """``"RuntimeError: mat1 and mat2 shapes cannot be multiplied ...; raised in module 'fc' ..."``."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-    notes = [n for n in getattr(e, "__notes__", ()) if isinstance(n, str) and n.startswith(NOTE_PREFIX)]
-    return text + "".join(f"; {n.strip()}" for n in notes)
 
 
 def forward_failed(factory: str, inputs: Sequence[Any], e: BaseException) -> FwdtraceError:

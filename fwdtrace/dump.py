@@ -29,7 +29,7 @@ import torch
 
 from ._files import AtomicFile
 from ._tree import dtype_name, iter_tensors, tensors_of
-from .errors import FwdtraceError, describe
+from .errors import FwdtraceError, describe, one_line
 from .keys import key2module
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
@@ -75,11 +75,6 @@ def _non_negative_int(value: Any, what: str) -> int:
     if number < 0:
         raise FwdtraceError(f"Dumper.register() expected {what} as a non-negative int, got {number}")
     return number
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 @dataclass
@@ -168,7 +163,7 @@ class _Recording:
             pass
         self.atomic.discard()
         # HDF5's own text runs over several lines; the errno says it in a few words
-        reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else _one_line(exc)
+        reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else one_line(exc)
         return FwdtraceError(
             f"Dumper could not write {str(self.path)!r} ({where}): {reason}; the dump was dropped and its hooks removed"
         )
@@ -257,7 +252,7 @@ class _Recording:
             if exc is not None and result is None:
                 # torch runs always_call hooks while the forward's exception propagates
                 if self.failed is None:
-                    self.failed = f"the forward raised {_one_line(exc)} in {call.name}"
+                    self.failed = f"the forward raised in {call.name}: {one_line(exc)}"
                 if is_root:
                     self.root_depth -= 1
                 return
@@ -292,7 +287,7 @@ class _Recording:
 
     def _status(self, exc: BaseException | None) -> tuple[bool, str]:
         """Whether the step is complete, and if not, why."""
-        raised = f"; the step raised {_one_line(exc)}" if exc is not None else ""
+        raised = f"; the step raised {one_line(exc)}" if exc is not None else ""
         if self.failed is not None:  # the exception leaving the with block is this one, named already
             return False, self.failed
         if self.calls == 0:
@@ -533,7 +528,7 @@ class _Reader:
 
     def damaged(self, e: BaseException) -> FwdtraceError:
         return FwdtraceError(
-            f"{self.caller} could not read {str(self.path)!r}{self._cut_short()}: {_one_line(e)}"
+            f"{self.caller} could not read {str(self.path)!r}{self._cut_short()}: {one_line(e)}"
         )
 
     def _status(self) -> str:

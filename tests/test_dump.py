@@ -329,7 +329,7 @@ def test_a_forward_that_raises_is_incomplete_and_names_the_call(tmp_path: Path) 
     with pytest.raises(RuntimeError, match="boom"):
         model(torch.ones(1, 4))
     tree = fwdtrace.read_dump(dumper.remove()[0], show=False)
-    assert tree["status"] == "incomplete: stopped after 002__Boom (the forward raised RuntimeError: boom in 002__Boom)"
+    assert tree["status"] == "incomplete: stopped after 002__Boom (the forward raised in 002__Boom: RuntimeError: boom)"
     assert list(tree["groups"]) == ["000_Sequential", "001_Linear", "002__Boom"]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
