@@ -383,7 +383,7 @@ def test_a_symlink_at_the_target_name_is_replaced_not_followed(tmp_path: Path) -
     assert not target.is_symlink() and fwdtrace.read_dump(target, show=False)["status"] == "complete"
 
 
-@pytest.mark.parametrize("fail_at", [2, 10])  # an input in the forward; a gradient in the backward
+@pytest.mark.parametrize("fail_at", [2, 3, 10])  # an input, an output in the forward; a gradient in the backward
 def test_a_failed_write_raises_naming_the_file_with_every_hook_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int
 ) -> None:
@@ -404,7 +404,7 @@ def test_a_failed_write_raises_naming_the_file_with_every_hook_removed(
             fwdtrace.Dumper(tmp_path) as dumper:
         dumper.register(model)
         model(torch.ones(2, 4)).sum().backward()
-    assert written[-1].startswith("input" if fail_at == 2 else "grad_")
+    assert written[-1].startswith({2: "input", 3: "output", 10: "grad_"}[fail_at])
     assert os.listdir(tmp_path) == []  # no partial file under any name
     assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
     monkeypatch.undo()
