@@ -537,7 +537,7 @@ class _Reader:
         if "complete" in attrs:
             if attrs["complete"] is True or attrs["complete"] == 1:
                 return "complete"
-            reason = str(attrs.get("status", ""))
+            reason = str(attrs.get("status", "")) or "the file does not say why"
             if reason == WRITING:
                 reason = "the file was never closed: the writing process was killed or failed"
         elif ORDER_DATASET in self.file:
