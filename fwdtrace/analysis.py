@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._tree import tensors_of
-from .errors import FwdtraceError, describe, shapes_text
+from .errors import FwdtraceError, describe
 from .flops import flops_of
 from .keys import key2module
 from .memory import StorageTracker
@@ -371,15 +371,12 @@ def _timed_modules(
 
 
 # -- command line ---------------------------------------------------------------------------------
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
-
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``fwdtrace analyze``."""
+    from .cli import add_input_arguments
+
     parser.add_argument("factory", help="'pkg.module:function' returning the model (put in eval mode)")
-    parser.add_argument("--input-shape", action="append", required=True, metavar="1,3,224,224",
-                        help="shape of a random input (normal floats; int64 inputs are zeros); repeat for more inputs")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the inputs")
+    add_input_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models without allocating their memory)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10)")
@@ -388,29 +385,16 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace analyze``: 0 when the model ran, FwdtraceError (exit 2) on bad input."""
-    from .cli import load_factory, parse_shape
+    from .cli import forward_failed, load_factory, make_inputs, parse_device
 
-    shapes = [parse_shape(s) for s in args.input_shape]
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise FwdtraceError(f"expected --device as cpu, cuda, cuda:1 or meta, got {args.device!r}") from e
-    dtype = _DTYPES[args.dtype]
+    device = parse_device(args.device)
+    inputs = make_inputs(args, device)
     model = load_factory(args.factory).eval().to(device)
-    generator = torch.Generator().manual_seed(0)
-    inputs = [
-        torch.randn(s, generator=generator, dtype=dtype).to(device) if dtype.is_floating_point
-        else torch.zeros(s, dtype=dtype, device=device)
-        for s in shapes
-    ]
     try:
         result = analyze(model, *inputs, warmup=args.warmup, repeats=args.repeats)
     except FwdtraceError:
         raise
     except Exception as e:
-        notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", ()))
-        raise FwdtraceError(
-            f"{args.factory}: the forward failed on inputs {shapes_text(inputs)}: {type(e).__name__}: {e}{notes}"
-        ) from e
+        raise forward_failed(args.factory, inputs, e) from e
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     return 0

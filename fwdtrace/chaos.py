@@ -7,6 +7,8 @@ calls give the same faults. Each fault is logged as an :class:`Injection`.
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +57,12 @@ class Chaos:
     def __init__(self, fault: str, p: float = 1.0, seed: int = 0, scale: float = 0.1) -> None:
         if fault not in FAULTS:
             raise FwdtraceError(f"chaos() expected fault as one of {', '.join(FAULTS)}, got {fault!r}")
-        if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
             raise FwdtraceError(f"chaos() expected p as a probability in [0, 1], got {p!r}")
-        if not isinstance(seed, int):
+        if isinstance(seed, bool) or not isinstance(seed, int):
             raise FwdtraceError(f"chaos() expected seed as an int, got {describe(seed)}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
+            raise FwdtraceError(f"chaos() expected scale as a finite number >= 0, got {scale!r}")
         self.fault = fault
         self.p = float(p)
         self.seed = seed
@@ -67,9 +71,16 @@ class Chaos:
         self.log: list[Injection] = []
         self.calls = 0
         self._key2calls: dict[str, int] = {}
+        # one generator, one log: calls from several threads take turns (the same seed still
+        # gives the same faults when the calls come in the same order)
+        self._lock = threading.Lock()
 
     def apply(self, key: str, module: torch.nn.Module, inputs: tuple, output: Any) -> Any:
         """The output to use for this call: ``output`` itself, or a corrupted copy (logged)."""
+        with self._lock:
+            return self._apply(key, inputs, output)
+
+    def _apply(self, key: str, inputs: tuple, output: Any) -> Any:
         call = self.calls
         self.calls += 1
         call_index = self._key2calls.get(key, 0)

@@ -5,14 +5,21 @@ Layout (one file per registration): ``{directory}/{epoch}-epoch_{step}-step_dump
 ``{NNN}_{ClassName}`` in call order, holding datasets ``input0``, ``output0``,
 ``grad_input0``, ``grad_output0``, ... Each tensor is written when its hook fires, never
 gathered in memory first. h5py is imported only here, when a dump is made or read.
+
+A dump is written under a temporary name in its folder (``{name}.partial-{random}``) and
+renamed when it is closed; its attributes say whether the step completed (``complete``,
+``forward_finished``, ``backward_finished``, ``status``), so a cut-short dump never reads as whole.
+Reading treats every file as untrusted: only plain datasets inside the file are read.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,16 +27,21 @@ from typing import Any
 
 import torch
 
-from ._tree import dtype_name, iter_tensors
-from .errors import FwdtraceError, describe
+from ._files import AtomicFile
+from ._tree import dtype_name, iter_tensors, tensors_of
+from .errors import FwdtraceError, describe, one_line
 from .keys import key2module
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
 
 FORMAT_ATTR = "fwdtrace_dump"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: completeness attributes, sanitized group names
 ORDER_DATASET = "execution_order"
-_GROUP_RE = re.compile(r"^(\d+)_(\w+)$")
+MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
+WRITING = "being written"  # the status of a dump until it is closed: what a killed writer leaves
+_GROUP_RE = re.compile(r"^(\d+)_(\w+)$", re.ASCII)
+_DATASET_RE = re.compile(r"^\w+$", re.ASCII)
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 # dtypes HDF5 has no type for: stored as the integer bit pattern of the same size.
 _BITS_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
@@ -47,6 +59,24 @@ def _h5py() -> Any:
     return h5py
 
 
+def group_name(call_number: int, class_name: str) -> str:
+    """``"007_Conv2d"``: a call's group name; a class name cannot nest groups or escape the pattern.
+
+    >>> group_name(7, "Block/../../x")
+    '007_Block_______x'
+    """
+    return f"{call_number:03d}_{re.sub(r'[^A-Za-z0-9_]', '_', class_name) or 'Module'}"
+
+
+def _non_negative_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise FwdtraceError(f"Dumper.register() expected {what} as a non-negative int, got {describe(value)} {value!r}")
+    number = operator.index(value)
+    if number < 0:
+        raise FwdtraceError(f"Dumper.register() expected {what} as a non-negative int, got {number}")
+    return number
+
+
 @dataclass
 class _Call:
     """One module call's group, with its name (asking HDF5 for a group's name is slow)."""
@@ -56,20 +86,36 @@ class _Call:
 
 
 class _Recording:
-    """One registration: the open file, the hooks, and the call bookkeeping."""
+    """One registration: the open (temporary) file, the hooks, and the call bookkeeping.
+
+    The step begins with the root module's forward: calls of submodules before it (or
+    outside it) are not recorded. A root forward that raises is kept only until the next
+    root forward begins, which replaces it (a training loop that caught a failed batch);
+    the file's ``discarded_forwards`` counts them.
+    """
 
     def __init__(
-        self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool
+        self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
+        overwrite: bool,
     ) -> None:
         h5py = _h5py()
         self.path = path
-        self.file = h5py.File(path, "w", track_order=True)
-        self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
-        self.file.attrs["model"] = type(model).__name__
-        self.file.attrs["epoch"] = epoch
-        self.file.attrs["step"] = step
-        if rank is not None:
-            self.file.attrs["rank"] = rank
+        self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
+        try:
+            self.atomic.check_target()
+            self.file = h5py.File(self.atomic.tmp, "w", track_order=True)
+            self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
+            self.file.attrs["model"] = type(model).__name__
+            self.file.attrs["epoch"] = epoch
+            self.file.attrs["step"] = step
+            if rank is not None:
+                self.file.attrs["rank"] = rank
+            self.file.attrs["complete"] = False
+            self.file.attrs["status"] = WRITING
+        except BaseException:
+            self.atomic.discard()
+            raise
+        self.grads = grads
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.path2calls: dict[str, int] = {}
@@ -78,7 +124,13 @@ class _Recording:
         self.skipped: list[str] = []
         self.forward_handles: list[Any] = []
         self.backward_handles: list[Any] = []
+        self.root_depth = 0  # > 0 while the root module's forward runs
         self.forward_done = False
+        self.failed: str | None = None  # why the last root forward did not finish
+        self.discarded = 0
+        self.backward_expected = False
+        self.backward_done = False
+        self.closed = False
         self._register(model, grads)
 
     def _register(self, model: torch.nn.Module, grads: bool) -> None:
@@ -86,27 +138,52 @@ class _Recording:
         for key, module in key2module(model).items():
             path = key[: -len(type(module).__name__) - 1] if module is not root else ""
             self.forward_handles.append(
-                module.register_forward_pre_hook(self._pre_hook(key, path), with_kwargs=True)
+                module.register_forward_pre_hook(self._pre_hook(key, path, module is root), with_kwargs=True)
             )
+            # always_call: torch runs the hook when the forward raises too, so a failed call is seen
             self.forward_handles.append(
-                module.register_forward_hook(self._post_hook(module is root), with_kwargs=True)
+                module.register_forward_hook(self._post_hook(module is root), with_kwargs=True, always_call=True)
             )
             if grads:
-                self.backward_handles.append(module.register_full_backward_hook(self._grad_hook))
+                self.backward_handles.append(module.register_full_backward_hook(self._grad_hook(module is root)))
+
+    def _remove_hooks(self) -> None:
+        for h in self.forward_handles + self.backward_handles:
+            h.remove()
+        self.forward_handles.clear()
+        self.backward_handles.clear()
+
+    def _fail(self, exc: BaseException, where: str) -> FwdtraceError:
+        """A write failed (disk full...): remove every hook, drop the file, say which file."""
+        self._remove_hooks()
+        self.closed = True
+        try:
+            self.file.close()
+        except Exception:  # noqa: S110 - the file is being dropped; the first error is the one to report
+            pass
+        self.atomic.discard()
+        # HDF5's own text runs over several lines; the errno says it in a few words
+        reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else one_line(exc)
+        return FwdtraceError(
+            f"Dumper could not write {str(self.path)!r} ({where}): {reason}; the dump was dropped and its hooks removed"
+        )
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        store_as = _BITS_AS.get(t.dtype)
-        if store_as is not None:
-            arr = t.contiguous().view(store_as).numpy()
-        else:
-            arr = t.resolve_conj().resolve_neg().contiguous().numpy()
-        ds = call.group.create_dataset(name, data=arr)
-        if store_as is not None:
-            # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
-            ds.attrs["torch_dtype"] = dtype_name(t.dtype)
+        try:
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            store_as = _BITS_AS.get(t.dtype)
+            if store_as is not None:
+                arr = t.contiguous().view(store_as).numpy()
+            else:
+                arr = t.resolve_conj().resolve_neg().contiguous().numpy()
+            ds = call.group.create_dataset(name, data=arr)
+            if store_as is not None:
+                # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
+                ds.attrs["torch_dtype"] = dtype_name(t.dtype)
+        except Exception as e:
+            raise self._fail(e, f"{call.name}/{name}") from e
         self.order.append(f"{call.name}/{name}")
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
@@ -125,17 +202,40 @@ class _Recording:
             call.group.attrs["skipped"] = "; ".join(notes)
             self.skipped += [f"{call.name} {n}" for n in notes]
 
-    def _pre_hook(self, key: str, path: str) -> Any:
+    def _restart(self) -> None:
+        """Drop the calls of a root forward that raised: the step begins again."""
+        for name in {o.split("/", 1)[0] for o in self.order} | {n for n in self.file if _GROUP_RE.match(n)}:
+            del self.file[name]
+        self.order.clear()
+        self.calls = 0
+        self.path2calls.clear()
+        self.module2calls.clear()
+        self.open_calls.clear()
+        self.skipped.clear()
+        self.discarded += 1
+        self.failed = None
+
+    def _pre_hook(self, key: str, path: str, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.forward_done:
+            if self.forward_done or self.closed:
                 return
+            if is_root:
+                if self.failed is not None and self.root_depth == 0:
+                    self._restart()
+                self.root_depth += 1
+            elif self.root_depth == 0:
+                return  # a submodule called on its own, before the step's forward
             call_index = self.path2calls.get(path, 0)
             self.path2calls[path] = call_index + 1
-            name = f"{self.calls:03d}_{type(module).__name__}"
-            call = _Call(name, self.file.create_group(name, track_order=True))
-            call.group.attrs["module_key"] = key
-            call.group.attrs["module_path"] = path
-            call.group.attrs["call_index"] = call_index
+            name = group_name(self.calls, type(module).__name__)
+            try:
+                call = _Call(name, self.file.create_group(name, track_order=True))
+                call.group.attrs["module_key"] = key
+                call.group.attrs["module_path"] = path
+                call.group.attrs["call_index"] = call_index
+                call.group.attrs["class_name"] = type(module).__name__
+            except Exception as e:
+                raise self._fail(e, name) from e
             self.calls += 1
             self._write_all(call, "input", (args, kwargs) if kwargs else args)
             self.open_calls.setdefault(id(module), []).append(call)
@@ -145,42 +245,86 @@ class _Recording:
     def _post_hook(self, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
             stack = self.open_calls.get(id(module))
-            if self.forward_done or not stack:
+            if self.forward_done or self.closed or not stack:
                 return
             call = stack.pop()
+            exc = sys.exc_info()[1]
+            if exc is not None and result is None:
+                # torch runs always_call hooks while the forward's exception propagates
+                if self.failed is None:
+                    self.failed = f"the forward raised in {call.name}: {one_line(exc)}"
+                if is_root:
+                    self.root_depth -= 1
+                return
             self._write_all(call, "output", result)
             self._note_skipped(call, result)
             self.module2calls.setdefault(id(module), []).append(call)
             if is_root:
-                # The step's forward is over. The backward hooks of the calls recorded stay
-                # attached to their autograd graph; later forwards get none.
-                self.forward_done = True
-                for h in self.forward_handles + self.backward_handles:
-                    h.remove()
+                self.root_depth -= 1
+                if self.root_depth == 0:
+                    # The step's forward is over. The backward hooks of the calls recorded stay
+                    # attached to their autograd graph; later forwards get none.
+                    self.forward_done = True
+                    self.backward_expected = self.grads and any(t.requires_grad for t in tensors_of(result))
+                    self._remove_hooks()
 
         return hook
 
-    def _grad_hook(self, module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-        calls = self.module2calls.get(id(module))
-        if not calls or not self.file:
-            return
-        call = calls.pop()  # backward visits a module's calls last first
-        for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)):
-            for i, g in enumerate(grads):
-                if isinstance(g, torch.Tensor):
-                    self._write(call, f"{prefix}{i}", g)
+    def _grad_hook(self, is_root: bool) -> Any:
+        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            calls = self.module2calls.get(id(module))
+            if not calls or self.closed:
+                return
+            call = calls.pop()  # backward visits a module's calls last first
+            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)):
+                for i, g in enumerate(grads):
+                    if isinstance(g, torch.Tensor):
+                        self._write(call, f"{prefix}{i}", g)
+            if is_root and not calls:
+                self.backward_done = True
 
-    def close(self) -> None:
-        for h in self.forward_handles + self.backward_handles:
-            h.remove()
-        if self.file:
-            self.file.attrs["calls"] = self.calls
+        return hook
+
+    def _status(self, exc: BaseException | None) -> tuple[bool, str]:
+        """Whether the step is complete, and if not, why."""
+        raised = f"; the step raised {one_line(exc)}" if exc is not None else ""
+        if self.failed is not None:  # the exception leaving the with block is this one, named already
+            return False, self.failed
+        if self.calls == 0:
+            return False, "the model's forward did not run" + raised
+        if not self.forward_done:
+            return False, "the forward did not finish" + raised
+        if self.backward_expected and not self.backward_done:
+            return False, "the backward did not run" + raised
+        return True, "complete"
+
+    def close(self, exc: BaseException | None = None) -> Path | None:
+        """Record the completeness, close the file and rename it; None when it was dropped."""
+        self._remove_hooks()
+        if self.closed:
+            return None
+        self.closed = True
+        complete, status = self._status(exc)
+        try:
+            attrs = self.file.attrs
+            attrs["calls"] = self.calls
+            attrs["complete"] = complete
+            attrs["status"] = status
+            attrs["forward_finished"] = self.forward_done
+            attrs["backward_finished"] = self.backward_done
+            attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
+            attrs["discarded_forwards"] = self.discarded
             # One dataset at the end instead of an attribute per tensor: attributes cost more
             # than small datasets. Without it (a file never closed) group order is used.
             self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
             if self.skipped:
-                self.file.attrs["skipped"] = "\n".join(self.skipped)
+                attrs["skipped"] = "\n".join(self.skipped)
             self.file.close()
+        except Exception as e:
+            self.closed = False
+            raise self._fail(e, "closing the file") from e
+        self.atomic.commit()
+        return self.path
 
 
 class Dumper:
@@ -188,34 +332,52 @@ class Dumper:
 
     >>> import tempfile, torch, fwdtrace
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    >>> dumper = fwdtrace.Dumper(tempfile.mkdtemp())
-    >>> dumper.register(model, epoch=0, step=3)
-    >>> model(torch.ones(1, 2)).sum().backward()
-    >>> [p.name for p in dumper.remove()]
+    >>> with fwdtrace.Dumper(tempfile.mkdtemp()) as dumper:
+    ...     dumper.register(model, epoch=0, step=3)
+    ...     model(torch.ones(1, 2)).sum().backward()
+    >>> [p.name for p in dumper.paths]
     ['0-epoch_3-step_dump.hdf5']
 
     The next forward after :meth:`register` and its backward are dumped; later
-    forwards are not. :meth:`remove` takes the hooks off, closes the files and
-    returns their paths. Gradients of a module called several times are matched to
-    its calls last first, the order backward visits them.
+    forwards are not. Leaving the ``with`` block (or :meth:`remove`) takes the hooks off,
+    closes the files and gives them their names; until then a dump has a temporary name.
+    A dump records whether its step completed: a forward that raised, a backward that did
+    not run, an exception leaving the ``with`` block. An existing file is an error unless
+    ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
+    naming the file, with every hook removed and the partial file deleted. Gradients of a
+    module called several times are matched to its calls last first, the order backward
+    visits them.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
+        if not isinstance(overwrite, bool):
+            raise FwdtraceError(f"Dumper expected overwrite as a bool, got {describe(overwrite)}")
         self.directory = Path(directory)
+        self.overwrite = overwrite
         self._recordings: list[_Recording] = []
         self._written: list[Path] = []
+
+    @property
+    def paths(self) -> list[Path]:
+        """The dumps this dumper has finished so far."""
+        return list(self._written)
 
     def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0, grads: bool = True) -> None:
         """Hook ``model`` so its next forward and backward are written to this step's file.
 
+        ``epoch`` and ``step`` are non-negative ints (they name the file).
         Gradients come from ``register_full_backward_hook``, which torch refuses for a module
         whose output a later module changes in place (``ReLU(inplace=True)``); dump such a
         model with ``grads=False`` (inputs and outputs only).
         """
         if not isinstance(model, torch.nn.Module):
             raise FwdtraceError(f"Dumper.register() expected a torch.nn.Module, got {describe(model)}")
+        epoch = _non_negative_int(epoch, "epoch")
+        step = _non_negative_int(step, "step")
+        if not isinstance(grads, bool):
+            raise FwdtraceError(f"Dumper.register() expected grads as a bool, got {describe(grads)}")
         rank = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
@@ -225,9 +387,9 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank, grads)
+            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite)
         except OSError as e:
-            raise FwdtraceError(f"Dumper.register() could not create {path}: {e}") from e
+            raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
         self._recordings.append(recording)
 
     def _check_writable(self) -> None:
@@ -242,93 +404,264 @@ class Dumper:
             ) from e
 
     def remove(self) -> list[Path]:
-        """Remove the hooks, close the files and return the paths written (by this dumper, so far)."""
+        """Remove the hooks, close and name the files, and return the paths written (by this dumper, so far)."""
+        return self._close(None)
+
+    def _close(self, exc: BaseException | None) -> list[Path]:
+        first_error: FwdtraceError | None = None
         while self._recordings:
             recording = self._recordings.pop(0)
-            recording.close()
-            self._written.append(recording.path)
+            try:
+                path = recording.close(exc)
+            except FwdtraceError as e:  # close the others all the same
+                first_error = first_error or e
+                continue
+            if path is not None:
+                self._written.append(path)
+        if first_error is not None:
+            raise first_error
         return list(self._written)
 
     def __enter__(self) -> Dumper:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self._close(exc)
 
 
 # -- reading --------------------------------------------------------------------------------------
-def _open(path: str | os.PathLike[str], caller: str) -> Any:
-    h5py = _h5py()
-    p = Path(path)
-    if not p.is_file():
-        raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which does not exist")
-    try:
-        f = h5py.File(p, "r")
-    except OSError as e:
-        raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which HDF5 cannot open: {e}") from e
-    if not any(_GROUP_RE.match(name) for name in f) and FORMAT_ATTR not in f.attrs:
-        f.close()
-        raise FwdtraceError(
-            f"{caller} expected a dump with groups named NNN_ClassName, got {str(p)!r}, an HDF5 file "
-            "in another layout"
+class _Reader:
+    """An open dump, checked as a file from elsewhere: plain groups and datasets inside it only.
+
+    External links, soft links, external storage and virtual datasets are refused (reading
+    them would open other files); each tensor's size is checked against the cap and against
+    what the file really stores before anything is allocated.
+    """
+
+    def __init__(self, path: Any, caller: str, max_bytes: int) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise FwdtraceError(f"{caller} expected a dump file path (str or os.PathLike), got {describe(path)}")
+        h5py = self.h5py = _h5py()
+        self.path = Path(path)
+        self.caller = caller
+        self.max_bytes = max_bytes
+        p = self.path
+        if p.is_dir():
+            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which is a folder")
+        if not p.is_file():
+            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which does not exist")
+        try:
+            self.file = h5py.File(p, "r")
+        except OSError as e:
+            raise FwdtraceError(
+                f"{caller} expected an HDF5 dump file, got {str(p)!r}, which HDF5 cannot open{self._cut_short()}: {e}"
+            ) from e
+        try:
+            self._check()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _cut_short(self) -> str:
+        """Why an HDF5 file (by its signature) does not open: written by a process that did not finish."""
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(len(_HDF5_SIGNATURE))
+        except OSError:
+            return ""
+        if head != _HDF5_SIGNATURE and ".partial-" not in self.path.name:
+            return ""
+        return " (incomplete: it was cut short while being written, by a killed process or a full disk)"
+
+    def error(self, what: str) -> FwdtraceError:
+        return FwdtraceError(f"{self.caller} expected a self-contained fwdtrace dump, got {str(self.path)!r}, {what}")
+
+    def _link(self, parent: Any, name: str, where: str) -> None:
+        link = parent.get(name, getlink=True)
+        if isinstance(link, self.h5py.ExternalLink):
+            raise self.error(f"where {where} is an external link to {link.filename!r} ({link.path}), not followed")
+        if not isinstance(link, self.h5py.HardLink):
+            raise self.error(f"where {where} is a {type(link).__name__} to {getattr(link, 'path', '?')!r}, not followed")
+
+    def _dataset(self, ds: Any, where: str) -> None:
+        if not isinstance(ds, self.h5py.Dataset):
+            raise self.error(f"where {where} is a {type(ds).__name__}, not a dataset")
+        if ds.is_virtual:
+            raise self.error(f"where {where} is a virtual dataset (data from other files), not read")
+        if ds.external:
+            files = ", ".join(repr(e[0].decode() if isinstance(e[0], bytes) else e[0]) for e in ds.external)
+            raise self.error(f"where {where} keeps its data in external files ({files}), not read")
+        if ds.shape is None:
+            raise self.error(f"where {where} has no dataspace")
+
+    def _check(self) -> None:
+        f = self.file
+        try:
+            names = list(f)
+            if not any(_GROUP_RE.match(name) for name in names) and FORMAT_ATTR not in f.attrs:
+                raise FwdtraceError(
+                    f"{self.caller} expected a dump with groups named NNN_ClassName, got {str(self.path)!r}, an HDF5 file "
+                    "in another layout"
+                )
+            self.groups: list[tuple[str, Any]] = []
+            for name in names:
+                self._link(f, name, repr(name))
+                if name == ORDER_DATASET:
+                    self._dataset(f[name], repr(name))
+                if not _GROUP_RE.match(name):
+                    continue
+                group = f[name]
+                if not isinstance(group, self.h5py.Group):
+                    raise self.error(f"where {name!r} is a {type(group).__name__}, not a group")
+                for dname in group:
+                    self._link(group, dname, f"'{name}/{dname}'")
+                    self._dataset(group[dname], f"'{name}/{dname}'")
+                self.groups.append((name, group))
+            # call order is the numeric prefix; the name alone sorts wrong past 999
+            self.groups.sort(key=lambda item: int(item[0].split("_", 1)[0]))
+            self.attrs = {k: _attr(v) for k, v in f.attrs.items()}
+            self.status = self._status()
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise self.damaged(e) from e
+
+    def damaged(self, e: BaseException) -> FwdtraceError:
+        return FwdtraceError(
+            f"{self.caller} could not read {str(self.path)!r}{self._cut_short()}: {one_line(e)}"
         )
-    return f
 
+    def _status(self) -> str:
+        """``"complete"``, or ``"incomplete: stopped after NNN_Class (reason)"``."""
+        attrs = self.attrs
+        if "complete" in attrs:
+            if attrs["complete"] is True or attrs["complete"] == 1:
+                return "complete"
+            reason = str(attrs.get("status", "")) or "the file does not say why"
+            if reason == WRITING:
+                reason = "the file was never closed: the writing process was killed or failed"
+        elif ORDER_DATASET in self.file:
+            return "complete"  # a version-1 dump: closed, nothing more recorded
+        else:
+            reason = "the file was never closed: the writing process was killed or failed"
+        if not self.groups:
+            return f"incomplete: no module call recorded ({reason})"
+        return f"incomplete: stopped after {self.groups[-1][0]} ({reason})"
 
-def _groups(f: Any) -> list[tuple[str, Any]]:
-    """The call groups in call order (numeric prefix; the name alone sorts wrong past 999)."""
-    found = [(name, f[name]) for name in f if _GROUP_RE.match(name)]
-    return sorted(found, key=lambda item: int(item[0].split("_", 1)[0]))
+    def order(self) -> list[tuple[str, str]]:
+        """(group, dataset) of every tensor in the order the run wrote them."""
+        group_names = {name for name, _ in self.groups}
+        if ORDER_DATASET not in self.file:
+            return [(gname, dname) for gname, group in self.groups for dname in group]
+        ds = self.file[ORDER_DATASET]
+        if ds.dtype.kind not in "OS" or ds.ndim != 1 or ds.shape[0] > sum(len(g) for _, g in self.groups):
+            raise self.error(f"whose {ORDER_DATASET!r} is a {ds.dtype} array of shape {ds.shape}, not one name per tensor")
+        out = []
+        try:
+            entries = ds[()]
+        except Exception as e:
+            raise self.damaged(e) from e
+        for entry in entries:
+            text = entry.decode(errors="replace") if isinstance(entry, bytes) else str(entry)
+            gname, _, dname = text.partition("/")
+            if gname not in group_names or dname not in self.file[gname]:
+                raise self.error(f"whose {ORDER_DATASET!r} names {text!r}, which is not in the file")
+            out.append((gname, dname))
+        return out
 
+    def shape(self, gname: str, dname: str) -> list[int]:
+        return list(self.file[gname][dname].shape)
 
-def _execution_order(f: Any) -> list[tuple[str, str]]:
-    """(group, dataset) of every tensor in the order the run wrote them."""
-    if ORDER_DATASET in f:
-        return [tuple(s.decode().split("/", 1)) for s in f[ORDER_DATASET][()]]
-    return [(gname, dname) for gname, group in _groups(f) for dname in group]
+    def load(self, gname: str, dname: str) -> torch.Tensor:
+        import numpy as np
 
+        ds = self.file[gname][dname]
+        where = f"'{gname}/{dname}'"
+        if ds.dtype.kind not in "biufc":
+            raise self.error(f"where {where} holds {ds.dtype}, not numbers")
+        nbytes = int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize
+        if nbytes > self.max_bytes:
+            raise self.error(f"where {where} holds {nbytes} bytes, over the cap of {self.max_bytes} (max_bytes=)")
+        try:
+            stored = ds.id.get_storage_size()
+            if nbytes and not ds.compression and stored < nbytes:
+                raise self.error(f"where {where} declares {nbytes} bytes but stores {stored} in the file")
+            arr = np.asarray(ds[()])
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise self.damaged(e) from e
+        t = torch.from_numpy(arr.copy()) if arr.ndim else torch.tensor(arr)
+        name = str(_attr(ds.attrs.get("torch_dtype", "")))
+        dtype = _STR2DTYPE.get(name)
+        if dtype is None:
+            return t
+        if t.dtype != _BITS_AS[dtype]:
+            raise self.error(f"where {where} is marked {name} but holds {arr.dtype}")
+        return t.view(dtype)
 
-def _load(ds: Any) -> torch.Tensor:
-    import numpy as np
+    def __enter__(self) -> _Reader:
+        return self
 
-    arr = np.asarray(ds[()])
-    t = torch.from_numpy(arr.copy()) if arr.ndim else torch.tensor(arr)
-    dtype = _STR2DTYPE.get(str(ds.attrs.get("torch_dtype", "")))
-    return t.view(dtype) if dtype is not None else t
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
 
 
 def _attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if hasattr(value, "ndim") and value.ndim:
+        return value.tolist()
     return value.item() if hasattr(value, "item") else value
 
 
-def read_dump(path: str | os.PathLike[str], show: bool = True, values: bool = False) -> dict[str, Any]:
+def _max_bytes(value: Any, caller: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FwdtraceError(f"{caller} expected max_bytes as a non-negative int, got {value!r}")
+    return value
+
+
+def read_dump(
+    path: str | os.PathLike[str], show: bool = True, values: bool = False, max_bytes: int = MAX_TENSOR_BYTES
+) -> dict[str, Any]:
     """Print the tree of a dump and return it as a dict.
 
     >>> import tempfile, torch, fwdtrace
     >>> d = fwdtrace.Dumper(tempfile.mkdtemp()); model = torch.nn.Linear(2, 1)
-    >>> d.register(model); _ = model(torch.ones(1, 2))
+    >>> d.register(model, grads=False); _ = model(torch.ones(1, 2))
     >>> tree = fwdtrace.read_dump(d.remove()[0], show=False)
-    >>> tree["groups"]["000_Linear"]["datasets"]["output0"]
-    {'shape': [1, 1], 'dtype': 'float32'}
+    >>> tree["groups"]["000_Linear"]["datasets"]["output0"], tree["status"]
+    ({'shape': [1, 1], 'dtype': 'float32'}, 'complete')
 
-    ``{"attrs": {...}, "groups": {name: {"attrs": {...}, "datasets": {name: {"shape", "dtype"}}}}}``;
-    with ``values=True`` each dataset also holds its tensor under ``"value"``.
+    ``{"status": ..., "attrs": {...}, "groups": {name: {"attrs": {...}, "datasets": {name: {"shape", "dtype"}}}}}``;
+    with ``values=True`` each dataset also holds its tensor under ``"value"`` (each at most
+    ``max_bytes``). ``status`` is ``"complete"`` or ``"incomplete: stopped after NNN_Class
+    (reason)"``. Files from elsewhere are safe to read: links and storage outside the
+    file are refused with a :class:`FwdtraceError` naming them.
     """
-    with _open(path, "read_dump()") as f:
-        tree: dict[str, Any] = {"attrs": {k: _attr(v) for k, v in f.attrs.items()}, "groups": {}}
-        lines = [f"{Path(path).name}: {len(_groups(f))} module calls"]
-        for name, group in _groups(f):
-            datasets: dict[str, Any] = {}
-            for dname, ds in group.items():
-                dtype = str(ds.attrs.get("torch_dtype", ds.dtype))
-                entry: dict[str, Any] = {"shape": list(ds.shape), "dtype": dtype}
-                if values:
-                    entry["value"] = _load(ds)
-                datasets[dname] = entry
-            attrs = {k: _attr(v) for k, v in group.attrs.items()}
-            tree["groups"][name] = {"attrs": attrs, "datasets": datasets}
-            lines.append(f"{name}  {attrs.get('module_key', '')}")
-            lines += [f"    {d:<14} {e['dtype']}{e['shape']}" for d, e in datasets.items()]
+    max_bytes = _max_bytes(max_bytes, "read_dump()")
+    with _Reader(path, "read_dump()", max_bytes) as r:
+        tree: dict[str, Any] = {"status": r.status, "attrs": r.attrs, "groups": {}}
+        lines = [f"{r.path.name}: {len(r.groups)} module calls"]
+        if r.status != "complete":
+            lines[0] += f"; {r.status}"
+        try:
+            for name, group in r.groups:
+                datasets: dict[str, Any] = {}
+                for dname, ds in group.items():
+                    dtype = str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
+                    entry: dict[str, Any] = {"shape": list(ds.shape), "dtype": dtype}
+                    if values:
+                        entry["value"] = r.load(name, dname)
+                    datasets[dname] = entry
+                attrs = {k: _attr(v) for k, v in group.attrs.items()}
+                tree["groups"][name] = {"attrs": attrs, "datasets": datasets}
+                lines.append(f"{name}  {attrs.get('module_key', '')}")
+                lines += [f"    {d:<14} {e['dtype']}{e['shape']}" for d, e in datasets.items()]
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise r.damaged(e) from e
     if show:
         print("\n".join(lines))
     return tree
@@ -361,10 +694,12 @@ class DumpReport:
     atol: float
     rows: list[DumpRow] = field(default_factory=list)
     first_divergence: str | None = None
+    incomplete: dict[str, str] = field(default_factory=dict)  # path -> "incomplete: stopped after ..."
 
     @property
     def equal(self) -> bool:
-        return all(r.allclose for r in self.rows)
+        """Every tensor of either dump is in the other and allclose, and both dumps are complete."""
+        return not self.incomplete and all(r.allclose for r in self.rows)
 
     def to_text(self, only_diverged: bool = False) -> str:
         """The table the ``fwdtrace dump-diff`` command prints."""
@@ -379,8 +714,11 @@ class DumpReport:
             ))
         widths = [max(len(h), *(len(row[j]) for row in body)) if body else len(h) for j, h in enumerate(header)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *body]]
+        lines += [f"{Path(p).name}: {status}" for p, status in self.incomplete.items()]
         if self.equal:
             lines.append(f"equal: {len(self.rows)} tensors allclose (rtol={self.rtol:g}, atol={self.atol:g})")
+        elif all(r.allclose for r in self.rows):
+            lines.append(f"not comparable as whole runs: {len(self.rows)} tensors allclose, but a dump is incomplete")
         else:
             bad = sum(not r.allclose for r in self.rows)
             lines.append(f"{bad} of {len(self.rows)} tensors differ; first divergence: {self.first_divergence}")
@@ -416,8 +754,15 @@ def _compare(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tupl
     return cosine, float(diff.max()), float(rel.max()), close
 
 
+def _tolerance(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise FwdtraceError(f"compare_dumps() expected {name} as a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def compare_dumps(
-    a: str | os.PathLike[str], b: str | os.PathLike[str], rtol: float = 1e-5, atol: float = 1e-8
+    a: str | os.PathLike[str], b: str | os.PathLike[str], rtol: float = 1e-5, atol: float = 1e-8,
+    max_bytes: int = MAX_TENSOR_BYTES,
 ) -> DumpReport:
     """Compare two dumps tensor by tensor, in the order the first run wrote them.
 
@@ -425,38 +770,43 @@ def compare_dumps(
     >>> paths = []
     >>> for scale in (1.0, 2.0):
     ...     d = fwdtrace.Dumper(tempfile.mkdtemp()); model = torch.nn.Sequential(torch.nn.Linear(1, 1))
-    ...     _ = torch.nn.init.constant_(model[0].weight, scale); d.register(model); _ = model(torch.ones(1, 1))
-    ...     paths += d.remove()
+    ...     _ = torch.nn.init.constant_(model[0].weight, scale); d.register(model, grads=False)
+    ...     _ = model(torch.ones(1, 1)); paths += d.remove()
     >>> fwdtrace.compare_dumps(*paths).first_divergence
     '0'
 
     ``first_divergence`` is the module path of the first module whose outputs differ
     (the root model is named by its class), else of the first whose gradients differ,
-    else None. A tensor missing from ``b`` or of another shape is a differing row.
+    else None. The comparison is two-sided: a tensor in only one dump, or of another
+    shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
+    (their rows are compared, but the report is not ``equal``).
     """
+    rtol, atol = _tolerance(rtol, "rtol"), _tolerance(atol, "atol")
+    max_bytes = _max_bytes(max_bytes, "compare_dumps()")
     report = DumpReport(str(a), str(b), rtol, atol)
-    with _open(a, "compare_dumps()") as fa, _open(b, "compare_dumps()") as fb:
-        for gname, dname in _execution_order(fa):
-            ga = fa[gname]
-            key = str(_attr(ga.attrs.get("module_key", gname)))
-            path = str(_attr(ga.attrs.get("module_path", "")))
-            ta = _load(ga[dname])
-            row = DumpRow(gname, key, path, dname, list(ta.shape), None, None, None, False)
-            if gname not in fb or dname not in fb[gname]:
-                row.note = "missing in b"
-            else:
-                tb = _load(fb[gname][dname])
-                if ta.shape != tb.shape:
-                    row.note = f"shape {list(tb.shape)} in b"
+    with _Reader(a, "compare_dumps()", max_bytes) as ra, _Reader(b, "compare_dumps()", max_bytes) as rb:
+        for r in (ra, rb):
+            if r.status != "complete":
+                report.incomplete[str(r.path)] = r.status
+        order_a, order_b = ra.order(), rb.order()
+        in_a, in_b = set(order_a), set(order_b)
+        for reader, order, other, note in ((ra, order_a, in_b, "missing in b"), (rb, order_b, in_a, "missing in a")):
+            for gname, dname in order:
+                if reader is rb and (gname, dname) in in_a:
+                    continue  # compared already
+                group = reader.file[gname]
+                key = str(_attr(group.attrs.get("module_key", gname)))
+                path = str(_attr(group.attrs.get("module_path", "")))
+                row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False)
+                if (gname, dname) not in other:
+                    row.note = note
                 else:
-                    row.cosine, row.max_abs, row.max_rel, row.allclose = _compare(ta, tb, rtol, atol)
-            report.rows.append(row)
-        names_a = {name for name, _ in _groups(fa)}
-        for gname, group in _groups(fb):
-            if gname not in names_a:  # calls that only run b made
-                report.rows.append(DumpRow(gname, str(_attr(group.attrs.get("module_key", gname))),
-                                           str(_attr(group.attrs.get("module_path", ""))), "*", [],
-                                           None, None, None, False, "missing in a"))
+                    ta, tb = ra.load(gname, dname), rb.load(gname, dname)
+                    if ta.shape != tb.shape:
+                        row.note = f"shape {list(tb.shape)} in b"
+                    else:
+                        row.cosine, row.max_abs, row.max_rel, row.allclose = _compare(ta, tb, rtol, atol)
+                report.rows.append(row)
     for prefix in ("output", "grad_input", ""):
         row_found = next((r for r in report.rows if not r.allclose and r.name.startswith(prefix)), None)
         if row_found is not None:
@@ -476,7 +826,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Print the comparison table; 0 when the dumps agree, 1 when they differ."""
+    """Print the comparison table; 0 when the dumps agree, 1 when they differ, FwdtraceError (exit 2)
+    when a dump is incomplete or unreadable: a cut-short run is not a difference between runs."""
     report = compare_dumps(args.a, args.b, rtol=args.rtol, atol=args.atol)
     print(report.to_text(only_diverged=args.only_diverged))
+    if report.incomplete:
+        raise FwdtraceError("; ".join(f"{p} is {status}" for p, status in report.incomplete.items()))
     return 0 if report.equal else 1

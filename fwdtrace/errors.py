@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["FwdtraceError", "describe", "shapes_text", "add_layer_note", "NOTE_PREFIX"]
+__all__ = ["FwdtraceError", "describe", "shapes_text", "add_layer_note", "one_line", "NOTE_PREFIX"]
 
 NOTE_PREFIX = "fwdtrace:"
 
@@ -60,3 +60,17 @@ def add_layer_note(
         return
     where = f"in {op} called by module" if op else "in module"
     exc.add_note(f"{NOTE_PREFIX} raised {where} '{module_key}' ({class_name}) with inputs {inputs_text}")
+
+
+def one_line(exc: BaseException) -> str:
+    """``"RuntimeError: first line of the message; fwdtrace: raised in module ..."``: an error in one line.
+
+    >>> one_line(ValueError("bad value\\nmore detail"))
+    'ValueError: bad value'
+
+    The layer note that traces, probes and analysis add is kept: it names where it happened.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    notes = [n for n in getattr(exc, "__notes__", ()) if isinstance(n, str) and n.startswith(NOTE_PREFIX)]
+    return text + "".join(f"; {n.strip()}" for n in notes)

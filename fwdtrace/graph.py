@@ -164,13 +164,31 @@ class Graph:
                 + (f" with format {data.get('format')!r}" if isinstance(data, dict) else "")
             )
         graph = cls()
-        for nd in data["nodes"]:
-            node = Node.from_dict(nd)
-            graph.nodes.append(node)
-            graph._names.add(node.name)
-            for ref in node.outputs:
-                graph._producer[ref.obj_id] = node.id
-        graph.edges = [Edge.from_dict(e) for e in data["edges"]]
+        where = "its body"
+        try:
+            nodes, edges = data["nodes"], data["edges"]
+            if not isinstance(nodes, list) or not isinstance(edges, list):
+                raise TypeError(f"nodes and edges should be lists, got {type(nodes).__name__} and {type(edges).__name__}")
+            for i, nd in enumerate(nodes):
+                where = f"node {i}"
+                node = Node.from_dict(nd)
+                if node.kind not in NODE_KINDS:
+                    raise ValueError(f"kind {node.kind!r} is not one of {', '.join(NODE_KINDS)}")
+                if node.id != i:
+                    raise ValueError(f"id {node.id} where the node's position is {i}")
+                graph.nodes.append(node)
+                graph._names.add(node.name)
+                for ref in node.outputs:
+                    graph._producer[ref.obj_id] = node.id
+            for i, e in enumerate(edges):
+                where = f"edge {i}"
+                edge = Edge.from_dict(e)
+                if not (0 <= edge.src < len(nodes) and 0 <= edge.dst < len(nodes)):
+                    raise ValueError(f"it joins node {edge.src} to node {edge.dst}, of {len(nodes)} nodes")
+                graph.edges.append(edge)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"no {e}" if isinstance(e, KeyError) else str(e)
+            raise FwdtraceError(f"Graph.from_dict expected a graph written by Graph.to_json, got one whose {where} has {what}") from None
         return graph
 
     def to_json(self, indent: int | None = 1) -> str:

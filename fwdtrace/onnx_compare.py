@@ -815,9 +815,30 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
     return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter)
 
 
-def _compare(graph: Graph, proto: Any) -> tuple[Graph, _Result]:
+def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
+    """A .onnx file as a ModelProto, or a FwdtraceError saying what is wrong with the file."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    where = str(path)
+    if os.path.isdir(path):
+        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which is a folder")
+    try:
+        proto = onnx.load(os.fspath(path))
+    except FileNotFoundError:
+        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which does not exist") from None
+    except (DecodeError, ValueError, OSError, RuntimeError) as e:
+        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which onnx cannot read: {type(e).__name__}: {e}") from e
+    if not proto.graph.node and not proto.graph.output:
+        raise FwdtraceError(f"{caller} expected a .onnx file with a graph, got {where!r}, which holds none (empty or not ONNX)")
+    return proto
+
+
+def _compare(graph: Graph, proto: Any, caller: str = "compare_onnx()") -> tuple[Graph, _Result]:
     if not isinstance(graph, Graph):
-        raise FwdtraceError(f"compare_onnx() expected a fwdtrace.Graph (from fwdtrace.trace) as graph, got {describe(graph)}")
+        raise FwdtraceError(f"{caller} expected a fwdtrace.Graph (from fwdtrace.trace) as graph, got {describe(graph)}")
+    if isinstance(proto, (str, os.PathLike)):
+        proto = _load_onnx_file(proto, caller)
     og = onnx_graph(proto, prune=True)
     matcher = _Matcher(graph, og)
     return og, matcher.run()
@@ -879,7 +900,7 @@ def render_side_by_side(
     """
     from .passes.draw import Digraph, render_digraph, to_dot
 
-    og, result = _compare(graph, proto)
+    og, result = _compare(graph, proto, "render_side_by_side()")
     bad_groups = {g for _, s, d in result.rewired for g in (s, d)}
     trace_hl = set(result.missing) | {tid for g in bad_groups if g in result.groups for tid in result.groups[g].trace_ids}
     onnx_hl = set(result.extra) | {
@@ -897,30 +918,29 @@ def render_side_by_side(
 # -- command line ---------------------------------------------------------------------------------
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``fwdtrace check-onnx``."""
+    from .cli import add_input_arguments
+
     parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
-    parser.add_argument("--input-shape", required=True, help="shape of the one input tensor, e.g. 1,3,224,224")
+    add_input_arguments(parser)
     parser.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch's ONNX exporter (default dynamo)")
-    parser.add_argument("--dtype", choices=("float32", "int64"), default="float32",
-                        help="input dtype; int64 gives token ids in [0, 10) (default float32)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace check-onnx``: 0 when the export agrees with the trace, 1 when it does not.
 
-    The model is put in eval mode and fed one seeded random input of ``--input-shape``.
+    The model is put in eval mode and fed the seeded inputs of ``--input-shape``/``--dtype``,
+    made as ``fwdtrace analyze`` makes them.
     """
-    import torch
+    from .cli import forward_failed, load_factory, make_inputs
 
-    from .cli import load_factory, parse_shape
-
-    shape = parse_shape(args.input_shape)
+    inputs = make_inputs(args)
     model = load_factory(args.factory).eval()
-    gen = torch.Generator().manual_seed(0)
-    if args.dtype == "int64":
-        x = torch.randint(0, 10, shape, generator=gen)
-    else:
-        x = torch.randn(shape, generator=gen)
-    report = check_onnx(model, x, exporter=args.exporter)
+    try:
+        report = check_onnx(model, *inputs, exporter=args.exporter)
+    except FwdtraceError:
+        raise
+    except Exception as e:
+        raise forward_failed(args.factory, inputs, e) from e
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.text)
     return 0 if report.ok else 1

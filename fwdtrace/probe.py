@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import fnmatch
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
@@ -22,13 +23,30 @@ from ._tree import tensors_of
 from .chaos import Chaos
 from .errors import FwdtraceError, describe
 from .keys import key2module
-from .stats import RunningStats, summary_text
+from .stats import RunningStats, check_bins, check_range, summary_text
 from .tracer import layer_notes
 
 __all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
 
 Selector = str | type | Iterable[Any]
 _KINDS = ("input", "output", "grad_input", "grad_output")
+
+
+def _check_fn(fn: Any, caller: str, signature: str) -> None:
+    if not callable(fn):
+        raise FwdtraceError(f"{caller} expected fn as a callable {signature}, got {describe(fn)}")
+
+
+def _check_file(file: Any, caller: str) -> None:
+    if file is not None and not callable(getattr(file, "write", None)):
+        raise FwdtraceError(
+            f"{caller} expected file as an open text file (with .write) or None, got {describe(file)} {file!r}"
+        )
+
+
+def _check_bool(value: Any, name: str, caller: str) -> None:
+    if not isinstance(value, bool):
+        raise FwdtraceError(f"{caller} expected {name} as a bool, got {describe(value)}")
 
 
 class Hooks:
@@ -113,6 +131,8 @@ class Match(Hooks):
 
     def loss(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Sum over the pairs of ``fn(student_output, teacher_output)``, MSE by default."""
+        if fn is not None:
+            _check_fn(fn, "Match.loss()", "(student_output, teacher_output)")
         fn = fn or F.mse_loss
         missing = [s for s, t in self.pairs if s not in self.student_outputs or t not in self.teacher_outputs]
         if missing:
@@ -312,6 +332,8 @@ class Probe:
 
         ``values=True`` prints the full tensors too.
         """
+        _check_bool(values, "values", "print_io()")
+        _check_file(file, "print_io()")
         calls: dict[str, int] = {}
 
         def register(key: str, module: torch.nn.Module) -> Any:
@@ -340,6 +362,8 @@ class Probe:
 
         Uses ``register_full_backward_hook``; a ``None`` gradient (an input that needs none) prints as None.
         """
+        _check_bool(values, "values", "print_grads()")
+        _check_file(file, "print_grads()")
         calls: dict[str, int] = {}
 
         def register(key: str, module: torch.nn.Module) -> Any:
@@ -370,6 +394,7 @@ class Probe:
         ``fn`` has ``@hook_forward``'s signature (the output is None: it is not computed yet);
         it returns the new inputs (a tuple, or one tensor), or None to keep them.
         """
+        _check_fn(fn, "replace_input()", "(module, inputs, None)")
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple) -> Any:
@@ -389,6 +414,7 @@ class Probe:
         ...     model(torch.tensor([2.0]))
         tensor([20.])
         """
+        _check_fn(fn, "replace_output()", "(module, inputs, output)")
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
@@ -413,6 +439,7 @@ class Probe:
         ``fn`` returns the new grad_input (a tuple like grad_input, or one tensor), or None
         to keep it: a custom gradient without writing an autograd.Function.
         """
+        _check_fn(fn, "replace_grad()", "(module, grad_input, grad_output)")
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> Any:
@@ -513,6 +540,7 @@ class Probe:
         Modules without parameters of their own are left out; see
         :meth:`~fwdtrace.stats.RunningStats.to_dict` for the statistics.
         """
+        check_bins(bins)
         out: dict[str, dict[str, dict[str, Any]]] = {}
         for key, module in self.select(selector).items():
             params = {}
@@ -543,12 +571,21 @@ class Probe:
         """
         if of not in _KINDS:
             raise FwdtraceError(f"running_stats() expected of= one of {', '.join(_KINDS)}, got {of!r}")
+        try:  # checked now, not in the next forward
+            check_bins(bins)
+            check_range(range)
+        except FwdtraceError as e:
+            raise FwdtraceError(f"running_stats(){str(e).removeprefix('RunningStats')}") from None
         handle = StatsHandle(self, [], of)
+        created = threading.Lock()  # hooks may run in several threads: one RunningStats per key
 
         def add(key: str, tensors: Iterable[Any]) -> None:
             stats = handle.stats.get(key)
             if stats is None:
-                stats = handle.stats[key] = RunningStats(bins, range)
+                with created:
+                    stats = handle.stats.get(key)
+                    if stats is None:
+                        stats = handle.stats[key] = RunningStats(bins, range)
             for t in tensors:
                 if isinstance(t, torch.Tensor):
                     stats.update(t)

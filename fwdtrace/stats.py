@@ -8,6 +8,7 @@ edges (set by ``range`` or by the first batch) so histograms merge by addition.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -15,7 +16,28 @@ import torch
 from ._tree import tensor_text
 from .errors import FwdtraceError, describe
 
-__all__ = ["RunningStats", "summary_text"]
+__all__ = ["RunningStats", "summary_text", "check_bins", "check_range"]
+
+
+def check_bins(bins: Any) -> int:
+    """``bins`` if it is a positive int, else a FwdtraceError saying what was given."""
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise FwdtraceError(f"RunningStats expected bins as a positive int, got {bins!r}")
+    return bins
+
+
+def check_range(range: Any) -> tuple[float, float] | None:  # noqa: A002
+    """``range`` as ``(low, high)`` floats with low < high (or None), else a FwdtraceError."""
+    if range is None:
+        return None
+    try:
+        low, high = (float(v) for v in range)
+        ok = not isinstance(range, str) and math.isfinite(low) and math.isfinite(high) and low < high
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise FwdtraceError(f"RunningStats expected range as (low, high) finite numbers with low < high, got {range!r}")
+    return low, high
 
 
 class RunningStats:
@@ -35,12 +57,11 @@ class RunningStats:
     """
 
     def __init__(self, bins: int = 16, range: tuple[float, float] | None = None) -> None:  # noqa: A002
-        if not isinstance(bins, int) or bins < 1:
-            raise FwdtraceError(f"RunningStats expected bins as a positive int, got {bins!r}")
-        if range is not None and not (len(range) == 2 and float(range[0]) < float(range[1])):
-            raise FwdtraceError(f"RunningStats expected range as (low, high) with low < high, got {range!r}")
-        self.bins = bins
-        self.range: tuple[float, float] | None = (float(range[0]), float(range[1])) if range else None
+        self.bins = check_bins(bins)
+        self.range: tuple[float, float] | None = check_range(range)
+        # update() and merge() may run in several threads at once (a model run by a thread
+        # pool); the state of one object changes under its lock.
+        self._lock = threading.RLock()
         self.count = 0  # every element
         self.finite = 0
         self.mean = 0.0
@@ -60,7 +81,7 @@ class RunningStats:
         """Add every element of ``tensor`` (any shape, dtype and device)."""
         if not isinstance(tensor, torch.Tensor):
             raise FwdtraceError(f"RunningStats.update() expected a torch.Tensor, got {describe(tensor)}")
-        with torch.no_grad():
+        with self._lock, torch.no_grad():
             x = tensor.detach().reshape(-1)
             if x.is_complex():
                 x = torch.view_as_real(x).reshape(-1)
@@ -95,12 +116,33 @@ class RunningStats:
                     other.histogram = [int(v) for v in hist.tolist()]
                     other.underflow = int((finite < lo).sum())
                     other.overflow = int((finite > hi).sum())
-        self.merge(other)
+            self._merge(other)
 
     def merge(self, other: RunningStats) -> RunningStats:
         """Fold ``other`` into these statistics (Chan's parallel update) and return ``self``."""
         if not isinstance(other, RunningStats):
             raise FwdtraceError(f"RunningStats.merge() expected a RunningStats, got {describe(other)}")
+        if other is not self:
+            with other._lock:  # a consistent copy, then merged under our own lock (no lock order to get wrong)
+                other = other._copy()
+        with self._lock:
+            return self._merge(other)
+
+    def _copy(self) -> RunningStats:
+        new = RunningStats.__new__(RunningStats)
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_lock"})
+        new.histogram = list(self.histogram)
+        new._lock = threading.RLock()
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def _merge(self, other: RunningStats) -> RunningStats:
         if other.finite and self.finite:
             if other.bins != self.bins or other.range != self.range:
                 raise FwdtraceError(

@@ -106,3 +106,15 @@ def test_bad_chaos_arguments() -> None:
     with fwdtrace.Probe(_model()) as probe, pytest.raises(FwdtraceError, match=r"^chaos\(fault='skip'\) expected the layer's first input"):
         probe.chaos("0.Linear", fault="skip")
         probe.model(torch.randn(2, 6))
+
+
+def test_chaos_from_several_threads_logs_every_call_once() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    with fwdtrace.Probe(model) as probe, torch.no_grad():
+        faults = probe.chaos("0.Linear", fault="nan", p=0.5, seed=0)
+        with ThreadPoolExecutor(4) as pool:
+            outputs = list(pool.map(model, [torch.ones(2, 4)] * 64))
+    assert faults.chaos.calls == 64 and sorted(i.call for i in faults.log) == sorted({i.call for i in faults.log})
+    assert len(faults.log) == sum(int(o.isnan().any()) for o in outputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.cli import load_factory, main, parse_shape
+from fwdtrace.cli import load_factory, main, make_inputs, parse_shape
 
 TESTS = Path(__file__).parent
 
@@ -59,3 +61,118 @@ def test_a_closed_pipe_is_not_a_crash() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+# -- the exit-code contract, run as a CI job runs it ----------------------------------------------
+MODELS_PY = '''
+import torch
+
+def make_ok():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+
+def make_raises():
+    raise RuntimeError("broken factory")
+
+def make_sized(width):
+    return torch.nn.Linear(width, width)
+'''
+
+OK = "models:make_ok"
+# (argv, exit code, start of stderr's one line or of stdout); DUMP_* are filled in by the test
+EXIT_CODES = [
+    (["--version"], 0, "stdout:fwdtrace " + fwdtrace.__version__),
+    (["analyze", OK, "--input-shape", "2,4", "--warmup", "1", "--repeats", "1"], 0, "stdout:Sequential on cpu"),
+    (["check-onnx", OK, "--input-shape", "2,4", "--exporter", "torchscript"], 0, "stdout:"),
+    (["dump-diff", "DUMP_A", "DUMP_A"], 0, "stdout:"),
+    (["dump-diff", "DUMP_A", "DUMP_B"], 1, "stdout:"),
+    (["analyze"], 2, "usage: fwdtrace analyze"),
+    (["analyze", "models:make_raises", "--input-shape", "2,4"], 2,
+     "fwdtrace analyze: error: factory 'models:make_raises' raised RuntimeError: broken factory"),
+    (["check-onnx", "models:make_sized", "--input-shape", "2,4"], 2,
+     "fwdtrace check-onnx: error: factory 'models:make_sized' expected to be callable without arguments, got make_sized(width)"),
+    (["analyze", OK, "--input-shape", "100000,100000,1000"], 2,
+     "fwdtrace analyze: error: expected --input-shape that fits in memory, got '100000,100000,1000'"),
+    (["analyze", OK, "--input-shape", "2,4", "--device", "cuda"], 2,
+     "fwdtrace analyze: error: expected --device as a device this machine has, got 'cuda'"),
+    (["check-onnx", OK, "--input-shape", "2,5", "--exporter", "torchscript"], 2,
+     "fwdtrace check-onnx: error: models:make_ok: the forward failed on inputs float32[2, 5]: RuntimeError: "),
+    (["dump-diff", "DUMP_A", "DUMP_TRUNCATED"], 2,
+     "fwdtrace dump-diff: error: compare_dumps() expected an HDF5 dump file, got 'DUMP_TRUNCATED', which HDF5 cannot open "
+     "(incomplete: it was cut short while being written"),
+    (["dump-diff", "DUMP_A", "DUMP_A", "--rtol", "-1"], 2,
+     "fwdtrace dump-diff: error: compare_dumps() expected rtol as a finite number >= 0, got -1.0"),
+    (["dump-diff", "DUMP_A", "no_such.hdf5"], 2,
+     "fwdtrace dump-diff: error: compare_dumps() expected an HDF5 dump file, got 'no_such.hdf5', which does not exist"),
+]
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CI job's working directory: models.py beside it, two dumps and a truncated one."""
+    folder = tmp_path_factory.mktemp("job")
+    (folder / "models.py").write_text(MODELS_PY)
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        with torch.no_grad():
+            model[0].weight.mul_(scale)
+        with fwdtrace.Dumper(folder / name) as dumper:
+            dumper.register(model)
+            model(torch.ones(1, 2)).sum().backward()
+        dumper.paths[0].rename(folder / f"{name}.hdf5")
+    data = (folder / "a.hdf5").read_bytes()
+    (folder / "truncated.hdf5").write_bytes(data[: len(data) // 2])
+    return folder
+
+
+@pytest.mark.parametrize("argv, code, expected", EXIT_CODES, ids=[" ".join(c[0][:3]) + f" -> {c[1]}" for c in EXIT_CODES])
+def test_every_subcommand_keeps_the_exit_code_contract(job_dir: Path, argv: list[str], code: int, expected: str) -> None:
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    names = {"DUMP_A": "a.hdf5", "DUMP_B": "b.hdf5", "DUMP_TRUNCATED": "truncated.hdf5"}
+    argv = [names.get(a, a) for a in argv]
+    expected = expected.replace("DUMP_TRUNCATED", "truncated.hdf5")
+    command = Path(sys.executable).parent / "fwdtrace"  # the console script: sys.path[0] is its folder, not cwd
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([str(command), *argv], capture_output=True, text=True, env=env, cwd=job_dir, timeout=300)
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr
+    if expected.startswith("stdout:"):
+        assert done.stdout.startswith(expected.removeprefix("stdout:")), done.stdout
+    elif expected.startswith("usage:"):
+        assert done.stderr.startswith(expected)
+    else:
+        assert done.stderr.startswith(expected), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_traceback_prints_the_details(job_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(job_dir)
+    for argv in (["--traceback", "analyze", "models:make_raises", "--input-shape", "2"],
+                 ["analyze", "models:make_raises", "--input-shape", "2", "--traceback"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and 'raise RuntimeError("broken factory")' in err
+        assert err.strip().splitlines()[-1] == "fwdtrace analyze: error: factory 'models:make_raises' raised RuntimeError: broken factory"
+
+
+def test_check_onnx_and_analyze_make_the_same_inputs() -> None:
+    from fwdtrace import analysis, onnx_compare
+
+    for dtype in ("float32", "bfloat16", "int64"):
+        made = []
+        for module in (analysis, onnx_compare):
+            parser = argparse.ArgumentParser()
+            module.configure_parser(parser)
+            args = parser.parse_args(["m:f", "--input-shape", "2,3", "--input-shape", "4", "--dtype", dtype])
+            made.append(make_inputs(args))
+        assert [t.dtype for t in made[0]] == [getattr(torch, dtype)] * 2
+        for a, b in zip(*made, strict=True):
+            assert torch.equal(a, b)
+        if dtype == "int64":
+            assert all(int(t.min()) >= 0 and int(t.max()) < 10 for t in made[0])
+        else:  # seeded normal values, as torch.randn draws them
+            expected = torch.randn((2, 3), generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
+            assert torch.equal(made[0][0], expected)

@@ -168,3 +168,15 @@ def test_onnx_style_scopes_and_unknown_dimensions() -> None:
     source = graph.to_dot().source
     assert 'label=c1 ' in source or 'label="c1"' in source  # no empty "()" for a scope without a class
     assert "?×8" in source and "-1" not in source
+
+
+def test_render_replaces_a_symlink_at_the_target_instead_of_writing_through_it(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    target = tmp_path / "graph.svg"
+    target.symlink_to(victim)
+    graph = fwdtrace.trace(nn.Sequential(nn.Linear(2, 2)), torch.ones(1, 2))
+    graph.render(target)
+    assert victim.read_text() == "keep me"
+    assert not target.is_symlink() and "<svg" in target.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph.svg", "victim.txt"]  # no temporary file left

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
+import signal
 import socket
+import time
 from pathlib import Path
+from typing import Any
 
 import h5py
 import pytest
@@ -264,3 +269,367 @@ def test_inplace_models_dump_forward_only_with_values_before_the_change(tmp_path
     tree = fwdtrace.read_dump(dumper.remove()[0], show=False, values=True)
     assert torch.equal(tree["groups"]["001_Linear"]["datasets"]["output0"]["value"], expected)
     assert torch.equal(tree["groups"]["002_ReLU"]["datasets"]["output0"]["value"], expected.relu())
+
+
+# -- completeness ---------------------------------------------------------------------------------
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class _Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def _clean_dump(directory: Path) -> Path:
+    model = _mlp()
+    with fwdtrace.Dumper(directory) as dumper:
+        dumper.register(model)
+        model(torch.ones(2, 4)).sum().backward()
+    return dumper.paths[0]
+
+
+def test_a_complete_step_says_so_and_backward_is_recorded(tmp_path: Path) -> None:
+    path = _clean_dump(tmp_path)
+    assert os.listdir(tmp_path) == [path.name]  # no temporary file left
+    tree = fwdtrace.read_dump(path, show=False)
+    assert tree["status"] == "complete"
+    attrs = tree["attrs"]
+    assert (attrs["complete"], attrs["forward_finished"], attrs["backward_finished"], attrs["calls"]) == (True, True, True, 4)
+
+
+def test_a_step_that_raises_after_its_forward_is_incomplete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    whole = _clean_dump(tmp_path / "whole")
+    model = _mlp()
+    with pytest.raises(ValueError, match="bad loss"), fwdtrace.Dumper(tmp_path / "cut") as dumper:
+        dumper.register(model)
+        model(torch.ones(2, 4))
+        raise ValueError("bad loss")
+    (cut,) = dumper.paths
+    status = "incomplete: stopped after 003_Linear (the backward did not run; the step raised ValueError: bad loss)"
+    assert fwdtrace.read_dump(cut, show=False)["status"] == status
+    for a, b in ((cut, whole), (whole, cut)):
+        report = fwdtrace.compare_dumps(a, b)
+        assert not report.equal and report.incomplete == {str(cut): status}
+        # the gradients only the whole run has are rows of their own, whichever side it is on
+        missing = [r for r in report.rows if r.note.startswith("missing in")]
+        assert missing and all(r.name.startswith("grad_") for r in missing)
+        assert report.first_divergence is not None
+        assert status in report.to_text()
+    with pytest.raises(FwdtraceError, match=rf"^{re.escape(str(cut))} is {re.escape(status)}"):
+        _dump_diff(str(cut), str(whole))
+    assert "cut" not in capsys.readouterr().err
+
+
+def test_a_forward_that_raises_is_incomplete_and_names_the_call(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Boom(), nn.Linear(4, 2))
+    dumper = fwdtrace.Dumper(tmp_path)
+    dumper.register(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.ones(1, 4))
+    tree = fwdtrace.read_dump(dumper.remove()[0], show=False)
+    assert tree["status"] == "incomplete: stopped after 002__Boom (the forward raised in 002__Boom: RuntimeError: boom)"
+    assert list(tree["groups"]) == ["000_Sequential", "001_Linear", "002__Boom"]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_caught_failed_batch_and_lone_submodule_calls_do_not_pollute_the_step(tmp_path: Path) -> None:
+    whole = _clean_dump(tmp_path / "whole")
+    model = _mlp()
+    with fwdtrace.Dumper(tmp_path / "noisy") as dumper:
+        dumper.register(model)
+        model[0](torch.ones(1, 4))  # a submodule on its own: not the step
+        try:
+            model(torch.ones(3, 5))  # a failed batch the training loop catches
+        except RuntimeError:
+            pass
+        model(torch.ones(2, 4)).sum().backward()
+    (noisy,) = dumper.paths
+    report = fwdtrace.compare_dumps(whole, noisy)
+    assert report.equal, report.to_text()
+    assert len(report.rows) == sum(1 for r in report.rows if r.allclose) > 0
+    assert fwdtrace.read_dump(noisy, show=False)["attrs"]["discarded_forwards"] == 1
+
+
+def test_an_existing_dump_is_not_overwritten_silently(tmp_path: Path) -> None:
+    first = _clean_dump(tmp_path)
+    before = first.read_bytes()
+    model = nn.Sequential(nn.Linear(4, 2))
+    dumper = fwdtrace.Dumper(tmp_path)
+    with pytest.raises(FwdtraceError, match=r"^Dumper.register\(\) expected a new file, got '.*0-epoch_0-step_dump.hdf5', "
+                       r"which exists; pass overwrite=True to replace it"):
+        dumper.register(model)
+    assert first.read_bytes() == before and all(not m._forward_pre_hooks for m in model.modules())
+    with fwdtrace.Dumper(tmp_path, overwrite=True) as dumper:
+        dumper.register(model, grads=False)
+        model(torch.ones(1, 4))
+    assert list(fwdtrace.read_dump(first, show=False)["groups"]) == ["000_Sequential", "001_Linear"]
+
+
+def test_a_symlink_at_the_target_name_is_replaced_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "dumps").mkdir()
+    (tmp_path / "dumps" / "0-epoch_0-step_dump.hdf5").symlink_to(victim)
+    model = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(FwdtraceError, match=r"^Dumper.register\(\) expected a new file, got .*which exists"):
+        fwdtrace.Dumper(tmp_path / "dumps").register(model)
+    with fwdtrace.Dumper(tmp_path / "dumps", overwrite=True) as dumper:
+        dumper.register(model, grads=False)
+        model(torch.ones(1, 4))
+    target = dumper.paths[0]
+    assert victim.read_text() == "keep me"
+    assert not target.is_symlink() and fwdtrace.read_dump(target, show=False)["status"] == "complete"
+
+
+@pytest.mark.parametrize("fail_at", [2, 3, 10])  # an input, an output in the forward; a gradient in the backward
+def test_a_failed_write_raises_naming_the_file_with_every_hook_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int
+) -> None:
+    """A full disk, simulated by a dataset write that fails as HDF5 does (OSError ENOSPC)."""
+    written = []
+    create = h5py.Group.create_dataset
+
+    def create_dataset(self: h5py.Group, name: str, *args, **kwargs):  # noqa: ANN202
+        written.append(name)
+        if len(written) == fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return create(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(h5py.Group, "create_dataset", create_dataset)
+    model = _mlp()
+    with pytest.raises(FwdtraceError, match=r"^Dumper could not write '.*0-epoch_0-step_dump.hdf5' \(\d{3}_\w+/\w+\): "
+                       r"No space left on device; the dump was dropped and its hooks removed"), \
+            fwdtrace.Dumper(tmp_path) as dumper:
+        dumper.register(model)
+        model(torch.ones(2, 4)).sum().backward()
+    assert written[-1].startswith({2: "input", 3: "output", 10: "grad_"}[fail_at])
+    assert os.listdir(tmp_path) == []  # no partial file under any name
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
+    monkeypatch.undo()
+    model(torch.ones(2, 4)).sum().backward()  # the model runs on, unhooked
+
+
+def _killed_writer(directory: str, ready: Any) -> None:
+    """A training step whose dump is half written when the process is killed."""
+    torch.set_num_threads(1)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)], nn.Identity())
+
+    def stall(module: nn.Module, inputs: tuple) -> None:
+        ready.set()
+        time.sleep(120)
+
+    model[-1].register_forward_pre_hook(stall)
+    dumper = fwdtrace.Dumper(directory)
+    dumper.register(model)
+    model(torch.randn(512, 256))
+
+
+def test_a_dump_killed_mid_write_is_named_as_such(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_killed_writer, args=(str(tmp_path), ready))
+    child.start()
+    try:
+        assert ready.wait(120), "the child never reached its stall"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.join(30)
+    assert child.exitcode == -signal.SIGKILL
+    (left,) = os.listdir(tmp_path)  # under a temporary name: never the final one
+    assert left.startswith("0-epoch_0-step_dump.hdf5.partial-")
+    partial = tmp_path / left
+    assert partial.stat().st_size > 8 * 256 * 256 * 4  # several MB were written before the kill
+    try:
+        status = fwdtrace.read_dump(partial, show=False)["status"]
+    except FwdtraceError as e:
+        assert re.match(r"^read_dump\(\) (expected an HDF5 dump file, got '.*', which HDF5 cannot open|could not read '.*') "
+                        r"\(incomplete: it was cut short while being written", str(e)), str(e)
+    else:
+        assert status.startswith("incomplete: ") and "never closed" in status, status
+    with pytest.raises(FwdtraceError, match=r"^compare_dumps\(\) .*incomplete"):
+        _dump_diff(str(partial), str(partial))
+
+
+# -- two-sided comparison ---------------------------------------------------------------------------
+class _Twice(nn.Module):
+    def __init__(self, repeats: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 3)
+        self.repeats = repeats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.repeats):
+            x = self.fc(x)
+        return x
+
+
+def test_compare_dumps_is_two_sided(tmp_path: Path) -> None:
+    paths = {}
+    for repeats in (1, 2):
+        model = _Twice(repeats)
+        with fwdtrace.Dumper(tmp_path / str(repeats)) as dumper:
+            dumper.register(model, grads=False)
+            model(torch.ones(1, 3))
+        paths[repeats] = dumper.paths[0]
+    short, long = paths[1], paths[2]
+    for a, b, side in ((short, long, "a"), (long, short, "b")):
+        report = fwdtrace.compare_dumps(a, b)
+        assert not report.equal and report.first_divergence is not None
+        only = [r for r in report.rows if r.note == f"missing in {side}"]
+        # the second fc call's input and output are in one dump only
+        assert [(r.group, r.name, r.shape) for r in only] == [("002_Linear", "input0", [1, 3]), ("002_Linear", "output0", [1, 3])]
+    with h5py.File(long) as f:
+        assert len(fwdtrace.compare_dumps(short, long).rows) == len(f["execution_order"])
+
+
+# -- argument validation ----------------------------------------------------------------------------
+BAD_REGISTER = [
+    ({"epoch": None}, r"^Dumper.register\(\) expected epoch as a non-negative int, got NoneType None"),
+    ({"epoch": "../../escaped"}, r"^Dumper.register\(\) expected epoch as a non-negative int, got str '../../escaped'"),
+    ({"step": -1}, r"^Dumper.register\(\) expected step as a non-negative int, got -1"),
+    ({"step": 1.5}, r"^Dumper.register\(\) expected step as a non-negative int, got float 1.5"),
+    ({"epoch": True}, r"^Dumper.register\(\) expected epoch as a non-negative int, got bool True"),
+    ({"grads": "yes"}, r"^Dumper.register\(\) expected grads as a bool, got str"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_REGISTER)
+def test_register_checks_its_arguments(tmp_path: Path, kwargs: dict, message: str) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(FwdtraceError, match=message):
+        fwdtrace.Dumper(tmp_path / "dumps").register(model, **kwargs)
+    assert not model._forward_pre_hooks
+    assert not (tmp_path / "dumps").exists() or os.listdir(tmp_path / "dumps") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["dumps"])  # nothing escaped the folder
+
+
+def test_bad_reading_arguments_say_what_was_expected(tmp_path: Path) -> None:
+    good = _clean_dump(tmp_path)
+    for call, message in [
+        (lambda: fwdtrace.read_dump(None), r"^read_dump\(\) expected a dump file path \(str or os.PathLike\), got NoneType"),
+        (lambda: fwdtrace.read_dump(tmp_path), r"^read_dump\(\) expected an HDF5 dump file, got '.*', which is a folder"),
+        (lambda: fwdtrace.read_dump(good, max_bytes=-1), r"^read_dump\(\) expected max_bytes as a non-negative int, got -1"),
+        (lambda: fwdtrace.compare_dumps(good, good, rtol=-1), r"^compare_dumps\(\) expected rtol as a finite number >= 0, got -1"),
+        (lambda: fwdtrace.compare_dumps(good, good, atol=float("nan")), r"^compare_dumps\(\) expected atol as a finite number >= 0, got nan"),
+    ]:
+        with pytest.raises(FwdtraceError, match=message):
+            call()
+
+
+def test_a_class_name_cannot_nest_groups(tmp_path: Path) -> None:
+    evil = type("Block/../../x", (nn.Linear,), {})
+    model = nn.Sequential(evil(2, 2))
+    with fwdtrace.Dumper(tmp_path) as dumper:
+        dumper.register(model, grads=False)
+        model(torch.ones(1, 2))
+    tree = fwdtrace.read_dump(dumper.paths[0], show=False)
+    assert list(tree["groups"]) == ["000_Sequential", "001_Block_______x"]
+    assert tree["groups"]["001_Block_______x"]["attrs"]["class_name"] == "Block/../../x"
+    with h5py.File(dumper.paths[0]) as f:
+        assert list(f) == ["000_Sequential", "001_Block_______x", "execution_order"]
+
+
+# -- files from elsewhere ---------------------------------------------------------------------------
+def _crafted(path: Path, build) -> Path:  # noqa: ANN001
+    """A dump as fwdtrace writes it, then changed by ``build(file, group)``."""
+    with h5py.File(path, "w") as f:
+        f.attrs["fwdtrace_dump"] = 2
+        f.attrs["complete"] = True
+        g = f.create_group("000_Linear")
+        g.create_dataset("input0", data=[[1.0, 2.0]])
+        build(f, g)
+    return path
+
+
+def test_crafted_files_are_refused_before_anything_outside_them_is_read(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"private!" * 4)
+    other = _crafted(tmp_path / "other.hdf5", lambda f, g: None)
+
+    def external_storage(f: h5py.File, g: h5py.Group) -> None:
+        g.create_dataset("output0", shape=(4,), dtype="<f8", external=[(str(secret), 0, 32)])
+
+    def virtual(f: h5py.File, g: h5py.Group) -> None:
+        layout = h5py.VirtualLayout(shape=(1, 2), dtype="f8")
+        layout[:] = h5py.VirtualSource(str(other), "000_Linear/input0", shape=(1, 2))
+        g.create_virtual_dataset("output0", layout)
+
+    cases = [
+        (external_storage, r"where '000_Linear/output0' keeps its data in external files \('.*secret.bin'\), not read"),
+        (lambda f, g: g.__setitem__("output0", h5py.ExternalLink(str(other), "000_Linear/input0")),
+         r"where '000_Linear/output0' is an external link to '.*other.hdf5' \(000_Linear/input0\), not followed"),
+        (lambda f, g: f.__setitem__("001_Linear", h5py.ExternalLink(str(other), "000_Linear")),
+         r"where '001_Linear' is an external link to '.*other.hdf5' \(000_Linear\), not followed"),
+        (lambda f, g: g.__setitem__("output0", h5py.SoftLink("/000_Linear/input0")),
+         r"where '000_Linear/output0' is a SoftLink to '/000_Linear/input0', not followed"),
+        (virtual, r"where '000_Linear/output0' is a virtual dataset \(data from other files\), not read"),
+        (lambda f, g: g.create_dataset("output0", data=["text"], dtype=h5py.string_dtype()),
+         None),  # refused when its values are read
+    ]
+    for i, (build, message) in enumerate(cases):
+        path = _crafted(tmp_path / f"crafted{i}.hdf5", build)
+        if message is None:
+            with pytest.raises(FwdtraceError, match=r"^read_dump\(\) expected a self-contained fwdtrace dump, got .*"
+                               r"where '000_Linear/output0' holds object, not numbers"):
+                fwdtrace.read_dump(path, show=False, values=True)
+            continue
+        for call, caller in ((lambda p: fwdtrace.read_dump(p, show=False, values=True), "read_dump"),
+                             (lambda p: fwdtrace.compare_dumps(p, other), "compare_dumps")):
+            with pytest.raises(FwdtraceError, match=rf"^{caller}\(\) expected a self-contained fwdtrace dump, got "
+                               rf"'.*crafted{i}.hdf5', {message}"):
+                call(path)
+
+
+def test_sizes_are_checked_before_allocating(tmp_path: Path) -> None:
+    # 1 GiB declared, nothing stored: a file of a few kB
+    bomb = _crafted(tmp_path / "bomb.hdf5", lambda f, g: g.create_dataset("output0", shape=(2**28,), dtype="f4"))
+    assert bomb.stat().st_size < 20_000
+    with pytest.raises(FwdtraceError, match=r"^compare_dumps\(\) expected a self-contained fwdtrace dump, got '.*bomb.hdf5', "
+                       r"where '000_Linear/output0' declares 1073741824 bytes but stores 0 in the file"):
+        fwdtrace.compare_dumps(bomb, bomb)
+    good = _clean_dump(tmp_path / "good")
+    with pytest.raises(FwdtraceError, match=r"^read_dump\(\) expected a self-contained fwdtrace dump, got .*, "
+                       r"where '000_Sequential/input0' holds 32 bytes, over the cap of 16 \(max_bytes=\)"):
+        fwdtrace.read_dump(good, show=False, values=True, max_bytes=16)
+    assert fwdtrace.read_dump(good, show=False, values=True, max_bytes=64)["status"] == "complete"
+
+
+def test_a_damaged_execution_order_is_named(tmp_path: Path) -> None:
+    path = _crafted(tmp_path / "order.hdf5",
+                    lambda f, g: f.create_dataset("execution_order", data=["000_Linear/nothing"], dtype=h5py.string_dtype()))
+    with pytest.raises(FwdtraceError, match=r"^compare_dumps\(\) expected a self-contained fwdtrace dump, got .*, "
+                       r"whose 'execution_order' names '000_Linear/nothing', which is not in the file"):
+        fwdtrace.compare_dumps(path, path)
+
+
+REAL_WRITE_FAILURE = '''
+import os, resource, signal, sys, torch, fwdtrace
+from torch import nn
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, resource.RLIM_INFINITY))
+try:
+    with fwdtrace.Dumper(sys.argv[1]) as dumper:
+        dumper.register(model)
+        model(torch.randn(256, 256)).sum().backward()
+except fwdtrace.FwdtraceError as e:
+    print(e)
+print(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()))
+'''
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file size limits")
+def test_a_real_write_failure_past_a_file_size_limit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REAL_WRITE_FAILURE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    message, hooks = done.stdout.strip().splitlines()
+    assert re.match(r"^Dumper could not write '.*0-epoch_0-step_dump.hdf5' \(\d{3}_Linear/\w+\): File too large; "
+                    r"the dump was dropped and its hooks removed$", message), message
+    assert hooks == "0" and os.listdir(tmp_path) == []

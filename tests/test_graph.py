@@ -131,3 +131,22 @@ def test_find_and_node_fields() -> None:
     assert len(graph) == len(list(graph)) == len(graph.nodes)
     assert repr(graph).startswith(f"Graph({len(graph.nodes)} nodes: 1 input, ")
     assert str(graph).splitlines()[0].split() == ["id", "kind", "name", "target", "module_path", "inputs", "->", "outputs"]
+
+
+MALFORMED = [
+    ('{"format": "fwdtrace.Graph", "nodes": [{"id": 0}], "edges": []}', r"node 0 has no 'kind'"),
+    ('{"format": "fwdtrace.Graph", "nodes": {}, "edges": []}', r"its body has nodes and edges should be lists"),
+    ('{"format": "fwdtrace.Graph"}', r"its body has no 'nodes'"),
+    ('{"format": "fwdtrace.Graph", "nodes": [{"id": 0, "kind": "op", "target": "t", "name": "n"}], "edges": []}',
+     r"node 0 has kind 'op' is not one of input, module, function, output"),
+    ('{"format": "fwdtrace.Graph", "nodes": [], "edges": [{"src": 0, "dst": 1, "obj_id": 0, "shape": [], "dtype": "f"}]}',
+     r"edge 0 has it joins node 0 to node 1, of 0 nodes"),
+    ('{"format": "fwdtrace.Graph", "nodes": [{"id": 0, "kind": "input", "target": "t", "name": "n", "inputs": [3]}], '
+     '"edges": []}', r"node 0 has "),
+]
+
+
+@pytest.mark.parametrize("text, message", MALFORMED)
+def test_a_malformed_body_is_a_fwdtrace_error(text: str, message: str) -> None:
+    with pytest.raises(FwdtraceError, match=r"^Graph\.from_dict expected a graph written by Graph\.to_json, got one whose " + message):
+        Graph.from_json(text)

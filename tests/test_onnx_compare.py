@@ -655,3 +655,22 @@ def test_installed_command_runs() -> None:
     assert done.returncode == 0, done.stderr
     assert "the export has the topology of the trace" in done.stdout
     assert "pw (Conv2d)" in done.stdout
+
+
+def test_unreadable_onnx_files_are_named(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2)).eval()
+    graph = fwdtrace.trace(model, torch.ones(1, 2))
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"\xff\xfe not a protobuf \x00\x01")
+    for path, message in [
+        (tmp_path / "missing.onnx", r"^compare_onnx\(\) expected a .onnx file, got '.*missing.onnx', which does not exist"),
+        (tmp_path, r"^compare_onnx\(\) expected a .onnx file, got '.*', which is a folder"),
+        (empty, r"^compare_onnx\(\) expected a .onnx file with a graph, got '.*empty.onnx', which holds none"),
+        (corrupt, r"^compare_onnx\(\) expected a .onnx file, got '.*corrupt.onnx', which onnx cannot read: DecodeError"),
+    ]:
+        with pytest.raises(FwdtraceError, match=message):
+            fwdtrace.compare_onnx(graph, path)
+    with pytest.raises(FwdtraceError, match=r"^render_side_by_side\(\) expected a .onnx file with a graph"):
+        fwdtrace.render_side_by_side(graph, empty, tmp_path / "x.svg")

@@ -272,3 +272,59 @@ def test_match_needs_one_module_per_selector() -> None:
     with fwdtrace.Probe(_Net(4)) as s, fwdtrace.Probe(_Net(4)) as t:
         with pytest.raises(FwdtraceError, match=r"^match\(\) expected a selector naming exactly one module, got 'fc\*'"):
             s.match(t, {"fc*": "fc1.Linear"})
+
+
+# -- arguments are checked when the probe method is called, not in the next forward ---------------
+BAD_CALLS = [
+    (lambda p: p.running_stats("seq.0.Conv2d", bins=0), r"^running_stats\(\) expected bins as a positive int, got 0"),
+    (lambda p: p.running_stats("seq.0.Conv2d", bins=True), r"^running_stats\(\) expected bins as a positive int, got True"),
+    (lambda p: p.running_stats("seq.0.Conv2d", range=(1, 0)),
+     r"^running_stats\(\) expected range as \(low, high\) finite numbers with low < high, got \(1, 0\)"),
+    (lambda p: p.running_stats("seq.0.Conv2d", range=5),
+     r"^running_stats\(\) expected range as \(low, high\) finite numbers with low < high, got 5"),
+    (lambda p: p.replace_output("seq.0.Conv2d", None),
+     r"^replace_output\(\) expected fn as a callable \(module, inputs, output\), got NoneType"),
+    (lambda p: p.replace_input("seq.0.Conv2d", 42), r"^replace_input\(\) expected fn as a callable \(module, inputs, None\), got int"),
+    (lambda p: p.replace_grad("seq.0.Conv2d", "x"), r"^replace_grad\(\) expected fn as a callable"),
+    (lambda p: p.replace_input(42, lambda m, i, o: None), r"^Probe expected a selector .* got int"),
+    (lambda p: p.print_io("seq.0.Conv2d", file="out.txt"),
+     r"^print_io\(\) expected file as an open text file \(with .write\) or None, got str 'out.txt'"),
+    (lambda p: p.print_grads("seq.0.Conv2d", values="yes"), r"^print_grads\(\) expected values as a bool, got str"),
+    (lambda p: p.weight_stats(bins=-2), r"^RunningStats expected bins as a positive int, got -2"),
+    (lambda p: p.chaos("seq.0.Conv2d", scale=-1.0), r"^chaos\(\) expected scale as a finite number >= 0, got -1.0"),
+]
+
+
+@pytest.mark.parametrize("call, message", BAD_CALLS)
+def test_probe_methods_check_their_arguments_when_called(call, message: str) -> None:  # noqa: ANN001
+    model = _model()
+    probe = fwdtrace.Probe(model)
+    with pytest.raises(FwdtraceError, match=message):
+        call(probe)
+    assert probe.handles == []
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
+    model(torch.randn(1, 3, 5, 5))  # the next forward is untouched
+
+
+def test_running_stats_from_several_threads_equal_the_whole_data() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU())
+    batches = [torch.randn(32, 16) for _ in range(48)]
+    with torch.no_grad():
+        everything = torch.cat([model(b) for b in batches])
+    for range_ in (None, (0.0, 4.0)):
+        with fwdtrace.Probe(model) as probe:
+            stats = probe.running_stats("1.ReLU", bins=8, range=range_)
+            with torch.no_grad(), ThreadPoolExecutor(4) as pool:
+                list(pool.map(model, batches))
+        s = stats.stats["1.ReLU"]
+        assert s.count == everything.numel()
+        assert s.zeros == int((everything == 0).sum())
+        assert s.mean == pytest.approx(float(everything.double().mean()), rel=1e-9)
+        assert s.max == pytest.approx(float(everything.max()))
+        assert sum(s.histogram) + s.underflow + s.overflow == everything.numel()
+        if range_ is not None:
+            inside = everything[(everything >= 0) & (everything <= 4)]
+            assert s.histogram == [int(v) for v in torch.histc(inside, bins=8, min=0, max=4).tolist()]

@@ -135,3 +135,32 @@ def test_weight_stats_match_torch_on_each_parameter() -> None:
             assert (got["min"], got["max"]) == (float(x.min()), float(x.max()))
             assert sum(got["histogram"]) == x.numel()
     assert math.isnan(RunningStats().to_dict()["mean"])
+
+
+def test_merging_while_another_thread_updates_stays_consistent() -> None:
+    import threading
+
+    source = RunningStats(bins=4, range=(0.0, 1.0))
+    total = RunningStats(bins=4, range=(0.0, 1.0))
+    ones = torch.full((100,), 0.5)
+
+    def feed() -> None:
+        for _ in range(200):
+            source.update(ones)
+
+    thread = threading.Thread(target=feed)
+    thread.start()
+    snapshots = []
+    while thread.is_alive():
+        snap = RunningStats(bins=4, range=(0.0, 1.0)).merge(source)
+        snapshots.append((snap.count, sum(snap.histogram)))
+    thread.join()
+    total.merge(source)
+    assert total.count == 20_000 and total.histogram[2] == 20_000
+    assert all(count == hist for count, hist in snapshots)  # never a half-merged batch
+
+
+def test_bad_ranges_say_what_was_expected() -> None:
+    for value in ((1, 0), (0, float("inf")), "ab", 5, (1, 2, 3)):
+        with pytest.raises(FwdtraceError, match=r"^RunningStats expected range as \(low, high\) finite numbers"):
+            RunningStats(range=value)  # type: ignore[arg-type]

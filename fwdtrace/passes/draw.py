@@ -17,6 +17,7 @@ from typing import Any
 
 import graphviz
 
+from .._files import write_bytes
 from ..errors import FwdtraceError
 from ..graph import Graph
 from ..node import Node, Scope
@@ -66,15 +67,7 @@ def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise FwdtraceError(f"render() expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
-    # A plain open() (not mkstemp, whose files are private) so the file gets the user's umask.
-    tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_bytes(path, data, caller="render()")
     return str(path)
 
 

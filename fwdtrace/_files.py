@@ -1,0 +1,140 @@
+"""Atomic writes: a file appears whole under its name, or not at all.
+
+The data goes to a fresh temporary file in the target's folder, created with ``O_EXCL``
+(so neither it nor a symlink planted at its name is ever opened for writing), and is
+moved in place with ``os.replace``, which replaces a symlink at the target name instead
+of writing through it. On failure the temporary file is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import FwdtraceError
+
+__all__ = ["AtomicFile", "atomic_write", "write_bytes"]
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class AtomicFile:
+    """A temporary file beside ``target``; :meth:`commit` moves it in place, :meth:`discard` removes it.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "out.txt"
+    >>> f = AtomicFile(target, caller="example")
+    >>> _ = f.tmp.write_text("whole"); f.commit(); target.read_text()
+    'whole'
+
+    ``tmp`` exists (empty, created with ``O_EXCL``) once the object is made; its name is
+    ``.{name}.{random}.tmp``, or ``{name}.partial-{random}`` with ``partial_name=True`` so a
+    file a killed process leaves behind says what it is. With ``overwrite=False``,
+    :meth:`commit` refuses an existing target (atomically, with a hard link where the
+    file system has them).
+    """
+
+    def __init__(
+        self, target: str | os.PathLike[str], caller: str, overwrite: bool = True, partial_name: bool = False
+    ) -> None:
+        self.target = Path(target)
+        self.caller = caller
+        self.overwrite = overwrite
+        folder = self.target.parent
+        name = self.target.name
+        for _ in range(100):
+            token = secrets.token_hex(4)
+            tmp = folder / (f"{name}.partial-{token}" if partial_name else f".{name}.{token}.tmp")
+            try:
+                # 0o666 before the umask, as open() gives: the file gets the user's usual mode.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, 0o666)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise FwdtraceError(f"{caller} could not create a file in {str(folder)!r}: {e.strerror or e}") from e
+            os.close(fd)
+            self.tmp = tmp
+            return
+        raise FwdtraceError(f"{caller} could not find a free temporary name in {str(folder)!r}")  # pragma: no cover
+
+    def check_target(self) -> None:
+        """Raise if the target exists and ``overwrite`` is False (before any work is done)."""
+        if not self.overwrite and os.path.lexists(self.target):
+            raise FwdtraceError(
+                f"{self.caller} expected a new file, got {str(self.target)!r}, which exists; "
+                "pass overwrite=True to replace it"
+            )
+
+    def commit(self) -> None:
+        """Move the temporary file to the target name (removing it if that fails)."""
+        try:
+            if self.overwrite:
+                os.replace(self.tmp, self.target)
+                return
+            try:
+                os.link(self.tmp, self.target, follow_symlinks=False)  # fails if the target exists
+            except FileExistsError:
+                self.discard()
+                self.check_target()
+                raise
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                    raise
+                self.check_target()  # no hard links here: check, then replace
+                os.replace(self.tmp, self.target)
+                return
+            self.tmp.unlink()
+        except FwdtraceError:
+            raise
+        except OSError as e:
+            self.discard()
+            raise FwdtraceError(f"{self.caller} could not write {str(self.target)!r}: {e.strerror or e}") from e
+
+    def discard(self) -> None:
+        """Remove the temporary file; harmless when it is already gone."""
+        try:
+            self.tmp.unlink()
+        except FileNotFoundError:
+            pass
+
+
+@contextmanager
+def atomic_write(target: str | os.PathLike[str], caller: str, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a temporary path to write; on leaving the block it becomes ``target``, or is removed on error.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "out.bin"
+    >>> with atomic_write(target, caller="example") as tmp:
+    ...     _ = tmp.write_bytes(b"data")
+    >>> target.read_bytes()
+    b'data'
+    """
+    f = AtomicFile(target, caller, overwrite=overwrite)
+    try:
+        f.check_target()
+        yield f.tmp
+    except OSError as e:
+        f.discard()
+        raise FwdtraceError(f"{caller} could not write {str(f.target)!r}: {e.strerror or e}") from e
+    except BaseException:
+        f.discard()
+        raise
+    f.commit()
+
+
+def write_bytes(target: str | os.PathLike[str], data: bytes, caller: str) -> None:
+    """Write ``data`` to ``target`` atomically; a failed write raises FwdtraceError naming ``target``.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
+    >>> write_bytes(target, b"hi", caller="example"); target.read_bytes()
+    b'hi'
+    """
+    with atomic_write(target, caller) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
