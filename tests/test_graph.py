@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import subprocess
@@ -93,6 +94,7 @@ def _trace_cpu_seconds(n: int, repeats: int) -> float:
     x = torch.ones(4)
     best = float("inf")
     for _ in range(repeats):
+        gc.collect()  # each run starts without the last one's garbage
         start = time.process_time()
         graph = fwdtrace.trace(_Chain(n), x)
         best = min(best, time.process_time() - start)
