@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/onnx_check.py
 	$(PY) benchmarks/dump_throughput.py
 	$(PY) benchmarks/analyze_cost.py
+	$(PY) benchmarks/trace_scaling.py
 
 clean:
 	rm -rf $(VENV) graph.png graph.svg

@@ -40,6 +40,9 @@ class Graph:
         self.nodes: list[Node] = []
         self.edges: list[Edge] = []
         self._names: set[str] = set()
+        # base -> the next suffix worth probing: names are never removed, so every suffix below
+        # it is still taken, and probing resumes there (O(1) per node, same names as probing from 1).
+        self._next_suffix: dict[str, int] = {}
         self._producer: dict[int, int] = {}  # obj_id -> id of the node that last wrote it
 
     # -- building ---------------------------------------------------------------------------------
@@ -86,10 +89,13 @@ class Graph:
 
     def _unique_name(self, base: str) -> str:
         base = base.replace(".", "_") if base else "node"
-        name, i = base, 1
-        while name in self._names:
+        name, i = base, self._next_suffix.get(base, 1)
+        if name in self._names:
             name = f"{base}_{i}"
-            i += 1
+            while name in self._names:
+                i += 1
+                name = f"{base}_{i}"
+            self._next_suffix[base] = i + 1
         self._names.add(name)
         return name
 

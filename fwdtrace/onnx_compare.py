@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import FwdtraceError, describe
 from .graph import Graph
 from .node import Node, TensorRef
-from .onnx_export import EXPORTERS, export_onnx, onnx_graph
+from .onnx_export import EXPORTERS, _export, onnx_graph
 from .onnx_ops import ONNX_WIRING_OPS, Equivalence, equivalence_for
 
 if TYPE_CHECKING:
@@ -875,7 +875,7 @@ def check_onnx(model: Any, *args: Any, exporter: str = "dynamo", **kwargs: Any) 
     from .tracer import trace
 
     graph = trace(model, *args, **kwargs)
-    proto = export_onnx(model, *args, exporter=exporter, **kwargs)
+    proto = _export(model, args, kwargs, exporter, None, None, weights=False)  # a large model's weights stay on disk
     og, result = _compare(graph, proto)
     return _build_report(graph, og, result, exporter)
 

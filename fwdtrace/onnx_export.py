@@ -15,8 +15,10 @@ import io
 import logging
 import os
 import re
+import secrets
+import tempfile
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import torch
 
@@ -29,9 +31,16 @@ from .patching import Patcher
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["export_onnx", "onnx_graph", "EXPORTERS"]
+__all__ = ["export_onnx", "onnx_graph", "EXPORTERS", "EXTERNAL_DATA_THRESHOLD"]
 
 EXPORTERS = ("dynamo", "torchscript")
+# Models whose parameters and buffers take more bytes than this export through a file in
+# onnx's external-data format: a ModelProto cannot be serialised past protobuf's 2 GiB, and
+# constants an exporter folds can add to the weights.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+# Tensors smaller than this stay inside the .onnx file (shape constants, small biases): readers
+# need them without opening the data file, as onnx's own convert_model_to_external_data does.
+_INLINE_BYTES = 1024
 # ONNX ops whose output describes a tensor's shape, not its values: what they feed is
 # shape arithmetic, folded away by the comparison.
 _SHAPE_OPS = frozenset({"Shape", "Size"})
@@ -64,14 +73,71 @@ def export_onnx(
     ``exporter`` is ``"dynamo"`` (torch.export based, torch's default; needs onnxscript) or
     ``"torchscript"`` (the legacy ``dynamo=False`` exporter). Keyword inputs go to the
     model as keyword inputs. Outputs that are dicts, dataclasses or transformers'
-    ``ModelOutput`` become the flat list of their tensors, in order. ``path`` also writes
-    the model to a file. When the exporter fails, the error names it, quotes its first
-    line and suggests the other exporter.
+    ``ModelOutput`` become the flat list of their tensors, in order. When the exporter fails,
+    the error names it, quotes its first line and suggests the other exporter.
+
+    ``path`` also writes the model to a file, whole or not at all (written beside it, then
+    moved in place). A model whose parameters and buffers exceed
+    :data:`EXTERNAL_DATA_THRESHOLD` bytes (1 GiB; protobuf stops at 2 GiB) is exported through
+    a file with onnx's external-data format, by both exporters: with ``path``, its tensors of
+    1 KiB or more go to ``path + ".data"`` beside it, and the proto returned refers to that
+    file instead of holding the weights (``onnx.load(path)`` reads them); without ``path``
+    the weights are loaded into the proto returned.
+    """
+    return _export(model, args, kwargs, exporter, opset_version, path, weights=True)
+
+
+def _export(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    exporter: str,
+    opset_version: int | None,
+    path: str | os.PathLike[str] | None,
+    weights: bool,
+) -> onnx.ModelProto:
+    """export_onnx's work; ``weights=False`` (for check_onnx) leaves a large model's weights unread.
+
+    Over :data:`EXTERNAL_DATA_THRESHOLD` the exporter writes into a private folder (beside
+    ``path`` when given) with external data, read back without the weights' bytes.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"export_onnx() expected a torch.nn.Module as model, got {describe(model)}")
     if exporter not in EXPORTERS:
         raise FwdtraceError(f"export_onnx() expected exporter 'dynamo' or 'torchscript', got {exporter!r}")
+    onnx_mod = _import_onnx()
+    if _weight_bytes(model) <= EXTERNAL_DATA_THRESHOLD:
+        proto = _run_exporter(model, args, kwargs, exporter, opset_version, None)
+        if path is not None:
+            _write_onnx(proto, os.fspath(path), None)
+        return proto
+    target = os.fspath(path) if path is not None else None
+    folder = os.path.dirname(os.path.abspath(target)) if target is not None else None
+    if folder is not None and not os.path.isdir(folder):
+        raise FwdtraceError(f"export_onnx() expected path in an existing folder, got {target!r}")
+    with tempfile.TemporaryDirectory(prefix=".fwdtrace-export-", dir=folder) as tmp:
+        source = os.path.join(tmp, "model.onnx")
+        _run_exporter(model, args, kwargs, exporter, opset_version, source)
+        proto = onnx_mod.load(source, load_external_data=False)
+        if target is not None:
+            _write_onnx(proto, target, tmp)  # large tensors now refer to the data file beside it
+        elif weights:
+            onnx_mod.load_external_data_for_model(proto, tmp)
+        else:
+            _load_small_external_data(proto, tmp)
+    return cast("onnx.ModelProto", proto)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _run_exporter(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], exporter: str, opset_version: int | None,
+    file: str | None,
+) -> Any:
+    """Run torch's exporter: into memory (returns the ModelProto), or into ``file`` with external data."""
     onnx_mod = _import_onnx()
     other = EXPORTERS[1 - EXPORTERS.index(exporter)]
     try:
@@ -82,20 +148,23 @@ def export_onnx(
                 )
             if program is None:  # pragma: no cover - dynamo=True always returns a program
                 raise RuntimeError("torch.onnx.export returned no ONNXProgram")
-            proto = program.model_proto
+            if file is not None:
+                program.save(file, external_data=True)
+            proto = None if file is not None else program.model_proto
         else:
             # The TorchScript exporter passes kwargs as one trailing positional dict, which
             # models such as transformers' refuse: keyword tensors go in as positions and the
-            # patched forward hands them back by name.
+            # patched forward hands them back by name. Into a file, it writes the weights of a
+            # model over 2 GiB as external data beside it.
             tensor_kw = [k for k, v in kwargs.items() if tensors_of(v)]
             consts = {k: v for k, v in kwargs.items() if k not in tensor_kw}
             buffer = io.BytesIO()
             with _export_forward(model, len(args), tuple(tensor_kw), consts), _quiet_exporter_logs():
                 torch.onnx.export(
-                    model, (*args, *(kwargs[k] for k in tensor_kw)), cast(Any, buffer), dynamo=False,
+                    model, (*args, *(kwargs[k] for k in tensor_kw)), cast(Any, file or buffer), dynamo=False,
                     opset_version=opset_version, input_names=_input_names(model, len(args)) + tensor_kw,
                 )
-            proto = onnx_mod.load_from_string(buffer.getvalue())
+            proto = None if file is not None else onnx_mod.load_from_string(buffer.getvalue())
     except FwdtraceError:
         raise
     except Exception as e:
@@ -106,9 +175,117 @@ def export_onnx(
         raise FwdtraceError(
             f"the {exporter} ONNX exporter failed on {type(model).__name__}: {why} (try exporter={other!r})"
         ) from e
-    if path is not None:
-        onnx_mod.save(proto, os.fspath(path))
-    return cast("onnx.ModelProto", proto)
+    return proto
+
+
+# -- writing: whole or not at all -----------------------------------------------------------------
+# TODO(lead): swap for fwdtrace/_files.py's helper (issue 9) when both are merged.
+@contextlib.contextmanager
+def _replacing(path: str) -> Iterator[BinaryIO]:
+    """A new file that takes ``path``'s place only once complete.
+
+    It is created beside ``path`` with O_EXCL (never an existing file or a planted link) and
+    moved over it with ``os.replace``, which replaces a link at ``path`` rather than follow it.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)  # not mkstemp's 0600: the file gets the user's umask
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None) -> None:
+    """Write ``proto`` to ``path``; with ``source_dir``, tensors of 1 KiB or more go to ``path`` + ``.data``.
+
+    ``source_dir`` is where the external data ``proto`` already refers to lies. The data file
+    is complete before the model that refers to it appears; ``proto`` is changed to refer to
+    the new data file.
+    """
+    what = f"export_onnx() could not write {path!r}"
+    try:
+        if source_dir is not None:
+            data_name = os.path.basename(path) + ".data"
+            with _replacing(os.path.join(os.path.dirname(os.path.abspath(path)), data_name)) as data:
+                for tensor in _tensors(proto):
+                    _move_to_data_file(tensor, source_dir, data, data_name)
+            what += f" (its weights are in {data_name} beside it)"
+        with _replacing(path) as f:
+            f.write(proto.SerializeToString())
+    except OSError as e:
+        raise FwdtraceError(f"{what}: {type(e).__name__}: {e}") from e
+
+
+def _tensors(proto: onnx.ModelProto) -> Iterator[Any]:
+    """Every TensorProto of the model: initializers and tensor attributes, subgraphs included."""
+    graphs = [proto.graph]
+    while graphs:
+        g = graphs.pop()
+        yield from g.initializer
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
+
+
+def _move_to_data_file(tensor: Any, source_dir: str, data: BinaryIO, data_name: str) -> None:
+    onnx_mod = _import_onnx()
+    external = tensor.data_location == onnx_mod.TensorProto.EXTERNAL
+    if external:
+        info = onnx_mod.external_data_helper.ExternalDataInfo(tensor)
+        source = os.path.join(source_dir, info.location)
+        offset = info.offset or 0
+        length = info.length if info.length is not None else os.path.getsize(source) - offset
+    elif tensor.HasField("raw_data"):
+        length = len(tensor.raw_data)
+    else:
+        return  # typed fields (float_data, ...): exporters only use them for small constants
+    if length < _INLINE_BYTES:
+        if external:
+            onnx_mod.external_data_helper.load_external_data_for_tensor(tensor, source_dir)
+        return
+    start = data.tell()
+    if external:
+        with open(source, "rb") as src:
+            src.seek(offset)
+            left = length
+            while left:
+                chunk = src.read(min(left, 1 << 24))
+                if not chunk:
+                    raise OSError(f"{source} ends before the {length} bytes of tensor {tensor.name!r}")
+                data.write(chunk)
+                left -= len(chunk)
+    else:
+        data.write(tensor.raw_data)
+        tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = onnx_mod.TensorProto.EXTERNAL
+    for key, value in (("location", data_name), ("offset", start), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+
+
+def _load_small_external_data(proto: onnx.ModelProto, folder: str) -> None:
+    """Load external tensors of at most 64 elements (shape constants shape inference reads), not the weights."""
+    onnx_mod = _import_onnx()
+    for tensor in _tensors(proto):
+        if tensor.data_location == onnx_mod.TensorProto.EXTERNAL and _numel(tensor.dims) <= 64:
+            onnx_mod.external_data_helper.load_external_data_for_tensor(tensor, folder)
 
 
 def _cause_chain(e: BaseException) -> list[BaseException]:
@@ -303,11 +480,15 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
     (``TensorRef.param`` is their name). ``module_path`` is the module scope the exporter
     recorded, if any. ``meta`` holds ``onnx_name``, ``op_type`` and ``data`` (False for
     constants and shape arithmetic, which ``prune=True`` leaves out). Shapes come from ONNX
-    shape inference; unknown dimensions are -1.
+    shape inference; unknown dimensions are -1. A file with external data is read without
+    the weights' bytes (only the few small tensors shape inference reads).
     """
     onnx = _import_onnx()
     if isinstance(proto, (str, os.PathLike)):
-        proto = onnx.load(os.fspath(proto))
+        file = os.fspath(proto)
+        loaded = onnx.load(file, load_external_data=False)
+        _load_small_external_data(loaded, os.path.dirname(os.path.abspath(file)))
+        proto = loaded
     if not isinstance(proto, onnx.ModelProto):
         raise FwdtraceError(f"onnx_graph() expected an onnx.ModelProto or a path to a .onnx file, got {describe(proto)}")
     g = proto.graph

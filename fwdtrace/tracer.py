@@ -34,6 +34,7 @@ from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .keys import module_key
+from .names import function_name
 from .node import Scope, TensorRef
 from .patching import InterruptGuard, add_call_handler, critical, remove_call_handler
 
@@ -42,29 +43,7 @@ __all__ = ["Tracer", "trace", "obj_id", "install", "uninstall", "layer_notes", "
 _local = threading.local()  # .tracer: this thread's active Tracer
 _INSTALLED: Any = None  # the handle of install()'s handler, for every thread
 
-_FUNC2NAME: dict[Any, str] = {}
 _SIMPLE = (int, float, bool, str, type(None))
-
-
-def function_name(func: Any) -> str:
-    """``torch.Tensor.view``, ``torch.cat``, ``torch.nn.functional.relu`` for what a mode sees."""
-    name = _FUNC2NAME.get(func)
-    if name is not None:
-        return name
-    short = getattr(func, "__name__", None) or repr(func)
-    if short == "__get__" and hasattr(func, "__self__"):  # a Tensor property such as .T
-        name = f"torch.Tensor.{func.__self__.__name__}"
-    elif getattr(torch.Tensor, short, None) is func:
-        name = f"torch.Tensor.{short}"
-    elif getattr(torch.nn.functional, short, None) is func:
-        name = f"torch.nn.functional.{short}"
-    elif getattr(torch, short, None) is func:
-        name = f"torch.{short}"
-    else:
-        module = getattr(func, "__module__", None) or "torch"
-        name = f"{module}.{getattr(func, '__qualname__', short)}"
-    _FUNC2NAME[func] = name
-    return name
 
 
 def _short_op_name(target: str) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import random
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -34,6 +37,78 @@ def test_names_are_unique() -> None:
     g = Graph()
     names = [g.add_node("module", "torch.nn.Linear", name="blocks.0.fc").name for _ in range(3)]
     assert names == ["blocks_0_fc", "blocks_0_fc_1", "blocks_0_fc_2"]
+
+
+def _probed_names(bases: list[str]) -> list[str]:
+    """The reference: probe ``base``, ``base_1``, ``base_2``, ... until one is free."""
+    taken: set[str] = set()
+    out = []
+    for base in bases:
+        base = base.replace(".", "_") if base else "node"
+        name, i = base, 1
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        taken.add(name)
+        out.append(name)
+    return out
+
+
+def test_names_match_probing_from_one_whatever_the_order() -> None:
+    # Bases that collide with each other's suffixed names: "x_1" is both x's first repeat and a base.
+    pool = ["x", "x_1", "x_2", "x.1", "x_1_1", "", "node", "node_1", "add", "add_3"]
+    rng = random.Random(0)
+    for _ in range(50):
+        bases = [rng.choice(pool) for _ in range(rng.randint(1, 40))]
+        g = Graph()
+        names = [g.add_node("function", "torch.Tensor.add", name=b or None).name for b in bases]
+        assert names == _probed_names([b or "add" for b in bases])
+        assert len(set(names)) == len(names)
+
+
+def test_a_loaded_graph_names_new_nodes_as_the_original_would() -> None:
+    g = Graph()
+    for base in ["mul", "mul", "mul_1", "mul", "add"]:
+        g.add_node("function", "torch.Tensor.mul", name=base)
+    loaded = Graph.from_json(g.to_json())
+    more = ["mul", "mul_1", "add", "mul"]
+    assert [loaded.add_node("function", "torch.Tensor.mul", name=b).name for b in more] == [
+        g.add_node("function", "torch.Tensor.mul", name=b).name for b in more
+    ]
+
+
+class _Chain(torch.nn.Module):
+    """``n`` multiplications by a constant: ``n`` function nodes that share the base name ``mul``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = x * 1.0001
+        return x
+
+
+def _trace_cpu_seconds(n: int, repeats: int) -> float:
+    # Process CPU time, the best of a few: the machine is shared, wall time is not ours.
+    x = torch.ones(4)
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()  # each run starts without the last one's garbage
+        start = time.process_time()
+        graph = fwdtrace.trace(_Chain(n), x)
+        best = min(best, time.process_time() - start)
+        assert len(graph.find(target="torch.Tensor.mul")) == n
+    return best
+
+
+def test_trace_time_per_op_stays_flat_from_1k_to_16k_ops() -> None:
+    # Generous on purpose (benchmarks/trace_scaling.py has the real figures): probing names
+    # one by one made the 16k trace about 10x slower per op than the 1k one.
+    _trace_cpu_seconds(100, 1)  # plugins, caches
+    per_op_1k = _trace_cpu_seconds(1000, 3) / 1000
+    per_op_16k = _trace_cpu_seconds(16000, 2) / 16000
+    assert per_op_16k <= 3 * per_op_1k, (per_op_1k, per_op_16k)
 
 
 def test_add_node_refuses_an_unknown_kind() -> None:

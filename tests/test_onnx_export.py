@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import onnx
@@ -13,7 +14,7 @@ import zoo
 from onnx import helper
 
 import fwdtrace
-from fwdtrace import FwdtraceError
+from fwdtrace import FwdtraceError, onnx_export
 from fwdtrace._tree import tensors_of
 from fwdtrace.onnx_export import onnx_scope
 
@@ -236,3 +237,132 @@ def _node(name: str, **props: str) -> onnx.NodeProto:
 )
 def test_onnx_scope_reads_both_exporters_conventions(node: onnx.NodeProto, path: str | None) -> None:
     assert onnx_scope(node)[0] == path
+
+
+# -- large models: external data through a file, written whole or not at all -----------------------
+def _mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Two weights of 16 KiB and 2 KiB (external data), two biases under 1 KiB (stay inline)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).eval()
+    return model, torch.randn(2, 64)
+
+
+@pytest.fixture
+def every_model_is_large(monkeypatch):
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+
+
+def _locations(proto: onnx.ModelProto) -> dict[str, str | None]:
+    """Initializer name -> the file its data is in, None when it is inside the model."""
+    return {
+        i.name: {e.key: e.value for e in i.external_data}["location"]
+        if i.data_location == onnx.TensorProto.EXTERNAL else None
+        for i in proto.graph.initializer
+    }
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_large_model_is_written_with_external_data(exporter: str, tmp_path, every_model_is_large) -> None:
+    model, x = _mlp()
+    target = tmp_path / "m.onnx"
+    proto = fwdtrace.export_onnx(model, x, exporter=exporter, path=target)
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]  # no temporary files left
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    assert _locations(proto) == {"0.weight": "m.onnx.data", "0.bias": None, "2.weight": "m.onnx.data", "2.bias": None}
+    assert _locations(onnx.load(str(target), load_external_data=False)) == _locations(proto)
+    assert os.path.getsize(target.with_name("m.onnx.data")) == sum(weights[n].nbytes for n in ("0.weight", "2.weight"))
+    assert os.path.getsize(target) < weights["0.weight"].nbytes  # the model file holds no weight
+    # onnx and onnxruntime read it back: the weights are torch's, the outputs too
+    loaded = onnx.load(str(target))
+    for init in loaded.graph.initializer:
+        value = onnx.numpy_helper.to_array(init)
+        np.testing.assert_array_equal(value, weights[init.name].numpy().reshape(value.shape))
+    session = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_large_model_without_path_comes_back_with_its_weights(exporter: str, every_model_is_large) -> None:
+    model, x = _mlp()
+    proto = fwdtrace.export_onnx(model, x, exporter=exporter)
+    assert set(_locations(proto).values()) == {None}
+    assert_runs_like_torch(proto, model(x), x)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_onnx_graph_and_check_onnx_read_a_large_export_without_its_weights(
+    exporter: str, tmp_path, monkeypatch, every_model_is_large
+) -> None:
+    model, x = _mlp()
+    target = tmp_path / "m.onnx"
+    fwdtrace.export_onnx(model, x, exporter=exporter, path=target)
+    os.remove(tmp_path / "m.onnx.data")  # reading the weights would fail now
+    from_file = fwdtrace.onnx_graph(target)
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 1 << 30)
+    in_memory = fwdtrace.onnx_graph(fwdtrace.export_onnx(model, x, exporter=exporter))
+    assert from_file == in_memory
+    # check_onnx: the export goes through a file and only tensors shape inference reads are loaded
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    loaded: list[int] = []
+    real = onnx.external_data_helper.load_external_data_for_tensor
+
+    def spy(tensor: onnx.TensorProto, base_dir: str) -> None:
+        loaded.append(int(np.prod(tensor.dims)))
+        real(tensor, base_dir)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("check_onnx loaded every weight")
+
+    monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_tensor", spy)
+    monkeypatch.setattr(onnx, "load_external_data_for_model", refuse)
+    monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_model", refuse)
+    report = fwdtrace.check_onnx(model, x, exporter=exporter)
+    assert report.ok, report.text
+    assert len(report.matched) == 3
+    assert all(n <= 64 for n in loaded)
+
+
+def test_path_replaces_a_planted_link_instead_of_following_it(tmp_path, every_model_is_large) -> None:
+    model, x = _mlp()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("m.onnx", "m.onnx.data"):
+        (elsewhere / name).write_bytes(b"keep me")
+        (out / name).symlink_to(elsewhere / name)
+    fwdtrace.export_onnx(model, x, exporter="torchscript", path=out / "m.onnx")
+    for name in ("m.onnx", "m.onnx.data"):
+        assert (elsewhere / name).read_bytes() == b"keep me"
+        assert not (out / name).is_symlink()
+    assert sorted(os.listdir(out)) == ["m.onnx", "m.onnx.data"]
+    onnx.checker.check_model(str(out / "m.onnx"))
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch, large: bool) -> None:
+    model, x = _mlp()
+    target = tmp_path / "m.onnx"
+    target.write_bytes(b"the old model")
+    if large:
+        monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    if large:  # fails while the weights are written
+        monkeypatch.setattr(onnx_export, "_move_to_data_file", full_disk)
+    else:  # fails when the complete file would be moved in place
+        monkeypatch.setattr(onnx_export.os, "replace", full_disk)
+    with pytest.raises(FwdtraceError, match=r"^export_onnx\(\) could not write '.*m\.onnx'.*: OSError: \[Errno 28\]"):
+        fwdtrace.export_onnx(model, x, exporter="torchscript", path=target)
+    assert target.read_bytes() == b"the old model"
+    assert os.listdir(tmp_path) == ["m.onnx"]
+
+
+def test_a_large_export_into_a_missing_folder_is_refused(tmp_path, every_model_is_large) -> None:
+    model, x = _mlp()
+    with pytest.raises(FwdtraceError, match=r"^export_onnx\(\) expected path in an existing folder, got '.*nowhere"):
+        fwdtrace.export_onnx(model, x, exporter="torchscript", path=tmp_path / "nowhere" / "m.onnx")
+    assert os.listdir(tmp_path) == []

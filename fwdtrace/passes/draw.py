@@ -138,7 +138,9 @@ def _node_label(node: Node, show_path: bool) -> str:
         shapes = ", ".join(_shape_text(r.shape) for r in (node.outputs or node.inputs))
         return f"{node.kind}: {node.name}\n{shapes}"
     if node.kind == "function":
-        return node.target.rsplit(".", 1)[-1].strip("_")
+        if node.target.startswith(("torch.", "onnx.")):
+            return node.target.rsplit(".", 1)[-1].strip("_")
+        return node.target  # a torch.library op (mylib.twice) or an ONNX custom domain's: with its namespace
     lines = [node.class_name]
     if show_path and node.module_path:
         last = node.module_path.rsplit(".", 1)[-1]  # the cluster around it shows the rest

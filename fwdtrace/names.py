@@ -1,0 +1,51 @@
+"""What a torch function is called in the graph: ``torch.cat``, ``torch.Tensor.view``, ``mylib.twice``.
+
+A ``TorchFunctionMode`` sees builtins, tensor methods, properties and operators registered
+with ``torch.library``; each gets the dotted name a user would write to call it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["function_name"]
+
+_FUNC2NAME: dict[Any, str] = {}
+
+
+def function_name(func: Any) -> str:
+    """The dotted name of a function a ``TorchFunctionMode`` sees.
+
+    >>> import torch
+    >>> function_name(torch.cat), function_name(torch.Tensor.view), function_name(torch.ops.aten.add.Tensor)
+    ('torch.cat', 'torch.Tensor.view', 'aten.add')
+
+    Operators registered with ``torch.library`` are named by their namespace and name
+    (``torch.ops.mylib.twice`` and its overloads are ``mylib.twice``), whatever the Python
+    object torch hands over for them.
+    """
+    name = _FUNC2NAME.get(func)
+    if name is not None:
+        return name
+    short = getattr(func, "__name__", None) or repr(func)
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        name = func._qualified_op_name.replace("::", ".")
+    elif isinstance(func, torch._ops.OpOverload):
+        name = func.overloadpacket._qualified_op_name.replace("::", ".")
+    elif isinstance(func, torch._ops.HigherOrderOperator):
+        name = f"{func.namespace}.{func.name()}"
+    elif short == "__get__" and hasattr(func, "__self__"):  # a Tensor property such as .T
+        name = f"torch.Tensor.{func.__self__.__name__}"
+    elif getattr(torch.Tensor, short, None) is func:
+        name = f"torch.Tensor.{short}"
+    elif getattr(torch.nn.functional, short, None) is func:
+        name = f"torch.nn.functional.{short}"
+    elif getattr(torch, short, None) is func:
+        name = f"torch.{short}"
+    else:
+        module = getattr(func, "__module__", None) or "torch"
+        name = f"{module}.{getattr(func, '__qualname__', short)}"
+    _FUNC2NAME[func] = name
+    return name
