@@ -1,0 +1,259 @@
+"""The training-side half of the live service: plain torch hooks that append summaries to ring buffers.
+
+Hooks run in whatever thread calls the model (the training loop, a DataLoader's
+pin-memory thread, an evaluation thread). They summarise the tensors of a sampled call
+outside any lock, then take the arm's lock only to append to its ring buffer and fold
+the running statistics in; HTTP threads take the same lock only to copy what they
+serve. So a slow client never holds training up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .._tree import dtype_name, tensors_of
+from ..errors import FwdtraceError, describe
+from ..keys import key2module, select_modules
+from ..stats import RunningStats
+
+__all__ = ["Sampler", "Arm", "KINDS", "ROLES"]
+
+KINDS = ("forward", "grad")
+ROLES = {"forward": ("input", "output"), "grad": ("grad_input", "grad_output")}
+
+
+def distributed_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` under an initialised ``torch.distributed``, else ``(0, 1)``."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Arm:
+    """Sampling armed on one module key for one kind: its counters, ring buffer and running statistics."""
+
+    def __init__(self, key: str, kind: str, every: int, count: int | None, raw: bool, ring: int, bins: int) -> None:
+        self.key, self.kind, self.every, self.count, self.raw = key, kind, every, count, raw
+        self.lock = threading.Lock()
+        self.calls = 0  # calls of the module seen since arming
+        self.taken = 0  # calls sampled
+        self.appended = 0  # samples ever put in the buffer; the ring keeps the newest
+        self.buffer: deque[tuple[dict[str, Any], list[torch.Tensor | None]]] = deque(maxlen=ring)
+        self.stats = {role: RunningStats(bins) for role in ROLES[kind]}
+        self.handles: list[Any] = []
+        self.armed = True
+
+    @property
+    def dropped(self) -> int:
+        return self.appended - len(self.buffer)
+
+    def info(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "key": self.key, "kind": self.kind, "every": self.every, "count": self.count, "raw": self.raw,
+                "armed": self.armed, "calls": self.calls, "taken": self.taken, "samples": len(self.buffer),
+                "dropped": self.dropped, "ring": self.buffer.maxlen,
+            }
+
+    def detach(self) -> None:
+        self.armed = False
+        while self.handles:
+            self.handles.pop().remove()
+
+
+class Sampler:
+    """Arms forward or gradient sampling on a model's modules by key, and keeps what it samples.
+
+    >>> import torch
+    >>> from fwdtrace.live.sampler import Sampler
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    >>> sampler = Sampler(model)
+    >>> sampler.arm("0.Linear", "forward", every=1)
+    ['0.Linear']
+    >>> _ = model(torch.ones(3, 4)); sampler.samples("0.Linear", "forward")[0]["tensors"][1]["shape"]
+    [3, 2]
+    >>> sampler.close()
+
+    ``ring`` samples are kept per key and kind, the oldest dropped first (``dropped`` counts
+    them). A sampled call keeps, per tensor, its shape, dtype, statistics and a ``bins``-bin
+    histogram; raw values only when armed with ``raw=True`` and at most ``raw_cap`` elements.
+    """
+
+    def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22) -> None:
+        for name, value in (("ring", ring), ("bins", bins), ("raw_cap", raw_cap)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FwdtraceError(f"serve() expected {name} as a positive int, got {value!r}")
+        self.model = model
+        self.key2module = key2module(model)
+        self.ring, self.bins, self.raw_cap = ring, bins, raw_cap
+        self.rank, self.world_size = distributed_rank()
+        self.step = 0  # forwards of the root model, the page's "training step"
+        self.arms: dict[tuple[str, str], Arm] = {}
+        self._arms_lock = threading.Lock()
+        self.quiet_thread: int | None = None  # a thread whose forwards are not sampled (the graph's trace)
+        self._step_handle = model.register_forward_pre_hook(self._count_step)
+
+    def _count_step(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.quiet_thread != threading.get_ident():
+            self.step += 1
+
+    # -- arming -----------------------------------------------------------------------------------
+    def select(self, selector: str) -> list[str]:
+        """The keys a key or glob names; an unknown one raises with the closest keys."""
+        return list(select_modules(self.key2module, selector, "serve()", type(self.model).__name__))
+
+    def arm(self, selector: str, kind: str, every: int = 1, count: int | None = None, raw: bool = False) -> list[str]:
+        """Sample every ``every``-th call of the selected modules (``count`` samples, then stop); returns the keys."""
+        if kind not in KINDS:
+            raise FwdtraceError(f"arm() expected kind 'forward' or 'grad', got {kind!r}")
+        keys = self.select(selector)
+        for key in keys:
+            arm = Arm(key, kind, every, count, raw, self.ring, self.bins)
+            module = self.key2module[key]
+            if kind == "forward":
+                arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
+            else:
+                arm.handles.append(module.register_full_backward_hook(self._grad_hook(arm)))
+            with self._arms_lock:
+                old = self.arms.get((key, kind))
+                self.arms[(key, kind)] = arm
+            if old is not None:
+                old.detach()
+        return keys
+
+    def disarm(self, selector: str, kind: str | None = None) -> list[str]:
+        """Stop sampling the selected keys (one kind, or both); their samples stay readable. Returns the keys."""
+        keys = set(self.select(selector))
+        done = []
+        with self._arms_lock:
+            arms = [a for (k, kd), a in self.arms.items() if k in keys and kind in (None, kd) and a.armed]
+        for arm in arms:
+            arm.detach()
+            done.append(arm.key)
+        return sorted(set(done))
+
+    def close(self) -> None:
+        """Take every hook of this sampler off the model."""
+        with self._arms_lock:
+            arms = list(self.arms.values())
+        for arm in arms:
+            arm.detach()
+        self._step_handle.remove()
+
+    # -- the hooks (training side) ----------------------------------------------------------------
+    def _take(self, arm: Arm) -> int | None:
+        """Count a call; its number when it is to be sampled, else None."""
+        if not arm.armed or self.quiet_thread == threading.get_ident():
+            return None
+        with arm.lock:
+            arm.calls += 1
+            call = arm.calls
+            if (call - 1) % arm.every or (arm.count is not None and arm.taken >= arm.count):
+                return None
+            arm.taken += 1
+            return call
+
+    def _forward_hook(self, arm: Arm) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, *rest: Any) -> None:
+            # (kwargs, output) when registered with_kwargs; (output,) if a hook dict changed mid-call.
+            call = self._take(arm)
+            if call is not None:
+                kwargs = rest[0] if len(rest) == 2 else {}
+                self._record(arm, call, [("input", tensors_of((args, kwargs))), ("output", tensors_of(rest[-1]))])
+
+        return hook
+
+    def _grad_hook(self, arm: Arm) -> Any:
+        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            call = self._take(arm)
+            if call is not None:
+                self._record(arm, call, [("grad_input", tensors_of(grad_input)), ("grad_output", tensors_of(grad_output))])
+
+        return hook
+
+    def _record(self, arm: Arm, call: int, groups: list[tuple[str, Iterable[torch.Tensor]]]) -> None:
+        step = self.step
+        summaries: list[dict[str, Any]] = []
+        raws: list[torch.Tensor | None] = []
+        running: list[tuple[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for role, tensors in groups:
+                for index, t in enumerate(tensors):
+                    summary, raw = self._summarise(t, arm.raw)
+                    summaries.append({"role": role, "index": index, **summary})
+                    raws.append(raw)
+                    if summary["numeric"]:
+                        running.append((role, t))
+            sample = {"step": step, "call": call, "rank": self.rank, "time": time.time(), "tensors": summaries}
+            with arm.lock:
+                sample["seq"] = arm.appended
+                arm.buffer.append((sample, raws))
+                arm.appended += 1
+                # Running statistics need one fixed histogram range, set by the first sample, so
+                # they are folded in under the lock (one pass over the tensor).
+                for role, t in running:
+                    arm.stats[role].update(t)
+
+    def _summarise(self, t: torch.Tensor, raw: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+        out: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "numel": t.numel()}
+        numeric = t.numel() > 0 and t.dtype != torch.bool and not t.is_complex()
+        out["numeric"] = numeric
+        if numeric:
+            s = RunningStats(self.bins)
+            s.update(t)
+            d = s.to_dict()
+            for name in ("mean", "std", "min", "max", "nan", "inf", "zero_fraction", "histogram", "bin_edges"):
+                out[name] = d[name]
+        keep = raw and t.numel() <= self.raw_cap
+        out["raw"] = keep
+        return out, (t.detach().to("cpu", copy=True) if keep else None)
+
+    # -- reading (server side) --------------------------------------------------------------------
+    def arm_of(self, key: str, kind: str) -> Arm:
+        arm = self.arms.get((key, kind))
+        if arm is None:
+            raise KeyError((key, kind))
+        return arm
+
+    def samples(self, key: str, kind: str, since: int = -1) -> list[dict[str, Any]]:
+        """The buffered samples of ``key`` and ``kind`` with ``seq`` above ``since``, oldest first."""
+        arm = self.arm_of(key, kind)
+        with arm.lock:
+            items = [s for s, _ in arm.buffer if s["seq"] > since]
+        return items
+
+    def raw(self, key: str, kind: str, sample: int, index: int) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """One tensor of one buffered sample (``sample`` indexes the buffer, -1 the newest) and its raw copy."""
+        arm = self.arm_of(key, kind)
+        with arm.lock:
+            summary, raws = arm.buffer[sample]
+        return summary["tensors"][index], raws[index]
+
+    def stats(self, key: str, kind: str, role: str) -> dict[str, Any]:
+        arm = self.arm_of(key, kind)
+        with arm.lock:
+            return arm.stats[role].to_dict()
+
+    def status(self) -> dict[str, Any]:
+        with self._arms_lock:
+            arms = list(self.arms.values())
+        return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "arms": [a.info() for a in arms]}
+
+    def __repr__(self) -> str:
+        return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+
+
+def check_positive(name: str, value: Any, optional: bool = False) -> int | None:
+    """``value`` as a positive int (None allowed when ``optional``), else a FwdtraceError naming ``name``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FwdtraceError(f"expected {name} as a positive integer{' or null' if optional else ''}, got {describe(value)} {value!r}")
+    return value
