@@ -118,8 +118,10 @@ def test_api_end_to_end_during_training() -> None:
             assert out["mean"] == pytest.approx(float(ref.double().mean()), rel=1e-9)
             assert out["std"] == pytest.approx(float(ref.double().std(correction=0)), rel=1e-9)
             assert (out["min"], out["max"]) == (pytest.approx(float(ref.min())), pytest.approx(float(ref.max())))
-            assert sum(out["histogram"]) == 20 and (out["nan"], out["inf"]) == (0, 0)
+            assert sum(out["histogram"]) + out["underflow"] + out["overflow"] == 20 and (out["nan"], out["inf"]) == (0, 0)
+            assert out["bin_edges"] == answer["samples"][0]["tensors"][1]["bin_edges"]  # the arm's bins
             assert np.histogram(ref.double().numpy(), bins=out["bin_edges"])[0].tolist() == out["histogram"]
+            assert out["overflow"] == int((ref.double() > out["bin_edges"][-1]).sum())
 
         status, answer = request(server, "GET", "/api/stats?key=body.2.Linear&which=forward_output")
         sampled = torch.cat([outputs[i].reshape(-1) for i in (0, 2, 4)]).double()

@@ -83,7 +83,9 @@ class Sampler:
 
     ``ring`` samples are kept per key and kind, the oldest dropped first (``dropped`` counts
     them). A sampled call keeps, per tensor, its shape, dtype, statistics and a ``bins``-bin
-    histogram; raw values only when armed with ``raw=True`` and at most ``raw_cap`` elements.
+    histogram on bins fixed by the arm's first sample (its min to max; values outside are
+    counted as ``underflow``/``overflow``), the same bins as the running statistics; raw
+    values only when armed with ``raw=True`` and at most ``raw_cap`` elements.
     """
 
     def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22) -> None:
@@ -182,38 +184,42 @@ class Sampler:
         step = self.step
         summaries: list[dict[str, Any]] = []
         raws: list[torch.Tensor | None] = []
-        running: list[tuple[str, torch.Tensor]] = []
         with torch.no_grad():
             for role, tensors in groups:
+                running = arm.stats[role]
                 for index, t in enumerate(tensors):
-                    summary, raw = self._summarise(t, arm.raw)
+                    # One pass per tensor: its histogram uses the arm's bins (fixed by the first
+                    # sample), so it is both this sample's and a part of the running statistics.
+                    summary, stats, raw = self._summarise(t, arm.raw, running.range)
                     summaries.append({"role": role, "index": index, **summary})
                     raws.append(raw)
-                    if summary["numeric"]:
-                        running.append((role, t))
+                    if stats is not None:
+                        with arm.lock:
+                            if running.finite == 0 or stats.range == running.range:
+                                running.merge(stats)
+                            else:  # another thread fixed the range first: rare, pay a second pass
+                                running.update(t)
             sample = {"step": step, "call": call, "rank": self.rank, "time": time.time(), "tensors": summaries}
             with arm.lock:
                 sample["seq"] = arm.appended
                 arm.buffer.append((sample, raws))
                 arm.appended += 1
-                # Running statistics need one fixed histogram range, set by the first sample, so
-                # they are folded in under the lock (one pass over the tensor).
-                for role, t in running:
-                    arm.stats[role].update(t)
 
-    def _summarise(self, t: torch.Tensor, raw: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+    def _summarise(self, t: torch.Tensor, raw: bool, range: tuple[float, float] | None  # noqa: A002
+                   ) -> tuple[dict[str, Any], RunningStats | None, torch.Tensor | None]:
         out: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "numel": t.numel()}
-        numeric = t.numel() > 0 and t.dtype != torch.bool and not t.is_complex()
-        out["numeric"] = numeric
-        if numeric:
-            s = RunningStats(self.bins)
-            s.update(t)
-            d = s.to_dict()
-            for name in ("mean", "std", "min", "max", "nan", "inf", "zero_fraction", "histogram", "bin_edges"):
+        stats = None
+        if t.numel() > 0 and t.dtype != torch.bool and not t.is_complex():
+            stats = RunningStats(self.bins, range)
+            stats.update(t)
+            d = stats.to_dict()
+            for name in ("mean", "std", "min", "max", "nan", "inf", "zero_fraction", "histogram", "bin_edges",
+                         "underflow", "overflow"):
                 out[name] = d[name]
+        out["numeric"] = stats is not None
         keep = raw and t.numel() <= self.raw_cap
         out["raw"] = keep
-        return out, (t.detach().to("cpu", copy=True) if keep else None)
+        return out, stats, (t.detach().to("cpu", copy=True) if keep else None)
 
     # -- reading (server side) --------------------------------------------------------------------
     def arm_of(self, key: str, kind: str) -> Arm:

@@ -93,9 +93,9 @@ def histogram_svg(samples: list[dict[str, Any]], role: str, width: int = 440, he
     >>> histogram_svg([s], "output").count("<rect class=\\"bin\\"")
     2
 
-    Each sample's first tensor of ``role`` is drawn with its own bins, placed on one
-    value axis (the y axis, from the smallest to the largest value seen); a line follows
-    the mean. The x axis runs from the oldest sample in the buffer to the newest.
+    Each sample's first tensor of ``role`` is drawn with its bins on one value axis (the
+    y axis); a line follows the mean, red marks at the top or bottom edge say values fell
+    beyond the bins. The x axis runs from the oldest sample in the buffer to the newest.
     """
     columns = []
     for s in samples:
@@ -128,7 +128,10 @@ def histogram_svg(samples: list[dict[str, Any]], role: str, width: int = 440, he
                 y0, y1 = y(edges[b + 1]), y(edges[b])
                 parts.append(f'<rect class="bin" x="{x:.1f}" y="{y0:.1f}" width="{col_w:.1f}" '
                              f'height="{max(y1 - y0, 0.5):.1f}" fill="#1f5fa8" fill-opacity="{0.1 + 0.9 * c / peak:.2f}"/>')
-        if math.isfinite(t["mean"]):
+        for edge, count in ((top, t.get("overflow")), (top + plot_h - 2, t.get("underflow"))):
+            if count:  # values beyond the arm's bins: a red mark at the edge they left by
+                parts.append(f'<rect class="outside" x="{x:.1f}" y="{edge:.1f}" width="{col_w:.1f}" height="2" fill="#c0392b"/>')
+        if t["mean"] is not None and math.isfinite(t["mean"]):
             mean_points.append(f"{x + col_w / 2:.1f},{y(t['mean']):.1f}")
     if mean_points:
         parts.append(f'<polyline class="mean" points="{" ".join(mean_points)}" fill="none" stroke="#d35400" stroke-width="1.5"/>')
