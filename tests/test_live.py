@@ -276,7 +276,7 @@ def test_several_threads_calling_the_model() -> None:
     model.body[1].register_forward_hook(lambda m, a, out: calls.append(1))
     # The graph is traced up front: tracing the first forward patches layers process-wide, which
     # other threads calling the model at that moment would run into (until the per-thread core lands).
-    with fwdtrace.serve(model, example_inputs=torch.randn(1, 8), port=0, ring=1000) as server:
+    with fwdtrace.serve(model, example_inputs=torch.randn(1, 8), port=0, ring=1000, pending=1000) as server:
         request(server, "POST", "/api/sample", {"key": "body.1.ReLU", "kind": "forward"})
 
         def work() -> None:
@@ -382,3 +382,33 @@ def test_torch_distributed_each_rank_serves_on_port_plus_rank(tmp_path: Path) ->
     assert [r["other_ranks"] for r in rows] == [[1], [0]]  # each rank's samples carry its rank
     assert [r["other_taken"] for r in rows] == [3, 3]
     assert [r["status"] for r in rows] == [[0, 2], [1, 2]]
+
+
+def test_a_full_summariser_queue_skips_samples_without_waiting() -> None:
+    from fwdtrace.live.sampler import Sampler
+
+    model = _model()
+    sampler = Sampler(model, pending=1)
+    entered, release = threading.Event(), threading.Event()
+    record = sampler._record
+
+    def slow_record(*args: Any) -> None:  # the summariser stuck on the first sample
+        entered.set()
+        release.wait(10)
+        record(*args)
+
+    sampler._record = slow_record  # type: ignore[method-assign]
+    try:
+        sampler.arm("body.1.ReLU", "forward")
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+            assert entered.wait(10)
+            for _ in range(3):  # one waits in the queue, two find it full: none of these calls blocks
+                model(torch.randn(2, 8))
+        info = sampler.arms[("body.1.ReLU", "forward")].info()
+        assert (info["calls"], info["taken"], info["skipped"]) == (4, 4, 2)
+        release.set()
+        assert [s["call"] for s in sampler.samples("body.1.ReLU", "forward")] == [1, 2]
+    finally:
+        release.set()
+        sampler.close()

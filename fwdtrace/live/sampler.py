@@ -1,14 +1,17 @@
-"""The training-side half of the live service: plain torch hooks that append summaries to ring buffers.
+"""The training-side half of the live service: plain torch hooks that hand sampled tensors to a summariser.
 
 Hooks run in whatever thread calls the model (the training loop, a DataLoader's
-pin-memory thread, an evaluation thread). They summarise the tensors of a sampled call
-outside any lock, then take the arm's lock only to append to its ring buffer and fold
-the running statistics in; HTTP threads take the same lock only to copy what they
-serve. So a slow client never holds training up.
+pin-memory thread, an evaluation thread). For a sampled call they copy the tensors and
+put them on a bounded queue without waiting (a full queue skips the sample and counts
+it); one summariser thread computes the statistics (torch releases the GIL there, so a
+spare core does the work) and appends them to the arm's ring buffer under a short lock.
+HTTP threads take that lock only to copy what they serve. So neither the statistics nor a
+slow client hold training up.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -26,6 +29,7 @@ __all__ = ["Sampler", "Arm", "KINDS", "ROLES"]
 
 KINDS = ("forward", "grad")
 ROLES = {"forward": ("input", "output"), "grad": ("grad_input", "grad_output")}
+_MARGIN = 0.25  # histogram bins span the first sample's range and a quarter of it on each side
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -45,10 +49,12 @@ class Arm:
         self.calls = 0  # calls of the module seen since arming
         self.taken = 0  # calls sampled
         self.appended = 0  # samples ever put in the buffer; the ring keeps the newest
+        self.skipped = 0  # sampled calls not summarised: the summariser's queue was full
         self.buffer: deque[tuple[dict[str, Any], list[torch.Tensor | None]]] = deque(maxlen=ring)
         self.stats = {role: RunningStats(bins) for role in ROLES[kind]}
         self.handles: list[Any] = []
         self.armed = True
+        self.error: str | None = None
 
     @property
     def dropped(self) -> int:
@@ -59,7 +65,7 @@ class Arm:
             return {
                 "key": self.key, "kind": self.kind, "every": self.every, "count": self.count, "raw": self.raw,
                 "armed": self.armed, "calls": self.calls, "taken": self.taken, "samples": len(self.buffer),
-                "dropped": self.dropped, "ring": self.buffer.maxlen,
+                "dropped": self.dropped, "skipped": self.skipped, "ring": self.buffer.maxlen, "error": self.error,
             }
 
     def detach(self) -> None:
@@ -82,14 +88,16 @@ class Sampler:
     >>> sampler.close()
 
     ``ring`` samples are kept per key and kind, the oldest dropped first (``dropped`` counts
-    them). A sampled call keeps, per tensor, its shape, dtype, statistics and a ``bins``-bin
-    histogram on bins fixed by the arm's first sample (its min to max; values outside are
-    counted as ``underflow``/``overflow``), the same bins as the running statistics; raw
+    them); at most ``pending`` sampled calls wait for the summariser, more are skipped
+    (``skipped`` counts them). A sampled call keeps, per tensor, its shape, dtype, statistics and a ``bins``-bin
+    histogram on bins fixed by the arm's first sample (its min to max and a quarter of that
+    span on each side; values outside are counted as ``underflow``/``overflow``), the same bins as the running statistics; raw
     values only when armed with ``raw=True`` and at most ``raw_cap`` elements.
     """
 
-    def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22) -> None:
-        for name, value in (("ring", ring), ("bins", bins), ("raw_cap", raw_cap)):
+    def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22,
+                 pending: int = 32) -> None:
+        for name, value in (("ring", ring), ("bins", bins), ("raw_cap", raw_cap), ("pending", pending)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise FwdtraceError(f"serve() expected {name} as a positive int, got {value!r}")
         self.model = model
@@ -100,6 +108,11 @@ class Sampler:
         self.arms: dict[tuple[str, str], Arm] = {}
         self._arms_lock = threading.Lock()
         self.quiet_thread: int | None = None  # a thread whose forwards are not sampled (the graph's trace)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=pending)
+        self._progress = threading.Condition()
+        self._submitted = self._summarised = 0
+        self._worker = threading.Thread(target=self._summarise_queued, name="fwdtrace-live-summaries", daemon=True)
+        self._worker.start()
         self._step_handle = model.register_forward_pre_hook(self._count_step)
 
     def _count_step(self, module: torch.nn.Module, args: tuple) -> None:
@@ -148,6 +161,9 @@ class Sampler:
         for arm in arms:
             arm.detach()
         self._step_handle.remove()
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
 
     # -- the hooks (training side) ----------------------------------------------------------------
     def _take(self, arm: Arm) -> int | None:
@@ -168,7 +184,7 @@ class Sampler:
             call = self._take(arm)
             if call is not None:
                 kwargs = rest[0] if len(rest) == 2 else {}
-                self._record(arm, call, [("input", tensors_of((args, kwargs))), ("output", tensors_of(rest[-1]))])
+                self._submit(arm, call, [("input", tensors_of((args, kwargs))), ("output", tensors_of(rest[-1]))])
 
         return hook
 
@@ -176,12 +192,45 @@ class Sampler:
         def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
             call = self._take(arm)
             if call is not None:
-                self._record(arm, call, [("grad_input", tensors_of(grad_input)), ("grad_output", tensors_of(grad_output))])
+                self._submit(arm, call, [("grad_input", tensors_of(grad_input)), ("grad_output", tensors_of(grad_output))])
 
         return hook
 
-    def _record(self, arm: Arm, call: int, groups: list[tuple[str, Iterable[torch.Tensor]]]) -> None:
-        step = self.step
+    def _submit(self, arm: Arm, call: int, groups: list[tuple[str, Iterable[torch.Tensor]]]) -> None:
+        """Copy the tensors (the model may change them in place later) and queue them, never waiting."""
+        with torch.no_grad():
+            copies = [(role, [t.detach().clone() for t in tensors]) for role, tensors in groups]
+        with self._progress:
+            self._submitted += 1
+        try:
+            self._queue.put_nowait((arm, call, self.step, time.time(), copies))
+        except queue.Full:
+            with self._progress:
+                self._submitted -= 1
+            with arm.lock:
+                arm.skipped += 1
+
+    def _summarise_queued(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._record(*item)
+            except Exception as e:  # a bug of ours must not end the summariser; the API shows it
+                item[0].error = f"{type(e).__name__}: {e}"
+            finally:
+                with self._progress:
+                    self._summarised += 1
+                    self._progress.notify_all()
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait (at most ``timeout`` s) until every sample submitted so far is summarised: reads see them."""
+        with self._progress:
+            target = self._submitted
+            self._progress.wait_for(lambda: self._summarised >= target, timeout)
+
+    def _record(self, arm: Arm, call: int, step: int, when: float, groups: list[tuple[str, list[torch.Tensor]]]) -> None:
         summaries: list[dict[str, Any]] = []
         raws: list[torch.Tensor | None] = []
         with torch.no_grad():
@@ -199,7 +248,7 @@ class Sampler:
                                 running.merge(stats)
                             else:  # another thread fixed the range first: rare, pay a second pass
                                 running.update(t)
-            sample = {"step": step, "call": call, "rank": self.rank, "time": time.time(), "tensors": summaries}
+            sample = {"step": step, "call": call, "rank": self.rank, "time": when, "tensors": summaries}
             with arm.lock:
                 sample["seq"] = arm.appended
                 arm.buffer.append((sample, raws))
@@ -210,6 +259,12 @@ class Sampler:
         out: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "numel": t.numel()}
         stats = None
         if t.numel() > 0 and t.dtype != torch.bool and not t.is_complex():
+            if range is None:  # the arm's first sample: its min to max, widened so later steps fit
+                first = RunningStats(1)
+                first.update(t)
+                if first.finite:
+                    pad = (first.max - first.min) * _MARGIN or 0.5
+                    range = (first.min - pad, first.max + pad)
             stats = RunningStats(self.bins, range)
             stats.update(t)
             d = stats.to_dict()
@@ -219,10 +274,11 @@ class Sampler:
         out["numeric"] = stats is not None
         keep = raw and t.numel() <= self.raw_cap
         out["raw"] = keep
-        return out, stats, (t.detach().to("cpu", copy=True) if keep else None)
+        return out, stats, (t.to("cpu") if keep else None)  # t is already our own copy
 
     # -- reading (server side) --------------------------------------------------------------------
     def arm_of(self, key: str, kind: str) -> Arm:
+        self.drain()
         arm = self.arms.get((key, kind))
         if arm is None:
             raise KeyError((key, kind))
@@ -248,6 +304,7 @@ class Sampler:
             return arm.stats[role].to_dict()
 
     def status(self) -> dict[str, Any]:
+        self.drain()
         with self._arms_lock:
             arms = list(self.arms.values())
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "arms": [a.info() for a in arms]}

@@ -64,10 +64,10 @@ class Server:
     """A running live service; see :func:`serve`. Stop it with ``stop()`` or by leaving ``with``."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, host: str, port: int, token: str | None,
-                 ring: int, bins: int, raw_cap: int) -> None:
+                 ring: int, bins: int, raw_cap: int, pending: int) -> None:
         self.model = model
         self.host = host
-        self.sampler = Sampler(model, ring=ring, bins=bins, raw_cap=raw_cap)
+        self.sampler = Sampler(model, ring=ring, bins=bins, raw_cap=raw_cap, pending=pending)
         self.graph: Graph | None = None
         self.graph_error: str | None = None
         self._graph_handle: Any = None
@@ -372,6 +372,9 @@ class _HTTPServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"  # keep-alive: a polling page reuses its connection
+    # Headers and body go out in two writes; with Nagle's algorithm the body waits for the
+    # client's delayed ACK, 40 ms on Linux, on every keep-alive request.
+    disable_nagle_algorithm = True
     server_version = "fwdtrace-live"
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: this runs inside a training script
@@ -425,7 +428,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "127.0.0.1", port: int = 8765,
-          token: str | None = None, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22) -> Server:
+          token: str | None = None, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22,
+          pending: int = 32) -> Server:
     """Serve a live view of ``model`` over HTTP from a daemon thread: arm sampling by module key, read statistics.
 
     >>> import torch, fwdtrace, urllib.request, json
@@ -440,7 +444,9 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     a free port; under ``torch.distributed`` rank ``r`` serves on ``port + r``. A bind
     other than loopback needs ``token``: one is generated and printed when it is None.
     ``ring`` samples are kept per key and kind, histograms have ``bins`` bins, raw values
-    (armed with ``"raw": true``) are kept for tensors of at most ``raw_cap`` elements.
+    (armed with ``"raw": true``) are kept for tensors of at most ``raw_cap`` elements. A
+    sampled call's tensors are copied and summarised in a background thread; when
+    ``pending`` calls already wait for it, the call is skipped (and counted) rather than waited for.
     ``stop()`` (or leaving ``with``) joins the thread and takes every hook off the model.
     """
     if not isinstance(model, torch.nn.Module):
@@ -454,7 +460,7 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     if host not in _LOOPBACK and token is None:
         token = secrets.token_urlsafe(16)
         print(f"fwdtrace live: serving {host} beyond loopback; token {token}", file=sys.stderr, flush=True)
-    return Server(model, example_inputs, host, port, token, ring, bins, raw_cap)
+    return Server(model, example_inputs, host, port, token, ring, bins, raw_cap, pending)
 
 
 # -- the `fwdtrace serve` subcommand ---------------------------------------------------------------------
