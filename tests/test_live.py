@@ -156,7 +156,13 @@ def test_api_end_to_end_during_training() -> None:
         assert status == 409 and 'armed without "raw": true' in answer["error"]
 
         thread = server._thread
+        kept = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)  # a browser's keep-alive
+        kept.request("GET", "/api/status")
+        assert kept.getresponse().read()
     assert not thread.is_alive()
+    with pytest.raises((http.client.HTTPException, OSError)):  # closed by stop(), not left serving
+        kept.request("GET", "/api/status")
+        kept.getresponse()
     assert hook_dicts(model) == reference  # only the plain hooks are left
     h1.remove(), h2.remove()
     assert hook_dicts(model) == before

@@ -150,6 +150,7 @@ class Server:
             self.httpd.shutdown()
             self._thread.join()
         self.httpd.server_close()
+        self.httpd.close_connections()  # a browser's keep-alive connection would outlive the server
         self._unhook()
 
     def __enter__(self) -> Server:
@@ -359,6 +360,32 @@ def _allowed_hosts(host: str, port: int) -> set[str]:
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     app: Server
+
+    def __init__(self, *args: Any) -> None:
+        self.connections: set[Any] = set()  # open keep-alive connections, closed by stop()
+        self.connections_lock = threading.Lock()
+        super().__init__(*args)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.connections_lock:
+            self.connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.connections_lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        import socket
+
+        with self.connections_lock:
+            connections = list(self.connections)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)  # the handler thread's read ends, and it exits
+            except OSError:
+                pass
 
     def server_bind(self) -> None:
         if ":" in self.server_address[0]:
