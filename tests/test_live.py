@@ -418,3 +418,21 @@ def test_a_full_summariser_queue_skips_samples_without_waiting() -> None:
     finally:
         release.set()
         sampler.close()
+
+
+def test_raw_values_stay_under_the_cap() -> None:
+    model = _model()
+    with fwdtrace.serve(model, port=0, raw_cap=16) as server:
+        request(server, "POST", "/api/sample", {"key": "body.2.Linear", "kind": "forward", "raw": True})
+        with torch.no_grad():
+            x = torch.randn(2, 8)
+            out = model(x)
+        status, data = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward&format=npy&index=1", raw=True)
+        assert status == 200  # the output, 2 x 4 = 8 elements, is kept
+        np.testing.assert_array_equal(np.load(io.BytesIO(data), allow_pickle=False), out.numpy())
+        status, answer = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward&format=npy&index=0")
+        assert status == 409 and answer["error"].startswith("no raw values kept for tensor 0 of 'body.2.Linear': it has 32 elements, over the cap of 16")
+        status, answer = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward&format=npy&index=5")
+        assert status == 404 and answer["error"].startswith("no tensor index=5 in sample=-1")
+        status, answer = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward&format=csv")
+        assert status == 400 and answer["error"].startswith("expected format=json or format=npy, got 'csv'")
