@@ -45,6 +45,8 @@ _LAZY: dict[str, str] = {
     "Analysis": "fwdtrace.analysis",
     "install_excepthook": "fwdtrace.excepthook",
     "uninstall_excepthook": "fwdtrace.excepthook",
+    # live sampler service (issue 10)
+    "serve": "fwdtrace.live.server",
 }
 
 __all__ = [
@@ -90,6 +92,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .dump import read_dump as read_dump
     from .excepthook import install_excepthook as install_excepthook
     from .excepthook import uninstall_excepthook as uninstall_excepthook
+    from .live.server import serve as serve
     from .onnx_compare import TopologyReport as TopologyReport
     from .onnx_compare import check_onnx as check_onnx
     from .onnx_compare import compare_onnx as compare_onnx

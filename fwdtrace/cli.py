@@ -1,4 +1,4 @@
-"""The ``fwdtrace`` command: ``check-onnx``, ``analyze`` and ``dump-diff``.
+"""The ``fwdtrace`` command: ``check-onnx``, ``analyze``, ``dump-diff`` and ``serve``.
 
 Each subcommand lives beside its feature: the module named in ``_COMMANDS`` provides
 ``configure_parser(parser)`` and ``run_cli(args) -> int``. One exit-code contract for all:
@@ -26,6 +26,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "check-onnx": ("fwdtrace.onnx_compare", "trace a model, export it to ONNX and diff the two graphs"),
     "analyze": ("fwdtrace.analysis", "parameters, FLOPs, latency and memory per module"),
     "dump-diff": ("fwdtrace.dump", "compare two HDF5 dumps tensor by tensor"),
+    "serve": ("fwdtrace.live.server", "serve a model's graph and live statistics over HTTP"),
 }
 
 

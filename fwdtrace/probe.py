@@ -9,8 +9,6 @@ is active, an error raised in any layer gets the core's note naming that layer.
 from __future__ import annotations
 
 import contextlib
-import difflib
-import fnmatch
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -22,13 +20,12 @@ import torch.nn.functional as F
 from ._tree import tensors_of
 from .chaos import Chaos
 from .errors import FwdtraceError, describe
-from .keys import key2module
+from .keys import Selector, key2module, select_modules
 from .stats import RunningStats, check_bins, check_range, summary_text
 from .tracer import layer_notes
 
 __all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
 
-Selector = str | type | Iterable[Any]
 _KINDS = ("input", "output", "grad_input", "grad_output")
 
 
@@ -231,38 +228,7 @@ class Probe:
         >>> list(probe.select(torch.nn.ReLU)), list(probe.select("*.Linear"))
         (['1.ReLU'], ['0.Linear'])
         """
-        items = self._key2module
-        if isinstance(selector, str):
-            if selector in items:
-                return {selector: items[selector]}
-            if any(c in selector for c in "*?["):
-                found = {k: m for k, m in items.items() if fnmatch.fnmatchcase(k, selector)}
-                if found:
-                    return found
-            close = difflib.get_close_matches(selector, list(items), n=5, cutoff=0.3)
-            hint = f"closest keys: {', '.join(repr(k) for k in close)}" if close else f"keys: {self.keys[:8]}"
-            raise FwdtraceError(
-                f"Probe expected a module key, a glob or a class of {type(self.model).__name__}, got "
-                f"{selector!r}, which matches no key; {hint}"
-            )
-        if isinstance(selector, type) and issubclass(selector, torch.nn.Module):
-            found = {k: m for k, m in items.items() if isinstance(m, selector)}
-            if not found:
-                classes = sorted({type(m).__name__ for m in items.values()})
-                raise FwdtraceError(
-                    f"Probe expected a module key, a glob or a class of {type(self.model).__name__}, got "
-                    f"{selector.__name__}, of which the model has no instance; its classes: {', '.join(classes)}"
-                )
-            return found
-        if isinstance(selector, (list, tuple, set)):
-            out: dict[str, torch.nn.Module] = {}
-            for s in selector:
-                out.update(self.select(s))
-            return out
-        raise FwdtraceError(
-            f"Probe expected a selector (a module key, a glob such as 'seq.*.Conv2d', a torch.nn.Module "
-            f"subclass or a list of them), got {describe(selector)}"
-        )
+        return select_modules(self._key2module, selector, "Probe", type(self.model).__name__)
 
     def _one(self, selector: Selector, what: str) -> str:
         found = self.select(selector)

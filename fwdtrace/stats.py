@@ -89,11 +89,13 @@ class RunningStats:
             n_all = x.numel()
             nan = torch.isnan(x)
             inf = torch.isinf(x)
-            finite = x[~(nan | inf)]
             other = RunningStats(self.bins, self.range)
             other.count = n_all
             other.nans = int(nan.sum())
             other.infs = int(inf.sum())
+            # Boolean indexing copies: skipped in the common all-finite case (the live sampler
+            # summarises activations every step).
+            finite = x[~(nan | inf)] if other.nans or other.infs else x
             other.zeros = int((x == 0).sum())
             n = finite.numel()
             other.finite = n
@@ -111,8 +113,8 @@ class RunningStats:
                     self.range = other.range = (lo, hi)
                 if other.range is not None:
                     lo, hi = other.range
-                    inside = finite[(finite >= lo) & (finite <= hi)]
-                    hist = torch.histc(inside, bins=self.bins, min=lo, max=hi)
+                    # histc ignores values outside [lo, hi]: they are counted below.
+                    hist = torch.histc(finite, bins=self.bins, min=lo, max=hi)
                     other.histogram = [int(v) for v in hist.tolist()]
                     other.underflow = int((finite < lo).sum())
                     other.overflow = int((finite > hi).sum())

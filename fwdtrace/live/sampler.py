@@ -1,0 +1,322 @@
+"""The training-side half of the live service: plain torch hooks that hand sampled tensors to a summariser.
+
+Hooks run in whatever thread calls the model (the training loop, a DataLoader's
+pin-memory thread, an evaluation thread). For a sampled call they copy the tensors and
+put them on a bounded queue without waiting (a full queue skips the sample and counts
+it); one summariser thread computes the statistics (torch releases the GIL there, so a
+spare core does the work) and appends them to the arm's ring buffer under a short lock.
+HTTP threads take that lock only to copy what they serve. So neither the statistics nor a
+slow client hold training up.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .._tree import dtype_name, tensors_of
+from ..errors import FwdtraceError, describe
+from ..keys import key2module, select_modules
+from ..stats import RunningStats
+
+__all__ = ["Sampler", "Arm", "KINDS", "ROLES"]
+
+KINDS = ("forward", "grad")
+ROLES = {"forward": ("input", "output"), "grad": ("grad_input", "grad_output")}
+_MARGIN = 0.25  # histogram bins span the first sample's range and a quarter of it on each side
+
+
+def distributed_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` under an initialised ``torch.distributed``, else ``(0, 1)``."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Arm:
+    """Sampling armed on one module key for one kind: its counters, ring buffer and running statistics."""
+
+    def __init__(self, key: str, kind: str, every: int, count: int | None, raw: bool, ring: int, bins: int) -> None:
+        self.key, self.kind, self.every, self.count, self.raw = key, kind, every, count, raw
+        self.lock = threading.Lock()
+        self.calls = 0  # calls of the module seen since arming
+        self.taken = 0  # calls sampled
+        self.appended = 0  # samples ever put in the buffer; the ring keeps the newest
+        self.skipped = 0  # sampled calls not summarised: the summariser's queue was full
+        self.buffer: deque[tuple[dict[str, Any], list[torch.Tensor | None]]] = deque(maxlen=ring)
+        self.stats = {role: RunningStats(bins) for role in ROLES[kind]}
+        self.handles: list[Any] = []
+        self.armed = True
+        self.error: str | None = None
+
+    @property
+    def dropped(self) -> int:
+        return self.appended - len(self.buffer)
+
+    def info(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "key": self.key, "kind": self.kind, "every": self.every, "count": self.count, "raw": self.raw,
+                "armed": self.armed, "calls": self.calls, "taken": self.taken, "samples": len(self.buffer),
+                "dropped": self.dropped, "skipped": self.skipped, "ring": self.buffer.maxlen, "error": self.error,
+            }
+
+    def detach(self) -> None:
+        self.armed = False
+        while self.handles:
+            self.handles.pop().remove()
+
+
+class Sampler:
+    """Arms forward or gradient sampling on a model's modules by key, and keeps what it samples.
+
+    >>> import torch
+    >>> from fwdtrace.live.sampler import Sampler
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    >>> sampler = Sampler(model)
+    >>> sampler.arm("0.Linear", "forward", every=1)
+    ['0.Linear']
+    >>> _ = model(torch.ones(3, 4)); sampler.samples("0.Linear", "forward")[0]["tensors"][1]["shape"]
+    [3, 2]
+    >>> sampler.close()
+
+    ``ring`` samples are kept per key and kind, the oldest dropped first (``dropped`` counts
+    them); at most ``pending`` sampled calls wait for the summariser, more are skipped
+    (``skipped`` counts them). A sampled call keeps, per tensor, its shape, dtype, statistics and a ``bins``-bin
+    histogram on bins fixed by the arm's first sample (its min to max and a quarter of that
+    span on each side; values outside are counted as ``underflow``/``overflow``), the same bins as the running statistics; raw
+    values only when armed with ``raw=True`` and at most ``raw_cap`` elements.
+    """
+
+    def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22,
+                 pending: int = 32) -> None:
+        for name, value in (("ring", ring), ("bins", bins), ("raw_cap", raw_cap), ("pending", pending)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FwdtraceError(f"serve() expected {name} as a positive int, got {value!r}")
+        self.model = model
+        self.key2module = key2module(model)
+        self.ring, self.bins, self.raw_cap = ring, bins, raw_cap
+        self.rank, self.world_size = distributed_rank()
+        self.step = 0  # forwards of the root model, the page's "training step"
+        self.arms: dict[tuple[str, str], Arm] = {}
+        self._arms_lock = threading.Lock()
+        self.quiet_thread: int | None = None  # a thread whose forwards are not sampled (the graph's trace)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=pending)
+        self._progress = threading.Condition()
+        self._submitted = self._summarised = 0
+        self._worker = threading.Thread(target=self._summarise_queued, name="fwdtrace-live-summaries", daemon=True)
+        self._worker.start()
+        self._step_handle = model.register_forward_pre_hook(self._count_step)
+
+    def _count_step(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.quiet_thread != threading.get_ident():
+            self.step += 1
+
+    # -- arming -----------------------------------------------------------------------------------
+    def select(self, selector: str) -> list[str]:
+        """The keys a key or glob names; an unknown one raises with the closest keys."""
+        return list(select_modules(self.key2module, selector, "serve()", type(self.model).__name__))
+
+    def arm(self, selector: str, kind: str, every: int = 1, count: int | None = None, raw: bool = False) -> list[str]:
+        """Sample every ``every``-th call of the selected modules (``count`` samples, then stop); returns the keys."""
+        if kind not in KINDS:
+            raise FwdtraceError(f"arm() expected kind 'forward' or 'grad', got {kind!r}")
+        keys = self.select(selector)
+        for key in keys:
+            arm = Arm(key, kind, every, count, raw, self.ring, self.bins)
+            module = self.key2module[key]
+            if kind == "forward":
+                arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
+            else:
+                arm.handles.append(module.register_full_backward_hook(self._grad_hook(arm)))
+            with self._arms_lock:
+                old = self.arms.get((key, kind))
+                self.arms[(key, kind)] = arm
+            if old is not None:
+                old.detach()
+        return keys
+
+    def disarm(self, selector: str, kind: str | None = None) -> list[str]:
+        """Stop sampling the selected keys (one kind, or both); their samples stay readable. Returns the keys."""
+        keys = set(self.select(selector))
+        done = []
+        with self._arms_lock:
+            arms = [a for (k, kd), a in self.arms.items() if k in keys and kind in (None, kd) and a.armed]
+        for arm in arms:
+            arm.detach()
+            done.append(arm.key)
+        return sorted(set(done))
+
+    def close(self) -> None:
+        """Take every hook of this sampler off the model."""
+        with self._arms_lock:
+            arms = list(self.arms.values())
+        for arm in arms:
+            arm.detach()
+        self._step_handle.remove()
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
+
+    # -- the hooks (training side) ----------------------------------------------------------------
+    def _take(self, arm: Arm) -> int | None:
+        """Count a call; its number when it is to be sampled, else None."""
+        if not arm.armed or self.quiet_thread == threading.get_ident():
+            return None
+        with arm.lock:
+            arm.calls += 1
+            call = arm.calls
+            if (call - 1) % arm.every or (arm.count is not None and arm.taken >= arm.count):
+                return None
+            arm.taken += 1
+            return call
+
+    def _forward_hook(self, arm: Arm) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, *rest: Any) -> None:
+            # (kwargs, output) when registered with_kwargs; (output,) if a hook dict changed mid-call.
+            call = self._take(arm)
+            if call is not None:
+                kwargs = rest[0] if len(rest) == 2 else {}
+                self._submit(arm, call, [("input", tensors_of((args, kwargs))), ("output", tensors_of(rest[-1]))])
+
+        return hook
+
+    def _grad_hook(self, arm: Arm) -> Any:
+        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            call = self._take(arm)
+            if call is not None:
+                self._submit(arm, call, [("grad_input", tensors_of(grad_input)), ("grad_output", tensors_of(grad_output))])
+
+        return hook
+
+    def _submit(self, arm: Arm, call: int, groups: list[tuple[str, Iterable[torch.Tensor]]]) -> None:
+        """Copy the tensors (the model may change them in place later) and queue them, never waiting."""
+        with torch.no_grad():
+            copies = [(role, [t.detach().clone() for t in tensors]) for role, tensors in groups]
+        with self._progress:
+            self._submitted += 1
+        try:
+            self._queue.put_nowait((arm, call, self.step, time.time(), copies))
+        except queue.Full:
+            with self._progress:
+                self._submitted -= 1
+            with arm.lock:
+                arm.skipped += 1
+
+    def _summarise_queued(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._record(*item)
+            except Exception as e:  # a bug of ours must not end the summariser; the API shows it
+                item[0].error = f"{type(e).__name__}: {e}"
+            finally:
+                with self._progress:
+                    self._summarised += 1
+                    self._progress.notify_all()
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait (at most ``timeout`` s) until every sample submitted so far is summarised: reads see them."""
+        with self._progress:
+            target = self._submitted
+            self._progress.wait_for(lambda: self._summarised >= target, timeout)
+
+    def _record(self, arm: Arm, call: int, step: int, when: float, groups: list[tuple[str, list[torch.Tensor]]]) -> None:
+        summaries: list[dict[str, Any]] = []
+        raws: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for role, tensors in groups:
+                running = arm.stats[role]
+                for index, t in enumerate(tensors):
+                    # One pass per tensor: its histogram uses the arm's bins (fixed by the first
+                    # sample), so it is both this sample's and a part of the running statistics.
+                    summary, stats, raw = self._summarise(t, arm.raw, running.range)
+                    summaries.append({"role": role, "index": index, **summary})
+                    raws.append(raw)
+                    if stats is not None:
+                        with arm.lock:
+                            if running.finite == 0 or stats.range == running.range:
+                                running.merge(stats)
+                            else:  # another thread fixed the range first: rare, pay a second pass
+                                running.update(t)
+            sample = {"step": step, "call": call, "rank": self.rank, "time": when, "tensors": summaries}
+            with arm.lock:
+                sample["seq"] = arm.appended
+                arm.buffer.append((sample, raws))
+                arm.appended += 1
+
+    def _summarise(self, t: torch.Tensor, raw: bool, range: tuple[float, float] | None  # noqa: A002
+                   ) -> tuple[dict[str, Any], RunningStats | None, torch.Tensor | None]:
+        out: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "numel": t.numel()}
+        stats = None
+        if t.numel() > 0 and t.dtype != torch.bool and not t.is_complex():
+            if range is None:  # the arm's first sample: its min to max, widened so later steps fit
+                first = RunningStats(1)
+                first.update(t)
+                if first.finite:
+                    pad = (first.max - first.min) * _MARGIN or 0.5
+                    range = (first.min - pad, first.max + pad)
+            stats = RunningStats(self.bins, range)
+            stats.update(t)
+            d = stats.to_dict()
+            for name in ("mean", "std", "min", "max", "nan", "inf", "zero_fraction", "histogram", "bin_edges",
+                         "underflow", "overflow"):
+                out[name] = d[name]
+        out["numeric"] = stats is not None
+        keep = raw and t.numel() <= self.raw_cap
+        out["raw"] = keep
+        return out, stats, (t.to("cpu") if keep else None)  # t is already our own copy
+
+    # -- reading (server side) --------------------------------------------------------------------
+    def arm_of(self, key: str, kind: str) -> Arm:
+        self.drain()
+        arm = self.arms.get((key, kind))
+        if arm is None:
+            raise KeyError((key, kind))
+        return arm
+
+    def samples(self, key: str, kind: str, since: int = -1) -> list[dict[str, Any]]:
+        """The buffered samples of ``key`` and ``kind`` with ``seq`` above ``since``, oldest first."""
+        arm = self.arm_of(key, kind)
+        with arm.lock:
+            items = [s for s, _ in arm.buffer if s["seq"] > since]
+        return items
+
+    def raw(self, key: str, kind: str, sample: int, index: int) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """One tensor of one buffered sample (``sample`` indexes the buffer, -1 the newest) and its raw copy."""
+        arm = self.arm_of(key, kind)
+        with arm.lock:
+            summary, raws = arm.buffer[sample]
+        return summary["tensors"][index], raws[index]
+
+    def stats(self, key: str, kind: str, role: str) -> dict[str, Any]:
+        arm = self.arm_of(key, kind)
+        with arm.lock:
+            return arm.stats[role].to_dict()
+
+    def status(self) -> dict[str, Any]:
+        self.drain()
+        with self._arms_lock:
+            arms = list(self.arms.values())
+        return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "arms": [a.info() for a in arms]}
+
+    def __repr__(self) -> str:
+        return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+
+
+def check_positive(name: str, value: Any, optional: bool = False) -> int | None:
+    """``value`` as a positive int (None allowed when ``optional``), else a FwdtraceError naming ``name``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FwdtraceError(f"expected {name} as a positive integer{' or null' if optional else ''}, got {describe(value)} {value!r}")
+    return value

@@ -1,0 +1,118 @@
+// The live page: plain JS, no libraries. It draws nothing itself: the graph and the
+// histograms come from the server as SVG; this script wires clicks and polling.
+"use strict";
+const token = new URLSearchParams(location.search).get("token");
+const poll = Number(new URLSearchParams(location.search).get("poll") || 1000);
+const panels = new Map();  // "kind key" -> {element, seq}
+const $ = (id) => document.getElementById(id);
+
+async function api(path, options = {}) {
+  const headers = Object.assign({}, options.headers || {});
+  if (token) headers["Authorization"] = "Bearer " + token;
+  const response = await fetch(path, Object.assign({}, options, {headers}));
+  const type = response.headers.get("Content-Type") || "";
+  const body = type.startsWith("application/json") ? await response.json() : await response.text();
+  if (!response.ok) throw new Error(body.error || String(body));
+  return body;
+}
+
+function say(text) { $("message").textContent = text || ""; }
+
+async function loadGraph() {
+  const depth = $("depth").value;
+  try {
+    const svg = await api("api/graph.svg?depth=" + encodeURIComponent(depth));
+    $("graph").innerHTML = svg;
+    for (const g of $("graph").querySelectorAll("g[data-key]")) {
+      g.addEventListener("click", (event) => { event.stopPropagation(); arm(g.dataset.key); });
+    }
+    markArmed();
+  } catch (e) {
+    $("graph").innerHTML = '<p class="note"></p>';
+    $("graph").firstChild.textContent = e.message;
+    setTimeout(loadGraph, 2000);  // the graph appears with the first forward
+  }
+}
+
+function markArmed() {
+  for (const g of $("graph").querySelectorAll("g.node[data-key]")) {
+    const armed = [...panels.keys()].some((id) => id.endsWith(" " + g.dataset.key));
+    g.classList.toggle("armed", armed);
+  }
+}
+
+async function arm(key) {
+  const kind = $("kind").value;
+  const every = Number($("every").value) || 1;
+  try {
+    await api("api/sample", {method: "POST", headers: {"Content-Type": "application/json"},
+                              body: JSON.stringify({key, kind, every})});
+    say("");
+    addPanel(key, kind);
+  } catch (e) { say(e.message); }
+}
+
+async function disarm(key, kind) {
+  const id = kind + " " + key;
+  try { await api("api/sample?key=" + encodeURIComponent(key) + "&kind=" + kind, {method: "DELETE"}); }
+  catch (e) { say(e.message); }
+  const panel = panels.get(id);
+  if (panel) { panel.element.remove(); panels.delete(id); }
+  markArmed();
+}
+
+function addPanel(key, kind) {
+  const id = kind + " " + key;
+  if (panels.has(id)) return;
+  const element = document.createElement("div");
+  element.className = "panel";
+  element.dataset.key = key;
+  element.dataset.kind = kind;
+  element.innerHTML = '<h3><span></span><button>disarm</button></h3><div class="counts"></div>' +
+                      '<div class="charts"></div><table></table>';
+  element.querySelector("h3 span").textContent = key + " · " + kind;
+  element.querySelector("button").addEventListener("click", () => disarm(key, kind));
+  $("panels").prepend(element);
+  panels.set(id, {element, key, kind});
+  markArmed();
+  refreshPanel(panels.get(id));
+}
+
+const ROLES = {forward: ["input", "output"], grad: ["grad_input", "grad_output"]};
+const WHICH = {input: "forward_input", output: "forward_output", grad_input: "grad_input", grad_output: "grad_output"};
+const COLUMNS = ["count", "mean", "std", "min", "max", "nan", "inf"];
+
+function number(x) { return x === null || x === undefined ? "-" : (Number.isInteger(x) ? String(x) : x.toPrecision(4)); }
+
+async function refreshPanel(panel) {
+  const q = "key=" + encodeURIComponent(panel.key) + "&kind=" + panel.kind;
+  const charts = [];
+  const rows = [];
+  for (const role of ROLES[panel.kind]) {
+    charts.push('<div class="chart"><div>' + role + "</div>" + await api("api/chart.svg?" + q + "&role=" + role) + "</div>");
+    const stats = await api("api/stats?key=" + encodeURIComponent(panel.key) + "&which=" + WHICH[role]);
+    rows.push("<tr><th>" + role + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
+    panel.element.querySelector(".counts").textContent =
+      `every ${stats.every} · ${stats.taken} sampled of ${stats.calls} calls · ${stats.samples} kept · ${stats.dropped} dropped` +
+      (stats.armed ? "" : " · disarmed");
+  }
+  panel.element.querySelector(".charts").innerHTML = charts.join("");
+  panel.element.querySelector("table").innerHTML =
+    "<tr><th></th>" + COLUMNS.map((c) => "<th>" + c + "</th>").join("") + "</tr>" + rows.join("");
+}
+
+async function tick() {
+  try {
+    const status = await api("api/status");
+    $("step").textContent = status.step;
+    $("rank").textContent = status.rank + " / " + status.world_size;
+    $("model").textContent = status.model;
+    for (const arm of status.arms) if (arm.armed) addPanel(arm.key, arm.kind);
+    for (const panel of panels.values()) await refreshPanel(panel);
+  } catch (e) { say(e.message); }
+  setTimeout(tick, poll);
+}
+
+$("depth").addEventListener("change", loadGraph);
+loadGraph();
+tick();
