@@ -1,7 +1,8 @@
-"""All of fwdtrace's patching: one dispatch point for ``nn.Module.__call__``, and a :class:`Patcher`.
+"""All of fwdtrace's patching: one dispatch point for module calls, and a :class:`Patcher`.
 
 Traces, layer notes (probes, analysis) and :func:`fwdtrace.install` all need to see module
-calls. They share **one** wrapper of ``torch.nn.Module.__call__``, installed when the first of
+calls. They share **one** wrapper of ``torch.nn.Module._call_impl`` (what ``module(...)`` runs:
+hooks, then forward), installed when the first of
 them starts and removed (the original object put back) when the last one leaves, in any
 order. Which handlers a call goes through is decided per thread, at the call: a thread with
 no handler of its own goes straight to the original, so a trace in one thread never sees,
@@ -19,6 +20,7 @@ instance) and puts each original back, in reverse order, exceptions included, as
 
 from __future__ import annotations
 
+import _signal  # signal's C functions: without the enum wrapping, several times faster
 import signal
 import threading
 from collections.abc import Callable
@@ -33,12 +35,15 @@ __all__ = ["Patcher", "critical", "InterruptGuard", "add_call_handler", "remove_
 _MISSING = object()
 
 # A handler gets ``(call, module, args, kwargs)`` and returns the call's result; ``call(module,
-# *args, **kwargs)`` runs the rest of the chain (inner handlers, then the original __call__).
+# *args, **kwargs)`` runs the rest of the chain (inner handlers, then the original _call_impl).
 CallHandler = Callable[[Callable[..., Any], torch.nn.Module, tuple, dict], Any]
 
 
 # -- critical sections -----------------------------------------------------------------------------
 _LOCK = threading.RLock()
+_MAIN_THREAD = threading.main_thread().ident
+_MAIN_DEPTH = [0]  # critical sections open in the main thread
+_SIGINT = int(signal.SIGINT)
 
 
 class critical:
@@ -54,18 +59,18 @@ class critical:
     handlers, so for them this is just the lock. Sections nest.
     """
 
-    __slots__ = ("_previous", "_pending")
+    __slots__ = ("_previous", "_pending", "_main")
 
     def __enter__(self) -> critical:
         self._previous: Any = None
         self._pending: tuple[int, FrameType | None] | None = None
+        self._main = threading.get_ident() == _MAIN_THREAD
         # The handler first, then the lock: an interrupt before the swap leaves nothing held.
-        if threading.current_thread() is threading.main_thread():
-            try:
-                if signal.getsignal(signal.SIGINT) is not None:  # None: set outside Python, leave it
-                    self._previous = signal.signal(signal.SIGINT, self._defer)
-            except ValueError:  # not the main interpreter
-                self._previous = None
+        # Only the outermost section swaps: an inner one is already covered.
+        if self._main:
+            if _MAIN_DEPTH[0] == 0 and _signal.getsignal(_SIGINT) is not None:  # None: set outside Python
+                self._previous = _signal.signal(_SIGINT, self._defer)
+            _MAIN_DEPTH[0] += 1
         _LOCK.acquire()
         return self
 
@@ -75,9 +80,11 @@ class critical:
 
     def __exit__(self, *exc: object) -> None:
         _LOCK.release()
+        if self._main:
+            _MAIN_DEPTH[0] -= 1
         previous, pending = self._previous, self._pending
         if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+            _signal.signal(_SIGINT, previous)
         if pending is not None:
             _deliver(previous, *pending)
 
@@ -109,8 +116,8 @@ class InterruptGuard:
     def start(self) -> None:
         # Not inside critical(): that swaps the handler itself. A signal before the swap simply
         # raises here, before anything was set up.
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+        if threading.get_ident() == _MAIN_THREAD and _signal.getsignal(_SIGINT) is not None:
+            self._previous = _signal.signal(_SIGINT, self._handler)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if frame is not None and (frame.f_globals is _GLOBALS or frame.f_code in self._protected):
@@ -127,8 +134,8 @@ class InterruptGuard:
     def stop(self) -> None:
         previous, self._previous = self._previous, None
         if previous is not None:
-            if signal.getsignal(signal.SIGINT) == self._handler:  # a handler set since stays
-                signal.signal(signal.SIGINT, previous)
+            if _signal.getsignal(_SIGINT) == self._handler:  # a handler set since stays
+                _signal.signal(_SIGINT, previous)
             pending, self.pending = self.pending, None
             if pending is not None:
                 _deliver(previous, *pending)
@@ -145,6 +152,11 @@ _GLOBALS = globals()
 
 
 # -- the one dispatch point of nn.Module.__call__ ---------------------------------------------------
+# ``Module.__call__`` is ``_wrapped_call_impl``, which calls ``self._call_impl`` (hooks, then forward)
+# unless the module was ``.compile()``d. Patching ``_call_impl`` sees the same calls, hooks included,
+# for a fraction of the cost: setting a dunder such as ``__call__`` on a class makes CPython
+# rewrite the call slot of every subclass (about 1 ms with transformers imported, per setattr).
+PATCHED = "_call_impl"
 @dataclass(eq=False)
 class _Handle:
     handler: CallHandler
@@ -174,7 +186,7 @@ def _thread_handlers() -> _ThreadHandlers:
 
 
 class _Dispatch:
-    """The wrapper of ``nn.Module.__call__`` and who is using it."""
+    """The wrapper of ``nn.Module._call_impl`` and who is using it."""
 
     def __init__(self) -> None:
         self.original: Callable[..., Any] | None = None
@@ -217,16 +229,16 @@ class _Dispatch:
             return True
 
     def _install(self) -> None:
-        current = torch.nn.Module.__dict__["__call__"]
+        current = torch.nn.Module.__dict__[PATCHED]
         self.original = current
         _dispatching_call.__wrapped__ = current  # type: ignore[attr-defined]
-        torch.nn.Module.__call__ = _dispatching_call  # type: ignore[method-assign]
+        setattr(torch.nn.Module, PATCHED, _dispatching_call)
         self.version += 1
 
     def _uninstall(self) -> None:
         # Put back what was there, unless someone patched over us since: theirs stays.
-        if torch.nn.Module.__dict__.get("__call__") is _dispatching_call:
-            torch.nn.Module.__call__ = self.original  # type: ignore[method-assign,assignment]
+        if torch.nn.Module.__dict__.get(PATCHED) is _dispatching_call:
+            setattr(torch.nn.Module, PATCHED, self.original)
         self.version += 1
 
 
@@ -251,7 +263,7 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _dispatching_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``nn.Module.__call__`` while fwdtrace is in use: this thread's handlers, else the original."""
+    """``nn.Module._call_impl`` while fwdtrace is in use: this thread's handlers, else the original."""
     if _is_compiling():  # dynamo tracing a compiled model: it must see the plain call
         return _DISPATCH.original(self, *args, **kwargs)  # type: ignore[misc]
     chain = _DISPATCH.chain()
@@ -273,11 +285,11 @@ def add_call_handler(handler: CallHandler, *, all_threads: bool = False) -> _Han
     >>> _ = torch.nn.ReLU()(torch.ones(1))
     >>> remove_call_handler(handle), seen
     (True, ['ReLU'])
-    >>> torch.nn.Module.__call__ is torch.nn.Module._wrapped_call_impl  # the original is back
+    >>> torch.nn.Module.__dict__["_call_impl"] is torch.nn.modules.module.Module._call_impl  # the original is back
     True
 
     The newest handler is the outermost. Remove handles in any order; the last removal puts
-    the original ``__call__`` back.
+    the original ``_call_impl`` back.
     """
     handle = _Handle(handler, None if all_threads else _thread_handlers())
     _DISPATCH.add(handle)
@@ -290,7 +302,7 @@ def remove_call_handler(handle: _Handle) -> bool:
 
 
 def call_dispatch_active() -> bool:
-    """Whether fwdtrace's wrapper of ``nn.Module.__call__`` is installed now."""
+    """Whether fwdtrace's wrapper of ``nn.Module._call_impl`` is installed now."""
     return _DISPATCH.users > 0
 
 

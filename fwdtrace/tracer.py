@@ -2,8 +2,8 @@
 
 Two things see the model run, both only in the thread that traces:
 
-- a handler on fwdtrace's one dispatch point of ``torch.nn.Module.__call__``
-  (:mod:`fwdtrace.patching`): which module is running (paths, scopes, error notes), a
+- a handler on fwdtrace's one dispatch point of module calls (``nn.Module._call_impl``,
+  :mod:`fwdtrace.patching`): which module is running (paths, scopes, error notes), a
   ``"module"`` node per call of an atomic layer, with what the call really received and
   returned (the user's own pre-hooks and forward hooks included), and the
   ``@hook_forward`` callbacks;
@@ -291,9 +291,6 @@ class Tracer:
         if info.compiled:  # torch.compile(module): run the module it wraps, eagerly, as one would read it
             self._say_unseen("torch.compile'd modules were traced through the modules they wrap", module)
             return cast("torch.nn.Module", module._orig_mod)(*args, **kwargs)
-        if module.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
-            self._say_unseen("compiled modules (module.compile()) were traced uncompiled", module)
-            call = _uncompiled_call
         if self._quiet:  # inside a leaf or a callback: not part of the graph, callbacks still run
             out = self._call_noted(call, module, args, kwargs)
             return self._run_callbacks(info.callbacks, module, args, out) if info.callbacks else out
@@ -433,10 +430,6 @@ class Tracer:
             scope=self._scopes[-1],
         )
         return out
-
-
-def _uncompiled_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return module._call_impl(*args, **kwargs)
 
 
 def _remove_mode(mode: TorchFunctionMode) -> None:
@@ -587,7 +580,11 @@ def trace(model: torch.nn.Module, *args: Any, pin: bool = False, **kwargs: Any) 
             f"possibly inside tuples, lists or dicts), got ({given})"
         )
     with Tracer(pin=pin) as tracer:
-        model(*args, **kwargs)
+        if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): run it uncompiled
+            tracer._say_unseen("compiled modules (module.compile()) were traced uncompiled", model)
+            model._call_impl(*args, **kwargs)
+        else:
+            model(*args, **kwargs)
     return tracer.graph
 
 
@@ -662,7 +659,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: ``nn.Module.__call__`` is the original object again once nothing else uses it."""
+    """Undo :func:`install`: ``nn.Module._call_impl`` is the original object again once nothing else uses it."""
     global _INSTALLED
     if active_tracer() is not None:
         raise FwdtraceError("uninstall() cannot run while a trace is active; call it after the trace")

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import zoo`
 
 torch.set_num_threads(1)  # the suite runs two workers on two cores
+_ORIGINAL_CALL_IMPL = torch.nn.Module.__dict__["_call_impl"]
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +26,4 @@ def _no_leftover_hooks():
     fwdtrace.clear_hooks()
     REGISTRY.atomic = atomic_before
     assert torch.nn.Module.__dict__["__call__"] is torch.nn.modules.module.Module._wrapped_call_impl
+    assert torch.nn.Module.__dict__["_call_impl"] is _ORIGINAL_CALL_IMPL

@@ -13,7 +13,7 @@ from torch import nn
 
 from fwdtrace.patching import Patcher, add_call_handler, call_dispatch_active, critical, remove_call_handler
 
-ORIGINAL_CALL = nn.modules.module.Module._wrapped_call_impl
+ORIGINAL_IMPL = nn.modules.module.Module._call_impl
 
 
 class Base:
@@ -82,7 +82,7 @@ def test_a_failing_undo_does_not_stop_the_others() -> None:
     assert Base.__dict__["greet"] is original and len(p) == 0
 
 
-# -- the dispatch point of nn.Module.__call__ ------------------------------------------------------
+# -- the dispatch point of module calls (nn.Module._call_impl) -------------------------------------
 def recorder(seen: list[str], tag: str) -> Any:
     def handler(call: Any, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         seen.append(f"{tag}:{type(module).__name__}")
@@ -95,7 +95,7 @@ def test_handlers_nest_newest_outermost_and_leave_in_any_order() -> None:
     seen: list[str] = []
     a = add_call_handler(recorder(seen, "a"))
     b = add_call_handler(recorder(seen, "b"))
-    assert nn.Module.__dict__["__call__"] is not ORIGINAL_CALL and call_dispatch_active()
+    assert nn.Module.__dict__["_call_impl"] is not ORIGINAL_IMPL and call_dispatch_active()
     nn.ReLU()(torch.ones(1))
     assert seen == ["b:ReLU", "a:ReLU"]
     assert remove_call_handler(a)  # the first one leaves first
@@ -104,7 +104,7 @@ def test_handlers_nest_newest_outermost_and_leave_in_any_order() -> None:
     assert seen == ["b:ReLU"]
     assert remove_call_handler(b)
     assert not remove_call_handler(b)  # twice is harmless
-    assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL and not call_dispatch_active()
+    assert nn.Module.__dict__["_call_impl"] is ORIGINAL_IMPL and not call_dispatch_active()
 
 
 def test_a_handler_sees_only_its_own_threads_calls() -> None:
@@ -125,7 +125,7 @@ def test_a_handler_sees_only_its_own_threads_calls() -> None:
     finally:
         remove_call_handler(handle)
     assert seen == ["main:ReLU"] and other_seen == ["other:Sigmoid"]
-    assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL
+    assert nn.Module.__dict__["_call_impl"] is ORIGINAL_IMPL
 
 
 def test_a_handler_can_be_removed_from_another_thread() -> None:
@@ -135,7 +135,7 @@ def test_a_handler_can_be_removed_from_another_thread() -> None:
     thread.start()
     thread.join()
     nn.ReLU()(torch.ones(1))
-    assert seen == [] and nn.Module.__dict__["__call__"] is ORIGINAL_CALL
+    assert seen == [] and nn.Module.__dict__["_call_impl"] is ORIGINAL_IMPL
 
 
 def test_every_thread_handler_runs_in_other_threads_too() -> None:
@@ -153,17 +153,17 @@ def test_every_thread_handler_runs_in_other_threads_too() -> None:
 
 def test_someone_elses_patch_made_after_ours_stays() -> None:
     handle = add_call_handler(recorder([], "a"))
-    theirs = nn.Module.__dict__["__call__"]
+    theirs = nn.Module.__dict__["_call_impl"]
 
     def their_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return theirs(self, *args, **kwargs)
 
-    nn.Module.__call__ = their_call  # type: ignore[method-assign]
+    nn.Module._call_impl = their_call  # type: ignore[method-assign]
     try:
         remove_call_handler(handle)
-        assert nn.Module.__dict__["__call__"] is their_call
+        assert nn.Module.__dict__["_call_impl"] is their_call
     finally:
-        nn.Module.__call__ = ORIGINAL_CALL  # type: ignore[method-assign]
+        nn.Module._call_impl = ORIGINAL_IMPL  # type: ignore[method-assign]
 
 
 # -- critical sections -----------------------------------------------------------------------------

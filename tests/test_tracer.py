@@ -21,10 +21,11 @@ from fwdtrace.registry import REGISTRY
 
 # -- helpers ----------------------------------------------------------------------------------------
 def patchable_state() -> dict[tuple[type, str], Any]:
-    """What every layer's forward and ``nn.Module.__call__`` hold right now (by identity)."""
+    """What every layer's forward, ``nn.Module.__call__`` and ``_call_impl`` hold right now (by identity)."""
     classes = {*REGISTRY.atomic, *(c for c, _ in REGISTRY.callbacks)}
     state: dict[tuple[type, str], Any] = {(c, "forward"): c.__dict__.get("forward") for c in classes}
     state[(nn.Module, "__call__")] = nn.Module.__dict__["__call__"]
+    state[(nn.Module, "_call_impl")] = nn.Module.__dict__["_call_impl"]
     return state
 
 
@@ -480,7 +481,7 @@ def test_a_trace_patches_one_attribute_and_puts_the_very_same_object_back() -> N
     with fwdtrace.Tracer():
         during = patchable_state()
         changed = [f"{o.__qualname__}.{n}" for (o, n), v in during.items() if before.get((o, n), v) is not v]
-        assert changed == ["Module.__call__"]  # the one dispatch point, layer forwards untouched
+        assert changed == ["Module._call_impl"]  # the one dispatch point, layer forwards untouched
         model(*inputs)
     assert_same_objects(before)
 

@@ -24,10 +24,11 @@ from fwdtrace.patching import call_dispatch_active
 from fwdtrace.tracer import active_tracer
 
 ORIGINAL_CALL = nn.modules.module.Module._wrapped_call_impl
+ORIGINAL_IMPL = nn.modules.module.Module._call_impl
 
 
 def assert_nothing_left() -> None:
-    assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL
+    assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL and nn.Module.__dict__["_call_impl"] is ORIGINAL_IMPL
     assert not call_dispatch_active()
     assert _get_current_function_mode_stack() == []
     assert active_tracer() is None
