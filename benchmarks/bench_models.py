@@ -1,6 +1,7 @@
 """The models every benchmark measures: a ResNet-50-sized CNN and a pre-norm transformer encoder.
 
-The encoder's layer is the test zoo's (``tests/zoo.py``), so benchmarks and tests run the same code.
+The encoder's layer and the chain of ops for scaling are the test zoo's (``tests/zoo.py``), so
+benchmarks and tests run the same code.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from zoo import TransformerEncoder  # noqa: E402
+from zoo import Chain, TransformerEncoder  # noqa: E402
 
-__all__ = ["Bottleneck", "ResNet50", "TransformerEncoder"]
+__all__ = ["Bottleneck", "Chain", "ResNet50", "TransformerEncoder"]
 
 
 class Bottleneck(nn.Module):

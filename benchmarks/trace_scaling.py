@@ -32,19 +32,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_models import Chain
 
 import fwdtrace
-
-
-class Chain(torch.nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.n):
-            x = x * 1.0001
-        return x
 
 
 def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -69,6 +59,7 @@ def op_counts(max_ops: int) -> list[int]:
 def chain_table(max_ops: int, repeats: int) -> None:
     x = torch.ones(4)
     fwdtrace.trace(Chain(100), x)  # plugins, caches
+    fwdtrace.analyze(Chain(100), x, warmup=0, repeats=1)
     print("| ops | plain forward (CPU) | trace (wall) | trace (CPU) | trace CPU per op | per op vs 1k "
           "| analyze CPU per op | per op vs 1k |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -76,19 +76,6 @@ def test_a_loaded_graph_names_new_nodes_as_the_original_would() -> None:
     ]
 
 
-class _Chain(torch.nn.Module):
-    """``n`` multiplications by a constant: ``n`` function nodes that share the base name ``mul``."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.n):
-            x = x * 1.0001
-        return x
-
-
 def _trace_cpu_seconds(n: int, repeats: int) -> float:
     # Process CPU time, the best of a few: the machine is shared, wall time is not ours.
     x = torch.ones(4)
@@ -96,7 +83,7 @@ def _trace_cpu_seconds(n: int, repeats: int) -> float:
     for _ in range(repeats):
         gc.collect()  # each run starts without the last one's garbage
         start = time.process_time()
-        graph = fwdtrace.trace(_Chain(n), x)
+        graph = fwdtrace.trace(zoo.Chain(n), x)
         best = min(best, time.process_time() - start)
         assert len(graph.find(target="torch.Tensor.mul")) == n
     return best

@@ -204,6 +204,19 @@ class SharedWeights(nn.Module):
         return self.out(h)
 
 
+class Chain(nn.Module):
+    """``n`` multiplications by a constant: ``n`` function nodes that share the name ``mul`` (for scaling)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = x * 1.0001
+        return x
+
+
 @dataclass
 class Output:
     """A ModelOutput-like result: a dataclass holding several tensors."""
