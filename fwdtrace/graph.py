@@ -63,28 +63,39 @@ class Graph:
         """Append a node, connect its inputs to their producers and make its name unique."""
         if kind not in NODE_KINDS:
             raise FwdtraceError(f"Graph.add_node expected kind in {NODE_KINDS}, got {kind!r}")
-        node = Node(
-            id=len(self.nodes),
-            kind=kind,
-            target=target,
-            name=self._unique_name(name or target.rsplit(".", 1)[-1]),
-            module_path=module_path,
-            call_index=call_index,
-            inputs=list(inputs),
-            outputs=list(outputs),
-            attrs=dict(attrs or {}),
-            scope=scope,
-            meta=dict(meta or {}),
+        return self._append(
+            kind, target, name or target.rsplit(".", 1)[-1], module_path, call_index,
+            list(inputs), list(outputs), dict(attrs or {}), scope, dict(meta or {}),
         )
+
+    def _append(
+        self,
+        kind: str,
+        target: str,
+        name: str,
+        module_path: str,
+        call_index: int,
+        inputs: list[TensorRef],
+        outputs: list[TensorRef],
+        attrs: dict[str, Any],
+        scope: tuple[Scope, ...],
+        meta: dict[str, Any] | None = None,
+    ) -> Node:
+        """:meth:`add_node` for the tracer's hot path: checked arguments, fresh lists, no copies."""
+        node_id = len(self.nodes)
+        node = Node(node_id, kind, target, self._unique_name(name), module_path, call_index,
+                    inputs, outputs, attrs, scope, {} if meta is None else meta)
         self.nodes.append(node)
+        producer = self._producer
         seen: set[int] = set()
-        for ref in node.inputs:
-            src = self._producer.get(ref.obj_id)
-            if src is not None and ref.obj_id not in seen:
-                seen.add(ref.obj_id)
-                self.edges.append(Edge(src, node.id, ref.obj_id, ref.shape, ref.dtype))
-        for ref in node.outputs:
-            self._producer[ref.obj_id] = node.id
+        for ref in inputs:
+            oid = ref.obj_id
+            src = producer.get(oid)
+            if src is not None and oid not in seen:
+                seen.add(oid)
+                self.edges.append(Edge(src, node_id, oid, ref.shape, ref.dtype))
+        for ref in outputs:
+            producer[ref.obj_id] = node_id
         return node
 
     def _unique_name(self, base: str) -> str:

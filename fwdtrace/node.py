@@ -7,15 +7,16 @@ Nodes are created by :meth:`fwdtrace.Graph.add_node`, never directly.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
 
 NodeKind = Literal["input", "module", "function", "output"]
 NODE_KINDS: tuple[str, ...] = ("input", "module", "function", "output")
 
 
-@dataclass(frozen=True)
-class TensorRef:
+# TensorRef, Scope and Edge are immutable named tuples: a trace makes several per call, and a
+# named tuple is built in a third of a frozen dataclass's time.
+class TensorRef(NamedTuple):
     """One tensor at a node's boundary.
 
     ``obj_id`` is the stable id the trace gave the tensor (0, 1, 2, ... in first-seen
@@ -28,10 +29,9 @@ class TensorRef:
     param: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        if self.param is None:
-            del d["param"]
+        d: dict[str, Any] = {"obj_id": self.obj_id, "shape": list(self.shape), "dtype": self.dtype}
+        if self.param is not None:
+            d["param"] = self.param
         return d
 
     @classmethod
@@ -39,8 +39,7 @@ class TensorRef:
         return cls(int(d["obj_id"]), tuple(int(s) for s in d["shape"]), str(d["dtype"]), d.get("param"))
 
 
-@dataclass(frozen=True)
-class Scope:
+class Scope(NamedTuple):
     """One enclosing module call: its path, its class name and which call of it this is."""
 
     module_path: str
@@ -116,8 +115,7 @@ class Node:
         )
 
 
-@dataclass(frozen=True)
-class Edge:
+class Edge(NamedTuple):
     """A tensor flowing from the node that produced it to a node that read it."""
 
     src: int

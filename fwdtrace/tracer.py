@@ -30,7 +30,7 @@ from torch.overrides import _get_current_function_mode as _current_function_mode
 from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 
 from . import registry as _registry
-from ._tree import dtype_name, iter_tensors, tensors_of
+from ._tree import _DTYPE2NAME, dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .keys import module_key
@@ -44,6 +44,8 @@ _local = threading.local()  # .tracer: this thread's active Tracer
 _INSTALLED: Any = None  # the handle of install()'s handler, for every thread
 
 _SIMPLE = (int, float, bool, str, type(None))
+_FUNC2NAMES: dict[Any, tuple[str, str]] = {}  # torch function -> (target, short name)
+_TYPE2CONSTANTS: dict[type, tuple[str, ...]] = {}
 
 
 def _short_op_name(target: str) -> str:
@@ -64,7 +66,10 @@ def _simple(value: Any) -> Any:
 def _module_attrs(module: torch.nn.Module) -> dict[str, Any]:
     """Display attributes: the hyperparameters torch layers list in ``__constants__``."""
     out: dict[str, Any] = {}
-    for name in getattr(type(module), "__constants__", ()):
+    names = _TYPE2CONSTANTS.get(type(module))
+    if names is None:
+        names = _TYPE2CONSTANTS[type(module)] = tuple(getattr(type(module), "__constants__", ()))
+    for name in names:
         value = _simple(getattr(module, name, None))
         if value is not None:
             out[name] = value
@@ -157,9 +162,7 @@ class Tracer:
         self._entered = False
         # tensor identity
         self._next_id = 0
-        self._raw2obj: dict[int, int] = {}
-        self._pinned: list[torch.Tensor] = []
-        self._weakrefs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._raw2obj: dict[int, tuple[int, Any]] = {}
         # where we are
         self._stack: list[tuple[torch.nn.Module, Scope]] = []  # module calls, outermost first
         self._scopes: list[tuple[Scope, ...]] = [()]  # the scope of a node made at each depth
@@ -215,10 +218,8 @@ class Tracer:
                 self._handle = None
             if getattr(_local, "tracer", None) is self:
                 _local.tracer = None
-            self._pinned.clear()
-            self._weakrefs.clear()  # dropping the weakrefs also drops their callbacks
             self._outside.clear()
-            self._raw2obj.clear()
+            self._raw2obj.clear()  # unpins, and dropping the weakrefs also drops their callbacks
             self._param_names.clear()
             self._stack.clear()
             self._type2info.clear()
@@ -231,34 +232,31 @@ class Tracer:
 
     # -- tensor identity --------------------------------------------------------------------------
     def obj_id(self, t: torch.Tensor) -> int:
+        # raw id() -> (obj_id, the tensor itself when pinned, else a weakref to it)
         raw = id(t)
-        oid = self._raw2obj.get(raw)
-        if oid is not None and not self.pin:
-            ref = self._weakrefs.get(raw)
-            if ref is None or ref() is not t:  # its retirement was lost (Ctrl-C in the callback)
-                oid = None
-        if oid is None:
-            oid = self._next_id
-            self._next_id += 1
-            self._raw2obj[raw] = oid
-            if self.pin:
-                self._pinned.append(t)
-            else:
-                self._weakrefs[raw] = weakref.ref(t, functools.partial(self._retire, raw))
+        entry = self._raw2obj.get(raw)
+        if entry is not None:
+            held = entry[1]
+            if held is t if self.pin else held() is t:  # not a stale entry (a retirement lost to Ctrl-C)
+                return entry[0]
+        oid = self._next_id
+        self._next_id += 1
+        self._raw2obj[raw] = (oid, t if self.pin else weakref.ref(t, functools.partial(self._retire, raw)))
         return oid
 
     def _retire(self, raw: int, ref: weakref.ref[torch.Tensor]) -> None:
         # The tensor died: CPython may give its id() to a new tensor, which must get a new obj_id.
-        if self._weakrefs.get(raw) is ref:
-            del self._weakrefs[raw]
+        entry = self._raw2obj.get(raw)
+        if entry is not None and entry[1] is ref:
             del self._raw2obj[raw]
 
     def _refs(self, tensors: list[torch.Tensor]) -> list[TensorRef]:
+        param_names, obj_id = self._param_names, self.obj_id
         out = []
         for t in tensors:
-            named = self._param_names.get(id(t))
+            named = param_names.get(id(t))
             param = named[0] if named is not None and named[1] is t else None
-            out.append(TensorRef(self.obj_id(t), tuple(t.shape), dtype_name(t.dtype), param))
+            out.append(TensorRef(obj_id(t), tuple(t.shape), _DTYPE2NAME.get(t.dtype) or dtype_name(t.dtype), param))
         return out
 
     # -- module calls -----------------------------------------------------------------------------
@@ -404,7 +402,11 @@ class Tracer:
             if not out_tensors:  # x.shape, x.size(), x.item(): no tensor flows on
                 return out
         module_path = self._stack[-1][1].module_path
-        target = function_name(func)
+        names = _FUNC2NAMES.get(func)
+        if names is None:
+            target = function_name(func)
+            names = _FUNC2NAMES[func] = (target, _short_op_name(target))
+        target, short = names
         in_refs = self._refs(_call_tensors(args, kwargs))
         out_refs = self._refs(out_tensors)
         call_key = f"{module_path}:{target}"
@@ -418,17 +420,7 @@ class Tracer:
             sv = _simple(v)
             if sv is not None:
                 attrs[k] = sv
-        self.graph.add_node(
-            "function",
-            target,
-            name=_short_op_name(target),
-            module_path=module_path,
-            call_index=call_index,
-            inputs=in_refs,
-            outputs=out_refs,
-            attrs=attrs,
-            scope=self._scopes[-1],
-        )
+        self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs, self._scopes[-1])
         return out
 
 
