@@ -39,6 +39,7 @@ test: $(STAMP) lint typecheck browser
 	$(PY) -m pytest -n 2 -q --doctest-modules fwdtrace tests
 
 bench: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
 	$(PY) benchmarks/trace_overhead.py
 	$(PY) benchmarks/onnx_check.py
 	$(PY) benchmarks/dump_throughput.py
