@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 import warnings
 import weakref
@@ -175,6 +176,8 @@ class Tracer:
         self._scope_calls: dict[str, int] = {}  # calls so far of every module, atomic or not
         self._type2info: dict[type, _TypeInfo] = {}
         self._unseen: dict[str, list[str]] = {}  # what the trace could not see inside, for one warning
+        self._alias_root: dict[int, int] = {}  # obj_id of a view -> obj_id of its base
+        self._aliases: dict[int, set[int]] = {}  # obj_id of a base -> it and every view of it seen
         self._guard = InterruptGuard(_GUARDED_CODE)
 
     # -- activation -------------------------------------------------------------------------------
@@ -303,9 +306,11 @@ class Tracer:
         if info.scripted:
             self._say_unseen("scripted modules (torch.jit) are opaque, one node each", module)
         in_refs: list[TensorRef] = []
+        in_tensors: list[torch.Tensor] = []
         if atomic:
             with torch._C.DisableTorchFunction():
-                in_refs = self._refs(_call_tensors(args, kwargs))
+                in_tensors = _call_tensors(args, kwargs)
+                in_refs = self._refs(in_tensors)
             self._quiet += 1
         self._stack.append((module, scope))
         self._scopes.append(self._scopes[-1] if root else (*self._scopes[-1], scope))
@@ -331,17 +336,21 @@ class Tracer:
             out = self._run_callbacks(info.callbacks, module, args, out)
         if atomic:
             with torch._C.DisableTorchFunction():
-                self.graph.add_node(
+                self._add_sources(in_refs)
+                out_tensors = [out] if isinstance(out, torch.Tensor) else tensors_of(out)
+                out_refs = self._refs(out_tensors)
+                node = self.graph._append(
                     "module",
                     _registry.qualified_name(type(module)) if not info.scripted else "torch.jit.ScriptModule",
-                    name=path or type(module).__name__,
-                    module_path=path,
-                    call_index=call_index,
-                    inputs=in_refs,
-                    outputs=self._refs([out] if isinstance(out, torch.Tensor) else tensors_of(out)),
-                    attrs=_module_attrs(module) if not info.scripted else _scripted_attrs(module),
-                    scope=self._scopes[-1],
+                    path or type(module).__name__,
+                    path,
+                    call_index,
+                    in_refs,
+                    out_refs,
+                    _module_attrs(module) if not info.scripted else _scripted_attrs(module),
+                    self._scopes[-1],
                 )
+                self._track_aliases(node.id, in_tensors, in_refs, out_tensors, out_refs)
         if root:
             self._end_root(out)
         return out
@@ -401,13 +410,18 @@ class Tracer:
             out_tensors = tensors_of(out) if isinstance(out, (tuple, list)) else []
             if not out_tensors:  # x.shape, x.size(), x.item(): no tensor flows on
                 return out
+        in_tensors = _call_tensors(args, kwargs)
+        in_refs = self._refs(in_tensors)
+        producer = self.graph._producer
+        if not any(r.obj_id in producer for r in in_refs) and _inside_module_init():
+            return out  # a layer built in forward initialising its weights: not the model's dataflow
         module_path = self._stack[-1][1].module_path
         names = _FUNC2NAMES.get(func)
         if names is None:
             target = function_name(func)
             names = _FUNC2NAMES[func] = (target, _short_op_name(target))
         target, short = names
-        in_refs = self._refs(_call_tensors(args, kwargs))
+        self._add_sources(in_refs)
         out_refs = self._refs(out_tensors)
         call_key = f"{module_path}:{target}"
         call_index = self._calls.get(call_key, 0)
@@ -420,8 +434,46 @@ class Tracer:
             sv = _simple(v)
             if sv is not None:
                 attrs[k] = sv
-        self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs, self._scopes[-1])
+        node = self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs,
+                                  self._scopes[-1])
+        self._track_aliases(node.id, in_tensors, in_refs, out_tensors, out_refs)
         return out
+
+    # -- aliasing and sources ---------------------------------------------------------------------
+    def _track_aliases(
+        self, node_id: int, in_tensors: list[torch.Tensor], in_refs: list[TensorRef],
+        out_tensors: list[torch.Tensor], out_refs: list[TensorRef],
+    ) -> None:
+        """Views share memory with their base: a write through one is a write to all of them.
+
+        ``y[:1].zero_()`` writes into ``y``: the node that wrote becomes the producer of the
+        base and of every view of it, so a later read of ``y`` is wired to the write.
+        """
+        for t, ref in zip(out_tensors, out_refs, strict=True):
+            base = t._base if t._is_view() else None
+            if base is not None:
+                root = self.obj_id(base)  # the base a view of a view points to is the root
+                self._alias_root[ref.obj_id] = root
+                self._aliases.setdefault(root, {root}).add(ref.obj_id)
+        in_ids = {id(t) for t in in_tensors}
+        for t, ref in zip(out_tensors, out_refs, strict=True):
+            if id(t) in in_ids:  # an output that is an input: written in place
+                root = self._alias_root.get(ref.obj_id, ref.obj_id)
+                for oid in self._aliases.get(root, ()):
+                    self.graph._producer[oid] = node_id
+
+    def _add_sources(self, refs: list[TensorRef]) -> None:
+        """A tensor read before anything made it (``torch.Tensor([...])``, ``torch.from_numpy``,
+        a plain tensor attribute) gets a source node, as a ``torch.tensor`` call would."""
+        producer = self.graph._producer
+        for ref in refs:
+            if ref.param is None and ref.obj_id not in producer:
+                module_path = self._stack[-1][1].module_path
+                call_key = f"{module_path}:torch.tensor"
+                call_index = self._calls.get(call_key, 0)
+                self._calls[call_key] = call_index + 1
+                self.graph._append("function", "torch.tensor", "tensor", module_path, call_index, [], [ref],
+                                   {"made": "outside torch functions"}, self._scopes[-1])
 
 
 def _remove_mode(mode: TorchFunctionMode) -> None:
@@ -447,6 +499,18 @@ def _module_paths(model: torch.nn.Module) -> dict[int, str]:
     """Every module's path; the modules that ``torch.compile`` wraps take the path of their wrapper."""
     return {id(m): p.replace("._orig_mod", "").removeprefix("_orig_mod.").removeprefix("_orig_mod")
             for p, m in model.named_modules()}
+
+
+def _inside_module_init(max_depth: int = 24) -> bool:
+    """Whether the caller runs inside an ``nn.Module.__init__`` (a layer built in forward)."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

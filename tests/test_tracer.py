@@ -798,3 +798,83 @@ def test_a_layer_subclass_that_calls_its_own_children_shows_them() -> None:
     assert [n.module_path for n in graph.find(kind="module")] == hooked == ["0", "1.act", "2"]
     assert [n.target for n in graph.find(kind="function")] == ["torch.nn.functional.batch_norm"]
     assert connected(graph, "0", "1.act") and connected(graph, "1.act", "2")
+
+
+# -- writes through views, reassigned buffers, tensors from Python data (issue 13) -----------------
+def producer_of_read(graph: fwdtrace.Graph, target: str) -> list[str]:
+    """The targets of the nodes whose outputs the (only) node of ``target`` reads, by its edges."""
+    (node,) = graph.find(target=target)
+    return [graph.nodes[e.src].target for e in graph.edges if e.dst == node.id]
+
+
+@pytest.mark.parametrize("write", [
+    lambda y: y[:1].zero_(),
+    lambda y: y.view(2, 3)[0].mul_(0),
+    lambda y: y.unsqueeze(0).transpose(0, 1)[:2].add_(1),
+    lambda y: y.__setitem__(slice(0, 1), 0.0),
+], ids=["slice", "view-of-view", "chain-of-views", "setitem"])
+def test_a_write_through_a_view_produces_the_base(write: Any) -> None:
+    class WriteThroughView(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
+            write(y)
+            return y * 2
+
+    x = torch.arange(6.0)
+    graph = fwdtrace.trace(WriteThroughView(), x)
+    g = graph.to_networkx()
+    writer = next(n for n in graph.nodes if n.target.endswith("_") or n.target.endswith("__setitem__"))
+    (mul,) = graph.find(target="torch.Tensor.mul")
+    (clone,) = graph.find(target="torch.Tensor.clone")
+    assert nx.has_path(g, writer.id, mul.id)  # the write reaches what reads y afterwards
+    assert not any(e.src == clone.id and e.dst == mul.id for e in graph.edges)  # not the stale value
+    expected = x.clone()
+    write(expected)
+    torch.testing.assert_close(WriteThroughView()(x), expected * 2)  # and that is what torch computes
+
+
+def test_a_reassigned_buffer_does_not_name_a_new_tensor_under_pin_false() -> None:
+    class Reassigns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b1", torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.b1 = self.b1 + 1  # the old buffer dies; a new tensor may get its id()
+            return (x * self.b1).relu() + torch.ones(4)
+
+    graphs = []
+    for pin in (True, False):
+        model = Reassigns()
+        graphs.append(fwdtrace.trace(model, torch.ones(4), pin=pin))
+    assert graphs[0] == graphs[1]
+    named = [r.param for n in graphs[1].nodes for r in n.inputs + n.outputs if r.param]
+    assert named == ["b1"]  # read once, as the buffer; nothing made later carries its name
+
+
+def test_tensors_made_from_python_data_have_a_producer() -> None:
+    import numpy as np
+
+    class FromData(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = torch.Tensor([3.0, 4.0])
+            b = torch.from_numpy(np.ones(2, dtype=np.float32))
+            return x + a + b
+
+    graph = fwdtrace.trace(FromData(), torch.ones(2))
+    produced = {r.obj_id for n in graph.nodes for r in n.outputs}
+    read = [r.obj_id for n in graph.nodes for r in n.inputs]
+    assert all(oid in produced for oid in read)  # every tensor read was made by a node
+    assert len(graph.find(target="torch.tensor")) == 2
+    g = graph.to_networkx()
+    (out,) = graph.output_nodes
+    assert all(nx.has_path(g, n.id, out.id) for n in graph.find(target="torch.tensor"))
+
+
+def test_a_layer_built_in_forward_adds_no_initialisation_nodes() -> None:
+    class BuildsALayer(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.Linear(4, 3)(x).relu()
+
+    graph = fwdtrace.trace(BuildsALayer(), torch.ones(2, 4))
+    assert [n.target for n in graph.nodes] == ["input", "torch.nn.Linear", "torch.Tensor.relu", "output"]
