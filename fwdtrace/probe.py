@@ -25,10 +25,58 @@ from .keys import key2module
 from .stats import RunningStats, summary_text
 from .tracer import layer_notes
 
-__all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
+__all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle", "select_modules"]
 
 Selector = str | type | Iterable[Any]
 _KINDS = ("input", "output", "grad_input", "grad_output")
+
+
+def select_modules(
+    key2module: dict[str, torch.nn.Module], selector: Selector, caller: str, model_name: str
+) -> dict[str, torch.nn.Module]:
+    """The modules of ``key2module`` that ``selector`` names, by key: a key, a glob, a class, or a list of them.
+
+    Shared by everything addressed by module key (probes, the recorder); ``caller`` and
+    ``model_name`` start its error messages, which list the closest keys for an unknown one.
+
+    >>> import torch
+    >>> from fwdtrace.keys import key2module
+    >>> k2m = key2module(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    >>> list(select_modules(k2m, "*.Linear", "Probe", "Sequential"))
+    ['0.Linear']
+    """
+    items = key2module
+    if isinstance(selector, str):
+        if selector in items:
+            return {selector: items[selector]}
+        if any(c in selector for c in "*?["):
+            found = {k: m for k, m in items.items() if fnmatch.fnmatchcase(k, selector)}
+            if found:
+                return found
+        close = difflib.get_close_matches(selector, list(items), n=5, cutoff=0.3)
+        hint = f"closest keys: {', '.join(repr(k) for k in close)}" if close else f"keys: {list(items)[:8]}"
+        raise FwdtraceError(
+            f"{caller} expected a module key, a glob or a class of {model_name}, got "
+            f"{selector!r}, which matches no key; {hint}"
+        )
+    if isinstance(selector, type) and issubclass(selector, torch.nn.Module):
+        found = {k: m for k, m in items.items() if isinstance(m, selector)}
+        if not found:
+            classes = sorted({type(m).__name__ for m in items.values()})
+            raise FwdtraceError(
+                f"{caller} expected a module key, a glob or a class of {model_name}, got "
+                f"{selector.__name__}, of which the model has no instance; its classes: {', '.join(classes)}"
+            )
+        return found
+    if isinstance(selector, (list, tuple, set)):
+        out: dict[str, torch.nn.Module] = {}
+        for s in selector:
+            out.update(select_modules(items, s, caller, model_name))
+        return out
+    raise FwdtraceError(
+        f"{caller} expected a selector (a module key, a glob such as 'seq.*.Conv2d', a torch.nn.Module "
+        f"subclass or a list of them), got {describe(selector)}"
+    )
 
 
 class Hooks:
@@ -211,38 +259,7 @@ class Probe:
         >>> list(probe.select(torch.nn.ReLU)), list(probe.select("*.Linear"))
         (['1.ReLU'], ['0.Linear'])
         """
-        items = self._key2module
-        if isinstance(selector, str):
-            if selector in items:
-                return {selector: items[selector]}
-            if any(c in selector for c in "*?["):
-                found = {k: m for k, m in items.items() if fnmatch.fnmatchcase(k, selector)}
-                if found:
-                    return found
-            close = difflib.get_close_matches(selector, list(items), n=5, cutoff=0.3)
-            hint = f"closest keys: {', '.join(repr(k) for k in close)}" if close else f"keys: {self.keys[:8]}"
-            raise FwdtraceError(
-                f"Probe expected a module key, a glob or a class of {type(self.model).__name__}, got "
-                f"{selector!r}, which matches no key; {hint}"
-            )
-        if isinstance(selector, type) and issubclass(selector, torch.nn.Module):
-            found = {k: m for k, m in items.items() if isinstance(m, selector)}
-            if not found:
-                classes = sorted({type(m).__name__ for m in items.values()})
-                raise FwdtraceError(
-                    f"Probe expected a module key, a glob or a class of {type(self.model).__name__}, got "
-                    f"{selector.__name__}, of which the model has no instance; its classes: {', '.join(classes)}"
-                )
-            return found
-        if isinstance(selector, (list, tuple, set)):
-            out: dict[str, torch.nn.Module] = {}
-            for s in selector:
-                out.update(self.select(s))
-            return out
-        raise FwdtraceError(
-            f"Probe expected a selector (a module key, a glob such as 'seq.*.Conv2d', a torch.nn.Module "
-            f"subclass or a list of them), got {describe(selector)}"
-        )
+        return select_modules(self._key2module, selector, "Probe", type(self.model).__name__)
 
     def _one(self, selector: Selector, what: str) -> str:
         found = self.select(selector)
