@@ -115,6 +115,7 @@ class _Channel:
             self.conn.send(worker_module.STOP)
         except (OSError, ValueError):
             pass
+        self.conn.close()  # here, not in stop(): closing under a send in progress breaks the send
 
 
 def _on_output(record: Callable[[Any], None]) -> Callable[[torch.nn.Module, Any, Any], None]:
@@ -377,8 +378,6 @@ class Recorder:
                 late.append(process)
                 process.terminate()
                 process.join(5)
-        for channel in self._channels:
-            channel.conn.close()
         if late:
             warnings.warn(
                 f"Recorder: {len(late)} worker(s) did not finish within timeout={self.timeout}s and were "

@@ -19,7 +19,7 @@ FRAME_SIZE = (640, 480)  # width, height in pixels
 
 # Caps on what crosses to a worker: a picture shows no more than this anyway.
 HEATMAP_MAX = 256  # rows and columns of a heatmap
-HISTOGRAM_MAX = 65536  # values sampled for a histogram
+HISTOGRAM_MAX = 16384  # values sampled for a histogram of 60 bins
 PCA_ROWS_MAX = 512  # points of a PCA scatter (the seed's PCA of every row took seconds)
 PCA_FEATURES_MAX = 1024
 
@@ -142,15 +142,17 @@ class _Panel:
         if view == "heatmap":
             self.artist = ax.imshow(np.zeros((1, 1)), aspect="auto", cmap="viridis", interpolation="nearest")
             left, bottom, width, height = box
-            figure.colorbar(self.artist, cax=figure.add_axes((left + width + 0.015, bottom, 0.02, height)))
+            colorbar = figure.colorbar(self.artist, cax=figure.add_axes((left + width + 0.015, bottom, 0.02, height)))
+            colorbar.formatter.set_powerlimits((-2, 3))  # gradients: "1e-4" above, short tick labels
         elif view == "histogram":
             self.artist = ax.stairs([0.0], [0.0, 1.0], fill=True, color="tab:blue")
             ax.set_xlabel("value")
         else:
             self.artist = ax.scatter([0.0], [0.0], s=6, alpha=0.6)
+        if view != "heatmap":
+            ax.ticklabel_format(style="sci", scilimits=(-2, 3))
 
     def update(self, data: np.ndarray | None) -> None:
-        ax = self.ax
         if data is None or data.size == 0:
             self.artist.set_visible(False)
             self.note.set_text("empty tensor")
@@ -163,7 +165,6 @@ class _Panel:
             self._histogram(data)
         else:
             self._pca(data)
-        ax.title.set_fontsize(9)
 
     def _heatmap(self, data: np.ndarray) -> None:
         rows, cols = data.shape
@@ -188,7 +189,8 @@ class _Panel:
         self.ax.set_ylim(0, max(1, counts.max()) * 1.05)
         self.ax.set_ylabel("count")
         bad = data.size - finite.size
-        self.ax.set_title(f"{data.size} values" + (f", {bad} NaN/Inf left out" if bad else ""), color="tab:red" if bad else "black")
+        text = f"{data.size} values" + (f", {bad} NaN/Inf left out" if bad else "")
+        self.ax.set_title(text, fontsize=9, color="tab:red" if bad else "black")
 
     def _pca(self, rows: np.ndarray) -> None:
         rows = rows[np.isfinite(rows).all(axis=1)]
@@ -207,9 +209,9 @@ class _Panel:
         pad_x, pad_y = max(1e-12, 0.05 * (x1 - x0)), max(1e-12, 0.05 * (y1 - y0))
         self.ax.set_xlim(x0 - pad_x, x1 + pad_x)
         self.ax.set_ylim(y0 - pad_y, y1 + pad_y)
-        self.ax.set_xlabel(f"PC1 ({100 * var[0]:.0f}% of variance)")
-        self.ax.set_ylabel(f"PC2 ({100 * var[1]:.0f}% of variance)")
-        self.ax.set_title(f"{rows.shape[0]} points, {rows.shape[1]} features")
+        self.ax.set_xlabel(f"PC1 ({100 * var[0]:.0f}% var.)", loc="left")  # leaves room for an offset ("1e-4") right
+        self.ax.set_ylabel(f"PC2 ({100 * var[1]:.0f}% var.)")
+        self.ax.set_title(f"{rows.shape[0]} points, {rows.shape[1]} features", fontsize=9)
 
 
 def draw_frame(title: str, payload: dict[str, Any], views: tuple[str, ...]) -> np.ndarray:
