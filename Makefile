@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	@# The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,recorder]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -39,13 +39,14 @@ test: $(STAMP) lint typecheck browser
 	$(PY) -m pytest -n 2 -q --doctest-modules fwdtrace tests
 
 bench: $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,recorder,bench]'
 	$(PY) benchmarks/trace_overhead.py
 	$(PY) benchmarks/onnx_check.py
 	$(PY) benchmarks/dump_throughput.py
 	$(PY) benchmarks/analyze_cost.py
 	$(PY) benchmarks/trace_scaling.py
 	$(PY) benchmarks/live_cost.py
+	$(PY) benchmarks/recorder_cost.py
 
 clean:
 	rm -rf $(VENV) graph.png graph.svg

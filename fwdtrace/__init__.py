@@ -47,6 +47,8 @@ _LAZY: dict[str, str] = {
     "uninstall_excepthook": "fwdtrace.excepthook",
     # live sampler service (issue 10)
     "serve": "fwdtrace.live.server",
+    # out-of-process recorder (issue 11)
+    "Recorder": "fwdtrace.recorder",
 }
 
 __all__ = [
@@ -101,3 +103,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .onnx_export import onnx_graph as onnx_graph
     from .onnx_ops import onnx_equivalent as onnx_equivalent
     from .probe import Probe as Probe
+    from .recorder import Recorder as Recorder
