@@ -94,7 +94,7 @@ def _torchview(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
 def _torchlens(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
     import torchlens
 
-    return torchlens.trace(m, input_args=_positional(kw), save="none")
+    return torchlens.trace(m, input_args=_positional(kw), save=None)  # metadata only, no activations
 
 
 PEERS: dict[str, Variant] = {"torchview": _torchview, "torchlens": _torchlens}
@@ -173,8 +173,9 @@ def measure_peer(name: str, peer: str, repeats: int) -> dict[str, dict[str, floa
 
 
 def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
-    """Forwards per second of a thread while its neighbour runs plain forwards, or traces."""
-    server, server_in = build("resnet50")
+    """Forwards per second of a thread (GPT-2, an inference server) while its neighbour runs plain
+    BERT forwards, or traces BERT."""
+    server, server_in = build("gpt2")
     other, other_in = build("bert")
 
     def run(neighbour: Variant) -> float:
@@ -202,7 +203,7 @@ def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
         return count[0] / seconds
 
     rounds = {"plain": [], "trace()": []}  # type: dict[str, list[float]]
-    for _ in range(3):
+    for _ in range(5):
         for variant in rounds:
             rounds[variant].append(run(OURS[variant]))
     plain, traced = statistics.median(rounds["plain"]), statistics.median(rounds["trace()"])
@@ -264,9 +265,9 @@ def main() -> None:
             print(f"{LABELS[name]:<24} {v:<17} {r['ms']:>10.1f} {r['x_plain']:>8.2f} {r['peak_mib']:>9.1f} "
                   f"{r['peak_x_plain']:>13.2f}")
     n = neighbour_throughput()
-    print(f"neighbour thread (ResNet-50 forwards) while another thread traces BERT: {n['traced_per_s']:.2f}/s "
+    print(f"neighbour thread (GPT-2 forwards) while another thread traces BERT: {n['traced_per_s']:.1f}/s "
           f"against {n['plain_per_s']:.2f}/s beside plain BERT forwards: {n['loss'] * 100:+.1f}% lost")
-    c = install_cost(args.repeats)
+    c = install_cost(max(30, args.repeats))
     print(f"install() with one callback on a class ResNet-50 does not use: {c['installed_ms']:.1f} ms against "
           f"{c['plain_ms']:.1f} ms plain: {c['cost'] * 100:+.2f}%")
 
