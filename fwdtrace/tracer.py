@@ -373,9 +373,7 @@ class Tracer:
     def _begin_root(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():
             if self._module2path.get(id(model)) != "":
-                self._module2path = _module_paths(model)
-                self._param_names = {id(t): (n, t) for n, t in model.named_parameters()}
-                self._param_names.update({id(t): (n, t) for n, t in model.named_buffers()})
+                self._module2path, self._param_names = _walk(model)
             for name, t in _named_inputs(model, args, kwargs):
                 ref = self._refs([t])[0]
                 if ref.obj_id not in self.graph._producer:
@@ -413,7 +411,8 @@ class Tracer:
         in_tensors = _call_tensors(args, kwargs)
         in_refs = self._refs(in_tensors)
         producer = self.graph._producer
-        if not any(r.obj_id in producer for r in in_refs) and _inside_module_init():
+        unmade = [r for r in in_refs if r.obj_id not in producer]
+        if len(unmade) == len(in_refs) and _inside_module_init():
             return out  # a layer built in forward initialising its weights: not the model's dataflow
         module_path = self._stack[-1][1].module_path
         names = _FUNC2NAMES.get(func)
@@ -421,7 +420,8 @@ class Tracer:
             target = function_name(func)
             names = _FUNC2NAMES[func] = (target, _short_op_name(target))
         target, short = names
-        self._add_sources(in_refs)
+        if unmade:
+            self._add_sources(unmade)
         out_refs = self._refs(out_tensors)
         call_key = f"{module_path}:{target}"
         call_index = self._calls.get(call_key, 0)
@@ -450,24 +450,25 @@ class Tracer:
         base and of every view of it, so a later read of ``y`` is wired to the write.
         """
         for t, ref in zip(out_tensors, out_refs, strict=True):
-            base = t._base if t._is_view() else None
-            if base is not None:
-                root = self.obj_id(base)  # the base a view of a view points to is the root
-                self._alias_root[ref.obj_id] = root
-                self._aliases.setdefault(root, {root}).add(ref.obj_id)
-        in_ids = {id(t) for t in in_tensors}
-        for t, ref in zip(out_tensors, out_refs, strict=True):
-            if id(t) in in_ids:  # an output that is an input: written in place
-                root = self._alias_root.get(ref.obj_id, ref.obj_id)
-                for oid in self._aliases.get(root, ()):
-                    self.graph._producer[oid] = node_id
+            if t._is_view():
+                base = t._base
+                if base is not None:
+                    root = self.obj_id(base)  # the base a view of a view points to is the root
+                    self._alias_root[ref.obj_id] = root
+                    self._aliases.setdefault(root, {root}).add(ref.obj_id)
+            for x in in_tensors:
+                if x is t:  # an output that is an input: written in place
+                    root = self._alias_root.get(ref.obj_id, ref.obj_id)
+                    for oid in self._aliases.get(root, ()):
+                        self.graph._producer[oid] = node_id
+                    break
 
     def _add_sources(self, refs: list[TensorRef]) -> None:
         """A tensor read before anything made it (``torch.Tensor([...])``, ``torch.from_numpy``,
         a plain tensor attribute) gets a source node, as a ``torch.tensor`` call would."""
         producer = self.graph._producer
         for ref in refs:
-            if ref.param is None and ref.obj_id not in producer:
+            if ref.param is None and ref.obj_id not in producer:  # read again later: made once
                 module_path = self._stack[-1][1].module_path
                 call_key = f"{module_path}:torch.tensor"
                 call_index = self._calls.get(call_key, 0)
@@ -495,10 +496,41 @@ _GUARDED_CODE = tuple(
 )
 
 
+def _walk(model: torch.nn.Module) -> tuple[dict[int, str], dict[int, tuple[str, torch.Tensor]]]:
+    """Every module's path, and every parameter's and buffer's name with the tensor, by ``id()``.
+
+    One pass over ``_modules``, ``_parameters`` and ``_buffers`` giving what ``named_modules()``,
+    ``named_parameters()`` and ``named_buffers()`` give (shared ones under their first path),
+    several times faster than the three generators. The modules that ``torch.compile`` wraps
+    take the path of their wrapper.
+    """
+    module2path: dict[int, str] = {}
+    params: dict[int, tuple[str, torch.Tensor]] = {}
+    buffers: dict[int, tuple[str, torch.Tensor]] = {}
+    todo: list[tuple[str, torch.nn.Module]] = [("", model)]
+    while todo:
+        path, module = todo.pop()
+        if id(module) in module2path:
+            continue
+        if "_orig_mod" in path:
+            path = path.replace("._orig_mod", "").removeprefix("_orig_mod.").removeprefix("_orig_mod")
+        module2path[id(module)] = path
+        prefix = f"{path}." if path else ""
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in params:
+                params[id(p)] = (prefix + name, p)
+        for name, b in module._buffers.items():
+            if b is not None and id(b) not in buffers:
+                buffers[id(b)] = (prefix + name, b)
+        children = [(prefix + name, c) for name, c in module._modules.items() if c is not None]
+        todo += reversed(children)  # depth first, in order, as named_modules() goes
+    params.update(buffers)
+    return module2path, params
+
+
 def _module_paths(model: torch.nn.Module) -> dict[int, str]:
-    """Every module's path; the modules that ``torch.compile`` wraps take the path of their wrapper."""
-    return {id(m): p.replace("._orig_mod", "").removeprefix("_orig_mod.").removeprefix("_orig_mod")
-            for p, m in model.named_modules()}
+    """Every module's path by ``id()`` (see :func:`_walk`)."""
+    return _walk(model)[0]
 
 
 def _inside_module_init(max_depth: int = 24) -> bool:
@@ -597,13 +629,36 @@ def layer_notes(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+_SIGNATURES: weakref.WeakKeyDictionary[Any, dict[bool, inspect.Signature | None]] = weakref.WeakKeyDictionary()
+
+
+def _forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
+    """``inspect.signature(model.forward)``, computed once per forward function."""
+    forward = model.forward
+    function = getattr(forward, "__func__", forward)
+    bound = hasattr(forward, "__self__")
+    try:
+        cache = _SIGNATURES.setdefault(function, {})
+    except TypeError:  # not weak-referenceable: compute each time
+        cache = {}
+    if bound not in cache:
+        try:
+            cache[bound] = inspect.signature(forward)
+        except (TypeError, ValueError):
+            cache[bound] = None
+    return cache[bound]
+
+
 def _named_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     """Tensor leaves of a call's arguments, named after forward's parameters: ``x``, ``batch.ids``."""
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        signature = _forward_signature(model)
+        if signature is None:
+            raise TypeError("no signature")
+        bound = signature.bind(*args, **kwargs)
         named: list[tuple[str, Any]] = []
         for name, value in bound.arguments.items():
-            kind = inspect.signature(model.forward).parameters[name].kind
+            kind = signature.parameters[name].kind
             if kind is inspect.Parameter.VAR_POSITIONAL:
                 named += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
             elif kind is inspect.Parameter.VAR_KEYWORD:
