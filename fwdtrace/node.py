@@ -47,7 +47,7 @@ class Scope(NamedTuple):
     call_index: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     """One call in the graph, in execution order.
 
