@@ -20,7 +20,7 @@ import graphviz
 
 from ..errors import FwdtraceError
 from ..graph import Graph
-from ..node import Node, Scope
+from ..node import Edge, Node, Scope
 from .fold import Folds, Item, Loop, find_folds, side_components
 
 __all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS"]
@@ -285,12 +285,29 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
 
 
 def _loop_unit(key: str, loop: Loop, graph: Graph, placement: tuple[Scope, ...]) -> _Unit:
-    names = [f"{it.module_path.rsplit('.', 1)[-1]} ({it.class_name})" if isinstance(it, Scope)
-             else graph.nodes[it].target.rsplit(".", 1)[-1].strip("_") for it in loop.body]
+    def name(item: Item) -> str:
+        if isinstance(item, Scope):
+            return f"{item.module_path.rsplit('.', 1)[-1]} ({item.class_name})"
+        node = graph.nodes[item]
+        if node.kind == "module" and node.module_path:
+            return f"{node.module_path.rsplit('.', 1)[-1]} ({node.class_name})"
+        return node.target.rsplit(".", 1)[-1].strip("_")
+
+    names = [name(it) for it in loop.body]
     body = ", ".join(names[:4]) + (f", … {len(names) - 4} more" if len(names) > 4 else "")
     where = placement[-1].module_path if placement else "the model"
     return _Unit(key, placement, "loop", f"loop in {where}: ×{loop.count - 1} more of\n{body}",
                  about=f"iterations 2 to {loop.count} of a loop of {len(loop.body)} calls in {where}")
+
+
+def _unit_name(unit: _Unit, graph: Graph) -> str:
+    """How a side box names a box it feeds: a module path where there is one."""
+    if unit.kind in ("module", "function", "input", "output"):
+        node = graph.nodes[unit.members[0]]
+        return node.module_path or node.name if node.kind == "module" else node.module_path or unit.label.split("\n")[0]
+    if unit.kind == "loop":
+        return f"the loop in {unit.placement[-1].module_path if unit.placement else 'the model'}"
+    return unit.placement[-1].module_path if unit.placement and unit.kind != "group" else unit.label.split("\n")[0]
 
 
 def _fold_side(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
@@ -303,10 +320,10 @@ def _fold_side(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
         members = set(group)
         nodes = [graph.nodes[i] for i in group]
         reads = {e.src for e in graph.edges if e.dst in members and e.src not in members}
-        consumers = [graph.nodes[e.dst] for e in graph.edges if e.src in members and e.dst not in members]
+        consumers = [_unit_name(node2unit[e.dst], graph) for e in graph.edges if e.src in members and e.dst not in members]
         dead = all(folds.side[i] == "dead end" for i in group)
         kind = _side_kind(nodes, inputs, reads, dead)
-        fed = _paths_text([c.module_path or c.name for c in consumers])
+        fed = _paths_text(list(dict.fromkeys(consumers)))
         label = f"{kind}, {len(group)} ops" + (f"\n→ {fed}" if fed else "")
         placement = nodes[0].scope
         for n in nodes[1:]:
@@ -342,31 +359,55 @@ def _layout_points(source: str) -> tuple[float, float]:
 
 
 def _wrap_edges(keys: list[str], edges: set[tuple[str, str]], width: int) -> list[tuple[str, str]]:
-    """Invisible edges that break a rank wider than ``width`` boxes into rows of ``width``.
+    """Invisible edges that break each rank wider than ``width`` boxes into rows of ``width``.
 
     Ranks are longest paths from the sources, a source placed just above its first reader (as
-    Graphviz does); boxes of one rank have no path between them, so the new edges, which only go
-    from a box to a later one of its rank, close no cycle.
+    Graphviz does), recomputed after each rank is wrapped, since pushing boxes down widens the
+    ranks below. Boxes of one rank have no path between them, so an edge from a box to a later
+    one of its rank closes no cycle.
     """
+    order = {k: i for i, k in enumerate(keys)}
     succ: dict[str, list[str]] = {k: [] for k in keys}
-    pred: dict[str, list[str]] = {k: [] for k in keys}
     for u, v in sorted(edges):
         succ[u].append(v)
-        pred[v].append(u)
-    rank: dict[str, int] = {}
-    for k in keys:  # units are in execution order: a topological order
-        rank[k] = max((rank[p] + 1 for p in pred[k] if p in rank), default=0)
-    for k in keys:
-        if not pred[k] and succ[k]:
-            rank[k] = max(rank[k], min(rank[s] for s in succ[k]) - 1)
-    rank2keys: dict[int, list[str]] = {}
-    for k in keys:
-        rank2keys.setdefault(rank[k], []).append(k)
-    extra = []
-    for row in rank2keys.values():
-        if len(row) > width:
-            extra += [(row[i], row[i + width]) for i in range(len(row) - width)]
+    extra: list[tuple[str, str]] = []
+    for _ in range(len(keys)):
+        pred: dict[str, list[str]] = {k: [] for k in keys}
+        for u in keys:
+            for v in succ[u]:
+                pred[v].append(u)
+        rank: dict[str, int] = {}
+        for k in _topological(keys, succ, pred):
+            rank[k] = max((rank[p] + 1 for p in pred[k]), default=0)
+        for k in keys:
+            if not pred[k] and succ[k]:
+                rank[k] = max(rank[k], min(rank[s] for s in succ[k]) - 1)
+        rank2keys: dict[int, list[str]] = {}
+        for k in keys:
+            rank2keys.setdefault(rank[k], []).append(k)
+        wide = [r for r, row in sorted(rank2keys.items()) if len(row) > width]
+        if not wide:
+            break
+        row = sorted(rank2keys[wide[0]], key=order.__getitem__)
+        for i in range(len(row) - width):
+            extra.append((row[i], row[i + width]))
+            succ[row[i]].append(row[i + width])
     return extra
+
+
+def _topological(keys: list[str], succ: dict[str, list[str]], pred: dict[str, list[str]]) -> list[str]:
+    """``keys`` in an order where every box comes after those with an edge into it."""
+    waiting = {k: len(pred[k]) for k in keys}
+    ready = [k for k in reversed(keys) if not waiting[k]]
+    out = []
+    while ready:
+        k = ready.pop()
+        out.append(k)
+        for v in succ[k]:
+            waiting[v] -= 1
+            if not waiting[v]:
+                ready.append(v)
+    return out + [k for k in keys if waiting[k] > 0]  # a cycle (none expected) keeps the rest in order
 
 
 def to_dot(
@@ -493,19 +534,25 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
 
     emit_units(dot, ())
 
-    drawn: set[tuple[str, str, int]] = set()
+    # One edge per pair of boxes: a folded box can exchange dozens of tensors with another.
+    pair2edges: dict[tuple[str, str], list[Edge]] = {}
     for e in graph.edges:
         u, v = node2unit[e.src], node2unit[e.dst]
-        if u is v or (u.key, v.key, e.obj_id) in drawn:
-            continue
-        drawn.add((u.key, v.key, e.obj_id))
-        text = _shape_text(e.shape) + ("" if e.dtype == "float32" else f" {e.dtype}")
-        dot.edge(names[u.key], names[v.key], label=text if show_shapes else "", tooltip=f"%{e.obj_id} {text}")
+        if u is not v:
+            pair2edges.setdefault((u.key, v.key), []).append(e)
+    for (u_key, v_key), edges in pair2edges.items():
+        texts = list(dict.fromkeys(_edge_text(e) for e in edges))
+        label = ", ".join(texts) if len(texts) <= 2 else f"{texts[0]}, … {len(texts) - 1} more"
+        tooltip = "\n".join(f"%{e.obj_id} {_edge_text(e)}" for e in list(dict.fromkeys(edges))[:_TOOLTIP_LINES])
+        dot.edge(names[u_key], names[v_key], label=label if show_shapes else "", tooltip=tooltip)
     if wrap:
-        pairs = {(u, v) for u, v, _ in drawn}
-        for u_key, v_key in _wrap_edges([u.key for u in units], pairs, wrap):
+        for u_key, v_key in _wrap_edges([u.key for u in units], set(pair2edges), wrap):
             dot.edge(names[u_key], names[v_key], style="invis")
     return dot
+
+
+def _edge_text(e: Edge) -> str:
+    return _shape_text(e.shape) + ("" if e.dtype == "float32" else f" {e.dtype}")
 
 
 def _cluster_id(chain: tuple[Scope, ...]) -> str:

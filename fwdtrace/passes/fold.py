@@ -29,6 +29,7 @@ __all__ = ["Folds", "Loop", "find_folds", "side_components"]
 MIN_REPEATS = 3  # a run of this many identical blocks or loop iterations is folded
 MIN_LOOP_HIDDEN = 6  # ...and a loop only when folding hides at least this many calls
 MAX_LOOP_BODY = 128  # the longest loop body looked for, in calls
+MAX_ODD_ITERATIONS = 8  # a loop's run of iterations may be broken by this many that took other branches
 
 # An item of a module call's sequence: a child module call, or one of its own nodes (by id).
 Item = Scope | int
@@ -196,20 +197,23 @@ def _loops(graph: Graph) -> tuple[dict[Item, Loop], list[Loop]]:
     loops: list[Loop] = []
     for chain, items in chain2items.items():
         seq = [signature(it, chain) for it in items]
-        for start, period, count in _runs(seq, MAX_LOOP_BODY):
-            if (count - 1) * period < MIN_LOOP_HIDDEN:
+        for start, period, count, end in _runs(seq, MAX_LOOP_BODY, tolerate=True):
+            if end - start - period < MIN_LOOP_HIDDEN:
                 continue
-            loop = Loop(chain, items[start : start + period], count, items[start + period : start + period * count])
+            loop = Loop(chain, items[start : start + period], count, items[start + period : end])
             loops.append(loop)
             for it in loop.hidden:
                 item2loop[it] = loop
     return item2loop, loops
 
 
-def _runs(seq: Sequence[Hashable], max_period: int) -> list[tuple[int, int, int]]:
-    """Maximal runs ``(start, period, count)`` of a sub-sequence repeated ``count >= MIN_REPEATS``
-    times back to back; greedy from the left, preferring the run that covers the most."""
-    runs = []
+def _runs(seq: Sequence[Hashable], max_period: int, tolerate: bool = False) -> list[tuple[int, int, int, int]]:
+    """Maximal runs ``(start, period, count, end)`` of a sub-sequence repeated ``count >=
+    MIN_REPEATS`` times back to back, greedy from the left, preferring the run that covers the
+    most. With ``tolerate``, two runs of the same body with at most ``MAX_ODD_ITERATIONS``
+    bodies' length of other calls between them are one run: a loop whose iteration took another branch once
+    (``0 - x`` as ``__rsub__``) stays one loop, the odd iteration counted in."""
+    runs: list[tuple[int, int, int, int]] = []
     i, n = 0, len(seq)
     while i < n:
         best: tuple[int, int, int] | None = None  # (covered, period, count)
@@ -227,9 +231,23 @@ def _runs(seq: Sequence[Hashable], max_period: int) -> list[tuple[int, int, int]
                 best = (count * p, p, count)
         if best is None:
             i += 1
-        else:
-            runs.append((i, best[1], best[2]))
-            i += best[0]
+            continue
+        covered, p, count = best
+        start, end = i, i + covered
+        for k in range(len(runs) - 1, -1, -1) if tolerate else ():
+            s0, p0, c0, e0 = runs[k]
+            if i - e0 > MAX_ODD_ITERATIONS * p:
+                break
+            body, window = list(seq[s0 : s0 + p]), list(seq[i : i + p])
+            # The odd iteration may have left this run out of phase: a rotation of the body.
+            if p0 == p and any(body[k:] + body[:k] == window for k in range(p)):
+                del runs[k:]  # the short runs inside the odd iteration go with it
+                start, count = s0, c0 + count + max(1, round((i - e0) / p))
+                break
+        while tolerate and end < n and seq[end] == seq[end - p]:
+            end += 1  # a last iteration cut short (or out of phase after an odd one)
+        runs.append((start, p, count, end))
+        i = end
     return runs
 
 
@@ -259,7 +277,7 @@ def _repeated_runs(graph: Graph) -> dict[Scope, tuple[Scope, int]]:
     folded: dict[Scope, tuple[Scope, int]] = {}
     for parent, scopes in siblings.items():
         sigs = [(s.class_name, _block_signature(scope2nodes[s], len(parent) + 1)) for s in scopes]
-        for start, _, count in _runs(sigs, 1):
+        for start, _, count, _ in _runs(sigs, 1):
             for s in scopes[start + 1 : start + count]:
                 folded[s] = (scopes[start], count - 1)
     return folded
