@@ -433,7 +433,9 @@ def to_dot(
     >>> model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 2))
     >>> g = fwdtrace.trace(model, torch.ones(1, 4))
     >>> dot = g.to_dot(depth=1)
-    >>> "0 (Sequential)" in dot.source and "ReLU" not in dot.source
+    >>> "0 (Sequential)" in dot.source and 'label="ReLU' not in dot.source  # in the box's tooltip only
+    True
+    >>> 'label="ReLU' in g.to_dot(depth=None).source
     True
 
     ``depth=k`` collapses every module call nested deeper than ``k`` levels into one box,
