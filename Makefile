@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck browser bench clean
+.PHONY: demo test lint typecheck browser bench bench-real clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,5 +48,19 @@ bench: $(STAMP)
 	$(PY) benchmarks/live_cost.py
 	$(PY) benchmarks/recorder_cost.py
 
+# Real models (torchvision detection and classification, transformers) drawn with default settings;
+# a contact sheet in out/real_models/. Its own venv: torchvision needs torch 2.14.1 (a CUDA build
+# that runs on the CPU, several GB), which `make test` must never depend on.
+REAL_VENV := .venv-real
+$(REAL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(REAL_VENV)
+	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
+	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(REAL_VENV)/.installed
+
+bench-real: $(REAL_VENV)/.installed
+	$(REAL_VENV)/bin/python benchmarks/render_real_models.py
+
 clean:
-	rm -rf $(VENV) graph.png graph.svg
+	rm -rf $(VENV) $(REAL_VENV) graph.png graph.svg

@@ -243,13 +243,13 @@ class Graph:
         return g
 
     # -- drawing (a pass; imported lazily) --------------------------------------------------------
-    def to_dot(self, depth: int | None = None, **options: Any) -> Digraph:
+    def to_dot(self, depth: int | str | None = "auto", **options: Any) -> Digraph:
         """A ``graphviz.Digraph`` of this graph; see :func:`fwdtrace.passes.draw.to_dot`."""
         from .passes.draw import to_dot
 
         return to_dot(self, depth=depth, **options)
 
-    def render(self, path: str, depth: int | None = None, **options: Any) -> str:
+    def render(self, path: str, depth: int | str | None = "auto", **options: Any) -> str:
         """Write a PNG, SVG or PDF (by ``path``'s suffix); see :func:`fwdtrace.passes.draw.render`."""
         from .passes.draw import render
 

@@ -14,7 +14,7 @@ import zoo
 from torch import nn
 
 import fwdtrace
-from fwdtrace.passes.draw import Digraph, to_dot
+from fwdtrace.passes.draw import Digraph, render_digraph, to_dot
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE_GOLDEN = os.environ.get("FWDTRACE_UPDATE_GOLDEN") == "1"  # regenerate with this flag set
@@ -26,6 +26,14 @@ def dot_graph(dot: Digraph) -> tuple[set[str], list[tuple[str, str]]]:
 
     agraph = pygraphviz.AGraph(string=dot.source)
     return {str(n) for n in agraph.nodes()}, [(str(u), str(v)) for u, v in agraph.edges()]
+
+
+def dot_labels(dot: Digraph) -> list[str]:
+    """The labels of the boxes drawn, read back with pygraphviz."""
+    import pygraphviz
+
+    agraph = pygraphviz.AGraph(string=dot.source)  # kept alive while its nodes are read
+    return [str(n.attr.get("label")) for n in agraph.nodes()]
 
 
 def test_golden_dot_of_a_small_model() -> None:
@@ -41,7 +49,7 @@ def test_golden_dot_of_a_small_model() -> None:
 def test_every_trace_edge_is_drawn_between_drawn_nodes(name: str) -> None:
     model, inputs = zoo.ZOO[name]()
     graph = fwdtrace.trace(model, *inputs)
-    nodes, edges = dot_graph(graph.to_dot(collapse_repeats=False))
+    nodes, edges = dot_graph(graph.to_dot(None, collapse_repeats=False, fold_side=False, fold_loops=False))
     assert len(nodes) == len(graph.nodes)  # full detail: one box per node
     assert all(u in nodes and v in nodes for u, v in edges)
     assert len(set(edges)) == len({(e.src, e.dst) for e in graph.edges})
@@ -64,10 +72,10 @@ def test_depth_collapses_without_dangling_edges(depth: int) -> None:
 
 def test_depth_one_shows_top_level_modules_only() -> None:
     model, inputs = zoo.resnetish()
-    source = fwdtrace.trace(model, *inputs).to_dot(depth=1).source
-    assert "stem (Sequential)" in source and "blocks (Sequential)" in source
-    assert "BatchNorm2d" not in source  # only inside stem and blocks
-    assert "16→10" in source  # fc is at depth 1 and drawn as itself
+    labels = " ".join(dot_labels(fwdtrace.trace(model, *inputs).to_dot(depth=1)))
+    assert "stem (Sequential)" in labels and "blocks (Sequential)" in labels
+    assert "BatchNorm2d" not in labels  # only inside stem and blocks (their tooltips list it)
+    assert "16→10" in labels  # fc is at depth 1 and drawn as itself
 
 
 def test_repeated_blocks_are_folded_and_edges_rerouted() -> None:
@@ -152,7 +160,7 @@ def test_bad_render_arguments(tmp_path: Path) -> None:
         graph.render(tmp_path / "graph.gif")
     with pytest.raises(fwdtrace.FwdtraceError, match=r"^render\(\) expected an existing folder"):
         graph.render(tmp_path / "missing" / "graph.png")
-    with pytest.raises(fwdtrace.FwdtraceError, match=r"^to_dot\(\) expected depth as None or an integer >= 0, got -1"):
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^to_dot\(\) expected depth as 'auto', None or an integer >= 0, got -1"):
         graph.to_dot(depth=-1)
     assert list(tmp_path.iterdir()) == []
 
@@ -180,3 +188,161 @@ def test_render_replaces_a_symlink_at_the_target_instead_of_writing_through_it(t
     assert victim.read_text() == "keep me"
     assert not target.is_symlink() and "<svg" in target.read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["graph.svg", "victim.txt"]  # no temporary file left
+
+
+# -- readable by default: bounds, and nothing lost in the folding ---------------------------------------
+def gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=50, n_positions=16)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # padded: the mask arithmetic runs
+    return transformers.GPT2Model(config).eval(), (torch.randint(0, 50, (2, 8)),), {"attention_mask": mask}
+
+
+def bert() -> tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                     intermediate_size=64, vocab_size=50, max_position_embeddings=16)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 6:] = 0
+    return transformers.BertModel(config).eval(), (torch.randint(0, 50, (2, 8)),), {"attention_mask": mask}
+
+
+class PostProcess(nn.Module):
+    """A detector's tail in miniature: a conv head, then a per-box loop of small ops at the top
+    level (the 32767-px-wide row that made Mask R-CNN unreadable) and a score threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        boxes = self.head(x).flatten(1).view(-1, 4).sigmoid()
+        keep = (boxes[:, 2] > 0.1).nonzero()  # noqa: F841  (a dead end)
+        out = []
+        for i in range(boxes.shape[0]):
+            b = boxes[i]
+            out.append(torch.stack([b[0] * 2, b[1] * 2, (b[2] - b[0]).clamp(min=0), (b[3] - b[1]).clamp(min=0)]))
+        return torch.stack(out)
+
+
+def models() -> dict[str, object]:
+    return {**zoo.ZOO, "gpt2": gpt2, "bert": bert,
+            "postprocess": lambda: (PostProcess().eval(), (torch.randn(1, 3, 4, 4),))}
+
+
+def trace_model(name: str) -> fwdtrace.Graph:
+    model, args, *kwargs = models()[name]()  # type: ignore[operator]
+    return fwdtrace.trace(model, *args, **(kwargs[0] if kwargs else {}))
+
+
+def png_size(path: str | Path) -> tuple[int, int]:
+    import struct
+
+    width, height = struct.unpack(">II", Path(path).read_bytes()[16:24])  # the IHDR chunk
+    return width, height
+
+
+def members_of(agraph: object) -> dict[int, str]:
+    """node id -> the DOT node whose box holds it; each node id in exactly one box."""
+    node2box: dict[int, str] = {}
+    for n in agraph.nodes():  # type: ignore[attr-defined]
+        for part in str(n.attr.get("fwdtrace_members")).split():
+            a, _, b = part.partition("-")
+            for i in range(int(a), int(b or a) + 1):
+                assert i not in node2box, f"node {i} is in two boxes: {node2box[i]} and {n}"
+                node2box[i] = str(n)
+    return node2box
+
+
+def assert_nothing_lost(graph: fwdtrace.Graph, dot: Digraph) -> int:
+    """Every node in exactly one box; the drawn edges are those of the graph contracted by box
+    (networkx's quotient graph). Returns the number of boxes."""
+    import networkx as nx
+    import pygraphviz
+
+    agraph = pygraphviz.AGraph(string=dot.source)
+    node2box = members_of(agraph)
+    assert sorted(node2box) == [n.id for n in graph.nodes]
+    full = nx.DiGraph(graph.to_networkx())
+    box2nodes: dict[str, set[int]] = {}
+    for i, box in node2box.items():
+        box2nodes.setdefault(box, set()).add(i)
+    quotient = nx.quotient_graph(full, list(box2nodes.values()), relabel=False)
+    set2box = {frozenset(nodes): box for box, nodes in box2nodes.items()}
+    contracted = {(set2box[u], set2box[v]) for u, v in quotient.edges() if u != v}
+    drawn = [(str(u), str(v)) for u, v in agraph.edges() if agraph.get_edge(u, v).attr.get("style") != "invis"]
+    assert len(drawn) == len(set(drawn))  # one edge per pair of boxes
+    assert set(drawn) == contracted
+    return len(agraph.nodes())
+
+
+@pytest.mark.parametrize("name", sorted(models()))
+def test_default_picture_is_within_bounds_and_loses_nothing(name: str, tmp_path: Path) -> None:
+    graph = trace_model(name)
+    dot = graph.to_dot()
+    boxes = assert_nothing_lost(graph, dot)
+    assert boxes <= 250
+    width, height = png_size(graph.render(tmp_path / "g.png"))
+    assert width <= 4096 and height <= 16384
+    # Whatever depth is asked for, folding keeps every node and edge.
+    for depth in range(0, 4):
+        assert_nothing_lost(graph, graph.to_dot(depth))
+    assert_nothing_lost(graph, graph.to_dot(None, fold_side=False, fold_loops=False, collapse_repeats=False))
+
+
+def test_a_wide_loop_is_folded_into_a_picture_of_readable_size(tmp_path: Path) -> None:
+    graph = trace_model("postprocess")
+    full = graph.to_dot(None, fold_loops=False, fold_side=False)
+    folded = graph.to_dot(None)
+    boxes = 4 * 4 * 4 // 4  # the head's output as boxes of 4
+    assert f"loop in the model: ×{boxes - 1} more of" in " ".join(dot_labels(folded))
+    assert assert_nothing_lost(graph, folded) * 5 < len(dot_labels(full))
+    w_full, _ = png_size(render_digraph(full, tmp_path / "full.png"))
+    w_folded, _ = png_size(render_digraph(folded, tmp_path / "folded.png"))
+    assert w_folded * 3 < w_full
+
+
+def test_auto_depth_stays_within_the_target_and_says_so() -> None:
+    graph = trace_model("bert")
+    levels = max(len(n.scope) for n in graph.nodes) + 1  # depth `levels` collapses nothing
+    counts = {d: len(dot_labels(graph.to_dot(d))) for d in range(0, levels + 1)}
+    for target in (10, 30):
+        dot = graph.to_dot(target_nodes=target)
+        chosen = max(d for d, c in counts.items() if c <= target)  # the deepest depth within the target
+        labels = dot_labels(dot)
+        assert len(labels) == counts[chosen] <= target
+        assert f"depth {chosen} of {levels}: {len(labels)} boxes for {len(graph.nodes)} nodes" in dot.source
+    assert counts[levels] <= 250 and f"full detail: {counts[levels]} boxes" in graph.to_dot().source
+    explicit = graph.to_dot(1)  # honoured, no caption
+    assert len(dot_labels(explicit)) == counts[1] and "auto" not in explicit.source
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^to_dot\(\) expected target_nodes as an integer >= 1, got 0"):
+        graph.to_dot(target_nodes=0)
+
+
+def test_wide_fan_outs_wrap_into_rows(tmp_path: Path) -> None:
+    class Fan(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([torch.tanh(x * (i + 1)) for i in range(40)]).sum(0)
+
+    graph = fwdtrace.trace(Fan(), torch.ones(3))
+    options = dict(fold_loops=False)
+    wrapped, flat = graph.to_dot(None, **options), graph.to_dot(None, wrap=0, **options)
+    assert_nothing_lost(graph, wrapped)
+    (w1, h1), (w0, h0) = (png_size(render_digraph(d, tmp_path / f"{i}.png")) for i, d in enumerate((wrapped, flat)))
+    assert w1 < w0 * 0.9 and h1 > h0 * 1.5  # rows: narrower and taller (the long edges keep some width)
+
+
+def test_svg_tooltips_say_where_what_and_what_a_box_holds(tmp_path: Path) -> None:
+    model, inputs = zoo.resnetish()
+    graph = fwdtrace.trace(model, *inputs)
+    root = ET.parse(graph.render(tmp_path / "g.svg", depth=1)).getroot()
+    titles = [a.get("{http://www.w3.org/1999/xlink}title") or "" for a in root.iter("{http://www.w3.org/2000/svg}a")]
+    fc = next(t for t in titles if t.startswith("fc · torch.nn.Linear"))
+    assert "in: 1×16 float32" in fc and "out: 1×10 float32" in fc and "in_features: 16" in fc
+    blocks = next(t for t in titles if t.startswith("blocks (Sequential), collapsed"))
+    inside = [n for n in graph.nodes if n.module_path.startswith("blocks.")]
+    assert len(blocks.splitlines()) == 1 + len(inside)  # one line per node it holds
+    assert "blocks.1.down.0: Conv2d 8→16 k1 s2 (1×8×16×16 → 1×16×8×8)" in blocks

@@ -2,8 +2,9 @@
 
 A pass over the graph (torch.fx's ``graph_drawer`` is the model): modules become nested
 clusters, ``depth=k`` collapses everything below depth ``k`` into one box per module
-call, and runs of identical blocks (the layers of a transformer) are drawn once with a
-box standing for the rest. Rendering goes through pygraphviz, whose wheel bundles
+call, and what ``fold.py`` finds (side computations, dead ends, loops, runs of identical
+blocks) is drawn as one box each. By default the depth is chosen so that the picture
+stays readable: at most a target number of boxes, within PNG bounds at a legible resolution. Rendering goes through pygraphviz, whose wheel bundles
 Graphviz's layout engine, so no ``dot`` binary is needed.
 """
 
@@ -20,16 +21,17 @@ import graphviz
 from .._files import write_bytes
 from ..errors import FwdtraceError
 from ..graph import Graph
-from ..node import Node, Scope
+from ..node import Edge, Node, Scope
+from .fold import Folds, Item, Loop, find_folds, side_components
 
 __all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS"]
 
 FORMATS = ("png", "svg", "pdf")
 
-_FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "function": "#f7efd2"}
-_SHAPE = {"input": "box", "output": "box", "module": "box", "function": "ellipse"}
+_FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "function": "#f7efd2", "side": "#f4f4f4",
+         "loop": "#e2ecd9"}
+_SHAPE = {"input": "box", "output": "box", "module": "box", "function": "ellipse", "side": "note"}
 _HIGHLIGHT = {"color": "#c0392b", "fillcolor": "#f6c9c4", "penwidth": "2"}
-_MIN_REPEATS = 3  # a run of this many identical blocks is drawn as the first one plus one box
 
 
 class Digraph(graphviz.Digraph):
@@ -71,7 +73,7 @@ def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
     return str(path)
 
 
-def render(graph: Graph, path: str | os.PathLike[str], depth: int | None = None, **options: Any) -> str:
+def render(graph: Graph, path: str | os.PathLike[str], depth: int | str | None = "auto", **options: Any) -> str:
     """Draw ``graph`` into a PNG, SVG or PDF file, chosen by ``path``'s suffix.
 
     >>> import torch, fwdtrace, tempfile, os
@@ -80,7 +82,9 @@ def render(graph: Graph, path: str | os.PathLike[str], depth: int | None = None,
     >>> open(path).read().count("<svg")
     1
 
-    ``depth`` and ``options`` are those of :func:`to_dot`.
+    ``depth`` and ``options`` are those of :func:`to_dot`: by default the deepest depth
+    whose picture has at most ``target_nodes`` boxes (250) and fits a PNG of at most
+    4096 x 16384 px at a resolution where 10 pt labels stay legible.
     """
     return render_digraph(to_dot(graph, depth=depth, **options), path)
 
@@ -88,13 +92,15 @@ def render(graph: Graph, path: str | os.PathLike[str], depth: int | None = None,
 # -- which box each node is drawn in ------------------------------------------------------------------
 @dataclass
 class _Unit:
-    """One box in the picture: a node, a collapsed module call, or a run of repeated blocks."""
+    """One box in the picture: a node, a collapsed module call, a run of repeated blocks or loop
+    iterations, or a group of side computations."""
 
     key: str
     placement: tuple[Scope, ...]  # the clusters it sits in, outermost first
     kind: str
     label: str
     members: list[int] = field(default_factory=list)
+    about: str = ""  # the first line of its tooltip, for a box that holds several nodes
 
 
 def _scope_label(s: Scope) -> str:
@@ -153,78 +159,261 @@ def _node_label(node: Node, show_path: bool) -> str:
     return "\n".join(lines)
 
 
-def _signature(nodes: list[Node], depth_of_scope: int) -> tuple[Any, ...]:
-    """What a block computes, independent of its name: op targets, relative nesting and shapes."""
-    return tuple(
-        (n.kind, n.target, len(n.scope) - depth_of_scope, tuple(tuple(r.shape) for r in n.outputs))
-        for n in nodes
-    )
+def _node_line(node: Node) -> str:
+    """One line of a tooltip: where a node ran, what it is, what it read and wrote."""
+    refs = lambda rs: ", ".join(r.param or _shape_text(r.shape) for r in rs) or "-"  # noqa: E731
+    what = node.name if node.kind in ("input", "output") else node.target.rsplit(".", 1)[-1]
+    attrs = _attrs_text(node) if node.kind == "module" else ""
+    return f"{node.module_path or '(root)'}: {what}{' ' + attrs if attrs else ''} ({refs(node.inputs)} → {refs(node.outputs)})"
 
 
-def _repeated_runs(graph: Graph) -> dict[Scope, tuple[Scope, int]]:
-    """Scopes to fold into a repeat box: each maps to (the first block of its run, run length).
-
-    A run is consecutive sibling calls (same parent scope) with equal signatures.
-    """
-    scope2nodes: dict[Scope, list[Node]] = {}
-    scope2parent: dict[Scope, tuple[Scope, ...]] = {}
-    for n in graph.nodes:
-        for i, s in enumerate(n.scope):
-            scope2nodes.setdefault(s, []).append(n)
-            scope2parent.setdefault(s, n.scope[:i])
-    siblings: dict[tuple[Scope, ...], list[Scope]] = {}
-    for s, parent in scope2parent.items():
-        siblings.setdefault(parent, []).append(s)
-    folded: dict[Scope, tuple[Scope, int]] = {}
-    for parent, scopes in siblings.items():
-        sigs = [(s.class_name, _signature(scope2nodes[s], len(parent) + 1)) for s in scopes]
-        i = 0
-        while i < len(scopes):
-            j = i + 1
-            while j < len(scopes) and sigs[j] == sigs[i]:
-                j += 1
-            if j - i >= _MIN_REPEATS:
-                for s in scopes[i + 1 : j]:
-                    folded[s] = (scopes[i], j - i - 1)
-            i = j
-    return folded
+_TOOLTIP_LINES = 300  # a box holding more nodes lists the first ones and says how many are left
 
 
-def _units(graph: Graph, depth: int | None, collapse_repeats: bool, show_path: bool) -> tuple[dict[int, _Unit], list[_Unit]]:
-    folded = _repeated_runs(graph) if collapse_repeats else {}
+def _tooltip(unit: _Unit, nodes: list[Node]) -> str:
+    if unit.about == "":
+        n = nodes[0]
+        lines = [f"{n.module_path or '(root)'} · {n.target}" + (f" · call {n.call_index + 1}" if n.call_index else "")]
+        lines += [f"in: {', '.join((r.param + ' ' if r.param else '') + _shape_text(r.shape) + ' ' + r.dtype for r in n.inputs) or '-'}",
+                  f"out: {', '.join(_shape_text(r.shape) + ' ' + r.dtype for r in n.outputs) or '-'}"]
+        lines += [f"{k}: {v}" for k, v in sorted(n.attrs.items())]
+        return "\n".join(lines)
+    lines = [unit.about] + [_node_line(n) for n in nodes[:_TOOLTIP_LINES]]
+    if len(nodes) > _TOOLTIP_LINES:
+        lines.append(f"… and {len(nodes) - _TOOLTIP_LINES} more")
+    return "\n".join(lines)
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2 5"``: which nodes a box holds, as a DOT attribute."""
+    ranges: list[list[int]] = []
+    for i in sorted(ids):
+        if ranges and ranges[-1][1] == i - 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    return " ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def _paths_text(paths: list[str], limit: int = 3) -> str:
+    """Module paths, those that differ only in one index merged: ``h.*.attn (×12)``."""
+    if not paths:
+        return ""
+    pattern2paths: dict[str, list[str]] = {}
+    for p in paths:
+        pattern = ".".join("*" if part.isdigit() else part for part in p.split("."))
+        pattern2paths.setdefault(pattern, [])
+        if p not in pattern2paths[pattern]:
+            pattern2paths[pattern].append(p)
+    texts = [ps[0] if len(ps) == 1 else f"{pattern} (×{len(ps)})" for pattern, ps in pattern2paths.items()]
+    more = f", … {len(texts) - limit} more" if len(texts) > limit else ""
+    return ", ".join(texts[:limit]) + more
+
+
+def _side_kind(nodes: list[Node], graph_inputs: dict[int, Node], reads: set[int], dead: bool) -> str:
+    if dead:
+        return "unused results"
+    names = [graph_inputs[i].name.lower() for i in reads if i in graph_inputs]
+    targets = [n.target.rsplit(".", 1)[-1].lower() for n in nodes]
+    if any("mask" in name for name in names) or any(r.dtype == "bool" for n in nodes for r in n.outputs) \
+            or any(t in ("tril", "triu", "masked_fill") for t in targets):
+        return "mask arithmetic"
+    if "arange" in targets or any("position" in name for name in names):
+        return "position / index arithmetic"
+    return "constants and side arithmetic"
+
+
+@dataclass
+class _Picture:
+    """The boxes of one picture and the node -> box map."""
+
+    node2unit: dict[int, _Unit]
+    units: list[_Unit]
+
+
+def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: bool, fold_loops: bool,
+           fold_side: bool, show_path: bool) -> _Picture:
     node2unit: dict[int, _Unit] = {}
     units: dict[str, _Unit] = {}
+    loop2key = {id(loop): f"l:{i}" for i, loop in enumerate(folds.loops)}
     for n in graph.nodes:
         unit = None
         if depth is not None and depth <= 0 and n.kind in ("module", "function"):
             unit = units.get("model") or units.setdefault(
-                "model", _Unit("model", (), "group", "model (collapsed)"))
-        for i, s in enumerate(n.scope if unit is None else ()):
-            if s in folded:
-                first, count = folded[s]
+                "model", _Unit("model", (), "group", "model (collapsed)", about="the whole model, collapsed"))
+        for i in range(len(n.scope) + 1 if unit is None else 0):
+            item: Item = n.scope[i] if i < len(n.scope) else n.id
+            loop = folds.item2loop.get(item) if fold_loops else None
+            if loop is not None:
+                key = loop2key[id(loop)]
+                unit = units.get(key) or units.setdefault(key, _loop_unit(key, loop, graph, n.scope[:i]))
+                break
+            if i == len(n.scope):
+                break
+            s = n.scope[i]
+            if collapse_repeats and s in folds.repeats:
+                first, count = folds.repeats[s]
                 key = f"r:{first.module_path}:{first.call_index}"
                 unit = units.get(key)
                 if unit is None:
-                    last = [t for t, (f, _) in folded.items() if f == first][-1]
+                    last = [t for t, (f, _) in folds.repeats.items() if f == first][-1]
                     label = f"{s.module_path} … {last.module_path}\n×{count} same as {first.module_path} ({first.class_name})"
-                    unit = units[key] = _Unit(key, n.scope[:i], "repeat", label)
+                    unit = units[key] = _Unit(key, n.scope[:i], "repeat", label,
+                                              about=f"{count} blocks that compute the same as {first.module_path}")
                 break
             if depth is not None and i == depth - 1:
                 key = f"g:{s.module_path}:{s.call_index}"
-                unit = units.get(key) or units.setdefault(key, _Unit(key, n.scope[:i], "group", _scope_label(s)))
+                unit = units.get(key) or units.setdefault(
+                    key, _Unit(key, n.scope[:i], "group", _scope_label(s), about=f"{_scope_label(s)}, collapsed"))
                 break
         if unit is None:
             unit = units[f"n:{n.id}"] = _Unit(f"n:{n.id}", n.scope, n.kind, _node_label(n, show_path))
         unit.members.append(n.id)
         node2unit[n.id] = unit
-    return node2unit, list(units.values())
+    if fold_side:
+        _fold_side(graph, folds, node2unit)
+    ordered: dict[str, _Unit] = {}
+    for n in graph.nodes:  # execution order, side boxes where their first op ran
+        u = node2unit[n.id]
+        ordered.setdefault(u.key, u)
+    return _Picture(node2unit, list(ordered.values()))
+
+
+def _loop_unit(key: str, loop: Loop, graph: Graph, placement: tuple[Scope, ...]) -> _Unit:
+    def name(item: Item) -> str:
+        if isinstance(item, Scope):
+            return f"{item.module_path.rsplit('.', 1)[-1]} ({item.class_name})"
+        node = graph.nodes[item]
+        if node.kind == "module" and node.module_path:
+            return f"{node.module_path.rsplit('.', 1)[-1]} ({node.class_name})"
+        return node.target.rsplit(".", 1)[-1].strip("_")
+
+    names = [name(it) for it in loop.body]
+    body = ", ".join(names[:4]) + (f", … {len(names) - 4} more" if len(names) > 4 else "")
+    where = placement[-1].module_path if placement else "the model"
+    return _Unit(key, placement, "loop", f"loop in {where}: ×{loop.count - 1} more of\n{body}",
+                 about=f"iterations 2 to {loop.count} of a loop of {len(loop.body)} calls in {where}")
+
+
+def _unit_name(unit: _Unit, graph: Graph) -> str:
+    """How a side box names a box it feeds: a module path where there is one."""
+    if unit.kind in ("module", "function", "input", "output"):
+        node = graph.nodes[unit.members[0]]
+        return node.module_path or node.name if node.kind == "module" else node.module_path or unit.label.split("\n")[0]
+    if unit.kind == "loop":
+        return f"the loop in {unit.placement[-1].module_path if unit.placement else 'the model'}"
+    return unit.placement[-1].module_path if unit.placement and unit.kind != "group" else unit.label.split("\n")[0]
+
+
+def _fold_side(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
+    """Replace each connected group of side computations still drawn one by one with one box."""
+    candidates = {i for i in folds.side if node2unit[i].key == f"n:{i}"}
+    inputs = {n.id: n for n in graph.input_nodes}
+    for group in side_components(graph, candidates):
+        if len(group) < 2:  # one op is as small as a box for it
+            continue
+        members = set(group)
+        nodes = [graph.nodes[i] for i in group]
+        reads = {e.src for e in graph.edges if e.dst in members and e.src not in members}
+        consumers = [_unit_name(node2unit[e.dst], graph) for e in graph.edges if e.src in members and e.dst not in members]
+        dead = all(folds.side[i] == "dead end" for i in group)
+        kind = _side_kind(nodes, inputs, reads, dead)
+        fed = _paths_text(list(dict.fromkeys(consumers)))
+        label = f"{kind}, {len(group)} ops" + (f"\n→ {fed}" if fed else "")
+        placement = nodes[0].scope
+        for n in nodes[1:]:
+            k = 0
+            while k < min(len(placement), len(n.scope)) and placement[k] == n.scope[k]:
+                k += 1
+            placement = placement[:k]
+        unit = _Unit(f"s:{group[0]}", placement, "side", label, list(group),
+                     about=f"{kind}: {len(group)} ops off the data path" + (f", feeding {fed}" if fed else ""))
+        for i in group:
+            node2unit[i] = unit
+
+
+# -- fitting the picture ---------------------------------------------------------------------------------
+DPI = 96  # Graphviz's PNG default: a 10 pt label is 13 px high
+MIN_DPI = 72  # below this a 10 pt label (10 px) is no longer legible: draw less detail instead
+MAX_PNG = (4096, 16384)  # px, width and height
+TARGET_NODES = 250
+
+
+def _max_depth(graph: Graph) -> int:
+    return max((len(n.scope) for n in graph.nodes), default=0) + 1
+
+
+def _layout_points(source: str) -> tuple[float, float]:
+    """The width and height of the laid-out picture in points."""
+    import pygraphviz
+
+    agraph = pygraphviz.AGraph(string=source)
+    agraph.layout(prog="dot")
+    x0, y0, x1, y1 = (float(v) for v in str(agraph.graph_attr["bb"]).split(","))
+    return x1 - x0, y1 - y0
+
+
+def _wrap_edges(keys: list[str], edges: set[tuple[str, str]], width: int) -> list[tuple[str, str]]:
+    """Invisible edges that break each rank wider than ``width`` boxes into rows of ``width``.
+
+    Ranks are longest paths from the sources, a source placed just above its first reader (as
+    Graphviz does), recomputed after each rank is wrapped, since pushing boxes down widens the
+    ranks below. Boxes of one rank have no path between them, so an edge from a box to a later
+    one of its rank closes no cycle.
+    """
+    order = {k: i for i, k in enumerate(keys)}
+    succ: dict[str, list[str]] = {k: [] for k in keys}
+    for u, v in sorted(edges):
+        succ[u].append(v)
+    extra: list[tuple[str, str]] = []
+    for _ in range(len(keys)):
+        pred: dict[str, list[str]] = {k: [] for k in keys}
+        for u in keys:
+            for v in succ[u]:
+                pred[v].append(u)
+        rank: dict[str, int] = {}
+        for k in _topological(keys, succ, pred):
+            rank[k] = max((rank[p] + 1 for p in pred[k]), default=0)
+        for k in keys:
+            if not pred[k] and succ[k]:
+                rank[k] = max(rank[k], min(rank[s] for s in succ[k]) - 1)
+        rank2keys: dict[int, list[str]] = {}
+        for k in keys:
+            rank2keys.setdefault(rank[k], []).append(k)
+        wide = [r for r, row in sorted(rank2keys.items()) if len(row) > width]
+        if not wide:
+            break
+        row = sorted(rank2keys[wide[0]], key=order.__getitem__)
+        for i in range(len(row) - width):
+            extra.append((row[i], row[i + width]))
+            succ[row[i]].append(row[i + width])
+    return extra
+
+
+def _topological(keys: list[str], succ: dict[str, list[str]], pred: dict[str, list[str]]) -> list[str]:
+    """``keys`` in an order where every box comes after those with an edge into it."""
+    waiting = {k: len(pred[k]) for k in keys}
+    ready = [k for k in reversed(keys) if not waiting[k]]
+    out = []
+    while ready:
+        k = ready.pop()
+        out.append(k)
+        for v in succ[k]:
+            waiting[v] -= 1
+            if not waiting[v]:
+                ready.append(v)
+    return out + [k for k in keys if waiting[k] > 0]  # a cycle (none expected) keeps the rest in order
 
 
 def to_dot(
     graph: Graph,
-    depth: int | None = None,
+    depth: int | str | None = "auto",
     *,
+    target_nodes: int = TARGET_NODES,
+    fold_side: bool = True,
+    fold_loops: bool = True,
     collapse_repeats: bool = True,
+    wrap: int = 12,
     show_shapes: bool = True,
     show_path: bool = True,
     highlight: Iterable[int] = (),
@@ -239,28 +428,74 @@ def to_dot(
     >>> model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 2))
     >>> g = fwdtrace.trace(model, torch.ones(1, 4))
     >>> dot = g.to_dot(depth=1)
-    >>> "0 (Sequential)" in dot.source and "ReLU" not in dot.source
+    >>> "0 (Sequential)" in dot.source and 'label="ReLU' not in dot.source  # in the box's tooltip only
+    True
+    >>> 'label="ReLU' in g.to_dot(depth=None).source
     True
 
     ``depth=k`` collapses every module call nested deeper than ``k`` levels into one box,
-    re-routing edges to it. ``collapse_repeats`` draws a run of three or more identical
-    sibling blocks as the first block and one box for the rest. ``highlight`` is a set of
-    node ids drawn in red. ``name_prefix`` keeps DOT names apart when two graphs share a
-    picture; ``cluster_name`` (starting with ``cluster``) makes the result embeddable with
-    ``outer.subgraph(...)``, boxed and titled ``title``.
+    re-routing edges to it; ``None`` draws every level. The default, ``"auto"``, picks the
+    deepest depth whose picture has at most ``target_nodes`` boxes and fits a PNG of
+    ``MAX_PNG`` pixels at ``MIN_DPI`` or more, and says so in the caption.
+
+    Folding keeps large models readable, and every folded node stays in exactly one box:
+    ``fold_side`` draws each connected group of side computations (mask and position
+    arithmetic, constants, results nothing reads) as one box naming what it feeds;
+    ``fold_loops`` draws a loop (the same calls repeated in one module call, three times or
+    more) as its first iteration and one box for the rest; ``collapse_repeats`` does the same
+    for a run of three or more identical sibling blocks. ``wrap`` breaks a rank of more boxes
+    than that into rows. In SVG each box has a tooltip: module path, class, shapes and
+    attributes, or the list of the nodes a collapsed box holds (the DOT attribute
+    ``fwdtrace_members`` lists their ids).
+
+    ``highlight`` is a set of node ids drawn in red. ``name_prefix`` keeps DOT names apart
+    when two graphs share a picture; ``cluster_name`` (starting with ``cluster``) makes the
+    result embeddable with ``outer.subgraph(...)``, boxed and titled ``title``.
     """
-    if depth is not None and (not isinstance(depth, int) or depth < 0):
-        raise FwdtraceError(f"to_dot() expected depth as None or an integer >= 0, got {depth!r}")
+    if depth != "auto" and depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
+        raise FwdtraceError(f"to_dot() expected depth as 'auto', None or an integer >= 0, got {depth!r}")
     if rankdir not in ("TB", "LR", "BT", "RL"):
         raise FwdtraceError(f"to_dot() expected rankdir in TB, LR, BT, RL, got {rankdir!r}")
-    highlighted = set(highlight)
-    node2unit, units = _units(graph, depth, collapse_repeats, show_path)
+    if not isinstance(target_nodes, int) or target_nodes < 1:
+        raise FwdtraceError(f"to_dot() expected target_nodes as an integer >= 1, got {target_nodes!r}")
+    folds = find_folds(graph)
+    options = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path)
+    draw = lambda d, caption: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
+                                   show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
+                                   title=title, name_prefix=name_prefix, cluster_name=cluster_name)
+    if depth != "auto":
+        return draw(depth, None)
+    top = _max_depth(graph)
+    max_w, max_h = (px * 72 / MIN_DPI for px in MAX_PNG)  # in points
+    dot = None
+    for d in range(top, -1, -1):
+        count = len(_units(graph, folds, d, **options).units)
+        if count > target_nodes and d > 0:
+            continue
+        level = "full detail" if d == top else f"depth {d} of {top}"
+        dot = draw(d, f"{level}: {count} boxes for {len(graph.nodes)} nodes (auto, at most {target_nodes})")
+        w, h = _layout_points(dot.source)
+        if (w <= max_w and h <= max_h) or d == 0:
+            dpi = min(DPI, MAX_PNG[0] * 72 / w, MAX_PNG[1] * 72 / h)
+            if dpi < DPI:
+                dot.attr(dpi=f"{dpi:.1f}")
+            break
+    assert dot is not None
+    return dot
+
+
+def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, show_shapes: bool,
+         highlight: set[int], rankdir: str, title: str | None, name_prefix: str, cluster_name: str | None) -> Digraph:
+    node2unit, units = picture.node2unit, picture.units
     names = {u.key: f"{name_prefix}u{i}" for i, u in enumerate(units)}
 
     dot = Digraph(name=cluster_name or "fwdtrace", format="svg")
     dot.attr(rankdir=rankdir, fontname="Helvetica", fontsize="11", nodesep="0.25", ranksep="0.35")
+    label = "\n".join(t for t in (title, caption) if t)
+    if label:
+        dot.attr(label=label, labelloc="t" if title else "b")
     if title:
-        dot.attr(label=title, labelloc="t", fontsize="14")
+        dot.attr(fontsize="14")
     if cluster_name:
         dot.attr(style="rounded", color="#888888")
     dot.attr("node", fontname="Helvetica", fontsize="10", style="filled", margin="0.08,0.04", height="0.3")
@@ -281,28 +516,40 @@ def to_dot(
             attrs = {"shape": _SHAPE.get(u.kind, "box3d"), "fillcolor": _FILL.get(u.kind, "#e4e4e4")}
             if u.kind in ("input", "output"):
                 attrs["style"] = "filled,rounded"
-            if highlighted.intersection(u.members):
+            if u.kind == "side":
+                attrs["style"] = "filled,dashed"
+            if highlight.intersection(u.members):
                 attrs.update(_HIGHLIGHT)
+            attrs["tooltip"] = _tooltip(u, [graph.nodes[i] for i in u.members])
+            attrs["fwdtrace_members"] = _id_ranges(u.members)
             target.node(names[u.key], label=u.label, **attrs)
         for child in children.get(chain, []):
             with target.subgraph(name=f"cluster_{name_prefix}{len(child)}_{_cluster_id(child)}") as sub:
                 sub.attr(label=_scope_label(child[-1]), style="rounded,dashed", color="#999999",
-                         fontsize="9", labeljust="l")
+                         fontsize="9", labeljust="l", tooltip=_scope_label(child[-1]))
                 emit_units(sub, child)
 
     emit_units(dot, ())
 
-    drawn: set[tuple[str, str, int]] = set()
+    # One edge per pair of boxes: a folded box can exchange dozens of tensors with another.
+    pair2edges: dict[tuple[str, str], list[Edge]] = {}
     for e in graph.edges:
         u, v = node2unit[e.src], node2unit[e.dst]
-        if u is v or (u.key, v.key, e.obj_id) in drawn:
-            continue
-        drawn.add((u.key, v.key, e.obj_id))
-        label = ""
-        if show_shapes:
-            label = _shape_text(e.shape) + ("" if e.dtype == "float32" else f" {e.dtype}")
-        dot.edge(names[u.key], names[v.key], label=label)
+        if u is not v:
+            pair2edges.setdefault((u.key, v.key), []).append(e)
+    for (u_key, v_key), edges in pair2edges.items():
+        texts = list(dict.fromkeys(_edge_text(e) for e in edges))
+        label = ", ".join(texts) if len(texts) <= 2 else f"{texts[0]}, … {len(texts) - 1} more"
+        tooltip = "\n".join(f"%{e.obj_id} {_edge_text(e)}" for e in list(dict.fromkeys(edges))[:_TOOLTIP_LINES])
+        dot.edge(names[u_key], names[v_key], label=label if show_shapes else "", tooltip=tooltip)
+    if wrap:
+        for u_key, v_key in _wrap_edges([u.key for u in units], set(pair2edges), wrap):
+            dot.edge(names[u_key], names[v_key], style="invis")
     return dot
+
+
+def _edge_text(e: Edge) -> str:
+    return _shape_text(e.shape) + ("" if e.dtype == "float32" else f" {e.dtype}")
 
 
 def _cluster_id(chain: tuple[Scope, ...]) -> str:
