@@ -13,9 +13,11 @@ Peak memory is what a variant adds over the built model: on CPU the peak of live
 (counted by a dispatch mode) plus the peak of the Python heap (tracemalloc); on CUDA
 ``torch.cuda.max_memory_allocated``.
 
-Two more measurements (ResNet-50): the throughput of a thread running plain forwards while
-another thread traces, against the same thread while its neighbour runs plain forwards; and a
-forward with ``fwdtrace.install()`` and one callback on a layer class the model does not use.
+Two more measurements: the throughput of a thread running plain GPT-2 forwards (a server) while
+another thread traces BERT, against the same thread while its neighbour runs plain BERT forwards,
+and that thread's own CPU time per forward (what the patching costs it, apart from sharing the
+GIL with a busier neighbour); and a ResNet-50 forward with ``fwdtrace.install()`` and one
+callback on a layer class the model does not use.
 
 Targets: default ``trace()`` at most 1.5x a plain forward on BERT and GPT-2, at most 1.2x on
 ResNet-50, within 1.1x in peak memory; a neighbour thread loses under 5% throughput;
@@ -178,15 +180,18 @@ def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
     server, server_in = build("gpt2")
     other, other_in = build("bert")
 
-    def run(neighbour: Variant) -> float:
+    def run(neighbour: Variant) -> tuple[float, float]:
         stop = threading.Event()
         count = [0]
+        cpu = [0.0]
 
         def serve() -> None:
             with torch.no_grad():
+                start = time.thread_time()
                 while not stop.is_set():
                     server(**server_in)
                     count[0] += 1
+                cpu[0] = time.thread_time() - start
 
         def disturb() -> None:
             with torch.no_grad():
@@ -200,14 +205,18 @@ def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
         stop.set()
         for t in threads:
             t.join()
-        return count[0] / seconds
+        return count[0] / seconds, cpu[0] / max(count[0], 1)
 
-    rounds = {"plain": [], "trace()": []}  # type: dict[str, list[float]]
+    rounds: dict[str, list[tuple[float, float]]] = {"plain": [], "trace()": []}
     for _ in range(5):
         for variant in rounds:
             rounds[variant].append(run(OURS[variant]))
-    plain, traced = statistics.median(rounds["plain"]), statistics.median(rounds["trace()"])
-    return {"plain_per_s": plain, "traced_per_s": traced, "loss": 1 - traced / plain}
+    plain = statistics.median(r[0] for r in rounds["plain"])
+    traced = statistics.median(r[0] for r in rounds["trace()"])
+    plain_cpu = statistics.median(r[1] for r in rounds["plain"])
+    traced_cpu = statistics.median(r[1] for r in rounds["trace()"])
+    return {"plain_per_s": plain, "traced_per_s": traced, "loss": 1 - traced / plain,
+            "plain_cpu_ms": plain_cpu * 1e3, "traced_cpu_ms": traced_cpu * 1e3, "cpu_cost": traced_cpu / plain_cpu - 1}
 
 
 def install_cost(repeats: int) -> dict[str, float]:
@@ -266,7 +275,8 @@ def main() -> None:
                   f"{r['peak_x_plain']:>13.2f}")
     n = neighbour_throughput()
     print(f"neighbour thread (GPT-2 forwards) while another thread traces BERT: {n['traced_per_s']:.1f}/s "
-          f"against {n['plain_per_s']:.2f}/s beside plain BERT forwards: {n['loss'] * 100:+.1f}% lost")
+          f"against {n['plain_per_s']:.1f}/s beside plain BERT forwards: {n['loss'] * 100:+.1f}% lost; its CPU time "
+          f"per forward {n['traced_cpu_ms']:.2f} ms against {n['plain_cpu_ms']:.2f} ms: {n['cpu_cost'] * 100:+.1f}%")
     c = install_cost(max(30, args.repeats))
     print(f"install() with one callback on a class ResNet-50 does not use: {c['installed_ms']:.1f} ms against "
           f"{c['plain_ms']:.1f} ms plain: {c['cost'] * 100:+.2f}%")
