@@ -34,6 +34,7 @@ from .onnx_export import EXPORTERS, export_onnx, onnx_graph
 from .onnx_ops import (
     NEW_TENSOR_FUNCTIONS,
     ONNX_WIRING_OPS,
+    SHAPE_ONLY_AFTER_FIRST,
     Equivalence,
     canonical_target,
     equivalence_for,
@@ -224,7 +225,8 @@ class _Matcher:
             if tn.id not in live:  # read only by Python (`if mask.all():`): exporters drop it
                 self.elided.append((tn.id, "unused result"))
                 continue
-            data_in = [r for r in tn.inputs if r.obj_id in tdata]
+            reads = tn.inputs[:1] if canonical_target(tn.target) in SHAPE_ONLY_AFTER_FIRST else tn.inputs
+            data_in = [r for r in reads if r.obj_id in tdata]
             if not data_in:  # computed from no model input: exporters fold it to a constant
                 self.elided.append((tn.id, "constant"))
                 continue
@@ -300,6 +302,13 @@ class _Matcher:
         """Trace nodes some output depends on."""
         preds: dict[int, list[int]] = {}
         for e in self.t.edges:
+            target = canonical_target(self.tnodes[e.dst].target)
+            # a new tensor shaped like its input (zeros_like) needs none of its values, nor
+            # y.reshape_as(x) those of x
+            if target in NEW_TENSOR_FUNCTIONS or (
+                target in SHAPE_ONLY_AFTER_FIRST and e.obj_id != self.tnodes[e.dst].inputs[0].obj_id
+            ):
+                continue
             preds.setdefault(e.dst, []).append(e.src)
         live: set[int] = set()
         stack = [n.id for n in self.tnodes if n.kind == "output"]
@@ -309,9 +318,7 @@ class _Matcher:
             nid = stack.pop()
             if nid not in live:
                 live.add(nid)
-                # a new tensor shaped like its input (zeros_like) needs none of its values
-                if canonical_target(self.tnodes[nid].target) not in NEW_TENSOR_FUNCTIONS:
-                    stack.extend(preds.get(nid, ()))
+                stack.extend(preds.get(nid, ()))
         return live
 
     def _add_missing(self, tn: Node) -> None:

@@ -28,7 +28,7 @@ from .registry import qualified_name
 
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS",
-    "NEW_TENSOR_FUNCTIONS",
+    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -393,6 +393,9 @@ def _nn(*names: str) -> list[str]:
 
 
 _CASTS = ("float", "double", "half", "bfloat16", "int", "long", "short", "char", "byte", "bool", "cpu", "cuda")
+# Calls whose tensors after the first give only a shape or a dtype: ``y.reshape_as(x)``
+# reads none of x's values, and an export has no edge from x.
+SHAPE_ONLY_AFTER_FIRST = frozenset(_functions("reshape_as", "view_as", "expand_as", "type_as"))
 NEW_TENSOR_FUNCTIONS = frozenset(
     _functions("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
                "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")
@@ -491,7 +494,8 @@ _register(
 _register(_nn("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d") + _functions("interpolate", "upsample"),
           "Resize", "Upsample")
 _register(_nn("PixelShuffle") + _functions("pixel_shuffle"), "DepthToSpace")
-_register(_functions("pad"), "Pad")
+# A zero pad before a Conv or a pool may become that op's own pads (dynamo does it for timm's Conv2dSame).
+_register(_functions("pad"), "Pad", optional=True)
 _register(_binary("add"), "Add", "Sum")
 _register(_binary("sub") + _functions("rsub"), "Sub")
 _register(_binary("mul") + _functions("multiply"), "Mul")

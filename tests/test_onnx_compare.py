@@ -848,6 +848,45 @@ class SwinLikeBlock(torch.nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class LinearNorm(torch.nn.Module):
+    """LeViT's Linear + BatchNorm1d: the norm's result is reshaped like the Linear's, which it reads for its shape."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(d_in, d_out, bias=False)
+        self.bn = torch.nn.BatchNorm1d(d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class LeViTLike(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = LinearNorm(8, 24)
+        self.proj = LinearNorm(8, 8)
+        self.head = torch.nn.Sequential(torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 2, -1).permute(0, 2, 1, 3).split([4, 4, 4], dim=3)
+        attn = (q @ k.transpose(-2, -1)).softmax(-1)
+        x = x + self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+        return self.head(x.mean(1))
+
+
+class PadConv(torch.nn.Module):
+    """timm's Conv2dSame: a zero pad that dynamo folds into the Conv's own pads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.nn.functional.pad(x, (0, 1, 0, 1)))
+
+
 def _seeded(factory: type, *inputs: object) -> Callable[[], tuple[torch.nn.Module, tuple]]:
     def make() -> tuple[torch.nn.Module, tuple]:
         torch.manual_seed(0)
@@ -871,6 +910,8 @@ REAL_PATTERNS = {
     "dict_input": _seeded(DictInput, {"a": torch.randn(2, 4), "b": torch.randn(2, 4)}),
     "state_space_scan": _seeded(StateSpaceScan, torch.randn(2, 6, 4)),
     "swin_like": _seeded(SwinLikeBlock, torch.randn(2, 4, 4, 8)),
+    "levit_like": _seeded(LeViTLike, torch.randn(2, 5, 8)),
+    "pad_conv": _seeded(PadConv, torch.randn(1, 3, 8, 8)),
 }
 # exports torch 2.13's exporters do not complete (aten::_cdist_forward has no ONNX function)
 EXPORT_FAILS = {("cdist", "dynamo")}
