@@ -887,6 +887,22 @@ class PadConv(torch.nn.Module):
         return self.conv(torch.nn.functional.pad(x, (0, 1, 0, 1)))
 
 
+class GlobalResponseNorm(torch.nn.Module):
+    """ConvNeXt-V2's GRN: Tensor.norm and torch.addcmul, whose rules come from torchlib."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 1)
+        self.weight = torch.nn.Parameter(torch.randn(8))
+        self.bias = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x).permute(0, 2, 3, 1)
+        x_g = x.norm(p=2, dim=(1, 2), keepdim=True)
+        x_n = x_g / (x_g.mean(dim=-1, keepdim=True) + 1e-6)
+        return x + torch.addcmul(self.bias, self.weight, x * x_n)
+
+
 def _seeded(factory: type, *inputs: object) -> Callable[[], tuple[torch.nn.Module, tuple]]:
     def make() -> tuple[torch.nn.Module, tuple]:
         torch.manual_seed(0)
@@ -912,6 +928,7 @@ REAL_PATTERNS = {
     "swin_like": _seeded(SwinLikeBlock, torch.randn(2, 4, 4, 8)),
     "levit_like": _seeded(LeViTLike, torch.randn(2, 5, 8)),
     "pad_conv": _seeded(PadConv, torch.randn(1, 3, 8, 8)),
+    "global_response_norm": _seeded(GlobalResponseNorm, torch.randn(1, 3, 6, 6)),
 }
 # exports torch 2.13's exporters do not complete (aten::_cdist_forward has no ONNX function)
 EXPORT_FAILS = {("cdist", "dynamo")}
