@@ -146,10 +146,24 @@ def transformers_models() -> dict[str, Factory]:
 FAMILIES = {"torchvision": torchvision_models, "timm": timm_models, "transformers": transformers_models}
 
 
+@torch.no_grad()
+def vary_constant_weights(model: torch.nn.Module) -> None:
+    """Give every all-equal weight and statistic (a fresh norm's ones and zeros) some spread, as training would.
+
+    Freshly built norms are all alike: an exporter may then merge two of them on one input
+    (LeViT's two heads), which it could not do on a trained model.
+    """
+    gen = torch.Generator().manual_seed(1)
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point() and t.numel() > 1 and bool((t == t.flatten()[0]).all()):
+            t.add_(0.1 * torch.rand(t.shape, generator=gen).to(t.dtype))
+
+
 def check_one(name: str, factory: Factory, exporters: list[str], out: str) -> None:
     torch.manual_seed(0)
     try:
         model, args, kwargs = factory()
+        vary_constant_weights(model)
     except Exception as e:  # a model this environment cannot build is not the check's fault
         rows = [{"model": name, "exporter": x, "status": "build failed", "why": f"{type(e).__name__}: {e}"[:300]}
                 for x in exporters]

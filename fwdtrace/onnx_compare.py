@@ -4,8 +4,10 @@ The comparison walks the trace in execution order. For each traced call it looks
 to where the call's inputs landed in the ONNX graph, for ONNX nodes the call may have
 become (:mod:`fwdtrace.onnx_ops`): one op (``Conv``), or a region of several (``MatMul``
 then ``Add`` for a Linear, a whole decomposed attention) whose only way in is through the
-call's inputs. Views, transposes and casts are wiring on both sides; constants and shape
-arithmetic are left out. Module scopes the exporter recorded (dynamo's
+call's inputs. Views, transposes and casts are wiring on both sides; constants, shape
+arithmetic and new tensors shaped like an input (``zeros_like``) are left out. Calls an
+exporter may simplify away (``relu(relu(x))``, ``x + 0``, a call repeated on the same
+inputs) are elided when no op stands right where their inputs are. Module scopes the exporter recorded (dynamo's
 ``pkg.torch.onnx.name_scopes``, TorchScript's node names) rank the candidates when
 present; without them the dataflow, op types, attributes and sizes decide.
 
@@ -963,6 +965,8 @@ def check_onnx(model: Any, *args: Any, exporter: str = "dynamo", **kwargs: Any) 
 
     Put the model in eval mode first if that is how you deploy it: exporters fold
     BatchNorm and drop dropout only in eval mode, and the trace runs the model as it is.
+    Layers no ONNX rule knows (a custom layer with a forward of its own) are traced again
+    as the torch calls they make and compared as those; ``report.opened`` names them.
     """
     graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
     proto = export_onnx(model, *args, exporter=exporter, **kwargs)

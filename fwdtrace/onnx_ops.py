@@ -439,7 +439,8 @@ _register(_functions("addmm", "baddbmm"), "Gemm", "MatMul+Add", "MatMul+Mul+Add"
 _register(
     _nn("BatchNorm1d", "BatchNorm2d", "BatchNorm3d") + _functions("batch_norm"),
     "BatchNormalization",
-    folds_into=("Conv", "ConvTranspose", "Gemm"),
+    "Mul+Add",  # eval mode with nothing to fold into: a scale and a shift
+    folds_into=("Conv", "ConvTranspose", "Gemm", "MatMul"),
 )
 _register(
     _nn("LayerNorm") + _functions("layer_norm"),
