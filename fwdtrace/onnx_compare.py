@@ -60,6 +60,7 @@ _OUTPUT_GROUP = -1
 _IDEMPOTENT_OPS = frozenset({"Relu", "Clip", "Abs", "Floor", "Ceil", "Round", "Sign"})
 # The scalar that makes a binary op a no-op (``x + 0``, ``x * 1``), which exporters drop.
 _NEUTRAL: dict[str, float] = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1, "Pow": 1}
+_CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
 _VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike", "ConstantOfShape"})
 # ONNX ops whose result depends on the order of their inputs and that take them in the
 # order of the torch call: Concat all of them (constants too), the others their data inputs
@@ -411,6 +412,12 @@ class _Matcher:
             first = self.tnodes[earlier]
             outs = [self.tensor_groups.get(r.obj_id, frozenset()) for r in first.outputs]
             return f"simplified: repeats {_trace_label(first)} on the same inputs, computed once", outs
+        target = canonical_target(tn.target)
+        succs = [self.tnodes[s] for s in self.trace_succ.get(tn.id, ())]
+        if target in _CATS and succs and all(
+            canonical_target(s.target) in _CATS and s.attrs == tn.attrs for s in succs
+        ):
+            return "simplified: merged into the concatenation it feeds", None
         if len(data_in) != 1 or not eq.patterns or len(eq.patterns[0].ops) != 1:
             return None
         op = eq.patterns[0].ops[0][0]

@@ -407,7 +407,8 @@ _register(
     _functions(
         "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute", "contiguous",
         "squeeze", "unsqueeze", "expand", "expand_as", "t", "chunk", "split", "unbind", "narrow", "select",
-        "movedim", "repeat", "tile", "clone", "detach", "to", "type_as", "type",
+        "movedim", "repeat", "tile", "clone", "detach", "to", "type_as", "type", "swapaxes", "swapdims",
+        "moveaxis", "ravel", "squeeze_", "unsqueeze_", "transpose_", "t_",
     )
     + [f"torch.Tensor.{cast}" for cast in _CASTS]
     + ["torch.Tensor.__getitem__", "torch.Tensor.T", "torch.Tensor.mT", "torch._pack_padded_sequence",

@@ -903,6 +903,20 @@ class GlobalResponseNorm(torch.nn.Module):
         return x + torch.addcmul(self.bias, self.weight, x * x_n)
 
 
+class NestedCat(torch.nn.Module):
+    """Inception's concat of a concat, which TorchScript merges into one Concat; MaxViT's swapaxes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv2d(3, 4, 1)
+        self.b = torch.nn.Conv2d(3, 4, 1)
+        self.c = torch.nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = torch.cat([self.a(x), self.b(x)], 1)
+        return torch.cat([inner, self.c(x)], 1).swapaxes(1, 2)
+
+
 def _seeded(factory: type, *inputs: object) -> Callable[[], tuple[torch.nn.Module, tuple]]:
     def make() -> tuple[torch.nn.Module, tuple]:
         torch.manual_seed(0)
@@ -929,6 +943,7 @@ REAL_PATTERNS = {
     "levit_like": _seeded(LeViTLike, torch.randn(2, 5, 8)),
     "pad_conv": _seeded(PadConv, torch.randn(1, 3, 8, 8)),
     "global_response_norm": _seeded(GlobalResponseNorm, torch.randn(1, 3, 6, 6)),
+    "nested_cat": _seeded(NestedCat, torch.randn(1, 3, 4, 4)),
 }
 # exports torch 2.13's exporters do not complete (aten::_cdist_forward has no ONNX function)
 EXPORT_FAILS = {("cdist", "dynamo")}
@@ -997,6 +1012,14 @@ def test_simplifications_are_elided_with_their_reason(exported_patterns, exporte
     if n_relu == 1:
         assert hows["relu_1 = torch.relu"].startswith("simplified: repeats relu = torch.relu on its own result")
     assert "simplified" in report.text.splitlines()[1]
+
+
+def test_a_concat_of_a_concat_may_be_one_concat(exported_patterns) -> None:
+    _, _, graph, proto, _ = exported_patterns("nested_cat", "torchscript")
+    assert [n.op_type for n in proto.graph.node].count("Concat") == 1  # TorchScript merged them
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert ("cat = torch.cat", "simplified: merged into the concatenation it feeds") in report.elided
+    assert [t for t, _ in report.matched][-1] == "cat_1 = torch.cat"
 
 
 def test_a_simplification_does_not_hide_a_deleted_op(exported_patterns) -> None:
