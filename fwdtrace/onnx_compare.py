@@ -60,6 +60,9 @@ _OUTPUT_GROUP = -1
 _IDEMPOTENT_OPS = frozenset({"Relu", "Clip", "Abs", "Floor", "Ceil", "Round", "Sign"})
 # The scalar that makes a binary op a no-op (``x + 0``, ``x * 1``), which exporters drop.
 _NEUTRAL: dict[str, float] = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1, "Pow": 1}
+_GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
+_INDEX_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Concat", "Unsqueeze", "Reshape", "Cast", "Expand",
+                        "Range", "Where", "Less"})
 _CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
 _VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike", "ConstantOfShape"})
 # ONNX ops whose result depends on the order of their inputs and that take them in the
@@ -168,6 +171,7 @@ class _Matcher:
                 if r.obj_id in self.producer:
                     self.consumers.setdefault(r.obj_id, []).append(n.id)
         self.wiring = {n.id for n in og.nodes if n.kind == "function" and self._is_wiring(n)}
+        self.wiring |= self._index_arithmetic()
         for oid in self.wiring:
             og.nodes[oid].meta["wiring"] = True  # for the report and the picture
         self.matched: dict[int, int] = {}  # ONNX node id -> gid
@@ -200,6 +204,24 @@ class _Matcher:
         if op == "Concat":  # of one tensor, or with empty ones (a key/value cache's first step)
             return len(data) == 1 and all(0 in r.shape for r in n.inputs if r.obj_id not in self.producer)
         return False
+
+    def _index_arithmetic(self) -> set[int]:
+        """Ops that only compute where a Gather reads (``h[arange(B), ids.argmax(-1)]`` flattened to one index).
+
+        On the trace side indexing is wiring, whatever the index; the exporter's Add, Mul
+        or Concat that turn an index tensor into a flat one are wiring too.
+        """
+        found: set[int] = set()
+        for n in reversed(self.onodes):  # consumers before producers
+            if n.kind != "function" or self.op(n.id) not in _INDEX_OPS:
+                continue
+            readers = [
+                (c, [r.obj_id for r in self.onodes[c].inputs].index(out.obj_id))
+                for out in n.outputs for c in self.consumers.get(out.obj_id, ())
+            ]
+            if readers and all(c in found or (self.op(c) in _GATHERS and k >= 1) for c, k in readers):
+                found.add(n.id)
+        return found
 
     def _out_values(self, gid: int) -> list[int]:
         return [r.obj_id for oid in sorted(self.groups[gid].onodes) for r in self.onodes[oid].outputs]

@@ -917,6 +917,19 @@ class NestedCat(torch.nn.Module):
         return torch.cat([inner, self.c(x)], 1).swapaxes(1, 2)
 
 
+class PoolAtArgmax(torch.nn.Module):
+    """CLIP's pooled output: each row read where its ids peak, an index exporters flatten with arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.fc(self.emb(ids))
+        return h[torch.arange(h.shape[0]), ids.to(torch.int).argmax(dim=-1)]
+
+
 def _seeded(factory: type, *inputs: object) -> Callable[[], tuple[torch.nn.Module, tuple]]:
     def make() -> tuple[torch.nn.Module, tuple]:
         torch.manual_seed(0)
@@ -944,6 +957,7 @@ REAL_PATTERNS = {
     "pad_conv": _seeded(PadConv, torch.randn(1, 3, 8, 8)),
     "global_response_norm": _seeded(GlobalResponseNorm, torch.randn(1, 3, 6, 6)),
     "nested_cat": _seeded(NestedCat, torch.randn(1, 3, 4, 4)),
+    "pool_at_argmax": _seeded(PoolAtArgmax, torch.randint(0, 10, (3, 6))),
 }
 # exports torch 2.13's exporters do not complete (aten::_cdist_forward has no ONNX function)
 EXPORT_FAILS = {("cdist", "dynamo")}
