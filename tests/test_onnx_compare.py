@@ -821,7 +821,7 @@ class StateSpaceScan(torch.nn.Module):
         h = torch.zeros_like(u[:, 0])
         ys = []
         for t in range(x.shape[1]):
-            h = self.a * h + u[:, t] * b[:, t]
+            h = self.a * h + torch.nn.functional.softplus(u[:, t]) * b[:, t]  # dynamo: Softplus, Greater, Where
             ys.append(h * c[:, t])
         return self.out(torch.stack(ys, dim=1) * torch.nn.functional.silu(z))
 
