@@ -60,6 +60,11 @@ _OUTPUT_GROUP = -1
 _IDEMPOTENT_OPS = frozenset({"Relu", "Clip", "Abs", "Floor", "Ceil", "Round", "Sign"})
 # The scalar that makes a binary op a no-op (``x + 0``, ``x * 1``), which exporters drop.
 _NEUTRAL: dict[str, float] = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1, "Pow": 1}
+# ONNX ops that carry a layer's weights.
+_WEIGHTED_OPS = frozenset({
+    "Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "LayerNormalization", "GroupNormalization",
+    "InstanceNormalization", "RMSNormalization", "Gather", "LSTM", "GRU", "RNN", "PRelu", "Attention",
+})
 _GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
 _INDEX_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Concat", "Unsqueeze", "Reshape", "Cast", "Expand",
                         "Range", "Where", "Less"})
@@ -410,8 +415,14 @@ class _Matcher:
         self.calls.setdefault(call_key, tn.id)
 
     def _call_key(self, tn: Node) -> tuple[Any, ...]:
-        """What makes two calls the same computation: target, inputs as last written, arguments."""
-        where = tn.module_path if tn.kind == "module" else ""  # a layer's weights are not among its inputs
+        """What makes two calls the same computation: target, inputs as last written, arguments.
+
+        A layer's weights are not among its inputs: two layers are the same computation only
+        when they are one layer, or when their ONNX form has no weights (two MaxPools alike).
+        """
+        eq = equivalence_for(tn) if tn.kind == "module" else None
+        weightless = eq is not None and eq.patterns and not eq.op_types & _WEIGHTED_OPS
+        where = tn.module_path if tn.kind == "module" and not weightless else ""
         inputs = tuple((r.obj_id, self.written_by.get(r.obj_id)) for r in tn.inputs)
         return (canonical_target(tn.target), where, inputs, repr(sorted(tn.attrs.items())))
 

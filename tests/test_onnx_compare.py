@@ -930,6 +930,22 @@ class PoolAtArgmax(torch.nn.Module):
         return h[torch.arange(h.shape[0]), ids.to(torch.int).argmax(dim=-1)]
 
 
+class TwoPools(torch.nn.Module):
+    """DLA's two MaxPool2d layers on one tensor: one computation, which both exporters make once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.pool1 = torch.nn.MaxPool2d(2)
+        self.pool2 = torch.nn.MaxPool2d(2)
+        self.a = torch.nn.Conv2d(4, 4, 1)
+        self.b = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        return self.a(self.pool1(h)) + self.b(self.pool2(h))
+
+
 def _seeded(factory: type, *inputs: object) -> Callable[[], tuple[torch.nn.Module, tuple]]:
     def make() -> tuple[torch.nn.Module, tuple]:
         torch.manual_seed(0)
@@ -958,6 +974,7 @@ REAL_PATTERNS = {
     "global_response_norm": _seeded(GlobalResponseNorm, torch.randn(1, 3, 6, 6)),
     "nested_cat": _seeded(NestedCat, torch.randn(1, 3, 4, 4)),
     "pool_at_argmax": _seeded(PoolAtArgmax, torch.randint(0, 10, (3, 6))),
+    "two_pools": _seeded(TwoPools, torch.randn(1, 3, 8, 8)),
 }
 # exports torch 2.13's exporters do not complete (aten::_cdist_forward has no ONNX function)
 EXPORT_FAILS = {("cdist", "dynamo")}
@@ -1034,6 +1051,17 @@ def test_a_concat_of_a_concat_may_be_one_concat(exported_patterns) -> None:
     report = fwdtrace.compare_onnx(graph, proto)
     assert ("cat = torch.cat", "simplified: merged into the concatenation it feeds") in report.elided
     assert [t for t, _ in report.matched][-1] == "cat_1 = torch.cat"
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_two_weightless_layers_on_one_input_are_one_computation(exported_patterns, exporter: str) -> None:
+    _, _, graph, proto, _ = exported_patterns("two_pools", exporter)
+    n_pools = [n.op_type for n in proto.graph.node].count("MaxPool")
+    report = fwdtrace.compare_onnx(graph, proto)
+    if n_pools == 1:
+        assert ("pool2 (MaxPool2d)", "simplified: repeats pool1 (MaxPool2d) on the same inputs, computed once") \
+            in report.elided
+    assert [t for t, _ in report.matched].count("pool2 (MaxPool2d)") == n_pools - 1
 
 
 def test_a_simplification_does_not_hide_a_deleted_op(exported_patterns) -> None:
