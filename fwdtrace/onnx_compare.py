@@ -4,8 +4,10 @@ The comparison walks the trace in execution order. For each traced call it looks
 to where the call's inputs landed in the ONNX graph, for ONNX nodes the call may have
 become (:mod:`fwdtrace.onnx_ops`): one op (``Conv``), or a region of several (``MatMul``
 then ``Add`` for a Linear, a whole decomposed attention) whose only way in is through the
-call's inputs. Views, transposes and casts are wiring on both sides; constants and shape
-arithmetic are left out. Module scopes the exporter recorded (dynamo's
+call's inputs. Views, transposes and casts are wiring on both sides; constants, shape
+arithmetic and new tensors shaped like an input (``zeros_like``) are left out. Calls an
+exporter may simplify away (``relu(relu(x))``, ``x + 0``, a call repeated on the same
+inputs) are elided when no op stands right where their inputs are. Module scopes the exporter recorded (dynamo's
 ``pkg.torch.onnx.name_scopes``, TorchScript's node names) rank the candidates when
 present; without them the dataflow, op types, attributes and sizes decide.
 
@@ -24,11 +26,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .errors import FwdtraceError, describe
 from .graph import Graph
 from .node import Node, TensorRef
 from .onnx_export import EXPORTERS, _export, onnx_graph
-from .onnx_ops import ONNX_WIRING_OPS, Equivalence, equivalence_for
+from .onnx_ops import (
+    NEW_TENSOR_FUNCTIONS,
+    ONNX_WIRING_OPS,
+    SHAPE_ONLY_AFTER_FIRST,
+    Equivalence,
+    canonical_target,
+    equivalence_for,
+    note_classes,
+    rule_target,
+)
+from .registry import qualified_name
 
 if TYPE_CHECKING:
     import onnx
@@ -41,6 +55,20 @@ MAX_SKIPPED = 2
 # Trace attributes and the ONNX attributes that must agree with them when both exist.
 _ATTR_PAIRS = (("kernel_size", "kernel_shape"), ("stride", "strides"), ("groups", "group"), ("dilation", "dilations"))
 _OUTPUT_GROUP = -1
+# Ops an exporter may merge when one is applied to the other's result.
+_IDEMPOTENT_OPS = frozenset({"Relu", "Clip", "Abs", "Floor", "Ceil", "Round", "Sign"})
+# The scalar that makes a binary op a no-op (``x + 0``, ``x * 1``), which exporters drop.
+_NEUTRAL: dict[str, float] = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1, "Pow": 1}
+# ONNX ops that carry a layer's weights.
+_WEIGHTED_OPS = frozenset({
+    "Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "LayerNormalization", "GroupNormalization",
+    "InstanceNormalization", "RMSNormalization", "Gather", "LSTM", "GRU", "RNN", "PRelu", "Attention",
+})
+_GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
+_INDEX_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Concat", "Unsqueeze", "Reshape", "Cast", "Expand",
+                        "Range", "Where", "Less"})
+_CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
+_VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike", "ConstantOfShape"})
 # ONNX ops whose result depends on the order of their inputs and that take them in the
 # order of the torch call: Concat all of them (constants too), the others their data inputs
 # (torch.addmm puts the bias first, Gemm last; masked_fill and Where differ alike).
@@ -60,8 +88,10 @@ class TopologyReport:
     ``matched`` pairs each trace call with the ONNX nodes that implement it; ``missing``
     lists trace calls with no ONNX counterpart, ``extra`` ONNX nodes with no trace
     counterpart, ``rewired`` edges present on one side only. ``elided`` lists calls the
-    exporter may drop (dropout in eval, views) or fold (BatchNorm into Conv), with how.
-    ``str(report)`` is ``report.text``.
+    exporter may drop (dropout in eval, views), fold (BatchNorm into Conv) or simplify
+    (``relu(relu(x))``, ``x + 0``, a call repeated on the same inputs), with how.
+    ``opened`` names the layer classes no rule knows, which :func:`check_onnx` compared as
+    the torch calls they make. ``str(report)`` is ``report.text``.
     """
 
     ok: bool
@@ -72,6 +102,7 @@ class TopologyReport:
     elided: list[tuple[str, str]]
     text: str
     exporter: str | None = None
+    opened: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.text
@@ -86,6 +117,7 @@ class TopologyReport:
             "extra": list(self.extra),
             "rewired": list(self.rewired),
             "elided": [{"trace": t, "how": how} for t, how in self.elided],
+            "opened": list(self.opened),
         }
 
 
@@ -125,11 +157,25 @@ class _Matcher:
         for n in og.nodes:
             for r in n.outputs:
                 self.producer[r.obj_id] = n.id
+        # Ops that read only the shape of their data (RandomNormalLike), and what is computed
+        # from them alone, are constants to the comparison, as new tensors are on the trace side.
+        self.value_free: set[int] = set()
+        for n in og.nodes:  # ONNX node order is topological
+            fed = [self.producer[r.obj_id] for r in n.inputs if r.obj_id in self.producer]
+            if n.kind == "function" and (
+                n.meta.get("op_type") in _VALUE_FREE_OPS or (fed and all(p in self.value_free for p in fed))
+            ):
+                self.value_free.add(n.id)
+        for n in og.nodes:
+            if n.id in self.value_free:
+                for r in n.outputs:
+                    del self.producer[r.obj_id]
         for n in og.nodes:
             for r in n.inputs:
                 if r.obj_id in self.producer:
                     self.consumers.setdefault(r.obj_id, []).append(n.id)
         self.wiring = {n.id for n in og.nodes if n.kind == "function" and self._is_wiring(n)}
+        self.wiring |= self._index_arithmetic()
         for oid in self.wiring:
             og.nodes[oid].meta["wiring"] = True  # for the report and the picture
         self.matched: dict[int, int] = {}  # ONNX node id -> gid
@@ -139,6 +185,8 @@ class _Matcher:
         self.missing: list[int] = []
         self.missing_producer: dict[int, int] = {}  # obj_id -> missing trace node that wrote it
         self.elided: list[tuple[int, str]] = []
+        self.written_by: dict[int, int] = {}  # trace obj_id -> the node that last wrote it
+        self.calls: dict[tuple[Any, ...], int] = {}  # (target, inputs, attrs) -> first such trace node
         self.trace_succ: dict[int, list[int]] = {}
         for e in trace.edges:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
@@ -161,6 +209,24 @@ class _Matcher:
             return len(data) == 1 and all(0 in r.shape for r in n.inputs if r.obj_id not in self.producer)
         return False
 
+    def _index_arithmetic(self) -> set[int]:
+        """Ops that only compute where a Gather reads (``h[arange(B), ids.argmax(-1)]`` flattened to one index).
+
+        On the trace side indexing is wiring, whatever the index; the exporter's Add, Mul
+        or Concat that turn an index tensor into a flat one are wiring too.
+        """
+        found: set[int] = set()
+        for n in reversed(self.onodes):  # consumers before producers
+            if n.kind != "function" or self.op(n.id) not in _INDEX_OPS:
+                continue
+            readers = [
+                (c, [r.obj_id for r in self.onodes[c].inputs].index(out.obj_id))
+                for out in n.outputs for c in self.consumers.get(out.obj_id, ())
+            ]
+            if readers and all(c in found or (self.op(c) in _GATHERS and k >= 1) for c, k in readers):
+                found.add(n.id)
+        return found
+
     def _out_values(self, gid: int) -> list[int]:
         return [r.obj_id for oid in sorted(self.groups[gid].onodes) for r in self.onodes[oid].outputs]
 
@@ -171,7 +237,8 @@ class _Matcher:
         o_inputs = [n for n in self.onodes if n.kind == "input"]
         pairs, lone_t, lone_o = _pair_inputs(t_inputs, o_inputs)
         # an input nothing reads may be dropped by an exporter (TorchScript does) or kept
-        for tn in [n for n in lone_t if n.id not in self.trace_succ]:
+        live = self._reaches_an_output()
+        for tn in [n for n in lone_t if n.id not in live]:
             self.elided.append((tn.id, "unused input"))
             lone_t.remove(tn)
         lone_o = [n for n in lone_o if any(r.obj_id in self.consumers for r in n.outputs)]
@@ -181,15 +248,18 @@ class _Matcher:
                 self.tensor_groups[r.obj_id] = frozenset({tn.id})
         for tn in t_inputs:
             tdata.update(r.obj_id for r in tn.outputs)
-        live = self._reaches_an_output()
         for tn in self.tnodes:
             if tn.kind in ("input", "output"):
                 continue
             if tn.id not in live:  # read only by Python (`if mask.all():`): exporters drop it
                 self.elided.append((tn.id, "unused result"))
                 continue
-            data_in = [r for r in tn.inputs if r.obj_id in tdata]
+            reads = tn.inputs[:1] if canonical_target(tn.target) in SHAPE_ONLY_AFTER_FIRST else tn.inputs
+            data_in = [r for r in reads if r.obj_id in tdata]
             if not data_in:  # computed from no model input: exporters fold it to a constant
+                self.elided.append((tn.id, "constant"))
+                continue
+            if canonical_target(tn.target) in NEW_TENSOR_FUNCTIONS:  # zeros_like(x) reads only x's shape
                 self.elided.append((tn.id, "constant"))
                 continue
             tdata.update(r.obj_id for r in tn.outputs)
@@ -209,6 +279,7 @@ class _Matcher:
         extra = [
             n.id for n in self.onodes
             if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
+            and n.id not in self.value_free
         ]
         reordered = self._reordered()
         rewired = self._rewired() + [("order", gid, gid) for gid in reordered]
@@ -224,7 +295,7 @@ class _Matcher:
         call and stays extra.
         """
         for n in self.onodes:
-            if n.kind != "function" or n.id in self.matched or n.id in self.wiring:
+            if n.kind != "function" or n.id in self.matched or n.id in self.wiring or n.id in self.value_free:
                 continue
             feeders: set[int] = set()
             wires: set[int] = set()
@@ -260,6 +331,13 @@ class _Matcher:
         """Trace nodes some output depends on."""
         preds: dict[int, list[int]] = {}
         for e in self.t.edges:
+            target = canonical_target(self.tnodes[e.dst].target)
+            # a new tensor shaped like its input (zeros_like) needs none of its values, nor
+            # y.reshape_as(x) those of x
+            if target in NEW_TENSOR_FUNCTIONS or (
+                target in SHAPE_ONLY_AFTER_FIRST and e.obj_id != self.tnodes[e.dst].inputs[0].obj_id
+            ):
+                continue
             preds.setdefault(e.dst, []).append(e.src)
         live: set[int] = set()
         stack = [n.id for n in self.tnodes if n.kind == "output"]
@@ -284,9 +362,11 @@ class _Matcher:
 
     def _match(self, tn: Node, reqs: list[frozenset[int]], data_in: list[TensorRef]) -> None:
         eq = equivalence_for(tn)
+        call_key = self._call_key(tn)
         passthrough = frozenset().union(*reqs) if reqs else frozenset()
         # a BatchNorm after a Conv that is missing would have been folded into it
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
+        outs: list[frozenset[int]] | None = None
         if eq is None:
             self._add_missing(tn)
             tn_out = passthrough
@@ -297,11 +377,21 @@ class _Matcher:
                 eq.folds_into and feeder is not None and feeder.key is not None
                 and self.op(feeder.key) in eq.folds_into
             )
-            found = self._find(tn, eq, reqs, max_skipped=0 if can_fold else MAX_SKIPPED) if eq.patterns else None
+            simpler = self._simplification(tn, eq, data_in, call_key)
+            # an op right where the inputs are, or none at all (not one further on, named by its scope)
+            strict = can_fold or simpler is not None
+            found = (
+                self._find(tn, eq, reqs, max_skipped=0 if strict else MAX_SKIPPED, anchored=simpler is None)
+                if eq.patterns else None
+            )
             if found is not None:
                 key, region = found
                 self._new_group(tn.id, region, key)
                 tn_out = frozenset({tn.id})
+            elif simpler is not None:
+                how, outs = simpler
+                self.elided.append((tn.id, how))
+                tn_out = passthrough
             elif can_fold and feeder is not None and feeder.key is not None:
                 feeder.trace_ids.append(tn.id)
                 self.elided.append((tn.id, f"folded into {self.onodes[feeder.key].meta.get('onnx_name')}"))
@@ -318,11 +408,68 @@ class _Matcher:
             else:
                 self._add_missing(tn)
                 tn_out = passthrough
-        for r in tn.outputs:
-            self.tensor_groups[r.obj_id] = tn_out
+        for i, r in enumerate(tn.outputs):
+            self.tensor_groups[r.obj_id] = outs[i] if outs is not None and i < len(outs) else tn_out
+            self.written_by[r.obj_id] = tn.id
+        self.calls.setdefault(call_key, tn.id)
+
+    def _call_key(self, tn: Node) -> tuple[Any, ...]:
+        """What makes two calls the same computation: target, inputs as last written, arguments.
+
+        A layer's weights are not among its inputs: two layers are the same computation only
+        when they are one layer, or when their ONNX form has no weights (two MaxPools alike).
+        """
+        eq = equivalence_for(tn) if tn.kind == "module" else None
+        weightless = eq is not None and eq.patterns and not eq.op_types & _WEIGHTED_OPS
+        where = tn.module_path if tn.kind == "module" and not weightless else ""
+        inputs = tuple((r.obj_id, self.written_by.get(r.obj_id)) for r in tn.inputs)
+        return (canonical_target(tn.target), where, inputs, repr(sorted(tn.attrs.items())))
+
+    def _simplification(
+        self, tn: Node, eq: Equivalence, data_in: list[TensorRef], call_key: tuple[Any, ...]
+    ) -> tuple[str, list[frozenset[int]] | None] | None:
+        """Why an exporter may drop this call without changing the result, and what stands for it.
+
+        A call repeated on the same inputs is computed once (common subexpressions), an
+        idempotent op applied to its own result (``relu(relu(x))``) is merged, and
+        ``x + 0``, ``x * 1`` are nothing. Returns None for any other call.
+        """
+        earlier = self.calls.get(call_key)
+        # only real ops whose arguments the trace kept in full (an index the trace could not
+        # keep, ``x[:, t]``, would make every step look the same), and nothing random
+        if (
+            earlier is not None and eq.patterns and not eq.optional and None not in tn.attrs.get("args", ())
+            and not any(w in tn.target.lower() for w in ("dropout", "rand"))
+        ):
+            first = self.tnodes[earlier]
+            outs = [self.tensor_groups.get(r.obj_id, frozenset()) for r in first.outputs]
+            return f"simplified: repeats {_trace_label(first)} on the same inputs, computed once", outs
+        target = canonical_target(tn.target)
+        succs = [self.tnodes[s] for s in self.trace_succ.get(tn.id, ())]
+        if target in _CATS and succs and all(
+            canonical_target(s.target) in _CATS and s.attrs == tn.attrs for s in succs
+        ):
+            return "simplified: merged into the concatenation it feeds", None
+        if len(data_in) != 1 or not eq.patterns or len(eq.patterns[0].ops) != 1:
+            return None
+        op = eq.patterns[0].ops[0][0]
+        if op in _IDEMPOTENT_OPS:
+            prev_id = self.written_by.get(data_in[0].obj_id)
+            prev = self.tnodes[prev_id] if prev_id is not None else None
+            prev_eq = equivalence_for(prev) if prev is not None else None
+            if prev is not None and prev_eq is not None and prev_eq.patterns == eq.patterns and prev.attrs == tn.attrs:
+                return f"simplified: repeats {_trace_label(prev)} on its own result (idempotent), merged", None
+        scalars = [a for a in tn.attrs.get("args", []) if a is not None]
+        neutral = _NEUTRAL.get(op)
+        reflected = ".__r" in tn.target or "rsub" in tn.target
+        if neutral is not None and not reflected and len(tn.inputs) == 1 and scalars == [neutral]:
+            return f"simplified: {op} by {neutral}, a no-op", None
+        return None
 
     # -- finding a partner ------------------------------------------------------------------------
-    def _find(self, tn: Node, eq: Equivalence, reqs: list[frozenset[int]], max_skipped: int) -> tuple[int, set[int]] | None:
+    def _find(
+        self, tn: Node, eq: Equivalence, reqs: list[frozenset[int]], max_skipped: int, anchored: bool = True
+    ) -> tuple[int, set[int]] | None:
         sources = frozenset().union(*reqs) if reqs else frozenset()
         ops = eq.op_types
         budget: Counter[str] = Counter()
@@ -345,7 +492,7 @@ class _Matcher:
             score = (self._anchor(cand, nodes, scopes, params), -len(skipped), size, -cand)
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
-        if best is None:
+        if best is None and anchored:
             best = self._anchored_fallback(tn, eq, ops, budget, scopes, params)
         return None if best is None else (best[1], best[2])
 
@@ -437,6 +584,8 @@ class _Matcher:
         best: tuple[tuple[Any, ...], int, set[int]] | None = None
         for n in self.onodes:
             if n.kind != "function" or n.id in self.matched or n.id in self.wiring or self.op(n.id) not in ops:
+                continue
+            if n.id in self.value_free:
                 continue
             if not self._compatible(tn, n.id):
                 continue
@@ -737,7 +886,9 @@ class _Texts:
         return found
 
 
-def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None) -> TopologyReport:
+def _build_report(
+    trace: Graph, og: Graph, result: _Result, exporter: str | None, opened: list[str] | None = None
+) -> TopologyReport:
     tx = _Texts(trace, og, result)
     wiring = {n.id for n in og.nodes if n.kind == "function" and n.meta.get("wiring")}
     matched = [
@@ -773,7 +924,8 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
     ok = not (missing or extra or rewired)
 
     kinds = Counter(
-        "folded" if how.startswith("folded") else how if how in ("wiring", "constant", "unused input", "unused result") else "removed"
+        how.split()[0].rstrip(":") if how.startswith(("folded", "simplified"))
+        else how if how in ("wiring", "constant", "unused input", "unused result") else "removed"
         for _, how in elided
     )
     how_elided = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
@@ -784,6 +936,8 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
         f"{len(elided)} elided{f' ({how_elided})' if how_elided else ''}; "
         f"{len(missing)} missing, {len(extra)} extra, {len(rewired)} rewired",
     ]
+    if opened:
+        lines.append(f"  compared as the calls they make (no ONNX rule): {', '.join(opened)}")
     if result.missing or result.unmatched_inputs[0]:
         lines.append("missing (in the trace, not in the ONNX graph):")
         for i in result.missing + result.unmatched_inputs[0]:
@@ -812,7 +966,7 @@ def _build_report(trace: Graph, og: Graph, result: _Result, exporter: str | None
             lines.append(f"  {t.ljust(width)}  <->  {', '.join(o)}")
         for lbl, how in folded:
             lines.append(f"  {lbl.ljust(width)}  <->  {how}")
-    return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter)
+    return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []))
 
 
 def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
@@ -871,13 +1025,41 @@ def check_onnx(model: Any, *args: Any, exporter: str = "dynamo", **kwargs: Any) 
 
     Put the model in eval mode first if that is how you deploy it: exporters fold
     BatchNorm and drop dropout only in eval mode, and the trace runs the model as it is.
+    Layers no ONNX rule knows (a custom layer with a forward of its own) are traced again
+    as the torch calls they make and compared as those; ``report.opened`` names them.
     """
-    from .tracer import trace
-
-    graph = trace(model, *args, **kwargs)
+    graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
     proto = _export(model, args, kwargs, exporter, None, None, weights=False)  # a large model's weights stay on disk
     og, result = _compare(graph, proto)
-    return _build_report(graph, og, result, exporter)
+    return _build_report(graph, og, result, exporter, opened)
+
+
+def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tuple[Graph, list[str]]:
+    """The trace, with every layer no ONNX rule knows recorded as the torch calls it makes.
+
+    A custom layer is what it calls: timm's ``LayerNorm2d`` (an ``nn.LayerNorm`` with a
+    forward of its own) is a permute, a ``layer_norm`` and a permute, which rules know.
+    The model runs once more per level of such layers inside each other.
+    """
+    from .tracer import Tracer, trace
+
+    graph = trace(model, *args, **kwargs)
+    path2module = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
+    note_classes(type(m) for m in path2module.values())
+    opened: dict[type, None] = {}
+    for _ in range(4):
+        ruleless = {
+            type(m): None for n in graph.nodes
+            if n.kind == "module" and rule_target(n.target) is None
+            and (m := path2module.get(n.module_path)) is not None and type(m) not in opened
+        }
+        if not ruleless:
+            break
+        opened.update(ruleless)
+        with Tracer(through=tuple(opened)) as tracer:  # this trace only: other threads are not affected
+            model(*args, **kwargs)
+        graph = tracer.graph
+    return graph, [qualified_name(c) for c in opened]
 
 
 def render_side_by_side(

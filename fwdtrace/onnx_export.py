@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import contextvars
 import functools
 import inspect
 import io
@@ -26,7 +27,6 @@ from ._tree import tensors_of
 from .errors import FwdtraceError, describe
 from .graph import Graph
 from .node import Scope, TensorRef
-from .patching import Patcher
 
 if TYPE_CHECKING:
     import onnx
@@ -44,6 +44,7 @@ _INLINE_BYTES = 1024
 # ONNX ops whose output describes a tensor's shape, not its values: what they feed is
 # shape arithmetic, folded away by the comparison.
 _SHAPE_OPS = frozenset({"Shape", "Size"})
+_UNSET = object()
 
 
 def _import_onnx() -> Any:
@@ -140,9 +141,11 @@ def _run_exporter(
     """Run torch's exporter: into memory (returns the ModelProto), or into ``file`` with external data."""
     onnx_mod = _import_onnx()
     other = EXPORTERS[1 - EXPORTERS.index(exporter)]
+    if args and type(args[-1]) is dict:  # both exporters read a trailing dict as keyword arguments
+        args = (*args, {})
     try:
         if exporter == "dynamo":
-            with _export_forward(model, len(args), ()), _quiet_exporter_logs():
+            with _export_forward(model, _n_positional(args), ()), _quiet_exporter_logs():
                 program = torch.onnx.export(
                     model, args, kwargs=kwargs or None, dynamo=True, verbose=False, opset_version=opset_version
                 )
@@ -159,10 +162,14 @@ def _run_exporter(
             tensor_kw = [k for k, v in kwargs.items() if tensors_of(v)]
             consts = {k: v for k, v in kwargs.items() if k not in tensor_kw}
             buffer = io.BytesIO()
-            with _export_forward(model, len(args), tuple(tensor_kw), consts), _quiet_exporter_logs():
+            n_args = _n_positional(args)
+            positions = (*args[:n_args], *(kwargs[k] for k in tensor_kw))
+            if positions and type(positions[-1]) is dict:
+                positions = (*positions, {})
+            with _export_forward(model, n_args, tuple(tensor_kw), consts), _quiet_exporter_logs():
                 torch.onnx.export(
-                    model, (*args, *(kwargs[k] for k in tensor_kw)), cast(Any, file or buffer), dynamo=False,
-                    opset_version=opset_version, input_names=_input_names(model, len(args)) + tensor_kw,
+                    model, positions, cast(Any, file or buffer), dynamo=False,
+                    opset_version=opset_version, input_names=_input_names(model, n_args) + tensor_kw,
                 )
             proto = None if file is not None else onnx_mod.load_from_string(buffer.getvalue())
     except FwdtraceError:
@@ -173,7 +180,8 @@ def _run_exporter(
         if root is not e:  # the dynamo exporter wraps the real reason in its step messages
             why += f"; caused by {type(root).__name__}: {_first_line(root)}"
         raise FwdtraceError(
-            f"the {exporter} ONNX exporter failed on {type(model).__name__}: {why} (try exporter={other!r})"
+            f"the {exporter} ONNX exporter failed on {type(model).__name__}: {why}"
+            + _other_exporter_hint(model, args, kwargs, other, opset_version)
         ) from e
     return proto
 
@@ -288,6 +296,34 @@ def _load_small_external_data(proto: onnx.ModelProto, folder: str) -> None:
             onnx_mod.external_data_helper.load_external_data_for_tensor(tensor, folder)
 
 
+def _n_positional(args: tuple[Any, ...]) -> int:
+    """How many of ``args`` are the model's: a trailing ``{}`` only stops a dict being read as keywords."""
+    return len(args) - 1 if len(args) >= 2 and type(args[-2]) is dict and args[-1] == {} else len(args)
+
+
+_probing_other = contextvars.ContextVar("_probing_other", default=False)
+
+
+def _other_exporter_hint(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], other: str, opset_version: int | None
+) -> str:
+    """`` (try exporter='...')`` when the other exporter does export the model, else what it says.
+
+    Suggesting an exporter that fails the same way sends users in circles, so the other
+    one is tried (the failure path only pays for it).
+    """
+    if _probing_other.get():
+        return ""
+    token = _probing_other.set(True)
+    try:
+        export_onnx(model, *args[: _n_positional(args)], exporter=other, opset_version=opset_version, **kwargs)
+    except FwdtraceError as e:
+        return f"; the {other} exporter fails too: {str(e).partition(': ')[2]}"
+    finally:
+        _probing_other.reset(token)
+    return f" (try exporter={other!r})"
+
+
 def _cause_chain(e: BaseException) -> list[BaseException]:
     chain = [e]
     while chain[-1].__cause__ is not None and len(chain) < 20:
@@ -340,9 +376,21 @@ def _export_forward(
         out = forward(*a, **k)
         return tuple(tensors_of(out)) if _needs_flattening(out) else out
 
-    with Patcher() as patcher:
-        patcher.patch(cast(Any, model), "forward", export_forward)
+    if isinstance(model, torch.jit.ScriptModule):  # compiled: no Python forward to wrap
         yield
+        return
+    # Set and removed in the instance's __dict__ directly: nn.Module.__setattr__ and
+    # __delattr__ can refuse or raise, and nothing of fwdtrace may stay on the user's model.
+    attrs = vars(model)
+    previous = attrs.get("forward", _UNSET)
+    attrs["forward"] = export_forward
+    try:
+        yield
+    finally:
+        if previous is _UNSET:
+            attrs.pop("forward", None)
+        else:
+            attrs["forward"] = previous
 
 
 def _input_names(model: torch.nn.Module, n_args: int) -> list[str]:

@@ -12,6 +12,9 @@ Users extend it for their own layers, the way ``@hook_forward`` registers callba
 from __future__ import annotations
 
 import inspect
+import re
+import sys
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +26,10 @@ from .errors import FwdtraceError, describe
 from .node import Node
 from .registry import qualified_name
 
-__all__ = ["onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "ONNX_WIRING_OPS"]
+__all__ = [
+    "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS",
+    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 # What a rule function may return for a node: one pattern, several, or None to vanish.
@@ -104,6 +110,8 @@ class _Rule:
 
 
 _RULES: dict[str, _Rule] = {}
+_inherited: dict[str, str | None] = {}  # layer target -> the ancestor whose rule it takes
+_known_classes: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
 _loaded_plugins = False
 
 
@@ -163,7 +171,7 @@ def onnx_equivalent(
     folds = frozenset(folds_into)
     if patterns or optional or folds:
         parsed = tuple(Pattern.parse(p) for p in patterns)
-        _RULES[name] = _Rule(lambda node: [p.text for p in parsed], optional, folds)
+        _set_rule(name, _Rule(lambda node: [p.text for p in parsed], optional, folds))
         return None
 
     def decorate(fn: F) -> F:
@@ -171,10 +179,15 @@ def onnx_equivalent(
             raise FwdtraceError(
                 f"@onnx_equivalent({target!r}) expected a function of one argument (the trace node), got {describe(fn)}"
             )
-        _RULES[name] = _Rule(fn, optional, folds)
+        _set_rule(name, _Rule(fn, optional, folds))
         return fn
 
     return decorate
+
+
+def _set_rule(name: str, rule: _Rule) -> None:
+    _RULES[name] = rule
+    _inherited.clear()  # an ancestor may have gained a rule
 
 
 def _takes_one_argument(fn: Callable[..., Any]) -> bool:
@@ -187,12 +200,149 @@ def _takes_one_argument(fn: Callable[..., Any]) -> bool:
     return True
 
 
-def equivalence_for(node: Node) -> Equivalence | None:
-    """The :class:`Equivalence` registered for ``node.target``, or None when no rule knows it."""
+# Where torch's own Python wrappers define a Tensor method, a mode sees it under their
+# module: ``x ** 2`` arrives as ``torch._tensor.TensorBase.pow``. Such a call is the method.
+_TENSOR_ALIASES = ("torch._tensor.TensorBase.", "torch._C.TensorBase.", "torch._C._TensorBase.", "torch._tensor.Tensor.")
+
+
+def canonical_target(target: str) -> str:
+    """The name rules use for a trace target: ``torch.Tensor.pow`` for ``torch._tensor.TensorBase.pow``.
+
+    >>> canonical_target("torch._tensor.TensorBase.pow"), canonical_target("torch.nn.Conv2d")
+    ('torch.Tensor.pow', 'torch.nn.Conv2d')
+    """
+    for prefix in _TENSOR_ALIASES:
+        if target.startswith(prefix):
+            return "torch.Tensor." + target[len(prefix):]
+    return target
+
+
+def note_classes(classes: Iterable[type]) -> None:
+    """Remember layer classes by target name: a class made in a function is in no module to look it up in."""
+    for cls in classes:
+        _known_classes[qualified_name(cls)] = cls
+
+
+def _class_named(target: str) -> type | None:
+    """The class a layer target names, from :func:`note_classes` or the modules already imported."""
+    if target in _known_classes:
+        return _known_classes[target]
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        obj: Any = sys.modules.get(".".join(parts[:i]))
+        if obj is None:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        return obj if isinstance(obj, type) else None
+    return None
+
+
+def inherited_rule_target(target: str) -> str | None:
+    """The ancestor whose rule a layer class without one takes: ``torch.nn.LayerNorm`` for a subclass.
+
+    Only a subclass that runs its ancestor's ``forward`` is that ancestor; one with a
+    ``forward`` of its own may do anything (timm's ``BatchNormAct2d`` adds an activation)
+    and is compared as the calls it makes (see :func:`fwdtrace.check_onnx`).
+    """
+    if target in _inherited:
+        return _inherited[target]
+    found = None
+    cls = _class_named(target)
+    if cls is not None and issubclass(cls, torch.nn.Module):
+        owner = next((k for k in cls.__mro__ if "forward" in k.__dict__), torch.nn.Module)
+        for base in cls.__mro__[1:]:
+            if qualified_name(base) in _RULES:
+                found = qualified_name(base) if issubclass(base, owner) else None
+                break
+    _inherited[target] = found
+    return found
+
+
+def rule_target(target: str) -> str | None:
+    """The registered target whose rule applies to ``target`` (itself, its canonical name or an ancestor).
+
+    A torch function no rule names gets one derived from onnxscript's torchlib, the table
+    the dynamo exporter itself emits with (``torch.addcmul`` is ``aten::addcmul``: Mul*2+Add).
+    """
     _load_plugins_once()
-    rule = _RULES.get(node.target)
-    if rule is None:
+    name = canonical_target(target)
+    if name in _RULES:
+        return name
+    return inherited_rule_target(name) or _torchlib_rule(name)
+
+
+# ONNX ops of torchlib's functions that carry no computation of their own.
+_NOT_WORK = ONNX_WIRING_OPS | {"Constant", "ConstantOfShape", "Shape", "Size", "If", "Range", "Loop"}
+_OP_CALL = re.compile(r"\bop\.([A-Z][A-Za-z0-9]*)\(")
+_torchlib_done: dict[str, str | None] = {}  # torch function -> its derived pattern, None if none
+
+
+def _torchlib_rule(name: str) -> str | None:
+    """Register and return a rule for torch function ``name`` from torchlib's ``aten::`` function, if any."""
+    if name not in _torchlib_done:
+        _torchlib_done[name] = _torchlib_pattern(name)
+    pattern = _torchlib_done[name]
+    if pattern is None:
         return None
+    if name not in _RULES:
+        _set_rule(name, _Rule((lambda node: pattern or None), False, frozenset()))
+    return name
+
+
+def _torchlib_pattern(name: str) -> str | None:
+    """The pattern of torchlib's ``aten::`` function for torch function ``name`` ('' for pure wiring), or None."""
+    prefix, _, short = name.rpartition(".")
+    if prefix not in ("torch", "torch.Tensor", "torch.nn.functional", "torch.special", "torch.linalg"):
+        return None
+    aten = short.strip("_") if short.startswith("__") else short.removesuffix("_")
+    if short.startswith("__i"):
+        aten = aten[1:]  # __iadd__ is add
+    counts = _torchlib_ops(f"aten::{_ATEN_ALIASES.get(aten, aten)}")
+    if counts is None:
+        return None
+    return "+".join(f"{op}*{n}" for op, n in sorted(counts.items()) if op not in _NOT_WORK)
+
+
+_ATEN_ALIASES = {"norm": "linalg_vector_norm", "absolute": "abs", "arctan": "atan", "true_divide": "div"}
+
+
+def _torchlib_ops(aten: str) -> Counter[str] | None:
+    """How many times each ONNX op appears in torchlib's implementations of ``aten`` (all overloads)."""
+    try:
+        import onnxscript.function_libs.torch_lib.ops  # noqa: F401 - registers the functions
+        from onnxscript.function_libs.torch_lib.registration import default_registry
+    except ImportError:  # pragma: no cover - onnxscript is a dependency
+        return None
+    entry = default_registry._registry.get(aten)
+    if entry is None:
+        return None
+    counts: Counter[str] = Counter()
+    for fn in entry.overloads:
+        try:
+            ops = [n.op_type for n in fn.to_function_proto().node]
+        except AttributeError:  # a traced function: its ops are in its source
+            try:
+                ops = _OP_CALL.findall(inspect.getsource(fn.func))
+            except (OSError, TypeError):
+                continue
+        counts |= Counter(ops)
+    return counts
+
+
+def equivalence_for(node: Node) -> Equivalence | None:
+    """The :class:`Equivalence` registered for ``node.target``, or None when no rule knows it.
+
+    >>> import torch, fwdtrace
+    >>> from torch.nn.modules.linear import NonDynamicallyQuantizableLinear  # a Linear, forward and all
+    >>> node = fwdtrace.trace(NonDynamicallyQuantizableLinear(4, 2), torch.ones(1, 4)).nodes[1]
+    >>> equivalence_for(node).source, [p.text for p in equivalence_for(node).patterns]
+    ('torch.nn.Linear', ['Gemm', 'MatMul+Add', 'MatMul'])
+    """
+    name = rule_target(node.target)
+    if name is None:
+        return None
+    rule = _RULES[name]
     result = rule.fn(node)
     texts = (result,) if isinstance(result, str) else tuple(result or ())
     key = (texts, rule.optional, rule.folds_into)
@@ -202,7 +352,7 @@ def equivalence_for(node: Node) -> Equivalence | None:
             tuple(Pattern.parse(t) for t in texts),
             optional=rule.optional or not texts,
             folds_into=rule.folds_into,
-            source=node.target,
+            source=name,
         )
         rule.cache[key] = eq
     return eq
@@ -242,18 +392,34 @@ def _nn(*names: str) -> list[str]:
     return [f"torch.nn.{n}" for n in names]
 
 
+_CASTS = ("float", "double", "half", "bfloat16", "int", "long", "short", "char", "byte", "bool", "cpu", "cuda")
+# Calls whose tensors after the first give only a shape or a dtype: ``y.reshape_as(x)``
+# reads none of x's values, and an export has no edge from x.
+SHAPE_ONLY_AFTER_FIRST = frozenset(_functions("reshape_as", "view_as", "expand_as", "type_as"))
+NEW_TENSOR_FUNCTIONS = frozenset(
+    _functions("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
+               "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")
+)
+
+
 # Views, layout and copies: wiring on both sides.
 _register(
     _functions(
         "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute", "contiguous",
         "squeeze", "unsqueeze", "expand", "expand_as", "t", "chunk", "split", "unbind", "narrow", "select",
-        "movedim", "repeat", "tile", "clone", "detach", "to", "float", "double", "half", "type_as", "type",
-        "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones", "new_full", "new_empty",
+        "movedim", "repeat", "tile", "clone", "detach", "to", "type_as", "type", "swapaxes", "swapdims",
+        "moveaxis", "ravel", "squeeze_", "unsqueeze_", "transpose_", "t_",
     )
-    + ["torch.Tensor.__getitem__", "torch.Tensor.T", "torch.Tensor.mT"]
+    + [f"torch.Tensor.{cast}" for cast in _CASTS]
+    + ["torch.Tensor.__getitem__", "torch.Tensor.T", "torch.Tensor.mT", "torch._pack_padded_sequence",
+       "torch._pad_packed_sequence", "torch.nn.utils.rnn.pack_padded_sequence",
+       "torch.nn.utils.rnn.pad_packed_sequence"]
     + _nn("Flatten", "Unflatten", "Identity"),
     optional=True,
 )
+# New tensors shaped like their input carry none of its values: not an edge from it (the
+# comparison takes them for constants; a random one may stay in the export as *Like ops).
+_register(NEW_TENSOR_FUNCTIONS, "RandomNormalLike", "RandomUniformLike", "RandomNormal", "RandomUniform", optional=True)
 # Dropout is an ONNX Dropout in a training-mode export and nothing at all in eval mode.
 _register(
     _functions("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
@@ -274,7 +440,8 @@ _register(_functions("addmm", "baddbmm"), "Gemm", "MatMul+Add", "MatMul+Mul+Add"
 _register(
     _nn("BatchNorm1d", "BatchNorm2d", "BatchNorm3d") + _functions("batch_norm"),
     "BatchNormalization",
-    folds_into=("Conv", "ConvTranspose", "Gemm"),
+    "Mul+Add",  # eval mode with nothing to fold into: a scale and a shift
+    folds_into=("Conv", "ConvTranspose", "Gemm", "MatMul"),
 )
 _register(
     _nn("LayerNorm") + _functions("layer_norm"),
@@ -310,7 +477,7 @@ _register(_nn("Sigmoid") + _functions("sigmoid"), "Sigmoid")
 _register(_nn("Tanh") + _functions("tanh"), "Tanh")
 _register(_nn("Hardswish") + _functions("hardswish"), "HardSwish", "HardSigmoid+Mul")
 _register(_nn("Hardsigmoid") + _functions("hardsigmoid"), "HardSigmoid")
-_register(_nn("Softplus") + _functions("softplus"), "Softplus")
+_register(_nn("Softplus") + _functions("softplus"), "Softplus", "Softplus+Greater+Where")
 _register(_nn("Softmax") + _functions("softmax"), "Softmax", "ReduceMax+Sub+Exp+ReduceSum+Div", "Exp+ReduceSum+Div")
 _register(_nn("LogSoftmax") + _functions("log_softmax"), "LogSoftmax", "Softmax+Log")
 _register(_nn("MaxPool1d", "MaxPool2d", "MaxPool3d") + _functions("max_pool1d", "max_pool2d", "max_pool3d"), "MaxPool")
@@ -329,7 +496,8 @@ _register(
 _register(_nn("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d") + _functions("interpolate", "upsample"),
           "Resize", "Upsample")
 _register(_nn("PixelShuffle") + _functions("pixel_shuffle"), "DepthToSpace")
-_register(_functions("pad"), "Pad")
+# A zero pad before a Conv or a pool may become that op's own pads (dynamo does it for timm's Conv2dSame).
+_register(_functions("pad"), "Pad", optional=True)
 _register(_binary("add"), "Add", "Sum")
 _register(_binary("sub") + _functions("rsub"), "Sub")
 _register(_binary("mul") + _functions("multiply"), "Mul")
@@ -342,7 +510,9 @@ for _name, _op in {
     "sin": "Sin", "cos": "Cos", "floor": "Floor", "ceil": "Ceil", "round": "Round", "sign": "Sign",
     "where": "Where", "masked_fill": "Where", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
     "amin": "ReduceMin", "argmax": "ArgMax", "argmin": "ArgMin", "cumsum": "CumSum", "einsum": "Einsum",
-    "topk": "TopK", "minimum": "Min", "maximum": "Max", "logsumexp": "ReduceLogSumExp",
+    "topk": "TopK", "minimum": "Min", "maximum": "Max", "logsumexp": "ReduceLogSumExp", "tan": "Tan",
+    "atan": "Atan", "asin": "Asin", "acos": "Acos", "sinh": "Sinh", "cosh": "Cosh",
+    "prod": "ReduceProd",
 }.items():
     _register(_functions(_name, f"{_name}_"), _op)
 # Comparisons and boolean logic (masks): ``a > b`` is traced as ``torch.Tensor.__gt__`` or ``gt``.
@@ -360,6 +530,20 @@ _register(_functions("isinf"), "IsInf")
 # Indexing by a tensor of indices; indexing by constants is wiring (see onnx_compare).
 _register(_functions("gather", "take_along_dim"), "GatherElements", "Gather", optional=True)
 _register(_functions("index_select", "take"), "Gather", optional=True)
+# torch.roll is slices put back together; ``x[i] = v`` a scatter, or slices and a Concat
+_register(_functions("roll"), "Concat", "Concat*2", "Concat*3", optional=True)
+_register(
+    ["torch.Tensor.__setitem__"] + _functions("index_put", "index_put_", "slice_scatter", "select_scatter"),
+    "ScatterND", "ScatterElements", "Concat", "Concat*2", "Where", "Expand+ScatterND", optional=True,
+)
+_register(_functions("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"),
+          "ScatterElements", "ScatterND")
+_register(_functions("index_add", "index_add_", "index_copy", "index_copy_", "masked_scatter"),
+          "ScatterND", "ScatterElements")
+_register(_functions("cross_entropy"), "SoftmaxCrossEntropyLoss", "LogSoftmax+NegativeLogLikelihoodLoss")
+_register(_functions("nll_loss"), "NegativeLogLikelihoodLoss")
+_register(_functions("cdist"), "Sub+Pow+ReduceSum+Sqrt", "Sub+Pow*2+ReduceSum", "ReduceSumSquare*2+MatMul+Mul+Add*2+Max+Sqrt",
+          "ReduceSum*2+Pow*2+MatMul+Mul+Add*2+Max+Sqrt")
 _register(_functions("rsqrt"), "Sqrt+Reciprocal", "Sqrt+Div", "Pow")
 _register(_functions("max"), "ReduceMax", "Max")
 _register(_functions("min"), "ReduceMin", "Min")
@@ -403,6 +587,12 @@ def _recurrent(op: str) -> Callable[[Node], RuleResult]:
 
 for _cls in ("LSTM", "GRU", "RNN"):
     onnx_equivalent(f"torch.nn.{_cls}")(_recurrent(_cls))
+# One step of a recurrent cell: the ONNX op over a sequence of one, or written out with two
+# projections (the hidden state's folds away when it starts at zero).
+_register(_nn("LSTMCell") + ["torch.lstm_cell"], "LSTM", "Gemm*2+MatMul*2+Add*4+Sigmoid*3+Tanh*2+Mul*3")
+_register(_nn("GRUCell") + ["torch.gru_cell"], "GRU", "Gemm*2+MatMul*2+Add*6+Sigmoid*2+Tanh+Mul*3+Sub")
+_register(_nn("RNNCell") + ["torch.rnn_tanh_cell"], "RNN", "Gemm*2+MatMul*2+Add*3+Tanh")
+_register(["torch.rnn_relu_cell"], "RNN", "Gemm*2+MatMul*2+Add*3+Relu")
 
 
 @onnx_equivalent("torch.cat")

@@ -146,7 +146,8 @@ class Tracer:
     results output nodes. ``pin=False`` (the default) keeps no tensor alive and retires an
     id when its tensor dies, so CPython's reuse of ``id()`` can never confuse two tensors;
     ``pin=True`` keeps every tensor seen alive until the trace ends (for callbacks that
-    want them). Both give the same graph.
+    want them). Both give the same graph. ``through`` names layer classes (subclasses
+    included) recorded as the calls they make instead of one node, for this trace only.
 
     Only calls made in the thread that entered the tracer are recorded; other threads run
     as if nothing were traced, and may trace at the same time. Leaving puts everything
@@ -155,8 +156,13 @@ class Tracer:
     once per trace with a warning that names their paths.
     """
 
-    def __init__(self, pin: bool = False) -> None:
+    def __init__(self, pin: bool = False, *, through: tuple[type, ...] = ()) -> None:
+        if not isinstance(through, tuple) or not all(
+            isinstance(c, type) and issubclass(c, torch.nn.Module) for c in through
+        ):
+            raise FwdtraceError(f"Tracer() expected through as a tuple of torch.nn.Module classes, got {through!r}")
         self.pin = pin
+        self.through = through
         self.graph = Graph()
         self._handle: Any = None
         self._mode: _Recorder | None = None
@@ -282,7 +288,10 @@ class Tracer:
     def _info(self, module_type: type) -> _TypeInfo:
         info = self._type2info.get(module_type)
         if info is None:  # one look-up per class and trace: registering mid-trace takes effect next trace
-            info = self._type2info[module_type] = _cached_type_info(module_type)
+            info = _cached_type_info(module_type)
+            if info.atomic and self.through and issubclass(module_type, self.through):
+                info = info._replace(atomic=False)  # opened for this trace only, in this thread only
+            self._type2info[module_type] = info
         return info
 
     def _on_call(self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:

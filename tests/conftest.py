@@ -27,3 +27,15 @@ def _no_leftover_hooks():
     REGISTRY.atomic = atomic_before
     assert torch.nn.Module.__dict__["__call__"] is torch.nn.modules.module.Module._wrapped_call_impl
     assert torch.nn.Module.__dict__["_call_impl"] is _ORIGINAL_CALL_IMPL
+
+
+@pytest.fixture
+def restore_rules():
+    """ONNX equivalence rules a test registers are gone after it."""
+    from fwdtrace import onnx_ops
+
+    saved = dict(onnx_ops._RULES)
+    yield
+    onnx_ops._RULES.clear()
+    onnx_ops._RULES.update(saved)
+    onnx_ops._inherited.clear()

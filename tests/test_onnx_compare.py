@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from onnx import helper
 from test_onnx_export import assert_runs_like_torch, run_ort
 
 import fwdtrace
-from fwdtrace import FwdtraceError, onnx_ops
+from fwdtrace import FwdtraceError, onnx_compare, onnx_ops
 from fwdtrace.cli import main
 
 EXPORTERS = ["dynamo", "torchscript"]
@@ -45,14 +46,6 @@ def exported():
         return cache[name, exporter]
 
     return get
-
-
-@pytest.fixture
-def restore_rules():
-    saved = dict(onnx_ops._RULES)
-    yield
-    onnx_ops._RULES.clear()
-    onnx_ops._RULES.update(saved)
 
 
 def strip_scopes(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -551,13 +544,20 @@ def test_every_call_in_the_zoo_has_an_equivalence() -> None:
 def test_a_user_layer_needs_an_equivalence_then_agrees(restore_rules) -> None:
     fwdtrace.register_atomic(Swish)
     model, x = _swish_net(), torch.randn(3, 4)
-    before = fwdtrace.check_onnx(model, x, exporter="torchscript")
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    before = fwdtrace.compare_onnx(fwdtrace.trace(model, x), proto)
     assert not before.ok and before.missing == ["1 (Swish)"]
     assert f"no ONNX equivalence is registered for {__name__}.Swish" in before.text
+    # check_onnx has the model: a layer no rule knows is compared as the calls it makes
+    opened = fwdtrace.check_onnx(model, x, exporter="torchscript")
+    assert opened.ok, opened.text
+    assert opened.opened == [f"{__name__}.Swish"] and f"no ONNX rule): {__name__}.Swish" in opened.text
+    assert opened.matched[1:3] == [("sigmoid = torch.sigmoid in 1", ("/1/Sigmoid",)),
+                                   ("mul = torch.Tensor.mul in 1", ("/1/Mul",))]
     fwdtrace.onnx_equivalent(Swish, "Sigmoid+Mul")
     after = fwdtrace.check_onnx(model, x, exporter="torchscript")
     assert after.ok, after.text
-    assert after.matched[1] == ("1 (Swish)", ("/1/Sigmoid", "/1/Mul"))
+    assert after.matched[1] == ("1 (Swish)", ("/1/Sigmoid", "/1/Mul")) and after.opened == []
 
 
 def test_decorated_rule_sees_the_node(restore_rules) -> None:
@@ -616,16 +616,22 @@ def test_cli_agrees_on_an_honest_export(capsys) -> None:
     assert "the export has the topology of the trace" in capsys.readouterr().out
 
 
-def make_unregistered() -> torch.nn.Module:
-    """A factory whose export cannot agree: a layer with no ONNX equivalence."""
-    fwdtrace.register_atomic(Swish)
-    return _swish_net()
+class MisdeclaredSwish(Swish):
+    pass
+
+
+def make_misdeclared() -> torch.nn.Module:
+    """A factory whose export cannot agree: a layer whose rule says Relu where the export has Sigmoid and Mul."""
+    fwdtrace.register_atomic(MisdeclaredSwish)
+    fwdtrace.onnx_equivalent(MisdeclaredSwish, "Relu")
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), MisdeclaredSwish(), torch.nn.Linear(4, 2)).eval()
 
 
 def test_cli_exits_1_when_the_export_differs(capsys) -> None:
-    assert main(["check-onnx", f"{__name__}:make_unregistered", "--input-shape", "2,4", "--exporter", "torchscript",
+    assert main(["check-onnx", f"{__name__}:make_misdeclared", "--input-shape", "2,4", "--exporter", "torchscript",
                  "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)["missing"] == ["1 (Swish)"]
+    assert json.loads(capsys.readouterr().out)["missing"] == ["1 (MisdeclaredSwish)"]
 
 
 @pytest.mark.parametrize(
@@ -674,3 +680,491 @@ def test_unreadable_onnx_files_are_named(tmp_path: Path) -> None:
             fwdtrace.compare_onnx(graph, path)
     with pytest.raises(FwdtraceError, match=r"^render_side_by_side\(\) expected a .onnx file with a graph"):
         fwdtrace.render_side_by_side(graph, empty, tmp_path / "x.svg")
+
+
+# -- real-model patterns, minimal: what the exporters may do to them is not a difference ----------
+class Roll(torch.nn.Module):
+    """Swin's shifted windows: torch.roll between two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.roll(self.fc(x), shifts=(1, 2), dims=(1, 2)))
+
+
+class SetItem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x).clone()
+        y[:, :2] = 0.0
+        y[:, 3] = x[:, 3]
+        return self.fc(y)
+
+
+class Casts(torch.nn.Module):
+    """RoBERTa's position ids: int and long casts around a cumsum of the padding mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = ids.ne(0).int()
+        pos = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long()
+        return self.emb(pos).float() + self.emb(ids)
+
+
+class Functions(torch.nn.Module):
+    """tan, scatter into zeros_like, x ** n in its three spellings, noise that is multiplied away."""
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros_like(x).scatter(1, idx, torch.tan(x))
+        z = x ** 2
+        z **= 2
+        return y + z + 2 ** x + torch.randn_like(x) * 0 + torch.rand_like(x) * 0
+
+
+class Cdist(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cdist(self.fc(x), x)
+
+
+class CrossEntropy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.fc(x), target)
+
+
+class ZerosLike(torch.nn.Module):
+    """zeros_like reads only its input's shape: no edge from fc(x), which exporters drop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(self.fc(x)) + self.fc(y)
+
+
+class Cells(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTMCell(4, 6)
+        self.gru = torch.nn.GRUCell(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x)
+        return self.gru(h)
+
+
+class Simplified(torch.nn.Module):
+    """What exporters may simplify: relu(relu(x)), x + 0, x * 1, one call made twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.relu(self.fc(x)))
+        h = (h + 0) * 1
+        return self.out(torch.sigmoid(h) + torch.sigmoid(h))
+
+
+class SameNorm(torch.nn.LayerNorm):
+    """Keeps LayerNorm's forward: it is a LayerNorm."""
+
+
+class LayerNorm2d(torch.nn.LayerNorm):
+    """timm's and torchvision's channels-first LayerNorm: a forward of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class BatchNormAct2d(torch.nn.BatchNorm2d):
+    """timm's BatchNorm with its activation: a BatchNorm2d that is more than one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+class CustomLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = BatchNormAct2d(8)
+        self.norm2d = LayerNorm2d(8)
+        self.norm = SameNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.norm2d(self.bn(self.conv(x))))
+
+
+class DictInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(d["a"]) + d["b"]
+
+
+class StateSpaceScan(torch.nn.Module):
+    """A selective-state-space-style scan: one step per timestep, each reading constant-index slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.bc = torch.nn.Linear(4, 8)
+        self.out = torch.nn.Linear(4, 4)
+        self.a = torch.nn.Parameter(torch.rand(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, z = self.inp(x).chunk(2, dim=-1)
+        b, c = self.bc(x).chunk(2, dim=-1)
+        h = torch.zeros_like(u[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = self.a * h + torch.nn.functional.softplus(u[:, t]) * b[:, t]  # dynamo: Softplus, Greater, Where
+            ys.append(h * c[:, t])
+        return self.out(torch.stack(ys, dim=1) * torch.nn.functional.silu(z))
+
+
+class SwinLikeBlock(torch.nn.Module):
+    """Norm, shift, window attention, shift back, residual; then an MLP with its residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm2 = torch.nn.LayerNorm(8)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, H, W, C)
+        b, h, w, c = x.shape
+        s = torch.roll(self.norm1(x), shifts=(-1, -1), dims=(1, 2))
+        win = s.view(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, c)
+        q, k, v = self.qkv(win).chunk(3, dim=-1)
+        attn = (q @ k.transpose(-2, -1) * c ** -0.5).softmax(dim=-1)
+        out = self.proj(attn @ v).view(b, h // 2, w // 2, 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+        x = x + torch.roll(out, shifts=(1, 1), dims=(1, 2))
+        return x + self.mlp(self.norm2(x))
+
+
+class LinearNorm(torch.nn.Module):
+    """LeViT's Linear + BatchNorm1d: the norm's result is reshaped like the Linear's, which it reads for its shape."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(d_in, d_out, bias=False)
+        self.bn = torch.nn.BatchNorm1d(d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class LeViTLike(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = LinearNorm(8, 24)
+        self.proj = LinearNorm(8, 8)
+        self.head = torch.nn.Sequential(torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 2, -1).permute(0, 2, 1, 3).split([4, 4, 4], dim=3)
+        attn = (q @ k.transpose(-2, -1)).softmax(-1)
+        x = x + self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+        return self.head(x.mean(1))
+
+
+class PadConv(torch.nn.Module):
+    """timm's Conv2dSame: a zero pad that dynamo folds into the Conv's own pads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.nn.functional.pad(x, (0, 1, 0, 1)))
+
+
+class GlobalResponseNorm(torch.nn.Module):
+    """ConvNeXt-V2's GRN: Tensor.norm and torch.addcmul, whose rules come from torchlib."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 1)
+        self.weight = torch.nn.Parameter(torch.randn(8))
+        self.bias = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x).permute(0, 2, 3, 1)
+        x_g = x.norm(p=2, dim=(1, 2), keepdim=True)
+        x_n = x_g / (x_g.mean(dim=-1, keepdim=True) + 1e-6)
+        return x + torch.addcmul(self.bias, self.weight, x * x_n)
+
+
+class NestedCat(torch.nn.Module):
+    """Inception's concat of a concat, which TorchScript merges into one Concat; MaxViT's swapaxes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv2d(3, 4, 1)
+        self.b = torch.nn.Conv2d(3, 4, 1)
+        self.c = torch.nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = torch.cat([self.a(x), self.b(x)], 1)
+        return torch.cat([inner, self.c(x)], 1).swapaxes(1, 2)
+
+
+class PoolAtArgmax(torch.nn.Module):
+    """CLIP's pooled output: each row read where its ids peak, an index exporters flatten with arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.fc(self.emb(ids))
+        return h[torch.arange(h.shape[0]), ids.to(torch.int).argmax(dim=-1)]
+
+
+class TwoPools(torch.nn.Module):
+    """DLA's two MaxPool2d layers on one tensor: one computation, which both exporters make once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.pool1 = torch.nn.MaxPool2d(2)
+        self.pool2 = torch.nn.MaxPool2d(2)
+        self.a = torch.nn.Conv2d(4, 4, 1)
+        self.b = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        return self.a(self.pool1(h)) + self.b(self.pool2(h))
+
+
+def _seeded(factory: type, *inputs: object) -> Callable[[], tuple[torch.nn.Module, tuple]]:
+    def make() -> tuple[torch.nn.Module, tuple]:
+        torch.manual_seed(0)
+        return factory().eval(), inputs
+
+    return make
+
+
+torch.manual_seed(0)
+REAL_PATTERNS = {
+    "roll": _seeded(Roll, torch.randn(2, 5, 6, 8)),
+    "setitem": _seeded(SetItem, torch.randn(3, 8)),
+    "casts": _seeded(Casts, torch.randint(0, 10, (2, 6))),
+    "functions": _seeded(Functions, torch.randn(3, 4), torch.randint(0, 4, (3, 4))),
+    "cdist": _seeded(Cdist, torch.randn(2, 5, 4)),
+    "cross_entropy": _seeded(CrossEntropy, torch.randn(3, 4), torch.randint(0, 5, (3,))),
+    "zeros_like": _seeded(ZerosLike, torch.randn(3, 4), torch.randn(3, 4)),
+    "cells": _seeded(Cells, torch.randn(3, 4)),
+    "simplified": _seeded(Simplified, torch.randn(3, 4)),
+    "custom_layers": _seeded(CustomLayers, torch.randn(1, 3, 8, 8)),
+    "dict_input": _seeded(DictInput, {"a": torch.randn(2, 4), "b": torch.randn(2, 4)}),
+    "state_space_scan": _seeded(StateSpaceScan, torch.randn(2, 6, 4)),
+    "swin_like": _seeded(SwinLikeBlock, torch.randn(2, 4, 4, 8)),
+    "levit_like": _seeded(LeViTLike, torch.randn(2, 5, 8)),
+    "pad_conv": _seeded(PadConv, torch.randn(1, 3, 8, 8)),
+    "global_response_norm": _seeded(GlobalResponseNorm, torch.randn(1, 3, 6, 6)),
+    "nested_cat": _seeded(NestedCat, torch.randn(1, 3, 4, 4)),
+    "pool_at_argmax": _seeded(PoolAtArgmax, torch.randint(0, 10, (3, 6))),
+    "two_pools": _seeded(TwoPools, torch.randn(1, 3, 8, 8)),
+}
+# exports torch 2.13's exporters do not complete (aten::_cdist_forward has no ONNX function)
+EXPORT_FAILS = {("cdist", "dynamo")}
+
+
+@pytest.fixture(scope="module")
+def exported_patterns():
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(name: str, exporter: str):
+        if (name, exporter) not in cache:
+            model, inputs = REAL_PATTERNS[name]()
+            graph, opened = onnx_compare._trace_opening_ruleless_layers(model, inputs, {})
+            proto = fwdtrace.export_onnx(model, *inputs, exporter=exporter)
+            cache[name, exporter] = (model, inputs, graph, proto, opened)
+        return cache[name, exporter]
+
+    return get
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("name", REAL_PATTERNS)
+def test_real_model_patterns_agree(exported_patterns, name: str, exporter: str) -> None:
+    if (name, exporter) in EXPORT_FAILS:
+        pytest.skip("the exporter itself fails on this model")
+    model, inputs, graph, proto, _ = exported_patterns(name, exporter)
+    flat = [t for a in inputs for t in (a.values() if isinstance(a, dict) else [a])]
+    if len(proto.graph.input) < len(flat):  # an input nothing reads was dropped: feed the others by name
+        names = [n.name for n in graph.nodes if n.kind == "input"]  # in argument order
+        flat = [flat[names.index(i.name)] for i in proto.graph.input]
+    assert_runs_like_torch(proto, model(*inputs), *flat)  # the export is honest
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_new_tensors_shaped_like_an_input_are_constants(exported_patterns, exporter: str) -> None:
+    _, _, graph, proto, _ = exported_patterns("zeros_like", exporter)
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert ("zeros_like = torch.zeros_like", "constant") in report.elided
+    assert ("fc (Linear)", "unused result") in report.elided  # its values reach nothing
+    assert [t for t, _ in report.matched] == ["fc#1 (Linear)", "add = torch.Tensor.add"]
+
+
+def test_x_to_the_n_is_a_pow_under_every_spelling(exported_patterns) -> None:
+    _, _, graph, proto, _ = exported_patterns("functions", "torchscript")
+    pows = [n for n in graph.nodes if n.kind == "function" and "pow" in n.target]
+    assert len(pows) == 3  # x ** 2, **= 2, 2 ** x
+    assert all(onnx_ops.equivalence_for(n) is not None for n in pows)
+    matched = dict(fwdtrace.compare_onnx(graph, proto).matched)
+    assert [len(matched[f"{n.name} = {n.target}"]) for n in pows] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_simplifications_are_elided_with_their_reason(exported_patterns, exporter: str) -> None:
+    _, _, graph, proto, _ = exported_patterns("simplified", exporter)
+    report = fwdtrace.compare_onnx(graph, proto)
+    hows = dict(report.elided)
+    assert hows["add = torch.Tensor.add"] == "simplified: Add by 0, a no-op"
+    assert hows["mul = torch.Tensor.mul"] == "simplified: Mul by 1, a no-op"
+    assert hows["sigmoid_1 = torch.sigmoid"] == (
+        "simplified: repeats sigmoid = torch.sigmoid on the same inputs, computed once"
+    )
+    n_relu = sum(1 for n in proto.graph.node if n.op_type == "Relu")
+    assert n_relu in (1, 2)  # dynamo merges the two, TorchScript keeps them
+    if n_relu == 1:
+        assert hows["relu_1 = torch.relu"].startswith("simplified: repeats relu = torch.relu on its own result")
+    assert "simplified" in report.text.splitlines()[1]
+
+
+def test_a_concat_of_a_concat_may_be_one_concat(exported_patterns) -> None:
+    _, _, graph, proto, _ = exported_patterns("nested_cat", "torchscript")
+    assert [n.op_type for n in proto.graph.node].count("Concat") == 1  # TorchScript merged them
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert ("cat = torch.cat", "simplified: merged into the concatenation it feeds") in report.elided
+    assert [t for t, _ in report.matched][-1] == "cat_1 = torch.cat"
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_two_weightless_layers_on_one_input_are_one_computation(exported_patterns, exporter: str) -> None:
+    _, _, graph, proto, _ = exported_patterns("two_pools", exporter)
+    n_pools = [n.op_type for n in proto.graph.node].count("MaxPool")
+    report = fwdtrace.compare_onnx(graph, proto)
+    if n_pools == 1:
+        assert ("pool2 (MaxPool2d)", "simplified: repeats pool1 (MaxPool2d) on the same inputs, computed once") \
+            in report.elided
+    assert [t for t, _ in report.matched].count("pool2 (MaxPool2d)") == n_pools - 1
+
+
+def test_a_simplification_does_not_hide_a_deleted_op(exported_patterns) -> None:
+    _, _, graph, proto, _ = exported_patterns("simplified", "torchscript")
+    p = copy.deepcopy(proto)
+    add = next(n for n in p.graph.node if n.op_type == "Add")  # sigmoid(h) + sigmoid(h)
+    p.graph.node.remove(add)
+    _replace_uses(p.graph, add.output[0], add.input[0])
+    report = fwdtrace.compare_onnx(graph, p)
+    assert not report.ok and report.missing == ["add_1 = torch.Tensor.add"]
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_custom_layers_are_their_rule_or_their_calls(exported_patterns, exporter: str) -> None:
+    _, _, graph, proto, opened = exported_patterns("custom_layers", exporter)
+    assert opened == [f"{__name__}.BatchNormAct2d", f"{__name__}.LayerNorm2d"]
+    report = fwdtrace.compare_onnx(graph, proto)
+    labels = [t for t, _ in report.matched]
+    assert labels == ["conv (Conv2d)", "relu = torch.relu in bn",
+                      "layer_norm = torch.nn.functional.layer_norm in norm2d", "norm (SameNorm)"]
+    assert dict(report.elided)["batch_norm = torch.nn.functional.batch_norm in bn"].startswith("folded into")
+
+
+def _insert_after(proto: onnx.ModelProto, op_type: str, scope: str, new_op: str) -> onnx.ModelProto:
+    """A ``new_op`` node after the first ``op_type`` node whose name mentions ``scope``."""
+    p = copy.deepcopy(proto)
+    node = next(n for n in p.graph.node if n.op_type == op_type and scope in (n.name + str(n.metadata_props)))
+    _replace_uses(p.graph, node.output[0], "tampered")
+    p.graph.node.insert(list(p.graph.node).index(node) + 1,
+                        helper.make_node(new_op, [node.output[0]], ["tampered"], name="tampered_op"))
+    return p
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_an_op_inserted_inside_a_custom_layer_is_extra(exported_patterns, exporter: str) -> None:
+    model, inputs, graph, proto, _ = exported_patterns("custom_layers", exporter)
+    tampered = _insert_after(proto, "LayerNormalization", "norm2d", "Sigmoid")
+    assert not np.allclose(run_ort(tampered, *inputs)[0], model(*inputs).detach().numpy(), atol=1e-4)
+    report = fwdtrace.compare_onnx(graph, tampered)
+    assert not report.ok and report.missing == [] and report.extra == ["tampered_op"]
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_removed_residual_in_a_swin_like_block_is_missing(exported_patterns, exporter: str) -> None:
+    model, inputs, graph, proto, _ = exported_patterns("swin_like", exporter)
+    p = copy.deepcopy(proto)
+    x_name = p.graph.input[0].name
+    add = next(n for n in p.graph.node if n.op_type == "Add" and x_name in n.input)  # x + attention
+    p.graph.node.remove(add)
+    _replace_uses(p.graph, add.output[0], next(i for i in add.input if i != x_name))
+    assert not np.allclose(run_ort(p, *inputs)[0], model(*inputs).detach().numpy(), atol=1e-4)
+    report = fwdtrace.compare_onnx(graph, p)
+    assert not report.ok and report.extra == []
+    # both residual Adds sit in the block's own scope: the matcher may pair the one left with either
+    assert report.missing in (["add = torch.Tensor.add"], ["add_1 = torch.Tensor.add"])
+
+
+# -- the export path leaves the user's model as it was ----------------------------------------------
+class Refuses(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("no export today")
+
+
+def test_a_script_module_exports_and_keeps_its_forward() -> None:
+    torch.manual_seed(0)
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()).eval())
+    forward = vars(scripted).get("forward")
+    x = torch.randn(2, 4)
+    with pytest.raises(FwdtraceError, match=r"^the dynamo ONNX exporter failed on RecursiveScriptModule: .*"
+                                            r"\(try exporter='torchscript'\)$"):
+        fwdtrace.export_onnx(scripted, x, exporter="dynamo")
+    assert vars(scripted).get("forward") is forward
+    assert_runs_like_torch(fwdtrace.export_onnx(scripted, x, exporter="torchscript"), scripted(x), x)
+    assert vars(scripted).get("forward") is forward
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_failed_export_leaves_nothing_on_the_model(exporter: str) -> None:
+    model = Refuses()
+    mine = model.forward  # a forward the user set on the instance stays theirs
+    with pytest.raises(FwdtraceError, match=rf"^the {exporter} ONNX exporter failed on Refuses: .*fails too"):
+        fwdtrace.export_onnx(model, torch.randn(2, 4), exporter=exporter)
+    assert "forward" not in vars(model)
+    model.forward = mine
+    with pytest.raises(FwdtraceError, match=r"^the .* ONNX exporter failed on Refuses"):
+        fwdtrace.export_onnx(model, torch.randn(2, 4), exporter=exporter)
+    assert vars(model)["forward"] is mine
