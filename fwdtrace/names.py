@@ -44,6 +44,10 @@ def function_name(func: Any) -> str:
         name = f"torch.nn.functional.{short}"
     elif getattr(torch, short, None) is func:
         name = f"torch.{short}"
+    elif getattr(func, "__module__", None) == "torch._tensor" and getattr(func, "__qualname__", "").startswith(
+        "TensorBase."
+    ):  # x ** 2 and x **= 2 arrive as torch._tensor's wrappers of TensorBase.pow and pow_
+        name = f"torch.Tensor.{func.__qualname__.split('.', 1)[1]}"
     else:
         module = getattr(func, "__module__", None) or "torch"
         name = f"{module}.{getattr(func, '__qualname__', short)}"

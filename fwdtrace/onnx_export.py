@@ -16,13 +16,13 @@ import io
 import logging
 import os
 import re
-import secrets
 import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import torch
 
+from ._files import AtomicFile
 from ._tree import tensors_of
 from .errors import FwdtraceError, describe
 from .graph import Graph
@@ -187,30 +187,19 @@ def _run_exporter(
 
 
 # -- writing: whole or not at all -----------------------------------------------------------------
-# TODO(lead): swap for fwdtrace/_files.py's helper (issue 9) when both are merged.
 @contextlib.contextmanager
 def _replacing(path: str) -> Iterator[BinaryIO]:
-    """A new file that takes ``path``'s place only once complete.
+    """A new file that takes ``path``'s place only once complete (see :mod:`fwdtrace._files`).
 
-    It is created beside ``path`` with O_EXCL (never an existing file or a planted link) and
-    moved over it with ``os.replace``, which replaces a link at ``path`` rather than follow it.
+    Write failures stay ``OSError`` here: :func:`_write_onnx` names the file and what it holds.
     """
-    folder, name = os.path.split(os.path.abspath(path))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    while True:
-        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, flags, 0o666)  # not mkstemp's 0600: the file gets the user's umask
-            break
-        except FileExistsError:
-            continue
+    atomic = AtomicFile(path, caller="export_onnx()")  # created beside path with O_EXCL
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(atomic.tmp, "r+b") as f:
             yield f
-        os.replace(tmp, path)
+        os.replace(atomic.tmp, path)  # replaces a link planted at path rather than follow it
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        atomic.discard()
         raise
 
 

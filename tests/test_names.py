@@ -122,3 +122,18 @@ def test_the_onnx_report_names_custom_ops(twice_exports_as_twice) -> None:
     after = fwdtrace.check_onnx(model, x, exporter="torchscript")
     assert after.ok, after.text
     assert (f"twice = {_dotted(TWICE)}", ("/Twice",)) in after.matched
+
+
+def test_power_operators_are_named_as_tensor_methods() -> None:
+    """``x ** 2`` reaches a mode as torch._tensor's wrapper of TensorBase.pow: named as users write it."""
+
+    class Powers(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x**2
+            y **= 2
+            return y
+
+    x = torch.arange(3.0)
+    graph = fwdtrace.trace(Powers(), x)
+    assert [n.target for n in graph.nodes if n.kind == "function"] == ["torch.Tensor.pow", "torch.Tensor.pow_"]
+    torch.testing.assert_close(Powers()(x), x**4)
