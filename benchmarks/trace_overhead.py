@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fwdtrace
 from fwdtrace.memory import StorageTracker
+from fwdtrace.patching import add_call_handler, remove_call_handler
 
 torch.set_num_threads(1)
 
@@ -207,16 +208,26 @@ def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
             t.join()
         return count[0] / seconds, cpu[0] / max(count[0], 1)
 
-    rounds: dict[str, list[tuple[float, float]]] = {"plain": [], "trace()": []}
+    def dispatch_churn(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
+        # fwdtrace's dispatch point installed and removed around every neighbour forward, as a
+        # trace does, without the trace's own work: what the patching alone costs the server
+        handle = add_call_handler(lambda call, module, a, k: call(module, *a, **k))
+        try:
+            return m(**kw)
+        finally:
+            remove_call_handler(handle)
+
+    neighbours: dict[str, Variant] = {"plain": OURS["plain"], "trace()": OURS["trace()"], "dispatch": dispatch_churn}
+    rounds: dict[str, list[tuple[float, float]]] = {v: [] for v in neighbours}
     for _ in range(5):
-        for variant in rounds:
-            rounds[variant].append(run(OURS[variant]))
-    plain = statistics.median(r[0] for r in rounds["plain"])
-    traced = statistics.median(r[0] for r in rounds["trace()"])
-    plain_cpu = statistics.median(r[1] for r in rounds["plain"])
-    traced_cpu = statistics.median(r[1] for r in rounds["trace()"])
-    return {"plain_per_s": plain, "traced_per_s": traced, "loss": 1 - traced / plain,
-            "plain_cpu_ms": plain_cpu * 1e3, "traced_cpu_ms": traced_cpu * 1e3, "cpu_cost": traced_cpu / plain_cpu - 1}
+        for variant, fn in neighbours.items():
+            rounds[variant].append(run(fn))
+    per_s = {v: statistics.median(r[0] for r in rs) for v, rs in rounds.items()}
+    cpu = {v: statistics.median(r[1] for r in rs) for v, rs in rounds.items()}
+    return {"plain_per_s": per_s["plain"], "traced_per_s": per_s["trace()"], "loss": 1 - per_s["trace()"] / per_s["plain"],
+            "dispatch_per_s": per_s["dispatch"], "dispatch_loss": 1 - per_s["dispatch"] / per_s["plain"],
+            "plain_cpu_ms": cpu["plain"] * 1e3, "traced_cpu_ms": cpu["trace()"] * 1e3,
+            "cpu_cost": cpu["trace()"] / cpu["plain"] - 1, "dispatch_cpu_cost": cpu["dispatch"] / cpu["plain"] - 1}
 
 
 def install_cost(repeats: int) -> dict[str, float]:
@@ -277,6 +288,9 @@ def main() -> None:
     print(f"neighbour thread (GPT-2 forwards) while another thread traces BERT: {n['traced_per_s']:.1f}/s "
           f"against {n['plain_per_s']:.1f}/s beside plain BERT forwards: {n['loss'] * 100:+.1f}% lost; its CPU time "
           f"per forward {n['traced_cpu_ms']:.2f} ms against {n['plain_cpu_ms']:.2f} ms: {n['cpu_cost'] * 100:+.1f}%")
+    print(f"  beside a neighbour whose forwards only install and remove the dispatch point: "
+          f"{n['dispatch_per_s']:.1f}/s ({n['dispatch_loss'] * 100:+.1f}% lost), CPU per forward "
+          f"{n['dispatch_cpu_cost'] * 100:+.1f}%")
     c = install_cost(max(30, args.repeats))
     print(f"install() with one callback on a class ResNet-50 does not use: {c['installed_ms']:.1f} ms against "
           f"{c['plain_ms']:.1f} ms plain: {c['cost'] * 100:+.2f}%")
