@@ -878,3 +878,24 @@ def test_a_layer_built_in_forward_adds_no_initialisation_nodes() -> None:
 
     graph = fwdtrace.trace(BuildsALayer(), torch.ones(2, 4))
     assert [n.target for n in graph.nodes] == ["input", "torch.nn.Linear", "torch.Tensor.relu", "output"]
+
+
+def test_through_opens_a_layer_class_for_one_trace_only() -> None:
+    class Norm2d(nn.LayerNorm):  # timm's LayerNorm2d: a LayerNorm with a forward of its own
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
+                                self.eps).permute(0, 3, 1, 2)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), Norm2d(4), nn.Flatten(), nn.LayerNorm(4 * 2 * 2))
+    x = torch.randn(1, 3, 2, 2)
+    with fwdtrace.Tracer(through=(Norm2d,)) as tracer:
+        model(x)
+    opened = tracer.graph
+    assert [n.target for n in opened.find(module_path="1")] == [
+        "torch.Tensor.permute", "torch.nn.functional.layer_norm", "torch.Tensor.permute"]
+    assert [n.target for n in opened.find(module_path="3")] == ["torch.nn.LayerNorm"]  # the base stays whole
+    assert connected(opened, "0", "3")
+    assert [n.target for n in fwdtrace.trace(model, x).find(module_path="1")] == [f"{__name__}.{Norm2d.__qualname__}"]
+    with pytest.raises(FwdtraceError, match=r"^Tracer\(\) expected through as a tuple of torch\.nn\.Module classes"):
+        fwdtrace.Tracer(through=[Norm2d])  # type: ignore[arg-type]
