@@ -49,6 +49,21 @@ _FUNC2NAMES: dict[Any, tuple[str, str]] = {}  # torch function -> (target, short
 _TYPE2CONSTANTS: dict[type, tuple[str, ...]] = {}
 
 
+class _InPlaceTargets(dict[str, bool]):
+    """target -> whether the op writes into its first argument (``add_``, ``__iadd__``), by name."""
+
+    def __missing__(self, target: str) -> bool:
+        short = target.rsplit(".", 1)[-1]
+        writes = (short.endswith("_") and not short.endswith("__")) or (
+            short.startswith("__i") and short.endswith("__") and short not in ("__index__", "__init__", "__invert__", "__int__", "__iter__")
+        )
+        self[target] = writes
+        return writes
+
+
+_IN_PLACE = _InPlaceTargets()
+
+
 def _short_op_name(target: str) -> str:
     return target.rsplit(".", 1)[-1].strip("_") or "op"
 
@@ -359,7 +374,9 @@ class Tracer:
                     _module_attrs(module) if not info.scripted else _scripted_attrs(module),
                     self._scopes[-1],
                 )
-                self._track_aliases(node.id, in_tensors, in_refs, out_tensors, out_refs)
+                # A layer returning its input (eval Dropout, Identity, ReLU(inplace=True)) is its
+                # output's producer as before; only what torch functions write reaches the aliases.
+                self._track_aliases(node.id, in_tensors, out_tensors, out_refs, False)
         if root:
             self._end_root(out)
         return out
@@ -445,18 +462,21 @@ class Tracer:
                 attrs[k] = sv
         node = self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs,
                                   self._scopes[-1])
-        self._track_aliases(node.id, in_tensors, in_refs, out_tensors, out_refs)
+        in_place = func is torch.Tensor.__setitem__ or "out" in kwargs or _IN_PLACE[target]
+        self._track_aliases(node.id, in_tensors, out_tensors, out_refs, in_place)
         return out
 
     # -- aliasing and sources ---------------------------------------------------------------------
     def _track_aliases(
-        self, node_id: int, in_tensors: list[torch.Tensor], in_refs: list[TensorRef],
-        out_tensors: list[torch.Tensor], out_refs: list[TensorRef],
+        self, node_id: int, in_tensors: list[torch.Tensor], out_tensors: list[torch.Tensor],
+        out_refs: list[TensorRef], in_place: bool,
     ) -> None:
         """Views share memory with their base: a write through one is a write to all of them.
 
         ``y[:1].zero_()`` writes into ``y``: the node that wrote becomes the producer of the
-        base and of every view of it, so a later read of ``y`` is wired to the write.
+        base and of every view of it, so a later read of ``y`` is wired to the write. Only
+        in-place ops write (``zero_``, ``x[i] = v``, ``+=``, ``out=``): ``x.float()`` or
+        ``x.contiguous()`` handing back ``x`` itself write nothing.
         """
         for t, ref in zip(out_tensors, out_refs, strict=True):
             if t._is_view():
@@ -465,8 +485,10 @@ class Tracer:
                     root = self.obj_id(base)  # the base a view of a view points to is the root
                     self._alias_root[ref.obj_id] = root
                     self._aliases.setdefault(root, {root}).add(ref.obj_id)
+            if not in_place:
+                continue
             for x in in_tensors:
-                if x is t:  # an output that is an input: written in place
+                if x is t:  # an output that is an input of an in-place op: written
                     root = self._alias_root.get(ref.obj_id, ref.obj_id)
                     for oid in self._aliases.get(root, ()):
                         self.graph._producer[oid] = node_id

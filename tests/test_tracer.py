@@ -899,3 +899,16 @@ def test_through_opens_a_layer_class_for_one_trace_only() -> None:
     assert [n.target for n in fwdtrace.trace(model, x).find(module_path="1")] == [f"{__name__}.{Norm2d.__qualname__}"]
     with pytest.raises(FwdtraceError, match=r"^Tracer\(\) expected through as a tuple of torch\.nn\.Module classes"):
         fwdtrace.Tracer(through=[Norm2d])  # type: ignore[arg-type]
+
+
+def test_an_op_handing_back_its_input_is_not_a_write() -> None:
+    """``a.float()`` on a float view returns ``a`` itself: no write, so ``x``'s readers keep their producer."""
+
+    class FloatOfView(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = x.transpose(0, 1)
+            b = a.float()  # the very same tensor as a
+            return x[0] * 2 + b.sum()
+
+    graph = fwdtrace.trace(FloatOfView(), torch.ones(2, 3))
+    assert producer_of_read(graph, "torch.Tensor.__getitem__") == ["input"]
