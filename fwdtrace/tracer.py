@@ -31,7 +31,7 @@ from torch.overrides import _get_current_function_mode as _current_function_mode
 from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 
 from . import registry as _registry
-from ._tree import _DTYPE2NAME, dtype_name, iter_tensors, tensors_of
+from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .keys import module_key
@@ -193,7 +193,7 @@ class Tracer:
         self._outside: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules not in the model
         self._forgotten = 0  # paths of such modules that died (numbering goes on past them)
         self._param_names: dict[int, tuple[str, torch.Tensor]] = {}
-        self._calls: dict[str, int] = {}  # nodes so far per op in a module
+        self._calls: dict[tuple[str, str], int] = {}  # function nodes so far per (module path, op)
         self._scope_calls: dict[str, int] = {}  # calls so far of every module, atomic or not
         self._type2info: dict[type, _TypeInfo] = {}
         self._unseen: dict[str, list[str]] = {}  # what the trace could not see inside, for one warning
@@ -280,7 +280,7 @@ class Tracer:
         for t in tensors:
             named = param_names.get(id(t))
             param = named[0] if named is not None and named[1] is t else None
-            out.append(TensorRef(obj_id(t), tuple(t.shape), _DTYPE2NAME.get(t.dtype) or dtype_name(t.dtype), param))
+            out.append(TensorRef(obj_id(t), tuple(t.shape), dtype_name(t.dtype), param))
         return out
 
     # -- module calls -----------------------------------------------------------------------------
@@ -449,9 +449,7 @@ class Tracer:
         if unmade:
             self._add_sources(unmade)
         out_refs = self._refs(out_tensors)
-        call_key = f"{module_path}:{target}"
-        call_index = self._calls.get(call_key, 0)
-        self._calls[call_key] = call_index + 1
+        call_index = self._next_call(module_path, target)
         attrs = {}
         simple_args = [_simple(a) for a in args if not isinstance(a, torch.Tensor)]
         if any(a is not None for a in simple_args):
@@ -501,11 +499,16 @@ class Tracer:
         for ref in refs:
             if ref.param is None and ref.obj_id not in producer:  # read again later: made once
                 module_path = self._stack[-1][1].module_path
-                call_key = f"{module_path}:torch.tensor"
-                call_index = self._calls.get(call_key, 0)
-                self._calls[call_key] = call_index + 1
-                self.graph._append("function", "torch.tensor", "tensor", module_path, call_index, [], [ref],
+                self.graph._append("function", "torch.tensor", "tensor", module_path,
+                                   self._next_call(module_path, "torch.tensor"), [], [ref],
                                    {"made": "outside torch functions"}, self._scopes[-1])
+
+    def _next_call(self, module_path: str, target: str) -> int:
+        """The call index of the next ``target`` function node in the module at ``module_path``."""
+        key = (module_path, target)
+        call_index = self._calls.get(key, 0)
+        self._calls[key] = call_index + 1
+        return call_index
 
 
 def _remove_mode(mode: TorchFunctionMode) -> None:
