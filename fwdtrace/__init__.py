@@ -27,13 +27,13 @@ __version__ = "0.1.0"
 # Features with heavy dependencies, loaded on first attribute access: name -> module.
 _LAZY: dict[str, str] = {
     # ONNX cross-check (issue 3)
-    "export_onnx": "fwdtrace.onnx_export",
-    "onnx_graph": "fwdtrace.onnx_export",
-    "compare_onnx": "fwdtrace.onnx_compare",
-    "check_onnx": "fwdtrace.onnx_compare",
-    "TopologyReport": "fwdtrace.onnx_compare",
-    "render_side_by_side": "fwdtrace.onnx_compare",
-    "onnx_equivalent": "fwdtrace.onnx_ops",
+    "export_onnx": "fwdtrace.onnx.export",
+    "onnx_graph": "fwdtrace.onnx.export",
+    "compare_onnx": "fwdtrace.onnx.compare",
+    "check_onnx": "fwdtrace.onnx.compare",
+    "TopologyReport": "fwdtrace.onnx.compare",
+    "render_side_by_side": "fwdtrace.onnx.compare",
+    "onnx_equivalent": "fwdtrace.onnx.ops",
     # hooks toolkit (issue 4)
     "Probe": "fwdtrace.probe",
     "Dumper": "fwdtrace.dump",
@@ -95,12 +95,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .excepthook import install_excepthook as install_excepthook
     from .excepthook import uninstall_excepthook as uninstall_excepthook
     from .live.server import serve as serve
-    from .onnx_compare import TopologyReport as TopologyReport
-    from .onnx_compare import check_onnx as check_onnx
-    from .onnx_compare import compare_onnx as compare_onnx
-    from .onnx_compare import render_side_by_side as render_side_by_side
-    from .onnx_export import export_onnx as export_onnx
-    from .onnx_export import onnx_graph as onnx_graph
-    from .onnx_ops import onnx_equivalent as onnx_equivalent
+    from .onnx.compare import TopologyReport as TopologyReport
+    from .onnx.compare import check_onnx as check_onnx
+    from .onnx.compare import compare_onnx as compare_onnx
+    from .onnx.compare import render_side_by_side as render_side_by_side
+    from .onnx.export import export_onnx as export_onnx
+    from .onnx.export import onnx_graph as onnx_graph
+    from .onnx.ops import onnx_equivalent as onnx_equivalent
     from .probe import Probe as Probe
     from .recorder import Recorder as Recorder

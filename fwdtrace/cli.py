@@ -23,7 +23,7 @@ from .errors import FwdtraceError, describe, one_line
 
 # command -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "check-onnx": ("fwdtrace.onnx_compare", "trace a model, export it to ONNX and diff the two graphs"),
+    "check-onnx": ("fwdtrace.onnx.compare", "trace a model, export it to ONNX and diff the two graphs"),
     "analyze": ("fwdtrace.analysis", "parameters, FLOPs, latency and memory per module"),
     "dump-diff": ("fwdtrace.dump", "compare two HDF5 dumps tensor by tensor"),
     "serve": ("fwdtrace.live.server", "serve a model's graph and live statistics over HTTP"),

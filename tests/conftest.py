@@ -32,7 +32,7 @@ def _no_leftover_hooks():
 @pytest.fixture
 def restore_rules():
     """ONNX equivalence rules a test registers are gone after it."""
-    from fwdtrace import onnx_ops
+    from fwdtrace.onnx import ops as onnx_ops
 
     saved = dict(onnx_ops._RULES)
     yield

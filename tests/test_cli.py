@@ -159,7 +159,8 @@ def test_traceback_prints_the_details(job_dir: Path, capsys: pytest.CaptureFixtu
 
 
 def test_check_onnx_and_analyze_make_the_same_inputs() -> None:
-    from fwdtrace import analysis, onnx_compare
+    from fwdtrace import analysis
+    from fwdtrace.onnx import compare as onnx_compare
 
     for dtype in ("float32", "bfloat16", "int64"):
         made = []

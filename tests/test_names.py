@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fwdtrace
-from fwdtrace import onnx_ops
 from fwdtrace.names import function_name
+from fwdtrace.onnx import ops as onnx_ops
 
 # The names registered below are the reference: torch.ops.<ns>.<op> is "<ns>.<op>" in the graph.
 TWICE = "fwdtrace_names::twice"  # torch.library.custom_op

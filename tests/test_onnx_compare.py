@@ -25,8 +25,10 @@ from onnx import helper
 from test_onnx_export import assert_runs_like_torch, run_ort
 
 import fwdtrace
-from fwdtrace import FwdtraceError, onnx_compare, onnx_ops
+from fwdtrace import FwdtraceError
 from fwdtrace.cli import main
+from fwdtrace.onnx import compare as onnx_compare
+from fwdtrace.onnx import ops as onnx_ops
 
 EXPORTERS = ["dynamo", "torchscript"]
 CASES = [(name, exporter) for name in zoo.ZOO for exporter in EXPORTERS]
@@ -82,7 +84,7 @@ def test_honest_export_has_the_topology_of_the_trace(exported, name: str, export
     assert weighted <= set(claimed)
     layers = [n for n in graph.nodes if n.kind == "module"]
     accounted = {t for t, _ in report.matched} | {t for t, _ in report.elided}
-    assert all(fwdtrace.onnx_compare._trace_label(n) in accounted for n in layers)
+    assert all(fwdtrace.onnx.compare._trace_label(n) in accounted for n in layers)
 
 
 @pytest.mark.parametrize("name", ["resnetish", "transformer_encoder", "hand_attention", "lstm_tagger", "shared_weights"])

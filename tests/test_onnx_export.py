@@ -14,9 +14,10 @@ import zoo
 from onnx import helper
 
 import fwdtrace
-from fwdtrace import FwdtraceError, onnx_export
+from fwdtrace import FwdtraceError
 from fwdtrace._tree import tensors_of
-from fwdtrace.onnx_export import onnx_scope
+from fwdtrace.onnx import export as onnx_export
+from fwdtrace.onnx.export import onnx_scope
 
 EXPORTERS = ["dynamo", "torchscript"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fwdtrace
-from fwdtrace import onnx_ops
+from fwdtrace.onnx import ops as onnx_ops
 
 
 class Pows(torch.nn.Module):

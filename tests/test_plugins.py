@@ -126,7 +126,7 @@ fwdtrace.onnx_equivalent(Swish, "Sigmoid+Mul", "Swish")
 
 
 def test_a_plugin_declares_onnx_equivalences(site, monkeypatch):
-    onnx_ops = pytest.importorskip("fwdtrace.onnx_ops")
+    onnx_ops = pytest.importorskip("fwdtrace.onnx.ops")
     monkeypatch.setattr(onnx_ops, "_RULES", dict(onnx_ops._RULES))  # the plugin's rule goes with the test
     write_distribution(site, "fwdplug-onnx", {"onnx": "fwdplug_onnx"}, {"fwdplug_onnx": ONNX_PLUGIN})
     assert "onnx" in plugins.load_plugins(reload=True)

@@ -2,7 +2,7 @@
 
 The comparison walks the trace in execution order. For each traced call it looks, next
 to where the call's inputs landed in the ONNX graph, for ONNX nodes the call may have
-become (:mod:`fwdtrace.onnx_ops`): one op (``Conv``), or a region of several (``MatMul``
+become (:mod:`fwdtrace.onnx.ops`): one op (``Conv``), or a region of several (``MatMul``
 then ``Add`` for a Linear, a whole decomposed attention) whose only way in is through the
 call's inputs. Views, transposes and casts are wiring on both sides; constants, shape
 arithmetic and new tensors shaped like an input (``zeros_like``) are left out. Calls an
@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import FwdtraceError, describe
-from .graph import Graph
-from .node import Node, TensorRef
-from .onnx_export import EXPORTERS, _export, onnx_graph
-from .onnx_ops import (
+from ..errors import FwdtraceError, describe
+from ..graph import Graph
+from ..node import Node, TensorRef
+from ..registry import qualified_name
+from .export import EXPORTERS, _export, onnx_graph
+from .ops import (
     NEW_TENSOR_FUNCTIONS,
     ONNX_WIRING_OPS,
     SHAPE_ONLY_AFTER_FIRST,
@@ -42,7 +43,6 @@ from .onnx_ops import (
     note_classes,
     rule_target,
 )
-from .registry import qualified_name
 
 if TYPE_CHECKING:
     import onnx
@@ -1041,7 +1041,7 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
     forward of its own) is a permute, a ``layer_norm`` and a permute, which rules know.
     The model runs once more per level of such layers inside each other.
     """
-    from .tracer import Tracer, trace
+    from ..tracer import Tracer, trace
 
     graph = trace(model, *args, **kwargs)
     path2module = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
@@ -1080,7 +1080,7 @@ def render_side_by_side(
     Missing trace calls, extra ONNX nodes and both ends of rewired edges are highlighted.
     Returns the path written.
     """
-    from .passes.draw import Digraph, render_digraph, to_dot
+    from ..passes.draw import Digraph, render_digraph, to_dot
 
     og, result = _compare(graph, proto, "render_side_by_side()")
     bad_groups = {g for _, s, d in result.rewired for g in (s, d)}
@@ -1100,7 +1100,7 @@ def render_side_by_side(
 # -- command line ---------------------------------------------------------------------------------
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``fwdtrace check-onnx``."""
-    from .cli import add_input_arguments
+    from ..cli import add_input_arguments
 
     parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
     add_input_arguments(parser)
@@ -1114,7 +1114,7 @@ def run_cli(args: argparse.Namespace) -> int:
     The model is put in eval mode and fed the seeded inputs of ``--input-shape``/``--dtype``,
     made as ``fwdtrace analyze`` makes them.
     """
-    from .cli import forward_failed, load_factory, make_inputs
+    from ..cli import forward_failed, load_factory, make_inputs
 
     inputs = make_inputs(args)
     model = load_factory(args.factory).eval()

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import torch
 
-from ._files import AtomicFile
-from ._tree import tensors_of
-from .errors import FwdtraceError, describe
-from .graph import Graph
-from .node import Scope, TensorRef
+from .._files import AtomicFile
+from .._tree import tensors_of
+from ..errors import FwdtraceError, describe
+from ..graph import Graph
+from ..node import Scope, TensorRef
 
 if TYPE_CHECKING:
     import onnx

@@ -22,9 +22,9 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from .errors import FwdtraceError, describe
-from .node import Node
-from .registry import qualified_name
+from ..errors import FwdtraceError, describe
+from ..node import Node
+from ..registry import qualified_name
 
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS",
@@ -127,7 +127,7 @@ def _target_name(target: Any) -> str:
     if isinstance(target, type) and issubclass(target, torch.nn.Module):
         return qualified_name(target)
     if callable(target):
-        from .tracer import function_name
+        from ..tracer import function_name
 
         return function_name(target)
     raise FwdtraceError(
@@ -361,7 +361,7 @@ def equivalence_for(node: Node) -> Equivalence | None:
 def _load_plugins_once() -> None:
     global _loaded_plugins
     if not _loaded_plugins:
-        from .plugins import load_plugins
+        from ..plugins import load_plugins
 
         _loaded_plugins = True
         load_plugins()
@@ -527,7 +527,7 @@ _register(_functions("all"), "ReduceMin", "ReduceProd", "Not+ReduceMax+Not")
 _register(_functions("any"), "ReduceMax", "ReduceSum+Greater")
 _register(_functions("isnan"), "IsNaN")
 _register(_functions("isinf"), "IsInf")
-# Indexing by a tensor of indices; indexing by constants is wiring (see onnx_compare).
+# Indexing by a tensor of indices; indexing by constants is wiring (see fwdtrace.onnx.compare).
 _register(_functions("gather", "take_along_dim"), "GatherElements", "Gather", optional=True)
 _register(_functions("index_select", "take"), "Gather", optional=True)
 # torch.roll is slices put back together; ``x[i] = v`` a scatter, or slices and a Concat
