@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from .errors import FwdtraceError
 from .node import NODE_KINDS, Edge, Node, Scope, TensorRef
 
+_new_tuple = tuple.__new__  # a NamedTuple without its Python-level __new__ (one per edge on the hot path)
+
 if TYPE_CHECKING:
     import networkx
 
@@ -82,32 +84,46 @@ class Graph:
         meta: dict[str, Any] | None = None,
     ) -> Node:
         """:meth:`add_node` for the tracer's hot path: checked arguments, fresh lists, no copies."""
-        node_id = len(self.nodes)
+        nodes = self.nodes
+        node_id = len(nodes)
         node = Node(node_id, kind, target, self._unique_name(name), module_path, call_index,
                     inputs, outputs, attrs, scope, {} if meta is None else meta)
-        self.nodes.append(node)
+        nodes.append(node)
         producer = self._producer
-        seen: set[int] = set()
-        for ref in inputs:
-            oid = ref.obj_id
-            src = producer.get(oid)
-            if src is not None and oid not in seen:
-                seen.add(oid)
-                self.edges.append(Edge(src, node_id, oid, ref.shape, ref.dtype))
+        if inputs:
+            edges, seen = self.edges, None
+            for ref in inputs:
+                oid = ref[0]
+                src = producer.get(oid)
+                if src is None:
+                    continue
+                if seen is None:
+                    seen = {oid}
+                elif oid in seen:
+                    continue
+                else:
+                    seen.add(oid)
+                edges.append(_new_tuple(Edge, (src, node_id, oid, ref[1], ref[2])))
         for ref in outputs:
-            producer[ref.obj_id] = node_id
+            producer[ref[0]] = node_id
         return node
 
     def _unique_name(self, base: str) -> str:
-        base = base.replace(".", "_") if base else "node"
-        name, i = base, self._next_suffix.get(base, 1)
-        if name in self._names:
+        if not base:
+            base = "node"
+        elif "." in base:
+            base = base.replace(".", "_")
+        names = self._names
+        if base not in names:
+            names.add(base)
+            return base
+        i = self._next_suffix.get(base, 1)
+        name = f"{base}_{i}"
+        while name in names:
+            i += 1
             name = f"{base}_{i}"
-            while name in self._names:
-                i += 1
-                name = f"{base}_{i}"
-            self._next_suffix[base] = i + 1
-        self._names.add(name)
+        self._next_suffix[base] = i + 1
+        names.add(name)
         return name
 
     # -- reading ----------------------------------------------------------------------------------

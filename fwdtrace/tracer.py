@@ -31,7 +31,7 @@ from torch.overrides import _get_current_function_mode as _current_function_mode
 from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 
 from . import registry as _registry
-from ._tree import dtype_name, iter_tensors, tensors_of
+from ._tree import _DTYPE2NAME, dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .keys import module_key
@@ -45,7 +45,9 @@ _local = threading.local()  # .tracer: this thread's active Tracer
 _INSTALLED: Any = None  # the handle of install()'s handler, for every thread
 
 _SIMPLE = (int, float, bool, str, type(None))
-_FUNC2NAMES: dict[Any, tuple[str, str]] = {}  # torch function -> (target, short name)
+_SIMPLE_TYPES = frozenset(_SIMPLE)
+_SETITEM = torch.Tensor.__setitem__
+_FUNC2NAMES: dict[Any, tuple[str, str, bool]] = {}  # torch function -> (target, short name, writes in place)
 _TYPE2CONSTANTS: dict[type, tuple[str, ...]] = {}
 
 
@@ -100,6 +102,7 @@ class _TypeInfo(NamedTuple):
     splits: bool  # atomic only by inheritance and overrides forward: an instance with children is not
     scripted: bool  # a torch.jit.ScriptModule: opaque, one node
     compiled: bool  # torch.compile(module): traced through the module it wraps
+    target: str  # the node's target: torch.nn.Linear, mypkg.Block, torch.jit.ScriptModule
 
 
 _TYPE2INFO: dict[type, _TypeInfo] = {}
@@ -130,7 +133,18 @@ def _type_info(module_type: type) -> _TypeInfo:
         atomic and not scripted and module_type not in reg.atomic and _registry.has_forward(module_type)
         and _registry.forward_owner(module_type) not in reg.atomic
     )
-    return _TypeInfo(atomic, reg.callbacks_for(module_type), splits, scripted, compiled)
+    target = "torch.jit.ScriptModule" if scripted else _registry.qualified_name(module_type)
+    return _TypeInfo(atomic, reg.callbacks_for(module_type), splits, scripted, compiled, target)
+
+
+class _WeakTensor(weakref.ref):
+    """A weak reference that knows the ``id()`` its tensor had, for the retirement callback."""
+
+    __slots__ = ("raw",)
+    raw: int
+
+
+_new_tuple = tuple.__new__  # a NamedTuple without its Python-level __new__ (the hot path makes thousands)
 
 
 class _Recorder(TorchFunctionMode):
@@ -184,7 +198,7 @@ class Tracer:
         self._entered = False
         # tensor identity
         self._next_id = 0
-        self._raw2obj: dict[int, tuple[int, Any]] = {}
+        self._raw2obj: dict[int, tuple[int, Any, TensorRef | None]] = {}
         # where we are
         self._stack: list[tuple[torch.nn.Module, Scope]] = []  # module calls, outermost first
         self._scopes: list[tuple[Scope, ...]] = [()]  # the scope of a node made at each depth
@@ -256,31 +270,54 @@ class Tracer:
 
     # -- tensor identity --------------------------------------------------------------------------
     def obj_id(self, t: torch.Tensor) -> int:
-        # raw id() -> (obj_id, the tensor itself when pinned, else a weakref to it)
+        return self._entry(t)[0]
+
+    def _entry(self, t: torch.Tensor) -> tuple[int, Any, TensorRef | None]:
+        # raw id() -> (obj_id, the tensor itself when pinned else a weakref to it, its last TensorRef)
         raw = id(t)
         entry = self._raw2obj.get(raw)
         if entry is not None:
             held = entry[1]
             if held is t if self.pin else held() is t:  # not a stale entry (a retirement lost to Ctrl-C)
-                return entry[0]
+                return entry
         oid = self._next_id
         self._next_id += 1
-        self._raw2obj[raw] = (oid, t if self.pin else weakref.ref(t, functools.partial(self._retire, raw)))
-        return oid
+        if self.pin:
+            entry = (oid, t, None)
+        else:
+            ref = _WeakTensor(t, self._retire)
+            ref.raw = raw
+            entry = (oid, ref, None)
+        self._raw2obj[raw] = entry
+        return entry
 
-    def _retire(self, raw: int, ref: weakref.ref[torch.Tensor]) -> None:
+    def _retire(self, ref: _WeakTensor) -> None:
         # The tensor died: CPython may give its id() to a new tensor, which must get a new obj_id.
-        entry = self._raw2obj.get(raw)
+        entry = self._raw2obj.get(ref.raw)
         if entry is not None and entry[1] is ref:
-            del self._raw2obj[raw]
+            del self._raw2obj[ref.raw]
 
     def _refs(self, tensors: list[torch.Tensor]) -> list[TensorRef]:
-        param_names, obj_id = self._param_names, self.obj_id
-        out = []
+        """The TensorRef of each tensor: made once per tensor and shape, shared by every node that reads it."""
+        table, pin, out = self._raw2obj, self.pin, []
         for t in tensors:
-            named = param_names.get(id(t))
-            param = named[0] if named is not None and named[1] is t else None
-            out.append(TensorRef(obj_id(t), tuple(t.shape), dtype_name(t.dtype), param))
+            entry = table.get(id(t))
+            if entry is not None:
+                held = entry[1]
+                if held is t if pin else held() is t:
+                    ref = entry[2]
+                    if ref is not None and ref.shape == t.shape:  # (in-place ops like unsqueeze_ reshape)
+                        out.append(ref)
+                        continue
+                else:
+                    entry = None
+            if entry is None:
+                entry = self._entry(t)
+            named = self._param_names.get(id(t))
+            ref = _new_tuple(TensorRef, (entry[0], tuple(t.shape), _DTYPE2NAME.get(t.dtype) or dtype_name(t.dtype),
+                                         named[0] if named is not None and named[1] is t else None))
+            table[id(t)] = (entry[0], entry[1], ref)
+            out.append(ref)
         return out
 
     # -- module calls -----------------------------------------------------------------------------
@@ -326,7 +363,7 @@ class Tracer:
         path = "" if root else self._path(module)
         call_index = self._scope_calls.get(path, 0)
         self._scope_calls[path] = call_index + 1
-        scope = Scope(path, type(module).__name__, call_index)
+        scope = _new_tuple(Scope, (path, type(module).__name__, call_index))
         if info.scripted:
             self._say_unseen("scripted modules (torch.jit) are opaque, one node each", module)
         in_refs: list[TensorRef] = []
@@ -360,12 +397,14 @@ class Tracer:
             out = self._run_callbacks(info.callbacks, module, args, out)
         if atomic:
             with torch._C.DisableTorchFunction():
-                self._add_sources(in_refs)
+                producer = self.graph._producer
+                if any(r[0] not in producer and r[3] is None for r in in_refs):
+                    self._add_sources(in_refs)
                 out_tensors = [out] if isinstance(out, torch.Tensor) else tensors_of(out)
                 out_refs = self._refs(out_tensors)
                 node = self.graph._append(
                     "module",
-                    _registry.qualified_name(type(module)) if not info.scripted else "torch.jit.ScriptModule",
+                    info.target,
                     path or type(module).__name__,
                     path,
                     call_index,
@@ -376,7 +415,8 @@ class Tracer:
                 )
                 # A layer returning its input (eval Dropout, Identity, ReLU(inplace=True)) is its
                 # output's producer as before; only what torch functions write reaches the aliases.
-                self._track_aliases(node.id, in_tensors, out_tensors, out_refs, False)
+                if any(t._is_view() for t in out_tensors):
+                    self._track_aliases(node.id, in_tensors, out_tensors, out_refs, False)
         if root:
             self._end_root(out)
         return out
@@ -428,40 +468,64 @@ class Tracer:
             raise
         if isinstance(out, torch.Tensor):
             out_tensors = [out]
-        elif func is torch.Tensor.__setitem__:
+        elif func is _SETITEM:
             out_tensors = [args[0]]  # x[i] = y writes into x
         else:
             out_tensors = tensors_of(out) if isinstance(out, (tuple, list)) else []
             if not out_tensors:  # x.shape, x.size(), x.item(): no tensor flows on
                 return out
-        in_tensors = _call_tensors(args, kwargs)
+        # One pass over the arguments: the tensors read, and the simple ones kept as attributes.
+        in_tensors: list[torch.Tensor] = []
+        simple_args: list[Any] | None = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                in_tensors.append(a)
+                continue
+            if type(a) in _SIMPLE_TYPES:
+                simple = a
+            else:
+                if isinstance(a, (list, tuple, dict)) and a:
+                    in_tensors += tensors_of(a)
+                simple = _simple(a)
+            if simple_args is None:
+                simple_args = [simple]
+            else:
+                simple_args.append(simple)
+        attrs = {}
+        if simple_args is not None and any(a is not None for a in simple_args):
+            attrs["args"] = simple_args
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                in_tensors.append(v)
+                continue
+            if isinstance(v, (list, tuple, dict)) and v:
+                in_tensors += tensors_of(v)
+            sv = v if type(v) in _SIMPLE_TYPES else _simple(v)
+            if sv is not None:
+                attrs[k] = sv
         in_refs = self._refs(in_tensors)
         producer = self.graph._producer
-        unmade = [r for r in in_refs if r.obj_id not in producer]
+        unmade = [r for r in in_refs if r[0] not in producer]
         if len(unmade) == len(in_refs) and _inside_module_init():
             return out  # a layer built in forward initialising its weights: not the model's dataflow
-        module_path = self._stack[-1][1].module_path
+        module_path = self._stack[-1][1][0]
         names = _FUNC2NAMES.get(func)
         if names is None:
             target = function_name(func)
-            names = _FUNC2NAMES[func] = (target, _short_op_name(target))
-        target, short = names
+            names = _FUNC2NAMES[func] = (target, _short_op_name(target), _IN_PLACE[target])
+        target, short, in_place = names
         if unmade:
             self._add_sources(unmade)
+        in_place = in_place or func is _SETITEM or "out" in kwargs
         out_refs = self._refs(out_tensors)
-        call_index = self._next_call(module_path, target)
-        attrs = {}
-        simple_args = [_simple(a) for a in args if not isinstance(a, torch.Tensor)]
-        if any(a is not None for a in simple_args):
-            attrs["args"] = simple_args
-        for k, v in kwargs.items():
-            sv = _simple(v)
-            if sv is not None:
-                attrs[k] = sv
-        node = self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs,
-                                  self._scopes[-1])
-        in_place = func is torch.Tensor.__setitem__ or "out" in kwargs or _IN_PLACE[target]
-        self._track_aliases(node.id, in_tensors, out_tensors, out_refs, in_place)
+        key = (module_path, target)
+        call_index = self._calls.get(key, 0)
+        self._calls[key] = call_index + 1
+        node_id = len(self.graph.nodes)
+        self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs,
+                           self._scopes[-1])
+        if in_place or any(t._is_view() for t in out_tensors):
+            self._track_aliases(node_id, in_tensors, out_tensors, out_refs, in_place)
         return out
 
     # -- aliasing and sources ---------------------------------------------------------------------

@@ -912,3 +912,29 @@ def test_an_op_handing_back_its_input_is_not_a_write() -> None:
 
     graph = fwdtrace.trace(FloatOfView(), torch.ones(2, 3))
     assert producer_of_read(graph, "torch.Tensor.__getitem__") == ["input"]
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_tensor_reshaped_in_place_is_read_with_its_new_shape(pin: bool) -> None:
+    # TensorRefs are made once per tensor and shared by its readers; an in-place reshape must not reuse a stale one.
+    class Squeezing(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            seen = [tuple(y.shape)]
+            y.unsqueeze_(0)
+            seen.append(tuple(y.shape))
+            y.t_() if y.dim() == 2 else y.squeeze_(0)
+            seen.append(tuple(y.shape))
+            self.seen = seen
+            return y + 1
+
+    model = Squeezing()
+    graph = fwdtrace.trace(model, torch.ones(3, 4), pin=pin)
+    ops = {n.target.rsplit(".", 1)[-1]: n for n in graph.nodes if n.kind == "function"}
+    assert ops["mul"].outputs[0].shape == model.seen[0]
+    assert ops["unsqueeze_"].outputs[0].shape == model.seen[1]
+    assert ops["squeeze_"].outputs[0].shape == model.seen[2]
+    assert ops["add"].inputs[0].shape == model.seen[2]
+    # the same tensor all along: one obj_id, and each write is the producer of the next read
+    assert len({ops[k].outputs[0].obj_id for k in ("mul", "unsqueeze_", "squeeze_")}) == 1
+    assert graph.in_edges(ops["add"].id)[0].src == ops["squeeze_"].id
