@@ -4,7 +4,9 @@
 
 One torch thread, everything under ``torch.no_grad()``. For each model it times, interleaved so
 drift hits all alike, a plain forward, ``fwdtrace.trace()`` (the default, ``pin=False``) and
-``trace(pin=True)``, and reports medians and ratios against the plain forward. torchview
+``trace(pin=True)``, and reports medians and ratios against the plain forward. "hooks only" is
+the floor under any eager trace: fwdtrace's module-call dispatch and a ``TorchFunctionMode``,
+both passing every call straight through and recording nothing. torchview
 (``draw_graph``, no rendering) and torchlens (``trace`` with nothing saved) are measured the same
 way, each in a child process of this run with its own plain forward beside it: both wrap torch
 functions process-wide, which would slow every later measurement here.
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 from bench_models import ResNet50
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fwdtrace
@@ -81,8 +84,24 @@ def _positional(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(inputs.values())
 
 
+class _PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def _hooks_only(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
+    """The two hooks every eager trace needs, recording nothing: the floor under trace()."""
+    handle = add_call_handler(lambda call, module, a, k: call(module, *a, **k))
+    try:
+        with _PassThrough():
+            return m(**kw)
+    finally:
+        remove_call_handler(handle)
+
+
 OURS: dict[str, Variant] = {
     "plain": lambda m, kw: m(**kw),
+    "hooks only": _hooks_only,
     "trace()": lambda m, kw: fwdtrace.trace(m, **kw),
     "trace(pin=True)": lambda m, kw: fwdtrace.trace(m, pin=True, **kw),
 }
