@@ -471,7 +471,7 @@ class Tracer:
         elif func is _SETITEM:
             out_tensors = [args[0]]  # x[i] = y writes into x
         else:
-            out_tensors = tensors_of(out) if isinstance(out, (tuple, list)) else []
+            out_tensors = _tensors_in(out) if isinstance(out, (tuple, list)) else []
             if not out_tensors:  # x.shape, x.size(), x.item(): no tensor flows on
                 return out
         # One pass over the arguments: the tensors read, and the simple ones kept as attributes.
@@ -485,7 +485,7 @@ class Tracer:
                 simple = a
             else:
                 if isinstance(a, (list, tuple, dict)) and a:
-                    in_tensors += tensors_of(a)
+                    in_tensors += _tensors_in(a)
                 simple = _simple(a)
             if simple_args is None:
                 simple_args = [simple]
@@ -499,7 +499,7 @@ class Tracer:
                 in_tensors.append(v)
                 continue
             if isinstance(v, (list, tuple, dict)) and v:
-                in_tensors += tensors_of(v)
+                in_tensors += _tensors_in(v)
             sv = v if type(v) in _SIMPLE_TYPES else _simple(v)
             if sv is not None:
                 attrs[k] = sv
@@ -650,13 +650,26 @@ def _call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if isinstance(a, torch.Tensor):
             out.append(a)
         elif isinstance(a, (list, tuple, dict)) and a:
-            out += tensors_of(a)
+            out += _tensors_in(a)
     if kwargs:
         for v in kwargs.values():
             if isinstance(v, torch.Tensor):
                 out.append(v)
             elif isinstance(v, (list, tuple, dict)) and v:
-                out += tensors_of(v)
+                out += _tensors_in(v)
+    return out
+
+
+def _tensors_in(value: list | tuple | dict) -> list[torch.Tensor]:
+    """:func:`tensors_of` with a fast path for flat sequences of tensors and numbers (sizes, torch.cat's list)."""
+    if isinstance(value, dict):
+        return tensors_of(value)
+    out = []
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif type(v) not in _SIMPLE_TYPES:
+            return tensors_of(value)  # nested, or a dataclass: the full walk
     return out
 
 
