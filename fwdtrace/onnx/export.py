@@ -188,12 +188,12 @@ def _run_exporter(
 
 # -- writing: whole or not at all -----------------------------------------------------------------
 @contextlib.contextmanager
-def _replacing(path: str) -> Iterator[BinaryIO]:
+def _replacing(path: str, caller: str = "export_onnx()") -> Iterator[BinaryIO]:
     """A new file that takes ``path``'s place only once complete (see :mod:`fwdtrace._files`).
 
     Write failures stay ``OSError`` here: :func:`_write_onnx` names the file and what it holds.
     """
-    atomic = AtomicFile(path, caller="export_onnx()")  # created beside path with O_EXCL
+    atomic = AtomicFile(path, caller=caller)  # created beside path with O_EXCL
     try:
         with open(atomic.tmp, "r+b") as f:
             yield f
@@ -203,22 +203,22 @@ def _replacing(path: str) -> Iterator[BinaryIO]:
         raise
 
 
-def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None) -> None:
+def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None, caller: str = "export_onnx()") -> None:
     """Write ``proto`` to ``path``; with ``source_dir``, tensors of 1 KiB or more go to ``path`` + ``.data``.
 
     ``source_dir`` is where the external data ``proto`` already refers to lies. The data file
     is complete before the model that refers to it appears; ``proto`` is changed to refer to
     the new data file.
     """
-    what = f"export_onnx() could not write {path!r}"
+    what = f"{caller} could not write {path!r}"
     try:
         if source_dir is not None:
             data_name = os.path.basename(path) + ".data"
-            with _replacing(os.path.join(os.path.dirname(os.path.abspath(path)), data_name)) as data:
+            with _replacing(os.path.join(os.path.dirname(os.path.abspath(path)), data_name), caller) as data:
                 for tensor in _tensors(proto):
                     _move_to_data_file(tensor, source_dir, data, data_name)
             what += f" (its weights are in {data_name} beside it)"
-        with _replacing(path) as f:
+        with _replacing(path, caller) as f:
             f.write(proto.SerializeToString())
     except OSError as e:
         raise FwdtraceError(f"{what}: {type(e).__name__}: {e}") from e

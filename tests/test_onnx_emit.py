@@ -1,0 +1,249 @@
+"""to_onnx: ONNX emitted from one eager run, checked by onnx's checker and run by onnxruntime against torch."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import zoo
+from torch import nn
+
+import fwdtrace
+from fwdtrace import FwdtraceError
+
+
+def run_ort(proto: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, {k: v.numpy() for k, v in feeds.items()}), strict=True))
+
+
+def assert_matches(proto: onnx.ModelProto, feeds: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The model is valid and onnxruntime gives torch's outputs, by name, to a relative max difference < 1e-4."""
+    onnx.checker.check_model(proto, full_check=True)
+    assert [i.name for i in proto.graph.input] == list(feeds)
+    got = run_ort(proto, feeds)
+    assert list(got) == list(want)
+    for name, expected in want.items():
+        expected_np = expected.detach().numpy()
+        assert got[name].shape == expected_np.shape, name
+        scale = max(float(np.abs(expected_np).max()), 1e-6)
+        assert float(np.abs(got[name] - expected_np).max()) / scale < 1e-4, name
+
+
+# -- the zoo --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_zoo_models_run_in_onnxruntime_like_torch(name: str) -> None:
+    model, inputs = zoo.ZOO[name]()
+    proto = fwdtrace.to_onnx(model, *inputs)
+    param = next(iter(inspect.signature(model.forward).parameters))
+    with torch.no_grad():
+        want = model(*inputs)
+    assert_matches(proto, {param: inputs[0]}, {"output": want})
+    # initializers carry the state dict's names and values
+    state = model.state_dict()
+    for init in proto.graph.initializer:
+        if init.name in state:
+            np.testing.assert_array_equal(onnx.numpy_helper.to_array(init), state[init.name].numpy())
+    assert {i.name for i in proto.graph.initializer} >= {n for n, p in model.named_parameters()}
+
+
+def test_module_paths_are_kept_as_the_scopes_onnx_graph_reads() -> None:
+    model, (x,) = zoo.resnetish()
+    graph = fwdtrace.onnx_graph(fwdtrace.to_onnx(model, x))
+    paths = {n.module_path for n in graph.nodes if n.kind == "function"}
+    modules = dict(model.named_modules())
+    assert paths <= set(modules)
+    # every convolution sits in a Conv2d's scope, every Gemm-like op in the classifier
+    convs = [n for n in graph.nodes if n.target == "onnx.Conv"]
+    assert len(convs) == sum(isinstance(m, nn.Conv2d) for m in modules.values())
+    assert all(isinstance(modules[n.module_path], nn.Conv2d) for n in convs)
+    assert {n.module_path for n in convs} == {k for k, m in modules.items() if isinstance(m, nn.Conv2d)}
+    # the hooks that recorded the scopes are gone
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in modules.values())
+
+
+def test_tied_weights_are_one_initializer_and_outputs_get_their_names() -> None:
+    proto = fwdtrace.to_onnx(zoo.DictOutput(), torch.randn(2, 4))
+    assert [o.name for o in proto.graph.output] == ["logits", "probs"]
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    ids = torch.tensor([[1, 2, 3]])
+    proto = fwdtrace.to_onnx(tied, ids)
+    assert [i.name for i in proto.graph.initializer] == ["0.weight"]
+    assert_matches(proto, {"input": ids}, {"output": tied(ids)})
+
+
+def test_dataclass_output_and_an_input_returned_as_it_is() -> None:
+    class PassThrough(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return x, y + 1, x
+
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    proto = fwdtrace.to_onnx(PassThrough(), x, y=y)
+    assert_matches(proto, {"x": x, "y": y}, {"output_0": x, "output_1": y + 1, "output_2": x})
+    model = zoo.DataclassOutput().eval()
+    x = torch.randn(2, 4)
+    out = model(x)
+    assert_matches(fwdtrace.to_onnx(model, x), {"x": x}, {"logits": out.logits, "hidden": out.hidden})
+
+
+# -- Python control flow on values ----------------------------------------------------------------
+class BranchyCNN(nn.Module):
+    """A CNN whose forward branches on the input's values: torch.export cannot follow it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bright = nn.Conv2d(4, 4, 1)
+        self.dark = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Tanh())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        h = self.bright(h) if x.mean() > 0 else self.dark(h)
+        return self.head(h.mean((2, 3)))
+
+
+def test_control_flow_on_values_follows_the_branch_the_example_took() -> None:
+    torch.manual_seed(0)
+    model = BranchyCNN().eval()
+    bright, dark = torch.rand(1, 3, 8, 8) + 0.1, -torch.rand(1, 3, 8, 8) - 0.1
+    with pytest.raises(FwdtraceError, match=r"^the dynamo ONNX exporter failed on BranchyCNN: "):
+        fwdtrace.export_onnx(model, bright, exporter="dynamo")
+    proto = fwdtrace.to_onnx(model, bright)
+    with torch.no_grad():
+        assert_matches(proto, {"x": bright}, {"output": model(bright)})
+        # another input runs the branch the example took, as the trace said: not the dark one
+        h = torch.relu(model.conv(dark))
+        want_bright_path = model.head(model.bright(h).mean((2, 3)))
+        assert_matches(proto, {"x": dark}, {"output": want_bright_path})
+        assert not torch.allclose(model(dark), want_bright_path)
+    ops = {n.op_type for n in proto.graph.node}
+    assert "Tanh" not in ops
+    assert_matches(fwdtrace.to_onnx(model, dark), {"x": dark}, {"output": model(dark)})
+
+
+def test_multihead_attention_fast_path_under_no_grad() -> None:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    q = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        proto = fwdtrace.to_onnx(mha, q, q, q)
+        out, weights = mha(q, q, q)
+    assert_matches(proto, {"query": q, "key": q, "value": q}, {"output_0": out, "output_1": weights})
+
+
+# -- transformers models from small configs -------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _ids(batch: int = 2, length: int = 7) -> torch.Tensor:
+    return torch.randint(0, 100, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _cache_tensors(prefix: str, cache) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.layers.{i}.{kind}": getattr(layer, kind)
+            for i, layer in enumerate(cache.layers) for kind in ("keys", "values")}
+
+
+def test_bert(hf) -> None:
+    torch.manual_seed(0)
+    config = hf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=32)
+    model = hf.BertModel(config).eval()
+    ids, mask = _ids(), torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    proto = fwdtrace.to_onnx(model, ids, attention_mask=mask)
+    out = model(ids, attention_mask=mask)
+    assert_matches(proto, {"input_ids": ids, "attention_mask": mask},
+                   {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output})
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_gpt2_with_and_without_cache(hf, use_cache: bool) -> None:
+    torch.manual_seed(0)
+    config = hf.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    model = hf.GPT2LMHeadModel(config).eval()
+    ids = _ids()
+    proto = fwdtrace.to_onnx(model, ids, use_cache=use_cache)
+    out = model(ids, use_cache=use_cache)
+    want = {"logits": out.logits}
+    if use_cache:
+        want.update(_cache_tensors("past_key_values", out.past_key_values))
+        assert len(want) == 5  # two layers' keys and values
+    assert_matches(proto, {"input_ids": ids}, want)
+
+
+def test_t5_encoder_decoder(hf) -> None:
+    torch.manual_seed(0)
+    config = hf.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2)
+    model = hf.T5Model(config).eval()
+    ids, decoder_ids = _ids(), _ids(2, 4)
+    proto = fwdtrace.to_onnx(model, ids, decoder_input_ids=decoder_ids)
+    out = model(ids, decoder_input_ids=decoder_ids)
+    want = {"last_hidden_state": out.last_hidden_state}
+    want.update(_cache_tensors("past_key_values.self_attention_cache", out.past_key_values.self_attention_cache))
+    want.update(_cache_tensors("past_key_values.cross_attention_cache", out.past_key_values.cross_attention_cache))
+    want["encoder_last_hidden_state"] = out.encoder_last_hidden_state
+    assert_matches(proto, {"input_ids": ids, "decoder_input_ids": decoder_ids}, want)
+
+
+def test_vit(hf) -> None:
+    torch.manual_seed(0)
+    config = hf.ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, intermediate_size=64)
+    model = hf.ViTModel(config).eval()
+    pixels = torch.randn(1, 3, 16, 16)
+    proto = fwdtrace.to_onnx(model, pixels)
+    out = model(pixels)
+    assert_matches(proto, {"pixel_values": pixels},
+                   {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output})
+
+
+# -- files and errors -----------------------------------------------------------------------------
+def test_path_writes_the_model_whole(tmp_path) -> None:
+    model, (x,) = zoo.mobilenetish()
+    target = tmp_path / "model.onnx"
+    proto = fwdtrace.to_onnx(model, x, path=target)
+    assert onnx.load(target) == proto
+    assert os.listdir(tmp_path) == ["model.onnx"]
+    with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) could not create a file in '.*missing': No such file or directory"):
+        fwdtrace.to_onnx(model, x, path=tmp_path / "missing" / "model.onnx")
+
+
+def test_opset_is_converted_to() -> None:
+    model, (x,) = zoo.mobilenetish()
+    proto = fwdtrace.to_onnx(model, x, opset=20)
+    assert {o.domain: o.version for o in proto.opset_import}[""] == 20
+    with torch.no_grad():
+        assert_matches(proto, {"x": x}, {"output": model(x)})
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: fwdtrace.to_onnx("model", torch.ones(1)), r"^to_onnx\(\) expected a torch.nn.Module as model, got str"),
+        (lambda: fwdtrace.to_onnx(nn.ReLU(), torch.ones(1), opset=3), r"^to_onnx\(\) expected opset as an integer from 18 to 23, got 3"),
+        (lambda: fwdtrace.to_onnx(nn.ReLU(), 1.0), r"^to_onnx\(\) expected at least one tensor among the model's inputs"),
+    ],
+)
+def test_bad_input_is_refused(call, message) -> None:
+    with pytest.raises(FwdtraceError, match=message):
+        call()
+
+
+def test_a_failing_forward_leaves_no_hooks() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(5, 2))
+    with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) could not run Sequential on float32\[1, 4\]: RuntimeError: "):
+        fwdtrace.to_onnx(model, torch.ones(1, 4))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
