@@ -11,6 +11,8 @@ import onnxruntime as ort
 import pytest
 import torch
 import zoo
+from onnxscript import FLOAT, script
+from onnxscript import opset18 as script_op
 from torch import nn
 
 import fwdtrace
@@ -247,3 +249,120 @@ def test_a_failing_forward_leaves_no_hooks() -> None:
     with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) could not run Sequential on float32\[1, 4\]: RuntimeError: "):
         fwdtrace.to_onnx(model, torch.ones(1, 4))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+# -- symbolics: what torchlib does not cover ------------------------------------------------------
+@torch.library.custom_op("fwdtrace_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@torch.library.custom_op("fwdtrace_test::shift", mutates_args=())
+def shift(x: torch.Tensor, by: float) -> torch.Tensor:
+    return x + by
+
+
+class Twice(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return twice(x)
+
+
+class ScaledShift(nn.Module):
+    """A layer with a parameter whose forward calls an op ONNX has no translation for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([0.5, 2.0, -1.0]))
+
+    def forward(self, x: torch.Tensor, by: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+        y = shift(x, by) * self.scale
+        return y, torch.tanh(y)
+
+
+class CustomNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.dbl = Twice()
+        self.block = nn.Sequential(ScaledShift())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, t = self.block(self.dbl(self.fc(x)))
+        return y + twice(t)
+
+
+def test_unsupported_ops_are_all_listed_with_where_they_ran_and_a_stub(restore_rules) -> None:
+    torch.manual_seed(0)
+    model = CustomNet().eval()
+    with pytest.raises(FwdtraceError, match=(
+        r"^to_onnx\(\) found 2 ops with no ONNX translation: "
+        r"fwdtrace_test\.twice \(in 'dbl' \(test_onnx_emit\.Twice\), the model's forward\); "
+        r"fwdtrace_test\.shift \(in 'block\.0' \(test_onnx_emit\.ScaledShift\)\)\. "
+    )) as info:
+        fwdtrace.to_onnx(model, torch.randn(2, 3))
+    message = str(info.value)
+    assert "@fwdtrace.onnx_symbolic('fwdtrace_test.twice')\ndef fwdtrace_test_twice(op, x):" in message
+    assert "@fwdtrace.onnx_symbolic('fwdtrace_test.shift')\ndef fwdtrace_test_shift(op, x, by):" in message
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m) for m in model.modules())
+
+
+def test_symbolics_for_an_op_and_for_a_layer_make_it_export(restore_rules) -> None:
+    torch.manual_seed(0)
+    model = CustomNet().eval()
+    x = torch.randn(2, 3)
+
+    @fwdtrace.onnx_symbolic(torch.ops.fwdtrace_test.twice)
+    def twice_onnx(op, x):
+        return op.Add(x, x)
+
+    @fwdtrace.onnx_symbolic("test_onnx_emit.ScaledShift")
+    def scaled_shift_onnx(op, x, *, scale):
+        y = op.Mul(op.Add(x, op.Constant(value_float=3.0)), scale)
+        return y, op.Tanh(y)
+
+    proto = fwdtrace.to_onnx(model, x)
+    with torch.no_grad():
+        assert_matches(proto, {"x": x}, {"output": model(x)})
+    graph = fwdtrace.onnx_graph(proto)
+    assert {n.target for n in graph.nodes if n.module_path == "block.0"} - {"onnx.Constant"} == {"onnx.Add", "onnx.Mul", "onnx.Tanh"}
+    assert "block.0.scale" in {i.name for i in proto.graph.initializer}  # the layer's parameter, by name
+    assert all("forward" not in vars(m) for m in model.modules())  # the layer's boundary is gone
+    assert fwdtrace.remove_onnx_symbolic("test_onnx_emit.ScaledShift")
+    with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) found 1 op with no ONNX translation: fwdtrace_test\.shift"):
+        fwdtrace.to_onnx(model, x)
+
+
+@script()
+def twice_script(x: FLOAT) -> FLOAT:  # onnxscript resolves FLOAT and script_op among the module's globals
+    return script_op.Mul(x, script_op.CastLike(2.0, x))
+
+
+def test_an_onnxscript_function_is_a_symbolic_too(restore_rules) -> None:
+    fwdtrace.onnx_symbolic("fwdtrace_test::twice")(twice_script)
+    model, x = Twice(), torch.randn(4)
+    assert_matches(fwdtrace.to_onnx(model, x), {"x": x}, {"output": model(x)})
+
+
+def test_a_symbolic_replaces_torchlibs_translation(restore_rules) -> None:
+    @fwdtrace.onnx_symbolic("aten.tanh")
+    def tanh_by_exp(op, x):  # tanh(x) = 1 - 2 / (exp(2x) + 1)
+        two = op.Constant(value_float=2.0)
+        return op.Sub(op.Constant(value_float=1.0), op.Div(two, op.Add(op.Exp(op.Mul(two, x)), op.Constant(value_float=1.0))))
+
+    x = torch.randn(5)
+    proto = fwdtrace.to_onnx(nn.Tanh(), x)
+    assert "Tanh" not in {n.op_type for n in proto.graph.node}
+    assert_matches(proto, {"input": x}, {"output": torch.tanh(x)})
+
+
+@pytest.mark.parametrize("target", [42, "nodots", torch.tanh])
+def test_symbolic_targets_are_checked(target) -> None:
+    with pytest.raises(FwdtraceError, match=r"^onnx_symbolic\(\) expected a torch.nn.Module subclass, a torch op"):
+        fwdtrace.onnx_symbolic(target)
+
+
+def test_a_symbolic_that_returns_nothing_is_named(restore_rules) -> None:
+    fwdtrace.onnx_symbolic("fwdtrace_test.twice")(lambda op, x: None)
+    with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) could not emit the recorded graph: the ONNX symbolic '<lambda>' "
+                       r"expected to return ONNX values \(op.Add\(...\)\), got None"):
+        fwdtrace.to_onnx(Twice(), torch.randn(3))

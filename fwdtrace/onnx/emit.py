@@ -17,6 +17,8 @@ and ``pkg.torch.onnx.class_hierarchy`` metadata that :func:`fwdtrace.onnx_graph`
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import copy
 import functools
 import os
 import re
@@ -28,17 +30,18 @@ import torch
 
 from .._tree import tensors_of
 from ..errors import FwdtraceError, describe, one_line, shapes_text
-from .export import _import_onnx, _input_names, _quiet_exporter_logs, _write_onnx
+from .export import _cause_chain, _import_onnx, _input_names, _quiet_exporter_logs, _write_onnx
 
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["to_onnx"]
+__all__ = ["to_onnx", "onnx_symbolic", "remove_onnx_symbolic"]
 
 # The torch.onnx internals this module drives, as they are in torch 2.13.0 (the version the
 # Makefile pins): _core._translate_fx_graph, _core.TorchTensor, _registration.ONNXRegistry
 # (.from_torchlib, ._register, OnnxDecompMeta), _decomp.create_onnx_friendly_decomposition_table,
 # _fx_passes.remove_assertion_nodes, _ir_passes.add_opset_imports, _constants.ONNX_IR_VERSION.
+_UNSET = object()
 _TORCH_INTERNALS = "torch.onnx._internal.exporter (_core, _registration, _decomp, _fx_passes, _ir_passes)"
 
 
@@ -95,6 +98,113 @@ def _default_opset() -> int:
     return int(_exporter().constants.TORCHLIB_OPSET)
 
 
+# -- what torchlib does not cover: symbolics the user registers -----------------------------------
+SymbolicFn = Callable[..., Any]
+# target name -> the user's function: a layer class ("mypkg.MyLayer") or a torch op ("mylib.twice")
+_SYMBOLICS: dict[str, SymbolicFn] = {}
+
+
+def onnx_symbolic(target: Any) -> Callable[[SymbolicFn], SymbolicFn]:
+    """Emit a layer class or a torch op as the ONNX ops the decorated function gives, in :func:`to_onnx`.
+
+    >>> import torch, fwdtrace
+    >>> class Swish(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x * torch.sigmoid(x)
+    >>> @fwdtrace.onnx_symbolic(Swish)
+    ... def swish(op, x):
+    ...     return op.Mul(x, op.Sigmoid(x))
+    >>> proto = fwdtrace.to_onnx(torch.nn.Sequential(Swish()), torch.ones(2))
+    >>> [n.op_type for n in proto.graph.node]
+    ['Sigmoid', 'Mul']
+    >>> fwdtrace.remove_onnx_symbolic(Swish)
+    True
+
+    ``target`` is a layer class, or its qualified name (``"mypkg.MyLayer"``; subclasses that
+    run its ``forward`` are included), or a torch op: ``torch.ops.mylib.twice``, an overload
+    of it, or ``"mylib.twice"``. The function gets ``op``, an onnxscript opset (``op.Mul``,
+    ``op.Gemm``, ... at opset 18), then:
+
+    - for a layer, the ONNX values of the tensors its ``forward`` was given, in order, and
+      its parameters and buffers by their names in the layer as keywords
+      (``fn(op, x, *, weight, bias)``); the layer's other arguments stay as the trace saw
+      them;
+    - for an op, its arguments as torch's exporter hands them to torchlib: ONNX values for
+      tensors, Python values for the rest (``fn(op, x, alpha=1.0)``).
+
+    It returns one value or a tuple of values, in the order the layer or op returns its
+    tensors. An onnxscript function (``@onnxscript.script()``) is also accepted and called
+    without ``op``. A later registration for the same target replaces the earlier one.
+    """
+    name = _symbolic_name(target)
+
+    def decorate(fn: SymbolicFn) -> SymbolicFn:
+        if not callable(fn):
+            raise FwdtraceError(f"@onnx_symbolic({target!r}) expected a function, got {describe(fn)}")
+        _SYMBOLICS[name] = fn
+        return fn
+
+    return decorate
+
+
+def remove_onnx_symbolic(target: Any) -> bool:
+    """Forget the symbolic registered for ``target``; True if there was one.
+
+    >>> import fwdtrace
+    >>> fwdtrace.remove_onnx_symbolic("mypkg.NeverRegistered")
+    False
+    """
+    return _SYMBOLICS.pop(_symbolic_name(target), None) is not None
+
+
+def _symbolic_name(target: Any) -> str:
+    """``mypkg.MyLayer`` for a layer class, ``mylib.twice`` for a torch op, its overload or ``mylib::twice``."""
+    from ..registry import qualified_name
+
+    if isinstance(target, type) and issubclass(target, torch.nn.Module):
+        return qualified_name(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return _op_name(target)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.replace("::", ".")
+    if isinstance(target, str):
+        name = target.replace("::", ".").removesuffix(".default")
+        if name and all(p.isidentifier() for p in name.split(".")) and "." in name:
+            return name
+    raise FwdtraceError(
+        "onnx_symbolic() expected a torch.nn.Module subclass, a torch op (torch.ops.mylib.twice) or a dotted "
+        f"name ('mypkg.MyLayer', 'mylib.twice'), got {target!r} ({describe(target)})"
+    )
+
+
+def _op_name(op: Any) -> str:
+    """``mylib.twice`` for ``torch.ops.mylib.twice.default``, ``aten.add.Tensor`` for another overload."""
+    return str(op.name()).replace("::", ".")
+
+
+def _op_symbolic(op: Any) -> SymbolicFn | None:
+    """The symbolic registered for this overload, or for all of the op's overloads."""
+    return _SYMBOLICS.get(_op_name(op)) or _SYMBOLICS.get(op.overloadpacket._qualified_op_name.replace("::", "."))
+
+
+def _module_symbolic(cls: type) -> SymbolicFn | None:
+    """The symbolic of ``cls`` or of the nearest ancestor whose ``forward`` it runs."""
+    from ..registry import forward_owner, qualified_name
+
+    if not _SYMBOLICS:
+        return None
+    try:
+        owner = forward_owner(cls)
+    except FwdtraceError:
+        return None
+    for klass in cls.__mro__:
+        fn = _SYMBOLICS.get(qualified_name(klass))
+        if fn is not None:
+            return fn if issubclass(klass, owner) else None
+    return None
+
+
+
 def to_onnx(
     model: torch.nn.Module,
     *args: Any,
@@ -136,8 +246,12 @@ def to_onnx(
     if not tensors_of((args, kwargs)):
         raise FwdtraceError("to_onnx() expected at least one tensor among the model's inputs, got none")
     _import_onnx()
-    gm, record = _record(model, args, kwargs)
-    proto = _emit(gm, record, opset)
+    token = _symbolic_calls.set({})
+    try:
+        gm, record = _record(model, args, kwargs)
+        proto = _emit(gm, record, opset)
+    finally:
+        _symbolic_calls.reset(token)
     if path is not None:
         _write_onnx(proto, os.fspath(path), None, caller="to_onnx()")
     return proto
@@ -173,6 +287,8 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     record = _Record(state_names, state_tensors, _leaf_names(model, args, kwargs, tensor_at))
     _, registry_table = _torchlib(_default_opset())
+    if _SYMBOLICS:  # an op the user gives a symbolic for stays one op
+        registry_table = {op: fn for op, fn in registry_table.items() if _op_symbolic(op) is None}
 
     def run(state_values: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         values = list(leaves)
@@ -187,7 +303,7 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
     inputs = [leaves[i] for i in tensor_at]
     try:
-        gm = _make_graph(run, state_tensors, inputs, registry_table, _module_scopes(model))
+        gm = _make_graph(run, state_tensors, inputs, registry_table, _module_scopes(model), _boundaries(model))
     except FwdtraceError:
         raise
     except Exception as e:
@@ -200,10 +316,11 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 def _make_graph(
     run: Callable[..., Any], state_tensors: list[torch.Tensor], inputs: list[torch.Tensor],
     registry_table: dict[Any, Callable[..., Any]], scopes: contextlib.AbstractContextManager[None],
+    boundaries: contextlib.AbstractContextManager[None],
 ) -> Any:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with scopes, _mkldnn_off():
+    with scopes, boundaries, _mkldnn_off():
         # _error_on_data_dependent_ops=False: a value read from a tensor (x.mean() > 0,
         # a mask's all()) is the example's value from here on; that is what an eager trace is.
         gm = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
@@ -355,11 +472,200 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
+
+# -- layers with a symbolic: one op in the recorded graph -----------------------------------------
+@dataclass
+class _SymbolicCall:
+    """One call of a layer that has a symbolic: what the eager run and the emission need of it."""
+
+    module: torch.nn.Module
+    path: str
+    fn: SymbolicFn
+    leaves: list[Any]
+    spec: Any
+    tensor_at: list[int]
+    param_names: list[str]
+    out_leaves: list[Any] = field(default_factory=list)
+    out_spec: Any = None
+
+
+# key -> call, for the to_onnx() running in this context (the op's kernel and its emission read it)
+_symbolic_calls: contextvars.ContextVar[dict[str, _SymbolicCall]] = contextvars.ContextVar("_symbolic_calls")
+_running_layer: contextvars.ContextVar[bool] = contextvars.ContextVar("_running_layer", default=False)
+
+
+@functools.cache
+def _layer_op() -> Any:
+    """``fwdtrace::layer(Tensor[] tensors, str key) -> Tensor[]``: a layer call that make_fx keeps whole.
+
+    Its kernel runs the layer's own forward eagerly on the real tensors (the inputs,
+    then the parameters); the recording sees one op, which the emission replaces by
+    the user's ONNX nodes.
+    """
+
+    @torch.library.custom_op("fwdtrace::layer", mutates_args=())
+    def layer(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+        from torch.utils import _pytree as pytree
+
+        call = _symbolic_calls.get()[key]
+        n = len(call.tensor_at)
+        values = list(call.leaves)
+        for i, t in zip(call.tensor_at, tensors[:n], strict=True):
+            values[i] = t
+        args, kwargs = pytree.tree_unflatten(values, call.spec)
+        token = _running_layer.set(True)
+        try:
+            out = torch.func.functional_call(call.module, dict(zip(call.param_names, tensors[n:], strict=True)),
+                                             tuple(args), kwargs, strict=False)
+        finally:
+            _running_layer.reset(token)
+        call.out_leaves, call.out_spec = pytree.tree_flatten(out)
+        # a custom op's outputs may not alias its inputs
+        return [t.clone() for t in call.out_leaves if isinstance(t, torch.Tensor)]
+
+    return layer
+
+
+@contextlib.contextmanager
+def _boundaries(model: torch.nn.Module) -> Iterator[None]:
+    """While active, each layer with a symbolic (the outermost, where they nest) runs as ``fwdtrace::layer``."""
+    from torch.utils import _pytree as pytree
+
+    paths: dict[torch.nn.Module, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(module, name)
+    chosen: dict[torch.nn.Module, SymbolicFn] = {}
+    for module, path in paths.items():
+        fn = _module_symbolic(type(module))
+        if fn is not None and not any(path.startswith(f"{paths[c]}.") or paths[c] == "" for c in chosen):
+            chosen[module] = fn
+    patched: list[tuple[torch.nn.Module, Any]] = []
+
+    def boundary_for(module: torch.nn.Module, fn: SymbolicFn) -> Callable[..., Any]:
+        forward = module.forward
+
+        def boundary(*args: Any, **kwargs: Any) -> Any:
+            if _running_layer.get():  # the op's kernel: the layer's own forward
+                return forward(*args, **kwargs)
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+            named = [*module.named_parameters(), *module.named_buffers()]
+            calls = _symbolic_calls.get()
+            key = f"{paths[module]}#{len(calls)}"
+            call = calls[key] = _SymbolicCall(module, paths[module], fn, leaves, spec, tensor_at, [n for n, _ in named])
+            tensors = _layer_op()([leaves[i] for i in tensor_at] + [t for _, t in named], key)
+            produced = iter(tensors)
+            out = [next(produced) if isinstance(leaf, torch.Tensor) else leaf for leaf in call.out_leaves]
+            return pytree.tree_unflatten(out, call.out_spec)
+
+        return boundary
+
+    try:
+        for module, fn in chosen.items():
+            attrs = vars(module)
+            patched.append((module, attrs.get("forward", _UNSET)))
+            attrs["forward"] = boundary_for(module, fn)
+        yield
+    finally:
+        for module, previous in reversed(patched):
+            if previous is _UNSET:
+                vars(module).pop("forward", None)
+            else:
+                vars(module)["forward"] = previous
+
+
+def _emit_layer(tensors: list[Any], key: str) -> list[Any]:
+    """The ONNX of a ``fwdtrace::layer`` node: the user's symbolic on the inputs and the parameters."""
+    call = _symbolic_calls.get()[key]
+    n = len(call.tensor_at)
+    out = _call_symbolic(call.fn, tensors[:n], dict(zip(call.param_names, tensors[n:], strict=True)))
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _call_symbolic(fn: SymbolicFn, args: Any, kwargs: dict[str, Any]) -> Any:
+    import onnxscript
+
+    out = fn(*args, **kwargs) if isinstance(fn, onnxscript.OnnxFunction) else fn(_opset(), *args, **kwargs)
+    values = list(out) if isinstance(out, (tuple, list)) else [out]
+    if not values or any(not hasattr(v, "producer") for v in values):
+        raise FwdtraceError(
+            f"the ONNX symbolic {getattr(fn, '__name__', fn)!r} expected to return ONNX values (op.Add(...)), "
+            f"got {out!r}" + (" (an onnxscript function needs annotated outputs: -> FLOAT)" if not values else "")
+        )
+    return out
+
+
+@functools.cache
+def _opset() -> Any:
+    import onnxscript
+
+    return onnxscript.values.Opset("", _default_opset())
+
+
+def _with_symbolics(base: Any, gm: Any) -> Any:
+    """torchlib's registry with the user's symbolics for the ops of ``gm`` first (a copy: ``base`` is shared)."""
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    layer = torch.ops.fwdtrace.layer.default if _symbolic_calls.get() else None
+    mine = {t: _op_symbolic(t) for t in targets}
+    if layer is None and not any(mine.values()):
+        return base
+    ex = _exporter()
+    registry = copy.copy(base)
+    registry.functions = {k: list(v) for k, v in base.functions.items()}
+    for target, fn in mine.items():
+        if fn is not None:
+            registry._register(target, ex.registration.OnnxDecompMeta(
+                onnx_function=functools.partial(_call_symbolic_op, fn), fx_target=target, signature=None,
+                is_custom=True, skip_signature_inference=True))
+    if layer is not None:
+        registry._register(layer, ex.registration.OnnxDecompMeta(
+            onnx_function=_emit_layer, fx_target=layer, signature=None, is_custom=True, skip_signature_inference=True))
+    return registry
+
+
+def _call_symbolic_op(fn: SymbolicFn, *args: Any, **kwargs: Any) -> Any:
+    return _call_symbolic(fn, args, kwargs)
+
+
+def _check_supported(gm: Any, registry: Any) -> None:
+    """Raise one error naming every op of ``gm`` that nothing translates, where it ran, and a stub for each."""
+    missing: dict[str, tuple[Any, list[str]]] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if registry.is_registered(target) or target.namespace == "onnx":
+            continue
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        where = "the model's forward" if len(stack) <= 1 else f"'{stack[-1][0]}' ({_class_text(stack[-1][1])})"
+        entry = missing.setdefault(_op_name(target), (target, []))
+        if where not in entry[1]:
+            entry[1].append(where)
+    if not missing:
+        return
+    lines = [f"to_onnx() found {len(missing)} op{'s' if len(missing) > 1 else ''} with no ONNX translation: "
+             + "; ".join(f"{name} (in {', '.join(wheres)})" for name, (_, wheres) in missing.items())
+             + ". Register a symbolic for each op, or for the layer that calls it "
+             "(@fwdtrace.onnx_symbolic('mypkg.MyLayer') gets the layer's inputs):"]
+    for name, (target, _) in missing.items():
+        params = [a.name for a in target._schema.arguments if not a.kwarg_only]
+        lines += ["", f"@fwdtrace.onnx_symbolic({name!r})",
+                  f"def {re.sub(r'[^0-9A-Za-z_]', '_', name)}(op, {', '.join(params)}):",
+                  f"    return op.Identity({params[0] if params else ''})  # the ONNX ops that compute {name}"]
+    raise FwdtraceError("\n".join(lines))
+
+
+def _class_text(cls: Any) -> str:
+    from ..registry import qualified_name
+
+    return qualified_name(cls) if isinstance(cls, type) else str(cls)
+
+
 # -- emitting -------------------------------------------------------------------------------------
 def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
     ex = _exporter()
     ir = ex.ir
-    registry, _ = _torchlib(_default_opset())
+    registry = _with_symbolics(_torchlib(_default_opset())[0], gm)
     gm = ex.fx_passes.remove_assertion_nodes(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -372,12 +678,16 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         producer_name="fwdtrace",
         producer_version=_version(),
     )
+    _check_supported(gm, registry)
     try:
         with _quiet_exporter_logs():
             values = ex.core._translate_fx_graph(
                 gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=registry
             )
     except Exception as e:
+        mine = next((c for c in _cause_chain(e) if isinstance(c, FwdtraceError)), None)
+        if mine is not None:  # a symbolic's own error, raised inside torch's translator
+            raise FwdtraceError(f"to_onnx() could not emit the recorded graph: {mine}") from e
         raise FwdtraceError(f"to_onnx() could not emit the recorded graph: {_cause_text(e)}") from e
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -448,10 +758,7 @@ def _convert_opset(model: Any, opset: int) -> None:
 
 
 def _cause_text(e: BaseException) -> str:
-    chain = [e]
-    while chain[-1].__cause__ is not None and len(chain) < 20:
-        chain.append(chain[-1].__cause__)
-    return "; ".join(one_line(c) for c in chain[-2:])
+    return "; ".join(one_line(c) for c in _cause_chain(e)[-2:])
 
 
 def _version() -> str:
