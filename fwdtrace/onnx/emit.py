@@ -16,6 +16,7 @@ and ``pkg.torch.onnx.class_hierarchy`` metadata that :func:`fwdtrace.onnx_graph`
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import contextvars
 import copy
@@ -187,12 +188,10 @@ def _op_symbolic(op: Any) -> SymbolicFn | None:
     return _SYMBOLICS.get(_op_name(op)) or _SYMBOLICS.get(op.overloadpacket._qualified_op_name.replace("::", "."))
 
 
-def _module_symbolic(cls: type) -> SymbolicFn | None:
-    """The symbolic of ``cls`` or of the nearest ancestor whose ``forward`` it runs."""
+def _module_symbolic(cls: type) -> SymbolicFn | _BuiltinLayer | None:
+    """The symbolic of ``cls`` or of the nearest ancestor whose ``forward`` it runs; a built-in one if none."""
     from ..registry import forward_owner, qualified_name
 
-    if not _SYMBOLICS:
-        return None
     try:
         owner = forward_owner(cls)
     except FwdtraceError:
@@ -201,7 +200,53 @@ def _module_symbolic(cls: type) -> SymbolicFn | None:
         fn = _SYMBOLICS.get(qualified_name(klass))
         if fn is not None:
             return fn if issubclass(klass, owner) else None
-    return None
+    return _BUILTIN_LAYERS.get(owner)
+
+
+@dataclass(frozen=True)
+class _BuiltinLayer:
+    """fwdtrace's own symbolic for a layer whose ATen op torchlib has but eager tracing never sees.
+
+    ``aten.lstm`` and ``aten.gru`` are composite: they decompose into their cells, step by
+    step, before any recording sees them. Kept whole as a layer call, they become ONNX's
+    LSTM and GRU ops through torchlib's own functions for them.
+    """
+
+    accepts: Callable[[torch.nn.Module, list[Any]], bool]
+    emit: Callable[[Any, list[Any], dict[str, Any]], Any]
+
+
+def _recurrent_accepts(module: torch.nn.Module, leaves: list[Any]) -> bool:
+    """Batched float32 input, no projection: what torchlib's LSTM and GRU functions take."""
+    x = leaves[0] if leaves else None
+    return (isinstance(x, torch.Tensor) and x.dim() == 3 and x.dtype == torch.float32
+            and not getattr(module, "proj_size", 0))
+
+
+def _recurrent_emit(call: Any, inputs: list[Any], params: dict[str, Any]) -> Any:
+    import numpy as np
+    from onnxscript import ir
+    from onnxscript.function_libs.torch_lib.ops.core import aten_gru, aten_lstm
+
+    module = call.module
+    op = _opset()
+    weights = [params[name] for name in module._flat_weights_names]
+    states = [t for t in call.out_leaves[1:] if isinstance(t, torch.Tensor)]  # h_n (and c_n): hx's shapes
+    hx = list(inputs[1:])
+    if not hx:  # the layer starts from zeros: a constant of h_n's (and c_n's) shape, which torchlib reads
+        for state in states:
+            zeros = op.Constant(value=ir.tensor(np.zeros(tuple(state.shape), dtype=np.float32)))
+            zeros.shape, zeros.dtype = ir.Shape(tuple(state.shape)), ir.DataType.FLOAT
+            hx.append(zeros)
+    config = (module.bias, module.num_layers, float(module.dropout), module.training, module.bidirectional,
+              module.batch_first)
+    if isinstance(module, torch.nn.LSTM):
+        return aten_lstm(inputs[0], hx, weights, *config)
+    return aten_gru(inputs[0], hx[0], weights, *config)
+
+
+_RECURRENT = _BuiltinLayer(_recurrent_accepts, _recurrent_emit)
+_BUILTIN_LAYERS: dict[type, _BuiltinLayer] = {torch.nn.LSTM: _RECURRENT, torch.nn.GRU: _RECURRENT}
 
 
 
@@ -480,7 +525,7 @@ class _SymbolicCall:
 
     module: torch.nn.Module
     path: str
-    fn: SymbolicFn
+    fn: SymbolicFn | _BuiltinLayer
     leaves: list[Any]
     spec: Any
     tensor_at: list[int]
@@ -534,20 +579,22 @@ def _boundaries(model: torch.nn.Module) -> Iterator[None]:
     paths: dict[torch.nn.Module, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         paths.setdefault(module, name)
-    chosen: dict[torch.nn.Module, SymbolicFn] = {}
+    chosen: dict[torch.nn.Module, SymbolicFn | _BuiltinLayer] = {}
     for module, path in paths.items():
         fn = _module_symbolic(type(module))
         if fn is not None and not any(path.startswith(f"{paths[c]}.") or paths[c] == "" for c in chosen):
             chosen[module] = fn
     patched: list[tuple[torch.nn.Module, Any]] = []
 
-    def boundary_for(module: torch.nn.Module, fn: SymbolicFn) -> Callable[..., Any]:
+    def boundary_for(module: torch.nn.Module, fn: SymbolicFn | _BuiltinLayer) -> Callable[..., Any]:
         forward = module.forward
 
         def boundary(*args: Any, **kwargs: Any) -> Any:
             if _running_layer.get():  # the op's kernel: the layer's own forward
                 return forward(*args, **kwargs)
             leaves, spec = pytree.tree_flatten((args, kwargs))
+            if isinstance(fn, _BuiltinLayer) and not fn.accepts(module, leaves):
+                return forward(*args, **kwargs)  # recorded as the ATen calls it makes
             tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
             named = [*module.named_parameters(), *module.named_buffers()]
             calls = _symbolic_calls.get()
@@ -578,7 +625,11 @@ def _emit_layer(tensors: list[Any], key: str) -> list[Any]:
     """The ONNX of a ``fwdtrace::layer`` node: the user's symbolic on the inputs and the parameters."""
     call = _symbolic_calls.get()[key]
     n = len(call.tensor_at)
-    out = _call_symbolic(call.fn, tensors[:n], dict(zip(call.param_names, tensors[n:], strict=True)))
+    params = dict(zip(call.param_names, tensors[n:], strict=True))
+    if isinstance(call.fn, _BuiltinLayer):
+        out = call.fn.emit(call, tensors[:n], params)
+    else:
+        out = _call_symbolic(call.fn, tensors[:n], params)
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
@@ -605,7 +656,8 @@ def _opset() -> Any:
 def _with_symbolics(base: Any, gm: Any) -> Any:
     """torchlib's registry with the user's symbolics for the ops of ``gm`` first (a copy: ``base`` is shared)."""
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
-    layer = torch.ops.fwdtrace.layer.default if _symbolic_calls.get() else None
+    _layer_op()  # defines torch.ops.fwdtrace.layer
+    layer = torch.ops.fwdtrace.layer.default if torch.ops.fwdtrace.layer.default in targets else None
     mine = {t: _op_symbolic(t) for t in targets}
     if layer is None and not any(mine.values()):
         return base
@@ -721,15 +773,22 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
 
 
 def _optimize(model: Any) -> None:
-    """Drop what nothing reads; unlike the dynamo exporter, fold no constants.
+    """Inline torchlib's functions, fold constants, drop what nothing reads; leave the weights as they are.
 
-    Folding would rewrite weights (BatchNorm into the Conv before it, a Linear's transposed
-    weight) into new initializers: the state dict's tensors stay as they are, by name.
+    The dynamo exporter's optimizer also folds weights (a Linear's transposed weight, a
+    BatchNorm into the Conv before it) into new initializers and fuses ops: here the
+    state dict's tensors stay, by name, and each op stays the call that made it.
     Outputs nothing reads (batch norm's saved statistics) lose the shapes eager gave them
     (empty in eval), which torchlib's ops do not reproduce and onnx's checker refuses.
     """
     import onnx_ir.passes.common as passes
+    import onnxscript.optimizer
 
+    passes.InlinePass()(model)
+    weights = set(model.graph.initializers.values())
+    onnxscript.optimizer.fold_constants_ir(
+        model, should_fold=lambda node: False if any(v in weights for v in node.inputs) else None
+    )
     passes.RemoveUnusedNodesPass()(model)
     for node in model.graph:
         for value in node.outputs:
@@ -765,3 +824,31 @@ def _version() -> str:
     from .. import __version__
 
     return __version__
+
+
+# -- command line ---------------------------------------------------------------------------------
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``fwdtrace export-onnx``."""
+    from ..cli import add_input_arguments
+
+    parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to export")
+    add_input_arguments(parser)
+    parser.add_argument("-o", "--output", required=True, metavar="model.onnx", help="the ONNX file to write")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset, 18 to 23 (default 18)")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``fwdtrace export-onnx``: write the ONNX of one eager run, 0 when written, 2 when not.
+
+    The model is put in eval mode and fed the seeded inputs of ``--input-shape``/``--dtype``,
+    made as ``fwdtrace check-onnx`` makes them.
+    """
+    from ..cli import load_factory, make_inputs
+
+    inputs = make_inputs(args)
+    model = load_factory(args.factory).eval()
+    proto = to_onnx(model, *inputs, path=args.output, opset=args.opset)
+    ios = ", ".join(f"{v.name}" for v in proto.graph.input)
+    print(f"wrote {args.output}: {len(proto.graph.node)} nodes, inputs {ios}, "
+          f"outputs {', '.join(o.name for o in proto.graph.output)}")
+    return 0
