@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,24 +33,11 @@ import fwdtrace
 from fwdtrace.onnx import export as onnx_export
 from fwdtrace.onnx.emit import _named_outputs
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from zoo import BranchyCNN  # noqa: E402  (the tests' model: benchmark and tests run the same code)
+
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 EXPORTERS = ("torchscript", "dynamo", "fwdtrace")
-
-
-class BranchyCNN(nn.Module):
-    """A CNN whose forward branches on the input's values (as in tests/test_onnx_emit.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.bright = nn.Conv2d(8, 8, 1)
-        self.dark = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Tanh())
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.conv(x))
-        h = self.bright(h) if x.mean() > 0 else self.dark(h)
-        return self.head(h.mean((2, 3)))
 
 
 def _ids(length: int = 8) -> torch.Tensor:
@@ -88,7 +76,7 @@ def _vit() -> Case:
 
 def _branchy() -> Case:
     torch.manual_seed(0)
-    return BranchyCNN().eval(), (torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)) + 0.1,), {}
+    return BranchyCNN(8).eval(), (torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)) + 0.1,), {}
 
 
 def _mha() -> Case:

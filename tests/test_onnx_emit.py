@@ -97,25 +97,9 @@ def test_dataclass_output_and_an_input_returned_as_it_is() -> None:
 
 
 # -- Python control flow on values ----------------------------------------------------------------
-class BranchyCNN(nn.Module):
-    """A CNN whose forward branches on the input's values: torch.export cannot follow it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bright = nn.Conv2d(4, 4, 1)
-        self.dark = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Tanh())
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.conv(x))
-        h = self.bright(h) if x.mean() > 0 else self.dark(h)
-        return self.head(h.mean((2, 3)))
-
-
 def test_control_flow_on_values_follows_the_branch_the_example_took() -> None:
     torch.manual_seed(0)
-    model = BranchyCNN().eval()
+    model = zoo.BranchyCNN().eval()
     bright, dark = torch.rand(1, 3, 8, 8) + 0.1, -torch.rand(1, 3, 8, 8) - 0.1
     with pytest.raises(FwdtraceError, match=r"^the dynamo ONNX exporter failed on BranchyCNN: "):
         fwdtrace.export_onnx(model, bright, exporter="dynamo")
