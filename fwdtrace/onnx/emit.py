@@ -92,7 +92,11 @@ def _torchlib(opset: int) -> tuple[Any, dict[Any, Callable[..., Any]]]:
     with _quiet_exporter_logs():
         registry = ex.registration.ONNXRegistry.from_torchlib(opset)
     implemented = set(ex.decomp.get_onnx_implemented_overloads(registry))
-    return registry, ex.decomp.create_onnx_friendly_decomposition_table(implemented)
+    table = ex.decomp.create_onnx_friendly_decomposition_table(implemented)
+    # In-place ops stay whole: the replay under functionalization turns them into the
+    # functional ops torchlib has (sigmoid_ into sigmoid), where their decompositions would
+    # write them out in prims (sigmoid as neg, exp, add and div).
+    return registry, {op: fn for op, fn in table.items() if not op._schema.is_mutable}
 
 
 def _default_opset() -> int:
