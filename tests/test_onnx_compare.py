@@ -1011,7 +1011,6 @@ REAL_PATTERNS = {
 EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace")}
 # fwdtrace's emission where it does not yet agree (issue 12's open points, in the README)
 EMIT_DIFFERS = {
-    "casts": "an int32 cumsum comes out int64: onnxruntime refuses the model",
     "state_space_scan": "softplus is emitted through a different formula than the rules expect",
     "pool_at_argmax": "the gather after argmax is wired differently from the trace",
     "mask_ops": "einsum is emitted as a batched MatMul, which the einsum rule does not name",

@@ -96,6 +96,20 @@ def test_dataclass_output_and_an_input_returned_as_it_is() -> None:
     assert_matches(fwdtrace.to_onnx(model, x), {"x": x}, {"logits": out.logits, "hidden": out.hidden})
 
 
+def test_an_op_whose_onnx_form_has_another_dtype_is_cast_to_eagers() -> None:
+    class IntCumsum(nn.Module):
+        def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            running = torch.cumsum(ids.ne(0).int(), dim=1)  # int32 in, int64 out in torch; int32 in ONNX's CumSum
+            return running, running * 2
+
+    ids = torch.tensor([[1, 0, 3, 4], [0, 5, 6, 0]], dtype=torch.int32)
+    proto = fwdtrace.to_onnx(IntCumsum(), ids)
+    running, doubled = IntCumsum()(ids)
+    assert running.dtype == torch.int64
+    assert_matches(proto, {"ids": ids}, {"output_0": running, "output_1": doubled})
+    assert run_ort(proto, {"ids": ids})["output_0"].dtype == np.int64
+
+
 # -- Python control flow on values ----------------------------------------------------------------
 def test_control_flow_on_values_follows_the_branch_the_example_took() -> None:
     torch.manual_seed(0)

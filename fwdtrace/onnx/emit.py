@@ -771,9 +771,41 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         model.graph.outputs.append(value)
     ex.ir_passes.add_opset_imports(model)
     _optimize(model)
+    proto = _cast_to_eager_dtypes(model, ir.serde.serialize_model(model))
     if opset is not None and opset != registry.opset_version:
         _convert_opset(model, opset)
-    return ir.serde.serialize_model(model)
+        proto = ir.serde.serialize_model(model)
+    return proto
+
+
+def _cast_to_eager_dtypes(model: Any, proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The model, with a Cast where an op's ONNX output has another dtype than eager's.
+
+    Each value is declared with the dtype eager gave it, but a torchlib function can
+    compute another: ``cumsum`` of int32 is int64 in torch and int32 in its ONNX form,
+    and onnxruntime refuses such a model. ONNX's own inference says what each op gives;
+    an op is cast only where its inputs already are what eager had, then inference runs
+    again on what follows (a rare path: a model without such ops is inferred once).
+    """
+    from onnxscript import ir
+
+    from .export import _inferred_value_info
+
+    for _ in range(16):
+        inferred = {vi.name: vi.type.tensor_type.elem_type for vi in _inferred_value_info(proto, declared=False)}
+        wrong = [(node, value, got) for node in model.graph if not any(_other_dtype(i, inferred) for i in node.inputs)
+                 for value in node.outputs if (got := _other_dtype(value, inferred))]
+        if not wrong:
+            return proto
+        for node, value, got in wrong:
+            name, eager_type = value.name, value.type
+            value.name, value.type = f"{name}__{ir.DataType(got).name.lower()}", ir.TensorType(ir.DataType(got))
+            cast = ir.Value(name=name, shape=value.shape, type=eager_type)
+            ir.convenience.replace_all_uses_with(value, cast, replace_graph_outputs=True)
+            model.graph.insert_after(node, ir.Node("", "Cast", [value], attributes=[ir.AttrInt64("to", eager_type.dtype.value)],
+                                                   outputs=[cast], name=f"node_{name}__cast"))
+        proto = ir.serde.serialize_model(model)
+    return proto
 
 
 def _optimize(model: Any) -> None:
@@ -800,6 +832,12 @@ def _optimize(model: Any) -> None:
                 value.shape = None
     passes.RemoveUnusedFunctionsPass()(model)
     passes.RemoveUnusedOpsetsPass()(model)
+
+
+def _other_dtype(value: Any, inferred: dict[str, int]) -> int | None:
+    """The dtype ONNX infers for ``value`` where it is not the one declared (eager's), else None."""
+    got = inferred.get(value.name or "") if value is not None else None
+    return got if got and value.dtype is not None and got != value.dtype.value else None
 
 
 def _rename(graph: Any, value: Any, name: str) -> None:

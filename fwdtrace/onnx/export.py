@@ -467,33 +467,38 @@ def _attr_value(attr: Any) -> Any:
     return None  # tensors and subgraphs are not display attributes
 
 
-def _inferred_value_info(proto: onnx.ModelProto) -> list[Any]:
+def _inferred_value_info(proto: onnx.ModelProto, declared: bool = True) -> list[Any]:
     """Shapes of the values the model itself does not describe, from ONNX shape inference.
 
     Inference runs on a copy without the weights' data (weights become typed inputs):
     serialising hundreds of megabytes of weights would cost more than the comparison.
+    With ``declared=False`` what the model says of its node outputs (``value_info``, the
+    graph outputs' types) is left out, and every node output comes back as ONNX infers it.
     """
     onnx = _import_onnx()
     g = proto.graph
     known = {vi.name for vi in [*g.input, *g.value_info, *g.output]} | {i.name for i in g.initializer}
-    if all(o in known for n in g.node for o in n.output if o):
+    if declared and all(o in known for n in g.node for o in n.output if o):
         return []
+    value_info = list(g.value_info) if declared else []
+    outputs = list(g.output) if declared else [onnx.ValueInfoProto(name=o.name) for o in g.output]
     small = [i for i in g.initializer if _numel(i.dims) <= 64]  # shape constants: inference reads them
     large = [
         onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
         for i in g.initializer if _numel(i.dims) > 64
     ]
     light = onnx.helper.make_model(
-        onnx.helper.make_graph(list(g.node), g.name, [*g.input, *large], list(g.output),
-                               initializer=small, value_info=list(g.value_info)),
+        onnx.helper.make_graph(list(g.node), g.name, [*g.input, *large], outputs,
+                               initializer=small, value_info=value_info),
         opset_imports=list(proto.opset_import),
         functions=list(proto.functions),
         ir_version=proto.ir_version,
     )
     try:
-        return list(onnx.shape_inference.infer_shapes(light).graph.value_info)
+        inferred = onnx.shape_inference.infer_shapes(light).graph
     except Exception:  # a model shape inference cannot follow still has a topology
         return []
+    return list(inferred.value_info) + ([] if declared else list(inferred.output))
 
 
 def _numel(dims: Any) -> int:
