@@ -1,13 +1,15 @@
 """ONNX from one eager run: the ATen calls the model really made, emitted through torchlib.
 
-The route (see the README's "to_onnx" section): the model runs once, eagerly, on the real
-example inputs, under ``make_fx(tracing_mode="real")``, which records every ATen call into
-an FX graph while Python control flow follows the values it sees (``if x.mean() > 0``
-takes the branch the example takes, as ``torch.jit.trace`` did). Functionalization turns
-in-place ops into their functional forms; the ops onnxscript's torchlib does not implement
-are decomposed with the same table torch's dynamo exporter uses. Each FX node is then
-emitted by torch's own translator through the torchlib registry, so the ONNX ops are
-those ``torch.onnx.export(dynamo=True)`` writes, without ``torch.export``'s tracing.
+The route (the README's "Emit ONNX from one eager run" says why): the model runs once,
+eagerly, on the real example inputs, under ``make_fx(tracing_mode="real")``, which records
+every ATen call into an FX graph while Python control flow follows the values it sees
+(``if x.mean() > 0`` takes the branch the example takes, as ``torch.jit.trace`` did).
+Functionalization turns in-place ops into their functional forms; the ops onnxscript's
+torchlib does not implement are decomposed with the table torch's dynamo exporter uses.
+Each FX node is then emitted by torch's own translator through the torchlib registry:
+the ONNX ops ``torch.onnx.export(dynamo=True)`` writes before its optimizer, without
+``torch.export``'s tracing. Layers with a symbolic (the user's, or fwdtrace's for LSTM
+and GRU) are recorded as one ``fwdtrace::layer`` op and emitted as the symbolic says.
 
 Module forward hooks put each call's module path and class into the FX node metadata
 (``nn_module_stack``), which the translator writes as the ``pkg.torch.onnx.name_scopes``
@@ -38,11 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = ["to_onnx", "onnx_symbolic", "remove_onnx_symbolic"]
 
+_UNSET = object()
 # The torch.onnx internals this module drives, as they are in torch 2.13.0 (the version the
 # Makefile pins): _core._translate_fx_graph, _core.TorchTensor, _registration.ONNXRegistry
 # (.from_torchlib, ._register, OnnxDecompMeta), _decomp.create_onnx_friendly_decomposition_table,
 # _fx_passes.remove_assertion_nodes, _ir_passes.add_opset_imports, _constants.ONNX_IR_VERSION.
-_UNSET = object()
 _TORCH_INTERNALS = "torch.onnx._internal.exporter (_core, _registration, _decomp, _fx_passes, _ir_passes)"
 
 
