@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 import numpy as np
 import onnx
@@ -365,3 +366,48 @@ def test_a_symbolic_that_returns_nothing_is_named(restore_rules) -> None:
     with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) could not emit the recorded graph: the ONNX symbolic '<lambda>' "
                        r"expected to return ONNX values \(op.Add\(...\)\), got None"):
         fwdtrace.to_onnx(Twice(), torch.randn(3))
+
+
+class Gate(nn.Module):
+    """In the recording thread, lets ``other`` run (and waits for it) the first time it is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other: threading.Thread | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.other is not None and threading.current_thread() is not self.other and not self.other.is_alive():
+            self.other.start()
+            self.other.join(timeout=30)
+        return x
+
+
+def test_another_thread_running_the_model_meanwhile_is_not_recorded(restore_rules) -> None:
+    fwdtrace.onnx_symbolic(torch.ops.fwdtrace_test.twice)(lambda op, x: op.Add(x, x))
+
+    @fwdtrace.onnx_symbolic("test_onnx_emit.ScaledShift")
+    def scaled_shift_onnx(op, x, *, scale):
+        y = op.Mul(op.Add(x, op.Constant(value_float=3.0)), scale)
+        return y, op.Tanh(y)
+
+    torch.manual_seed(0)
+    net = CustomNet().eval()
+    gate = Gate()
+    model = nn.Sequential(gate, net)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        want = net(x)
+    results = []
+
+    def other() -> None:  # runs while to_onnx records: hooks and the layer's boundary are in place
+        with torch.no_grad():
+            results.append(net(x))
+
+    gate.other = threading.Thread(target=other)
+    proto = fwdtrace.to_onnx(model, x)
+    assert len(results) == 1 and torch.equal(results[0], want)
+    with torch.no_grad():
+        assert_matches(proto, {"input": x}, {"output": want})
+    graph = fwdtrace.onnx_graph(proto)
+    assert {n.module_path for n in graph.nodes if n.target == "onnx.Tanh"} == {"1.block.0"}
+    assert {n.module_path for n in graph.nodes if n.target == "onnx.Gemm"} == {"1.fc"}

@@ -25,6 +25,7 @@ import copy
 import functools
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -434,14 +435,17 @@ def _module_scopes(model: torch.nn.Module) -> Iterator[None]:
             f"fwdtrace_{i}": entry for i, entry in enumerate(stack)
         }
 
+    recording = threading.get_ident()  # another thread running the same model is not recorded
+
     def enter(module: torch.nn.Module, inputs: Any) -> None:
-        stack.append((paths[module], type(module)))
-        publish()
+        if threading.get_ident() == recording:
+            stack.append((paths[module], type(module)))
+            publish()
 
     def leave(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if stack:
+        if threading.get_ident() == recording and stack:
             stack.pop()
-        publish()
+            publish()
 
     handles = []
     try:
@@ -596,8 +600,8 @@ def _boundaries(model: torch.nn.Module) -> Iterator[None]:
         forward = module.forward
 
         def boundary(*args: Any, **kwargs: Any) -> Any:
-            if _running_layer.get():  # the op's kernel: the layer's own forward
-                return forward(*args, **kwargs)
+            if _running_layer.get() or _symbolic_calls.get(None) is None:
+                return forward(*args, **kwargs)  # the op's kernel, or a call outside to_onnx (another thread)
             leaves, spec = pytree.tree_flatten((args, kwargs))
             if isinstance(fn, _BuiltinLayer) and not fn.accepts(module, leaves):
                 return forward(*args, **kwargs)  # recorded as the ATen calls it makes
