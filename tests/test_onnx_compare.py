@@ -1011,9 +1011,7 @@ REAL_PATTERNS = {
 EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace")}
 # fwdtrace's emission where it does not yet agree (issue 12's open points, in the README)
 EMIT_DIFFERS = {
-    "state_space_scan": "softplus is emitted as torchlib writes it (beta, threshold: Mul, Div, Greater, Where)",
     "pool_at_argmax": "torchlib's argmax brings an extra Max the argmax rule does not name",
-    "mask_ops": "einsum is emitted as a batched MatMul, which the einsum rule does not name",
 }
 
 
