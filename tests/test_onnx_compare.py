@@ -1011,7 +1011,7 @@ REAL_PATTERNS = {
 EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace")}
 # fwdtrace's emission where it does not yet agree (issue 12's open points, in the README)
 EMIT_DIFFERS = {
-    "pool_at_argmax": "torchlib's argmax brings an extra Max the argmax rule does not name",
+    "pool_at_argmax": "torchlib's indexing computes a broadcast shape as Shape(Max(arange, argmax)): a Max taken for data",
 }
 
 
