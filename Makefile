@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,recorder,bench]'
 	$(PY) benchmarks/trace_overhead.py
 	$(PY) benchmarks/onnx_check.py
+	$(PY) benchmarks/onnx_emit.py
 	$(PY) benchmarks/dump_throughput.py
 	$(PY) benchmarks/analyze_cost.py
 	$(PY) benchmarks/trace_scaling.py

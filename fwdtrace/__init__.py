@@ -34,6 +34,10 @@ _LAZY: dict[str, str] = {
     "TopologyReport": "fwdtrace.onnx.compare",
     "render_side_by_side": "fwdtrace.onnx.compare",
     "onnx_equivalent": "fwdtrace.onnx.ops",
+    # ONNX emitted from one eager run (issue 12)
+    "to_onnx": "fwdtrace.onnx.emit",
+    "onnx_symbolic": "fwdtrace.onnx.emit",
+    "remove_onnx_symbolic": "fwdtrace.onnx.emit",
     # hooks toolkit (issue 4)
     "Probe": "fwdtrace.probe",
     "Dumper": "fwdtrace.dump",
@@ -99,6 +103,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .onnx.compare import check_onnx as check_onnx
     from .onnx.compare import compare_onnx as compare_onnx
     from .onnx.compare import render_side_by_side as render_side_by_side
+    from .onnx.emit import onnx_symbolic as onnx_symbolic
+    from .onnx.emit import remove_onnx_symbolic as remove_onnx_symbolic
+    from .onnx.emit import to_onnx as to_onnx
     from .onnx.export import export_onnx as export_onnx
     from .onnx.export import onnx_graph as onnx_graph
     from .onnx.ops import onnx_equivalent as onnx_equivalent

@@ -31,11 +31,13 @@ def _no_leftover_hooks():
 
 @pytest.fixture
 def restore_rules():
-    """ONNX equivalence rules a test registers are gone after it."""
+    """ONNX equivalence rules and symbolics (onnx_equivalent, onnx_symbolic) a test registers are gone after it."""
+    from fwdtrace.onnx import emit as onnx_emit
     from fwdtrace.onnx import ops as onnx_ops
 
-    saved = dict(onnx_ops._RULES)
+    saved = [(table, dict(table)) for table in (onnx_ops._RULES, onnx_emit._SYMBOLICS)]
     yield
-    onnx_ops._RULES.clear()
-    onnx_ops._RULES.update(saved)
+    for table, before in saved:
+        table.clear()
+        table.update(before)
     onnx_ops._inherited.clear()

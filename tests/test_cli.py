@@ -76,6 +76,17 @@ def make_raises():
 
 def make_sized(width):
     return torch.nn.Linear(width, width)
+
+def make_custom():
+    @torch.library.custom_op("cli_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return twice(x)
+
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), Twice())
 '''
 
 OK = "models:make_ok"
@@ -85,6 +96,14 @@ EXIT_CODES = [
     (["analyze", OK, "--input-shape", "2,4", "--warmup", "1", "--repeats", "1"], 0, "stdout:Sequential on cpu"),
     (["check-onnx", OK, "--input-shape", "2,4", "--exporter", "torchscript"], 0, "stdout:"),
     (["dump-diff", "DUMP_A", "DUMP_A"], 0, "stdout:"),
+    (["check-onnx", OK, "--input-shape", "2,4", "--exporter", "fwdtrace"], 0, "stdout:"),
+    (["export-onnx", OK, "--input-shape", "2,4", "-o", "ok.onnx"], 0,
+     "stdout:wrote ok.onnx: 3 nodes, inputs input, outputs output"),
+    (["export-onnx", OK, "--input-shape", "2,4"], 2, "usage: fwdtrace export-onnx"),
+    (["export-onnx", "models:make_custom", "--input-shape", "2,4", "-o", "custom.onnx"], 2,
+     "fwdtrace export-onnx: error: to_onnx() found 1 op with no ONNX translation: cli_test.twice (in '1' (models.make_custom.<locals>.Twice))"),
+    (["export-onnx", OK, "--input-shape", "2,5", "-o", "bad.onnx"], 2,
+     "fwdtrace export-onnx: error: to_onnx() could not run Sequential on float32[2, 5]: RuntimeError: "),
     (["dump-diff", "DUMP_A", "DUMP_B"], 1, "stdout:"),
     (["analyze"], 2, "usage: fwdtrace analyze"),
     (["analyze", "models:make_raises", "--input-shape", "2,4"], 2,
@@ -177,3 +196,21 @@ def test_check_onnx_and_analyze_make_the_same_inputs() -> None:
         else:  # seeded normal values, as torch.randn draws them
             expected = torch.randn((2, 3), generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
             assert torch.equal(made[0][0], expected)
+
+
+def test_export_onnx_writes_a_model_that_runs_like_torch(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    monkeypatch.chdir(job_dir)
+    torch.manual_seed(0)  # the factory draws its weights: the same ones for the reference below
+    assert main(["export-onnx", "zoo:MobileNetish", "--input-shape", "1,3,16,16", "-o", "mobile.onnx"]) == 0
+    parser = argparse.ArgumentParser()
+    fwdtrace.onnx.emit.configure_parser(parser)
+    (x,) = make_inputs(parser.parse_args(["zoo:MobileNetish", "--input-shape", "1,3,16,16", "-o", "unused"]))
+    torch.manual_seed(0)
+    model = load_factory("zoo:MobileNetish").eval()
+    session = ort.InferenceSession(str(job_dir / "mobile.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-4, atol=1e-6)
+    assert not (job_dir / "custom.onnx").exists() and not (job_dir / "bad.onnx").exists()

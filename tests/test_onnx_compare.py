@@ -30,7 +30,8 @@ from fwdtrace.cli import main
 from fwdtrace.onnx import compare as onnx_compare
 from fwdtrace.onnx import ops as onnx_ops
 
-EXPORTERS = ["dynamo", "torchscript"]
+TORCH_EXPORTERS = ["dynamo", "torchscript"]
+EXPORTERS = [*TORCH_EXPORTERS, "fwdtrace"]  # and fwdtrace's own emission (to_onnx)
 CASES = [(name, exporter) for name in zoo.ZOO for exporter in EXPORTERS]
 # ONNX ops that carry a layer's weights: every one of them must belong to some traced call.
 WEIGHTED_OPS = {"Conv", "Gemm", "MatMul", "LSTM", "GRU", "LayerNormalization", "BatchNormalization", "Gather"}
@@ -44,10 +45,17 @@ def exported():
         if (name, exporter) not in cache:
             model, inputs = zoo.ZOO[name]()
             graph = fwdtrace.trace(model, *inputs)
-            cache[name, exporter] = (model, inputs, graph, fwdtrace.export_onnx(model, *inputs, exporter=exporter))
+            cache[name, exporter] = (model, inputs, graph, export(model, *inputs, exporter=exporter))
         return cache[name, exporter]
 
     return get
+
+
+def export(model: torch.nn.Module, *args, exporter: str, **kwargs) -> onnx.ModelProto:
+    """The model exported by torch's ``exporter`` (export_onnx), or emitted by fwdtrace's own (to_onnx)."""
+    if exporter == "fwdtrace":
+        return fwdtrace.to_onnx(model, *args, **kwargs)
+    return fwdtrace.export_onnx(model, *args, exporter=exporter, **kwargs)
 
 
 def strip_scopes(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -141,7 +149,7 @@ def test_a_transformers_model_called_with_keyword_ids_agrees(exporter: str) -> N
     torch.manual_seed(0)
     model = transformers.BertModel(config).eval()
     ids = torch.randint(0, 100, (2, 8))
-    proto = fwdtrace.export_onnx(model, exporter=exporter, input_ids=ids)  # returns a ModelOutput
+    proto = export(model, exporter=exporter, input_ids=ids)  # returns a ModelOutput
     assert [i.name for i in proto.graph.input] == ["input_ids"]
     assert_runs_like_torch(proto, model(input_ids=ids), ids)
     report = fwdtrace.compare_onnx(fwdtrace.trace(model, input_ids=ids), proto)
@@ -154,7 +162,7 @@ class Unused(torch.nn.Module):
         return x * 2
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_an_input_nothing_reads_may_be_dropped(exporter: str) -> None:
     report = fwdtrace.check_onnx(Unused().eval(), torch.ones(2), torch.ones(3), exporter=exporter)
     assert report.ok, report.text
@@ -257,7 +265,7 @@ def test_tampering_is_real(exported, exporter: str, tamper: str) -> None:
 
 
 @pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_inserted_relu_is_extra(exported, exporter: str, stripped: bool) -> None:
     report = compare_tampered(exported, exporter, insert_relu, stripped)
     assert not report.ok and report.missing == [] and report.rewired == []
@@ -303,7 +311,7 @@ def test_rewired_conv_without_scopes_is_still_caught_there(exported, exporter: s
 
 
 @pytest.mark.parametrize("stripped", [False, True], ids=["scopes", "no-scopes"])
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_deleted_conv_is_missing(exported, exporter: str, stripped: bool) -> None:
     report = compare_tampered(exported, exporter, delete_conv, stripped)
     assert not report.ok and report.extra == [] and report.rewired == []
@@ -455,7 +463,7 @@ def exported_beyond():
         if (name, exporter) not in cache:
             model, kwargs = BEYOND[name]()
             graph = fwdtrace.trace(model, **kwargs)
-            cache[name, exporter] = (model, kwargs, graph, fwdtrace.export_onnx(model, exporter=exporter, **kwargs))
+            cache[name, exporter] = (model, kwargs, graph, export(model, exporter=exporter, **kwargs))
         return cache[name, exporter]
 
     return get
@@ -464,6 +472,8 @@ def exported_beyond():
 @pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("name", BEYOND)
 def test_models_beyond_the_zoo_agree(exported_beyond, name: str, exporter: str) -> None:
+    if exporter == "fwdtrace" and name in EMIT_DIFFERS:
+        pytest.skip(EMIT_DIFFERS[name])
     model, kwargs, graph, proto = exported_beyond(name, exporter)
     assert_runs_like_torch(proto, model(**kwargs), *kwargs.values())
     report = fwdtrace.compare_onnx(graph, proto)
@@ -488,14 +498,14 @@ def test_side_outputs_belong_to_their_layer(exported_beyond) -> None:
     assert "/attn/ReduceMean" in matched["attn (MultiheadAttention)"]  # averages the heads' weights
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_gpt2_with_its_cache_called_positionally_agrees(exporter: str) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()  # use_cache: the first step concatenates empty caches
     ids = torch.randint(0, 50, (1, 8))
-    proto = fwdtrace.export_onnx(model, ids, exporter=exporter)
+    proto = export(model, ids, exporter=exporter)
     np.testing.assert_allclose(run_ort(proto, ids)[0], model(ids).logits.detach().numpy(), rtol=1e-4, atol=1e-5)
     report = fwdtrace.compare_onnx(fwdtrace.trace(model, ids), proto)
     # Conv1D is torch.addmm(bias, x, w), a Gemm(x, w, bias): the same inputs, not reordered
@@ -998,7 +1008,11 @@ REAL_PATTERNS = {
     "two_pools": _seeded(TwoPools, torch.randn(1, 3, 8, 8)),
 }
 # exports torch 2.13's exporters do not complete (aten::_cdist_forward has no ONNX function)
-EXPORT_FAILS = {("cdist", "dynamo")}
+EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace")}
+# fwdtrace's emission where it does not yet agree (issue 12's open points, in the README)
+EMIT_DIFFERS = {
+    "pool_at_argmax": "torchlib's indexing computes a broadcast shape as Shape(Max(arange, argmax)): a Max taken for data",
+}
 
 
 @pytest.fixture(scope="module")
@@ -1009,7 +1023,7 @@ def exported_patterns():
         if (name, exporter) not in cache:
             model, inputs = REAL_PATTERNS[name]()
             graph, opened = onnx_compare._trace_opening_ruleless_layers(model, inputs, {})
-            proto = fwdtrace.export_onnx(model, *inputs, exporter=exporter)
+            proto = export(model, *inputs, exporter=exporter)
             cache[name, exporter] = (model, inputs, graph, proto, opened)
         return cache[name, exporter]
 
@@ -1021,6 +1035,8 @@ def exported_patterns():
 def test_real_model_patterns_agree(exported_patterns, name: str, exporter: str) -> None:
     if (name, exporter) in EXPORT_FAILS:
         pytest.skip("the exporter itself fails on this model")
+    if exporter == "fwdtrace" and name in EMIT_DIFFERS:
+        pytest.skip(EMIT_DIFFERS[name])
     model, inputs, graph, proto, _ = exported_patterns(name, exporter)
     flat = [t for a in inputs for t in (a.values() if isinstance(a, dict) else [a])]
     if len(proto.graph.input) < len(flat):  # an input nothing reads was dropped: feed the others by name
@@ -1049,7 +1065,7 @@ def test_x_to_the_n_is_a_pow_under_every_spelling(exported_patterns) -> None:
     assert [len(matched[f"{n.name} = {n.target}"]) for n in pows] == [1, 1, 1]
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_simplifications_are_elided_with_their_reason(exported_patterns, exporter: str) -> None:
     _, _, graph, proto, _ = exported_patterns("simplified", exporter)
     report = fwdtrace.compare_onnx(graph, proto)
@@ -1095,7 +1111,7 @@ def test_a_simplification_does_not_hide_a_deleted_op(exported_patterns) -> None:
     assert not report.ok and report.missing == ["add_1 = torch.Tensor.add"]
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_custom_layers_are_their_rule_or_their_calls(exported_patterns, exporter: str) -> None:
     _, _, graph, proto, opened = exported_patterns("custom_layers", exporter)
     assert opened == [f"{__name__}.BatchNormAct2d", f"{__name__}.LayerNorm2d"]
@@ -1159,7 +1175,7 @@ def test_a_script_module_exports_and_keeps_its_forward() -> None:
     assert vars(scripted).get("forward") is forward
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_a_failed_export_leaves_nothing_on_the_model(exporter: str) -> None:
     model = Refuses()
     mine = model.forward  # a forward the user set on the instance stays theirs
@@ -1170,3 +1186,19 @@ def test_a_failed_export_leaves_nothing_on_the_model(exporter: str) -> None:
     with pytest.raises(FwdtraceError, match=r"^the .* ONNX exporter failed on Refuses"):
         fwdtrace.export_onnx(model, torch.randn(2, 4), exporter=exporter)
     assert vars(model)["forward"] is mine
+
+
+# -- check_onnx against fwdtrace's own emission -------------------------------------------------
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_check_onnx_with_fwdtraces_own_emission_is_ok_on_the_zoo(name: str) -> None:
+    model, inputs = zoo.ZOO[name]()
+    report = fwdtrace.check_onnx(model, *inputs, exporter="fwdtrace")
+    assert report.ok, report.text
+    assert report.exporter == "fwdtrace" and report.matched
+    assert report.text.startswith("ONNX cross-check (fwdtrace exporter): the export has the topology of the trace")
+
+
+def test_check_onnx_names_its_three_exporters() -> None:
+    model, (x,) = zoo.mobilenetish()
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got 'onnx'"):
+        fwdtrace.check_onnx(model, x, exporter="onnx")

@@ -217,6 +217,25 @@ class Chain(nn.Module):
         return x
 
 
+class BranchyCNN(nn.Module):
+    """A CNN whose forward branches on the input's values: torch.export cannot follow it, an eager trace does.
+
+    Not in ``ZOO``: torch's dynamo exporter fails on it (tests/test_onnx_emit.py shows how).
+    """
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bright = nn.Conv2d(width, width, 1)
+        self.dark = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.Tanh())
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        h = self.bright(h) if x.mean() > 0 else self.dark(h)
+        return self.head(h.mean((2, 3)))
+
+
 @dataclass
 class Output:
     """A ModelOutput-like result: a dataclass holding several tensors."""

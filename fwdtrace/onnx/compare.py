@@ -44,6 +44,9 @@ from .ops import (
     rule_target,
 )
 
+# check_onnx's exporters: torch's two and fwdtrace's own (to_onnx)
+CHECK_EXPORTERS = (*EXPORTERS, "fwdtrace")
+
 if TYPE_CHECKING:
     import onnx
 
@@ -1023,13 +1026,22 @@ def check_onnx(model: Any, *args: Any, exporter: str = "dynamo", **kwargs: Any) 
     >>> report.ok, report.elided
     (True, [('1 (BatchNorm2d)', 'folded into /0/Conv')])
 
+    ``exporter`` is one of torch's, ``"dynamo"`` or ``"torchscript"``, or ``"fwdtrace"``:
+    fwdtrace's own emission (:func:`fwdtrace.to_onnx`), checked against the trace.
     Put the model in eval mode first if that is how you deploy it: exporters fold
     BatchNorm and drop dropout only in eval mode, and the trace runs the model as it is.
     Layers no ONNX rule knows (a custom layer with a forward of its own) are traced again
     as the torch calls they make and compared as those; ``report.opened`` names them.
     """
+    if exporter not in CHECK_EXPORTERS:
+        raise FwdtraceError(f"check_onnx() expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got {exporter!r}")
     graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
-    proto = _export(model, args, kwargs, exporter, None, None, weights=False)  # a large model's weights stay on disk
+    if exporter == "fwdtrace":
+        from .emit import to_onnx
+
+        proto = to_onnx(model, *args, **kwargs)
+    else:
+        proto = _export(model, args, kwargs, exporter, None, None, weights=False)  # a large model's weights stay on disk
     og, result = _compare(graph, proto)
     return _build_report(graph, og, result, exporter, opened)
 
@@ -1104,7 +1116,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
     add_input_arguments(parser)
-    parser.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch's ONNX exporter (default dynamo)")
+    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default="dynamo",
+                        help="torch's ONNX exporter, or fwdtrace's own emission (to_onnx) (default dynamo)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
 
 

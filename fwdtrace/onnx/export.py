@@ -188,12 +188,12 @@ def _run_exporter(
 
 # -- writing: whole or not at all -----------------------------------------------------------------
 @contextlib.contextmanager
-def _replacing(path: str) -> Iterator[BinaryIO]:
+def _replacing(path: str, caller: str = "export_onnx()") -> Iterator[BinaryIO]:
     """A new file that takes ``path``'s place only once complete (see :mod:`fwdtrace._files`).
 
     Write failures stay ``OSError`` here: :func:`_write_onnx` names the file and what it holds.
     """
-    atomic = AtomicFile(path, caller="export_onnx()")  # created beside path with O_EXCL
+    atomic = AtomicFile(path, caller=caller)  # created beside path with O_EXCL
     try:
         with open(atomic.tmp, "r+b") as f:
             yield f
@@ -203,22 +203,22 @@ def _replacing(path: str) -> Iterator[BinaryIO]:
         raise
 
 
-def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None) -> None:
+def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None, caller: str = "export_onnx()") -> None:
     """Write ``proto`` to ``path``; with ``source_dir``, tensors of 1 KiB or more go to ``path`` + ``.data``.
 
     ``source_dir`` is where the external data ``proto`` already refers to lies. The data file
     is complete before the model that refers to it appears; ``proto`` is changed to refer to
     the new data file.
     """
-    what = f"export_onnx() could not write {path!r}"
+    what = f"{caller} could not write {path!r}"
     try:
         if source_dir is not None:
             data_name = os.path.basename(path) + ".data"
-            with _replacing(os.path.join(os.path.dirname(os.path.abspath(path)), data_name)) as data:
+            with _replacing(os.path.join(os.path.dirname(os.path.abspath(path)), data_name), caller) as data:
                 for tensor in _tensors(proto):
                     _move_to_data_file(tensor, source_dir, data, data_name)
             what += f" (its weights are in {data_name} beside it)"
-        with _replacing(path) as f:
+        with _replacing(path, caller) as f:
             f.write(proto.SerializeToString())
     except OSError as e:
         raise FwdtraceError(f"{what}: {type(e).__name__}: {e}") from e
@@ -467,33 +467,38 @@ def _attr_value(attr: Any) -> Any:
     return None  # tensors and subgraphs are not display attributes
 
 
-def _inferred_value_info(proto: onnx.ModelProto) -> list[Any]:
+def _inferred_value_info(proto: onnx.ModelProto, declared: bool = True) -> list[Any]:
     """Shapes of the values the model itself does not describe, from ONNX shape inference.
 
     Inference runs on a copy without the weights' data (weights become typed inputs):
     serialising hundreds of megabytes of weights would cost more than the comparison.
+    With ``declared=False`` what the model says of its node outputs (``value_info``, the
+    graph outputs' types) is left out, and every node output comes back as ONNX infers it.
     """
     onnx = _import_onnx()
     g = proto.graph
     known = {vi.name for vi in [*g.input, *g.value_info, *g.output]} | {i.name for i in g.initializer}
-    if all(o in known for n in g.node for o in n.output if o):
+    if declared and all(o in known for n in g.node for o in n.output if o):
         return []
+    value_info = list(g.value_info) if declared else []
+    outputs = list(g.output) if declared else [onnx.ValueInfoProto(name=o.name) for o in g.output]
     small = [i for i in g.initializer if _numel(i.dims) <= 64]  # shape constants: inference reads them
     large = [
         onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
         for i in g.initializer if _numel(i.dims) > 64
     ]
     light = onnx.helper.make_model(
-        onnx.helper.make_graph(list(g.node), g.name, [*g.input, *large], list(g.output),
-                               initializer=small, value_info=list(g.value_info)),
+        onnx.helper.make_graph(list(g.node), g.name, [*g.input, *large], outputs,
+                               initializer=small, value_info=value_info),
         opset_imports=list(proto.opset_import),
         functions=list(proto.functions),
         ir_version=proto.ir_version,
     )
     try:
-        return list(onnx.shape_inference.infer_shapes(light).graph.value_info)
+        inferred = onnx.shape_inference.infer_shapes(light).graph
     except Exception:  # a model shape inference cannot follow still has a topology
         return []
+    return list(inferred.value_info) + ([] if declared else list(inferred.output))
 
 
 def _numel(dims: Any) -> int:

@@ -477,7 +477,8 @@ _register(_nn("Sigmoid") + _functions("sigmoid"), "Sigmoid")
 _register(_nn("Tanh") + _functions("tanh"), "Tanh")
 _register(_nn("Hardswish") + _functions("hardswish"), "HardSwish", "HardSigmoid+Mul")
 _register(_nn("Hardsigmoid") + _functions("hardsigmoid"), "HardSigmoid")
-_register(_nn("Softplus") + _functions("softplus"), "Softplus", "Softplus+Greater+Where")
+# torchlib writes softplus with its beta and threshold: x*beta, Softplus, /beta, Where(x*beta > threshold)
+_register(_nn("Softplus") + _functions("softplus"), "Softplus", "Softplus+Greater+Where", "Mul+Softplus+Div+Greater+Where")
 _register(_nn("Softmax") + _functions("softmax"), "Softmax", "ReduceMax+Sub+Exp+ReduceSum+Div", "Exp+ReduceSum+Div")
 _register(_nn("LogSoftmax") + _functions("log_softmax"), "LogSoftmax", "Softmax+Log")
 _register(_nn("MaxPool1d", "MaxPool2d", "MaxPool3d") + _functions("max_pool1d", "max_pool2d", "max_pool3d"), "MaxPool")
@@ -509,12 +510,14 @@ for _name, _op in {
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "erf": "Erf", "abs": "Abs", "reciprocal": "Reciprocal",
     "sin": "Sin", "cos": "Cos", "floor": "Floor", "ceil": "Ceil", "round": "Round", "sign": "Sign",
     "where": "Where", "masked_fill": "Where", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
-    "amin": "ReduceMin", "argmax": "ArgMax", "argmin": "ArgMin", "cumsum": "CumSum", "einsum": "Einsum",
+    "amin": "ReduceMin", "argmax": "ArgMax", "argmin": "ArgMin", "cumsum": "CumSum",
     "topk": "TopK", "minimum": "Min", "maximum": "Max", "logsumexp": "ReduceLogSumExp", "tan": "Tan",
     "atan": "Atan", "asin": "Asin", "acos": "Acos", "sinh": "Sinh", "cosh": "Cosh",
     "prod": "ReduceProd",
 }.items():
     _register(_functions(_name, f"{_name}_"), _op)
+# einsum is ONNX's Einsum, or, recorded below it (to_onnx), the batched matmul it contracts with
+_register(_functions("einsum"), "Einsum", "MatMul")
 # Comparisons and boolean logic (masks): ``a > b`` is traced as ``torch.Tensor.__gt__`` or ``gt``.
 for _name, _ops in {
     "eq": ("Equal",), "ne": ("Equal+Not",), "gt": ("Greater",), "lt": ("Less",),
