@@ -349,7 +349,8 @@ class Tracer:
     def _on_call(self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._guard.pending is not None:  # a Ctrl-C held back in fwdtrace's code: now is safe
             self._guard.raise_pending()
-        info = self._info(type(module))
+        module_type = type(module)
+        info = self._info(module_type)
         if info.compiled:  # torch.compile(module): run the module it wraps, eagerly, as one would read it
             self._say_unseen("torch.compile'd modules were traced through the modules they wrap", module)
             return cast("torch.nn.Module", module._orig_mod)(*args, **kwargs)
@@ -404,7 +405,8 @@ class Tracer:
                 out_refs = self._refs(out_tensors)
                 node = self.graph._append(
                     "module",
-                    info.target,
+                    # (a lazy layer became its real class during the call: LazyLinear -> Linear)
+                    info.target if type(module) is module_type else _registry.qualified_name(type(module)),
                     path or type(module).__name__,
                     path,
                     call_index,
