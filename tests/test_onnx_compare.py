@@ -1168,38 +1168,6 @@ def test_a_conv_beside_a_kept_pad_is_still_checked(exported_patterns, tamper) ->
     assert not any(how.startswith("folded in part") for _, how in report.elided)
 
 
-class PadAvgAndMax(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.pad = torch.nn.ZeroPad2d((1, 0, 2, 1))
-        self.avg = torch.nn.AvgPool2d(3, stride=1)
-        self.max = torch.nn.MaxPool2d(3, stride=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pad(x)
-        return self.avg(x) + self.max(x)
-
-
-@pytest.mark.parametrize("count_include_pad", [1, 0])
-def test_a_zero_pad_taken_into_an_average_pool_counts_its_zeros(count_include_pad: int) -> None:
-    """An export folding the pad into the AveragePool by hand: equal to torch only when the pool counts the pads."""
-    model, x = PadAvgAndMax().eval(), torch.randn(1, 2, 5, 5)
-    graph, _ = onnx_compare._trace_opening_ruleless_layers(model, (x,), {})
-    p = fwdtrace.export_onnx(model, x, exporter="dynamo")
-    (pad,) = [n for n in p.graph.node if n.op_type == "Pad"]
-    (avg,) = [n for n in p.graph.node if n.op_type == "AveragePool"]
-    avg.input[0] = pad.input[0]
-    for a in avg.attribute:
-        if a.name == "pads":
-            del a.ints[:]
-            a.ints.extend([2, 1, 1, 0])  # F.pad's (left 1, right 0, top 2, bottom 1) as ONNX begins, ends
-        if a.name == "count_include_pad":
-            a.i = count_include_pad
-    same = np.allclose(run_ort(p, x)[0], model(x).numpy(), atol=1e-5)
-    assert same == bool(count_include_pad)  # the reference: onnxruntime against torch
-    assert fwdtrace.compare_onnx(graph, p).ok == same
-
-
 def _insert_after(proto: onnx.ModelProto, op_type: str, scope: str, new_op: str) -> onnx.ModelProto:
     """A ``new_op`` node after the first ``op_type`` node whose name mentions ``scope``."""
     p = copy.deepcopy(proto)

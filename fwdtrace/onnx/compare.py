@@ -835,16 +835,16 @@ def _zero_pad_amounts(tn: Node) -> list[int] | None:
 
 
 def _pads_with(reader: Node, on: Node, op: str, amounts: list[int]) -> bool:
-    """Whether an ONNX Conv (or AveragePool counting its pads) pads as the traced reader plus ``amounts``.
+    """Whether an ONNX Conv pads as the traced reader plus ``amounts``.
 
     ``amounts`` are ``F.pad``'s: (before, after) pairs from the last dimension backwards;
-    ONNX ``pads`` are all the spatial dimensions' befores, then their afters.
+    ONNX ``pads`` are all the spatial dimensions' befores, then their afters. Only a Conv:
+    a MaxPool pads with -inf, and an AveragePool given such pads by hand did not reproduce
+    torch in onnxruntime (asymmetric pads, count_include_pad=1).
     """
     pads = on.attrs.get("pads")
-    if op not in ("Conv", "AveragePool") or not isinstance(pads, list) or len(amounts) > len(pads):
+    if op != "Conv" or not isinstance(pads, list) or len(amounts) > len(pads):
         return False
-    if op == "AveragePool" and not (on.attrs.get("count_include_pad") == 1 and reader.attrs.get("count_include_pad")):
-        return False  # averaging over fewer values than the padded input
     n = len(pads) // 2
     own = reader.attrs.get("padding", 0)
     own = [0] * n if own == "valid" else [own] * n if isinstance(own, int) else own
