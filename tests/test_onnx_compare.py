@@ -918,6 +918,21 @@ class PadConv(torch.nn.Module):
         return self.conv(torch.nn.functional.pad(x, (0, 1, 0, 1)))
 
 
+class PadTwoReaders(torch.nn.Module):
+    """HGNetV2's stem: one zero pad read by a Conv and a MaxPool; dynamo takes it into the Conv's pads only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv0 = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.pad = torch.nn.ZeroPad2d((0, 1, 0, 1))
+        self.conv = torch.nn.Conv2d(4, 4, 2)
+        self.pool = torch.nn.MaxPool2d(2, stride=1, ceil_mode=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pad(torch.relu(self.conv0(x)))
+        return torch.cat([self.conv(x), self.pool(x)], 1)
+
+
 class GlobalResponseNorm(torch.nn.Module):
     """ConvNeXt-V2's GRN: Tensor.norm and torch.addcmul, whose rules come from torchlib."""
 
@@ -1002,6 +1017,7 @@ REAL_PATTERNS = {
     "swin_like": _seeded(SwinLikeBlock, torch.randn(2, 4, 4, 8)),
     "levit_like": _seeded(LeViTLike, torch.randn(2, 5, 8)),
     "pad_conv": _seeded(PadConv, torch.randn(1, 3, 8, 8)),
+    "pad_two_readers": _seeded(PadTwoReaders, torch.randn(1, 3, 8, 8)),
     "global_response_norm": _seeded(GlobalResponseNorm, torch.randn(1, 3, 6, 6)),
     "nested_cat": _seeded(NestedCat, torch.randn(1, 3, 4, 4)),
     "pool_at_argmax": _seeded(PoolAtArgmax, torch.randint(0, 10, (3, 6))),
@@ -1120,6 +1136,52 @@ def test_custom_layers_are_their_rule_or_their_calls(exported_patterns, exporter
     assert labels == ["conv (Conv2d)", "relu = torch.relu in bn",
                       "layer_norm = torch.nn.functional.layer_norm in norm2d", "norm (SameNorm)"]
     assert dict(report.elided)["batch_norm = torch.nn.functional.batch_norm in bn"].startswith("folded into")
+
+
+def _conv_reading_the_pad_input(proto: onnx.ModelProto) -> onnx.NodeProto:
+    """PadTwoReaders' second Conv, which dynamo feeds the Relu's result, the pad taken into its pads."""
+    (relu,) = [n for n in proto.graph.node if n.op_type == "Relu"]
+    (conv,) = [n for n in proto.graph.node if n.op_type == "Conv" and n.input[0] == relu.output[0]]
+    return conv
+
+
+def test_a_zero_pad_taken_into_one_reader_and_kept_for_another_is_elided(exported_patterns) -> None:
+    _, _, graph, proto, _ = exported_patterns("pad_two_readers", "dynamo")
+    conv = _conv_reading_the_pad_input(proto)  # the exporter did fold: the pattern is still there
+    assert helper.get_attribute_value(next(a for a in conv.attribute if a.name == "pads")) == [0, 0, 1, 1]
+    assert [n.op_type for n in proto.graph.node].count("Pad") == 1  # kept for the MaxPool
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+    assert ("pad = torch.nn.functional.pad in pad",
+            f"folded in part: into the pads of {conv.name} for conv (Conv2d), a Pad for its other readers") \
+        in report.elided
+
+
+def _pads_on_the_other_side(proto: onnx.ModelProto) -> onnx.ModelProto:
+    p = copy.deepcopy(proto)
+    conv = _conv_reading_the_pad_input(p)
+    pads = next(a for a in conv.attribute if a.name == "pads")
+    del pads.ints[:]
+    pads.ints.extend([1, 1, 0, 0])  # padded before instead of after: same shape, other values
+    return p
+
+
+def _conv_fed_before_the_relu(proto: onnx.ModelProto) -> onnx.ModelProto:
+    p = copy.deepcopy(proto)
+    (relu,) = [n for n in p.graph.node if n.op_type == "Relu"]
+    _conv_reading_the_pad_input(p).input[0] = relu.input[0]  # pads still grown: only the edge moved
+    return p
+
+
+@pytest.mark.parametrize("tamper", [_pads_on_the_other_side, _conv_fed_before_the_relu])
+def test_a_conv_beside_a_kept_pad_is_still_checked(exported_patterns, tamper) -> None:
+    model, inputs, graph, proto, _ = exported_patterns("pad_two_readers", "dynamo")
+    tampered = tamper(proto)
+    assert not np.allclose(run_ort(tampered, *inputs)[0], model(*inputs).detach().numpy(), atol=1e-4)
+    report = fwdtrace.compare_onnx(graph, tampered)
+    assert not report.ok
+    assert report.rewired or report.missing
+    assert not any(how.startswith("folded in part") for _, how in report.elided)
 
 
 def _insert_after(proto: onnx.ModelProto, op_type: str, scope: str, new_op: str) -> onnx.ModelProto:

@@ -859,13 +859,14 @@ def test_tensors_made_from_python_data_have_a_producer() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             a = torch.Tensor([3.0, 4.0])
             b = torch.from_numpy(np.ones(2, dtype=np.float32))
-            return x + a + b
+            c = torch.tensor([1.0, 2.0])
+            return x + a + b + c
 
     graph = fwdtrace.trace(FromData(), torch.ones(2))
     produced = {r.obj_id for n in graph.nodes for r in n.outputs}
     read = [r.obj_id for n in graph.nodes for r in n.inputs]
     assert all(oid in produced for oid in read)  # every tensor read was made by a node
-    assert len(graph.find(target="torch.tensor")) == 2
+    assert len(graph.find(target="torch.tensor")) == 3
     g = graph.to_networkx()
     (out,) = graph.output_nodes
     assert all(nx.has_path(g, n.id, out.id) for n in graph.find(target="torch.tensor"))

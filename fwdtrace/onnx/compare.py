@@ -36,6 +36,7 @@ from .export import EXPORTERS, _export, onnx_graph
 from .ops import (
     NEW_TENSOR_FUNCTIONS,
     ONNX_WIRING_OPS,
+    PAD_FUNCTIONS,
     SHAPE_ONLY_AFTER_FIRST,
     Equivalence,
     canonical_target,
@@ -788,10 +789,74 @@ class _Matcher:
                         continue
                 for r in self.onodes[oid].outputs:
                     queue.extend(self.consumers.get(r.obj_id, ()))
+        trace_only, onnx_only = trace_edges - onnx_edges, onnx_edges - trace_edges
+        for s, d, feeders in self._pads_taken(trace_only, onnx_only):
+            trace_only.discard((s, d))
+            onnx_only -= {(f, d) for f in feeders}
         return sorted(
-            [("trace", s, d) for s, d in trace_edges - onnx_edges] + [("onnx", s, d) for s, d in onnx_edges - trace_edges],
+            [("trace", s, d) for s, d in trace_only] + [("onnx", s, d) for s, d in onnx_only],
             key=lambda x: (x[1], x[2], x[0]),
         )
+
+    def _pads_taken(
+        self, trace_only: set[tuple[int, int]], onnx_only: set[tuple[int, int]]
+    ) -> list[tuple[int, int, set[int]]]:
+        """Zero pads an exporter kept as a Pad for some readers and took into the pads of others.
+
+        ``F.pad(x, (0, 1, 0, 1))`` read by a Conv and a MaxPool: dynamo gives the Conv
+        ``pads`` one larger and feeds it ``x``, and keeps the Pad for the MaxPool (whose
+        padding is -inf, not zero). The trace edge pad -> Conv then has no ONNX path, and
+        ONNX has x -> Conv instead: one simplification, elided, when the Conv's ONNX pads
+        are its own padding plus the pad's. Returns (pad gid, reader gid, the pad's feeders).
+        """
+        taken = []
+        for s, d in sorted(trace_only):
+            if s < 0 or d < 0 or (amounts := _zero_pad_amounts(self.tnodes[s])) is None:
+                continue
+            feeders = set().union(*self.reqs.get(s, []))
+            key = self.groups[d].key
+            if not feeders or any((f, d) not in onnx_only for f in feeders) or key is None:
+                continue
+            if _pads_with(self.tnodes[d], self.onodes[key], self.op(key), amounts):
+                taken.append((s, d, feeders))
+                self.elided.append((s, f"folded in part: into the pads of {_onnx_name(self.onodes[key])} for "
+                                       f"{_trace_label(self.tnodes[d])}, a Pad for its other readers"))
+        return taken
+
+
+def _zero_pad_amounts(tn: Node) -> list[int] | None:
+    """The amounts of ``F.pad(x, pad)`` with constant zeros (ZeroPad2d, ConstantPad2d(p, 0.0)), else None."""
+    if canonical_target(tn.target) not in PAD_FUNCTIONS:
+        return None
+    args = tn.attrs.get("args", [])
+    amounts = args[0] if args else tn.attrs.get("pad")
+    mode = args[1] if len(args) > 1 else tn.attrs.get("mode", "constant")
+    value = args[2] if len(args) > 2 else tn.attrs.get("value")
+    if not isinstance(amounts, list) or mode != "constant" or value not in (None, 0):
+        return None
+    return amounts if all(isinstance(a, int) and a >= 0 for a in amounts) else None
+
+
+def _pads_with(reader: Node, on: Node, op: str, amounts: list[int]) -> bool:
+    """Whether an ONNX Conv pads as the traced reader plus ``amounts``.
+
+    ``amounts`` are ``F.pad``'s: (before, after) pairs from the last dimension backwards;
+    ONNX ``pads`` are all the spatial dimensions' befores, then their afters. Only a Conv:
+    a MaxPool pads with -inf, and an AveragePool given such pads by hand did not reproduce
+    torch in onnxruntime (asymmetric pads, count_include_pad=1).
+    """
+    pads = on.attrs.get("pads")
+    if op != "Conv" or not isinstance(pads, list) or len(amounts) > len(pads):
+        return False
+    n = len(pads) // 2
+    own = reader.attrs.get("padding", 0)
+    own = [0] * n if own == "valid" else [own] * n if isinstance(own, int) else own
+    if not isinstance(own, list) or len(own) != n:
+        return False  # "same", or a functional call whose padding the trace did not keep by name
+    extra = amounts + [0] * (2 * n - len(amounts))
+    before = [own[i] + extra[2 * (n - 1 - i)] for i in range(n)]
+    after = [own[i] + extra[2 * (n - 1 - i) + 1] for i in range(n)]
+    return pads == before + after
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -28,7 +28,7 @@ from ..registry import qualified_name
 
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS",
-    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST",
+    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "PAD_FUNCTIONS",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -497,8 +497,10 @@ _register(
 _register(_nn("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d") + _functions("interpolate", "upsample"),
           "Resize", "Upsample")
 _register(_nn("PixelShuffle") + _functions("pixel_shuffle"), "DepthToSpace")
-# A zero pad before a Conv or a pool may become that op's own pads (dynamo does it for timm's Conv2dSame).
-_register(_functions("pad"), "Pad", optional=True)
+# A zero pad before a Conv may become that op's own pads (dynamo does it for timm's Conv2dSame);
+# with several readers it may stay a Pad for some and vanish into the others (compare.py).
+PAD_FUNCTIONS = frozenset(_functions("pad"))
+_register(PAD_FUNCTIONS, "Pad", optional=True)
 _register(_binary("add"), "Add", "Sum")
 _register(_binary("sub") + _functions("rsub"), "Sub")
 _register(_binary("mul") + _functions("multiply"), "Mul")
