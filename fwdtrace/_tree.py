@@ -1,7 +1,6 @@
 """Walking the tensors inside nested inputs and outputs, and naming what they are.
 
-Tuples, lists, dicts (transformers' ModelOutput is one), dataclasses and transformers' KV
-caches are opened;
+Tuples, lists, dicts (transformers' ModelOutput is one) and dataclasses are opened;
 every tensor leaf is yielded with a readable path such as ``output.logits`` or ``x[1]``.
 """
 
@@ -14,9 +13,6 @@ from typing import Any
 import torch
 
 _DTYPE2NAME: dict[torch.dtype, str] = {}
-# Plain objects opened like containers: transformers' KV caches (DynamicCache, its layers), which
-# models return as ``past_key_values``. Other objects stay closed: their attributes may be anything.
-_CACHE_MODULES = ("transformers.cache_utils",)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -45,9 +41,6 @@ def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name), f"{path}.{f.name}")
-    elif type(obj).__module__.startswith(_CACHE_MODULES):  # transformers' KV caches: .layers[i].keys, .values
-        for k, v in vars(obj).items():
-            yield from iter_tensors(v, f"{path}.{k}")
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:

@@ -498,7 +498,7 @@ def test_side_outputs_belong_to_their_layer(exported_beyond) -> None:
     assert "/attn/ReduceMean" in matched["attn (MultiheadAttention)"]  # averages the heads' weights
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
 def test_gpt2_with_its_cache_called_positionally_agrees(exporter: str) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16)

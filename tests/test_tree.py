@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 import torch.utils._pytree as pytree
 
-import fwdtrace
 from fwdtrace._tree import iter_tensors, tensors_of
 
 
@@ -47,22 +45,3 @@ def test_no_tensors() -> None:
     x = torch.ones(1)
     assert tensors_of(x) == [x]
     assert list(iter_tensors(Pair, "cls")) == []  # a dataclass type is not an instance
-
-
-def test_a_transformers_cache_is_opened_to_its_key_and_value_tensors() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=16)
-    model = transformers.GPT2Model(config).eval()
-    ids = torch.randint(0, 50, (1, 5))
-    out = model(ids, use_cache=True)
-    found = dict(iter_tensors(out, "output"))
-    cache = out.past_key_values
-    for i in range(config.n_layer):  # the reference: the cache's own tensors, by identity
-        assert found[f"output.past_key_values.layers[{i}].keys"] is cache.layers[i].keys
-        assert found[f"output.past_key_values.layers[{i}].values"] is cache.layers[i].values
-    assert found["output.last_hidden_state"] is out.last_hidden_state
-    assert len(found) == 1 + 2 * config.n_layer
-    graph = fwdtrace.trace(model, ids, use_cache=True)  # the trace's outputs: the same tensors, wired
-    outputs = [n for n in graph.nodes if n.kind == "output"]
-    assert [n.inputs[0].shape for n in outputs] == [tuple(t.shape) for t in found.values()]
-    assert all(graph.in_edges(n.id) for n in outputs)
