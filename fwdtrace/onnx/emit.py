@@ -112,6 +112,23 @@ SymbolicFn = Callable[..., Any]
 _SYMBOLICS: dict[str, SymbolicFn] = {}
 
 
+def _softplus(op: Any, x: Any, beta: float = 1.0, threshold: float = 20.0) -> Any:
+    """``softplus`` as torch.onnx writes it: ``Where(x > threshold, x, Softplus(x))``, scaled only when beta is not 1.
+
+    torchlib scales by ``beta`` even when it is 1 (a Mul and a Div by one), which the dynamo
+    exporter's optimizer then removes; without that optimizer, the emission would show two
+    ops the trace does not have.
+    """
+    scaled = x if beta == 1.0 else op.Mul(x, op.CastLike(op.Constant(value_float=float(beta)), x))
+    soft = op.Softplus(scaled)
+    if beta != 1.0:
+        soft = op.Div(soft, op.CastLike(op.Constant(value_float=float(beta)), x))
+    return op.Where(op.Greater(scaled, op.CastLike(op.Constant(value_float=float(threshold)), x)), x, soft)
+
+
+_SYMBOLICS["aten.softplus"] = _softplus  # built in; a user's registration replaces it
+
+
 def onnx_symbolic(target: Any) -> Callable[[SymbolicFn], SymbolicFn]:
     """Emit a layer class or a torch op as the ONNX ops the decorated function gives, in :func:`to_onnx`.
 
