@@ -11,9 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import FwdtraceError
-from .node import NODE_KINDS, Edge, Node, Scope, TensorRef
-
-_new_tuple = tuple.__new__  # a NamedTuple without its Python-level __new__ (one per edge on the hot path)
+from .node import NODE_KINDS, Edge, Node, Scope, TensorRef, new_tuple
 
 if TYPE_CHECKING:
     import networkx
@@ -93,7 +91,7 @@ class Graph:
         if inputs:
             edges, seen = self.edges, None
             for ref in inputs:
-                oid = ref[0]
+                oid = ref.obj_id
                 src = producer.get(oid)
                 if src is None:
                     continue
@@ -103,9 +101,9 @@ class Graph:
                     continue
                 else:
                     seen.add(oid)
-                edges.append(_new_tuple(Edge, (src, node_id, oid, ref[1], ref[2])))
+                edges.append(new_tuple(Edge, (src, node_id, oid, ref.shape, ref.dtype)))
         for ref in outputs:
-            producer[ref[0]] = node_id
+            producer[ref.obj_id] = node_id
         return node
 
     def _unique_name(self, base: str) -> str:

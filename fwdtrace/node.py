@@ -16,6 +16,11 @@ NODE_KINDS: tuple[str, ...] = ("input", "module", "function", "output")
 
 # TensorRef, Scope and Edge are immutable named tuples: a trace makes several per call, and a
 # named tuple is built in a third of a frozen dataclass's time.
+# ``tuple.__new__(TensorRef, (...))``: a NamedTuple without its Python-level ``__new__``, for the
+# tracer's hot path, which makes one per tensor, edge and scope (no defaults are filled: give every field).
+new_tuple = tuple.__new__
+
+
 class TensorRef(NamedTuple):
     """One tensor at a node's boundary.
 

@@ -31,12 +31,12 @@ from torch.overrides import _get_current_function_mode as _current_function_mode
 from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 
 from . import registry as _registry
-from ._tree import _DTYPE2NAME, dtype_name, iter_tensors, tensors_of
+from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .keys import module_key
 from .names import function_name
-from .node import Scope, TensorRef
+from .node import Scope, TensorRef, new_tuple
 from .patching import InterruptGuard, add_call_handler, critical, remove_call_handler
 
 __all__ = ["Tracer", "trace", "obj_id", "install", "uninstall", "layer_notes", "around_module_calls"]
@@ -72,7 +72,7 @@ def _short_op_name(target: str) -> str:
 
 def _simple(value: Any) -> Any:
     """A JSON-friendly copy of a simple argument, or None when it is not simple."""
-    if isinstance(value, _SIMPLE):
+    if type(value) in _SIMPLE_TYPES or isinstance(value, _SIMPLE):
         return value
     if isinstance(value, torch.dtype):
         return dtype_name(value)
@@ -142,9 +142,6 @@ class _WeakTensor(weakref.ref):
 
     __slots__ = ("raw",)
     raw: int
-
-
-_new_tuple = tuple.__new__  # a NamedTuple without its Python-level __new__ (the hot path makes thousands)
 
 
 class _Recorder(TorchFunctionMode):
@@ -299,24 +296,14 @@ class Tracer:
 
     def _refs(self, tensors: list[torch.Tensor]) -> list[TensorRef]:
         """The TensorRef of each tensor: made once per tensor and shape, shared by every node that reads it."""
-        table, pin, out = self._raw2obj, self.pin, []
+        out = []
         for t in tensors:
-            entry = table.get(id(t))
-            if entry is not None:
-                held = entry[1]
-                if held is t if pin else held() is t:
-                    ref = entry[2]
-                    if ref is not None and ref.shape == t.shape:  # (in-place ops like unsqueeze_ reshape)
-                        out.append(ref)
-                        continue
-                else:
-                    entry = None
-            if entry is None:
-                entry = self._entry(t)
-            named = self._param_names.get(id(t))
-            ref = _new_tuple(TensorRef, (entry[0], tuple(t.shape), _DTYPE2NAME.get(t.dtype) or dtype_name(t.dtype),
-                                         named[0] if named is not None and named[1] is t else None))
-            table[id(t)] = (entry[0], entry[1], ref)
+            oid, held, ref = self._entry(t)
+            if ref is None or ref.shape != t.shape:  # new, or reshaped in place since (unsqueeze_)
+                named = self._param_names.get(id(t))
+                ref = new_tuple(TensorRef, (oid, tuple(t.shape), dtype_name(t.dtype),
+                                            named[0] if named is not None and named[1] is t else None))
+                self._raw2obj[id(t)] = (oid, held, ref)
             out.append(ref)
         return out
 
@@ -364,7 +351,7 @@ class Tracer:
         path = "" if root else self._path(module)
         call_index = self._scope_calls.get(path, 0)
         self._scope_calls[path] = call_index + 1
-        scope = _new_tuple(Scope, (path, type(module).__name__, call_index))
+        scope = new_tuple(Scope, (path, type(module).__name__, call_index))
         if info.scripted:
             self._say_unseen("scripted modules (torch.jit) are opaque, one node each", module)
         in_refs: list[TensorRef] = []
@@ -398,9 +385,7 @@ class Tracer:
             out = self._run_callbacks(info.callbacks, module, args, out)
         if atomic:
             with torch._C.DisableTorchFunction():
-                producer = self.graph._producer
-                if any(r[0] not in producer and r[3] is None for r in in_refs):
-                    self._add_sources(in_refs)
+                self._add_sources(in_refs)
                 out_tensors = [out] if isinstance(out, torch.Tensor) else tensors_of(out)
                 out_refs = self._refs(out_tensors)
                 node = self.graph._append(
@@ -417,8 +402,7 @@ class Tracer:
                 )
                 # A layer returning its input (eval Dropout, Identity, ReLU(inplace=True)) is its
                 # output's producer as before; only what torch functions write reaches the aliases.
-                if any(t._is_view() for t in out_tensors):
-                    self._track_aliases(node.id, in_tensors, out_tensors, out_refs, False)
+                self._track_aliases(node.id, in_tensors, out_tensors, out_refs, False)
         if root:
             self._end_root(out)
         return out
@@ -476,41 +460,13 @@ class Tracer:
             out_tensors = _tensors_in(out) if isinstance(out, (tuple, list)) else []
             if not out_tensors:  # x.shape, x.size(), x.item(): no tensor flows on
                 return out
-        # One pass over the arguments: the tensors read, and the simple ones kept as attributes.
-        in_tensors: list[torch.Tensor] = []
-        simple_args: list[Any] | None = None
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                in_tensors.append(a)
-                continue
-            if type(a) in _SIMPLE_TYPES:
-                simple = a
-            else:
-                if isinstance(a, (list, tuple, dict)) and a:
-                    in_tensors += _tensors_in(a)
-                simple = _simple(a)
-            if simple_args is None:
-                simple_args = [simple]
-            else:
-                simple_args.append(simple)
-        attrs = {}
-        if simple_args is not None and any(a is not None for a in simple_args):
-            attrs["args"] = simple_args
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor):
-                in_tensors.append(v)
-                continue
-            if isinstance(v, (list, tuple, dict)) and v:
-                in_tensors += _tensors_in(v)
-            sv = v if type(v) in _SIMPLE_TYPES else _simple(v)
-            if sv is not None:
-                attrs[k] = sv
+        in_tensors = _call_tensors(args, kwargs)
         in_refs = self._refs(in_tensors)
         producer = self.graph._producer
-        unmade = [r for r in in_refs if r[0] not in producer]
+        unmade = [r for r in in_refs if r.obj_id not in producer]
         if len(unmade) == len(in_refs) and _inside_module_init():
             return out  # a layer built in forward initialising its weights: not the model's dataflow
-        module_path = self._stack[-1][1][0]
+        module_path = self._stack[-1][1].module_path
         names = _FUNC2NAMES.get(func)
         if names is None:
             target = function_name(func)
@@ -520,14 +476,18 @@ class Tracer:
             self._add_sources(unmade)
         in_place = in_place or func is _SETITEM or "out" in kwargs
         out_refs = self._refs(out_tensors)
-        key = (module_path, target)
-        call_index = self._calls.get(key, 0)
-        self._calls[key] = call_index + 1
-        node_id = len(self.graph.nodes)
-        self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs,
-                           self._scopes[-1])
-        if in_place or any(t._is_view() for t in out_tensors):
-            self._track_aliases(node_id, in_tensors, out_tensors, out_refs, in_place)
+        call_index = self._next_call(module_path, target)
+        attrs = {}
+        simple_args = [_simple(a) for a in args if not isinstance(a, torch.Tensor)]
+        if any(a is not None for a in simple_args):
+            attrs["args"] = simple_args
+        for k, v in kwargs.items():
+            sv = _simple(v)
+            if sv is not None:
+                attrs[k] = sv
+        node = self.graph._append("function", target, short, module_path, call_index, in_refs, out_refs, attrs,
+                                  self._scopes[-1])
+        self._track_aliases(node.id, in_tensors, out_tensors, out_refs, in_place)
         return out
 
     # -- aliasing and sources ---------------------------------------------------------------------
