@@ -25,7 +25,6 @@ import copy
 import functools
 import os
 import re
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -436,11 +435,14 @@ def _has_mutations(gm: Any) -> bool:
 def _module_scopes(model: torch.nn.Module) -> Iterator[None]:
     """While active, FX nodes made under ``make_fx`` carry the module calls around them.
 
-    Forward hooks on the model's own modules (removed after, exceptions included) keep a
-    stack of ``(module path, class)``, written into the metadata torch.fx copies onto each
-    new node (``nn_module_stack``, the key ``torch.export`` fills the same way).
+    A handler on fwdtrace's module-call dispatch point (this thread's calls only) keeps a
+    stack of ``(module path, class)`` for the model's own modules, written into the metadata
+    torch.fx copies onto each new node (``nn_module_stack``, the key ``torch.export`` fills
+    the same way).
     """
     import torch.fx.traceback as fx_traceback
+
+    from ..patching import add_call_handler, remove_call_handler
 
     paths: dict[torch.nn.Module, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -452,28 +454,24 @@ def _module_scopes(model: torch.nn.Module) -> Iterator[None]:
             f"fwdtrace_{i}": entry for i, entry in enumerate(stack)
         }
 
-    recording = threading.get_ident()  # another thread running the same model is not recorded
-
-    def enter(module: torch.nn.Module, inputs: Any) -> None:
-        if threading.get_ident() == recording:
-            stack.append((paths[module], type(module)))
-            publish()
-
-    def leave(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if threading.get_ident() == recording and stack:
+    def on_call(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        path = paths.get(module)
+        if path is None:  # a module made in forward, or outside the model
+            return call(module, *args, **kwargs)
+        stack.append((path, type(module)))
+        publish()
+        try:
+            return call(module, *args, **kwargs)
+        finally:
             stack.pop()
             publish()
 
-    handles = []
-    try:
-        with fx_traceback.preserve_node_meta():
-            for module in paths:
-                handles.append(module.register_forward_pre_hook(enter))
-                handles.append(module.register_forward_hook(leave, always_call=True))
+    with fx_traceback.preserve_node_meta():
+        handle = add_call_handler(on_call)
+        try:
             yield
-    finally:
-        for handle in reversed(handles):
-            handle.remove()
+        finally:
+            remove_call_handler(handle)
 
 
 def _leaf_names(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tensor_at: list[int]) -> list[str]:
@@ -634,18 +632,22 @@ def _boundaries(model: torch.nn.Module) -> Iterator[None]:
 
         return boundary
 
+    from ..patching import critical
+
     try:
-        for module, fn in chosen.items():
-            attrs = vars(module)
-            patched.append((module, attrs.get("forward", _UNSET)))
-            attrs["forward"] = boundary_for(module, fn)
+        with critical():  # Ctrl-C waits: no user's module is left half patched
+            for module, fn in chosen.items():
+                attrs = vars(module)
+                patched.append((module, attrs.get("forward", _UNSET)))
+                attrs["forward"] = boundary_for(module, fn)
         yield
     finally:
-        for module, previous in reversed(patched):
-            if previous is _UNSET:
-                vars(module).pop("forward", None)
-            else:
-                vars(module)["forward"] = previous
+        with critical():
+            for module, previous in reversed(patched):
+                if previous is _UNSET:
+                    vars(module).pop("forward", None)
+                else:
+                    vars(module)["forward"] = previous
 
 
 def _emit_layer(tensors: list[Any], key: str) -> list[Any]:
