@@ -1,12 +1,14 @@
 """What tracing costs against a plain forward, beside torchview and torchlens: time, memory, threads, install().
 
-    python benchmarks/trace_overhead.py [--repeats 10] [--models resnet50 bert gpt2] [--no-peers]
+    python benchmarks/trace_overhead.py [--repeats 10] [--models resnet50 bert gpt2 gpt2-124m] [--no-peers]
 
 One torch thread, everything under ``torch.no_grad()``. For each model it times, interleaved so
 drift hits all alike, a plain forward, ``fwdtrace.trace()`` (the default, ``pin=False``) and
 ``trace(pin=True)``, and reports medians and ratios against the plain forward. "hooks only" is
 the floor under any eager trace: fwdtrace's module-call dispatch and a ``TorchFunctionMode``,
-both passing every call straight through and recording nothing. torchview
+both passing every call straight through and recording nothing. "minimal recorder" adds the least
+any recorder written in Python does on top: a stable id per tensor, retired when the tensor dies,
+and one tuple per call (no nodes, edges, names, scopes or arguments). torchview
 (``draw_graph``, no rendering) and torchlens (``trace`` with nothing saved) are measured the same
 way, each in a child process of this run with its own plain forward beside it: both wrap torch
 functions process-wide, which would slow every later measurement here.
@@ -16,10 +18,11 @@ Peak memory is what a variant adds over the built model: on CPU the peak of live
 ``torch.cuda.max_memory_allocated``.
 
 Two more measurements: the throughput of a thread running plain GPT-2 forwards (a server) while
-another thread traces BERT, against the same thread while its neighbour runs plain BERT forwards,
-and that thread's own CPU time per forward (what the patching costs it, apart from sharing the
-GIL with a busier neighbour); and a ResNet-50 forward with ``fwdtrace.install()`` and one
-callback on a layer class the model does not use.
+another thread traces BERT (or runs it under the floors above), against the same thread while its
+neighbour runs plain BERT forwards, and that thread's own CPU time per forward (what the patching
+costs it, apart from sharing the GIL with a busier neighbour); and a ResNet-50 forward with
+``fwdtrace.install()`` and one callback on a layer class the model does not use, in the steady
+state (blocks of forwards with it installed beside blocks without, the order alternating).
 
 Targets: default ``trace()`` at most 1.5x a plain forward on BERT and GPT-2, at most 1.2x on
 ResNet-50, within 1.1x in peak memory; a neighbour thread loses under 5% throughput;
@@ -37,6 +40,7 @@ import sys
 import threading
 import time
 import tracemalloc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -68,14 +72,23 @@ def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return GPT2Model(config), {"input_ids": torch.randint(0, 1000, (1, 64))}
 
 
+def gpt2_small() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """GPT-2 at its real smallest size (124M parameters, 12 layers, hidden 768), 128 tokens."""
+    from transformers import GPT2Config, GPT2Model
+
+    return GPT2Model(GPT2Config()), {"input_ids": torch.randint(0, 50257, (1, 128))}
+
+
 def resnet50() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return ResNet50(), {"x": torch.randn(1, 3, 224, 224)}
 
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
-    "resnet50": resnet50, "bert": bert, "gpt2": gpt2,
+    "resnet50": resnet50, "bert": bert, "gpt2": gpt2, "gpt2-124m": gpt2_small,
 }
-LABELS = {"resnet50": "ResNet-50, 1x3x224x224", "bert": "BERT 4x256, 128 tokens", "gpt2": "GPT-2 2x128, 64 tokens"}
+DEFAULT_MODELS = ["resnet50", "bert", "gpt2"]
+LABELS = {"resnet50": "ResNet-50, 1x3x224x224", "bert": "BERT 4x256, 128 tokens", "gpt2": "GPT-2 2x128, 64 tokens",
+          "gpt2-124m": "GPT-2 124M, 128 tokens"}
 
 Variant = Callable[[nn.Module, dict[str, torch.Tensor]], object]
 
@@ -99,9 +112,59 @@ def _hooks_only(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
         remove_call_handler(handle)
 
 
+class _MinimalRecorder(TorchFunctionMode):
+    """The least any eager recorder does: a stable id per tensor (retired when it dies) and one
+    tuple per call that returns tensors. No nodes, edges, names, scopes, arguments or aliases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+        self.log: list[tuple[Any, ...]] = []
+        self.next_id = 0
+
+    def _id(self, t: torch.Tensor) -> int:
+        raw = id(t)
+        entry = self.ids.get(raw)
+        if entry is not None and entry[1]() is t:
+            return entry[0]
+        ids, oid = self.ids, self.next_id
+        self.next_id += 1
+        ids[raw] = (oid, weakref.ref(t, lambda _, raw=raw: ids.pop(raw, None)))
+        return oid
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            outs = [out]
+        elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            outs = [o for o in out if isinstance(o, torch.Tensor)]
+        else:
+            return out
+        ins = [self._id(a) for a in args if isinstance(a, torch.Tensor)]
+        self.log.append((func, ins, [(self._id(o), o.shape, o.dtype) for o in outs]))
+        return out
+
+
+def _minimal_recorder(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
+    """Hooks only plus the minimal recording: the floor under any pure-Python recorder's graph."""
+    mode = _MinimalRecorder()
+
+    def on_call(call: Callable[..., Any], module: nn.Module, a: tuple, k: dict) -> Any:
+        mode.log.append((module,))
+        return call(module, *a, **k)
+
+    handle = add_call_handler(on_call)
+    try:
+        with mode:
+            return m(**kw)
+    finally:
+        remove_call_handler(handle)
+
+
 OURS: dict[str, Variant] = {
     "plain": lambda m, kw: m(**kw),
     "hooks only": _hooks_only,
+    "minimal recorder": _minimal_recorder,
     "trace()": lambda m, kw: fwdtrace.trace(m, **kw),
     "trace(pin=True)": lambda m, kw: fwdtrace.trace(m, pin=True, **kw),
 }
@@ -194,9 +257,11 @@ def measure_peer(name: str, peer: str, repeats: int) -> dict[str, dict[str, floa
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
+def neighbour_throughput(seconds: float = 3.0, rounds_per_variant: int = 5) -> dict[str, dict[str, float]]:
     """Forwards per second of a thread (GPT-2, an inference server) while its neighbour runs plain
-    BERT forwards, or traces BERT."""
+    BERT forwards, traces BERT, or runs BERT under the floors (hooks only, minimal recorder, the
+    dispatch point alone). The loss is the median over cycles of each round against the plain
+    round of its cycle; min and max show the spread."""
     server, server_in = build("gpt2")
     other, other_in = build("bert")
 
@@ -236,50 +301,70 @@ def neighbour_throughput(seconds: float = 3.0) -> dict[str, float]:
         finally:
             remove_call_handler(handle)
 
-    neighbours: dict[str, Variant] = {"plain": OURS["plain"], "trace()": OURS["trace()"], "dispatch": dispatch_churn}
+    neighbours: dict[str, Variant] = {
+        "plain": OURS["plain"], "trace()": OURS["trace()"], "hooks only": OURS["hooks only"],
+        "minimal recorder": OURS["minimal recorder"], "dispatch": dispatch_churn,
+    }
     rounds: dict[str, list[tuple[float, float]]] = {v: [] for v in neighbours}
-    for _ in range(5):
+    for _ in range(rounds_per_variant):  # interleaved: each round is compared with plain's of its cycle
         for variant, fn in neighbours.items():
             rounds[variant].append(run(fn))
-    per_s = {v: statistics.median(r[0] for r in rs) for v, rs in rounds.items()}
-    cpu = {v: statistics.median(r[1] for r in rs) for v, rs in rounds.items()}
-    return {"plain_per_s": per_s["plain"], "traced_per_s": per_s["trace()"], "loss": 1 - per_s["trace()"] / per_s["plain"],
-            "dispatch_per_s": per_s["dispatch"], "dispatch_loss": 1 - per_s["dispatch"] / per_s["plain"],
-            "plain_cpu_ms": cpu["plain"] * 1e3, "traced_cpu_ms": cpu["trace()"] * 1e3,
-            "cpu_cost": cpu["trace()"] / cpu["plain"] - 1, "dispatch_cpu_cost": cpu["dispatch"] / cpu["plain"] - 1}
+    out: dict[str, dict[str, float]] = {}
+    for v, rs in rounds.items():
+        ratios = [r[0] / p[0] for r, p in zip(rs, rounds["plain"], strict=True)]
+        cpu = [r[1] / p[1] for r, p in zip(rs, rounds["plain"], strict=True)]
+        out[v] = {"per_s": statistics.median(r[0] for r in rs), "loss": 1 - statistics.median(ratios),
+                  "loss_min": 1 - max(ratios), "loss_max": 1 - min(ratios),
+                  "cpu_ms": statistics.median(r[1] for r in rs) * 1e3, "cpu_cost": statistics.median(cpu) - 1}
+    return out
 
 
-def install_cost(repeats: int) -> dict[str, float]:
-    """A plain forward, without and with install() and one callback on a class the model does not use."""
+def install_cost(blocks: int, per_block: int = 5) -> dict[str, float]:
+    """A plain forward, without and with install() and one callback on a class the model does not use.
+
+    The steady state: blocks of forwards with install() active, beside blocks without, the order
+    alternating between pairs of blocks. The cost is the median over pairs of the ratio of the
+    blocks' medians, in wall time and in this thread's CPU time."""
     model, inputs = build("resnet50")
 
     @fwdtrace.hook_forward(nn.Embedding)
     def unused(module: nn.Module, args: tuple, out: Any) -> None:
         pass
 
-    times: dict[str, list[float]] = {"plain": [], "installed": []}
+    wall: dict[str, list[float]] = {"plain": [], "installed": []}
+    cpu: dict[str, list[float]] = {"plain": [], "installed": []}
     try:
         with torch.no_grad():
             model(**inputs)
-            for _ in range(repeats):
-                for variant in times:
+            for i in range(blocks):
+                for variant in ("plain", "installed") if i % 2 == 0 else ("installed", "plain"):
                     if variant == "installed":
                         fwdtrace.install()
-                    start = time.perf_counter()
-                    model(**inputs)
-                    times[variant].append(time.perf_counter() - start)
+                    model(**inputs)  # settle after the switch
+                    w, c = [], []
+                    for _ in range(per_block):
+                        start, start_cpu = time.perf_counter(), time.thread_time()
+                        model(**inputs)
+                        c.append(time.thread_time() - start_cpu)
+                        w.append(time.perf_counter() - start)
                     fwdtrace.uninstall()
+                    wall[variant].append(statistics.median(w))
+                    cpu[variant].append(statistics.median(c))
     finally:
         fwdtrace.uninstall()
         fwdtrace.remove_hook(unused)
-    plain, installed = statistics.median(times["plain"]), statistics.median(times["installed"])
-    return {"plain_ms": plain * 1e3, "installed_ms": installed * 1e3, "cost": installed / plain - 1}
+
+    def cost(t: dict[str, list[float]]) -> float:
+        return statistics.median(i / p for i, p in zip(t["installed"], t["plain"], strict=True)) - 1
+
+    return {"plain_ms": statistics.median(wall["plain"]) * 1e3, "installed_ms": statistics.median(wall["installed"]) * 1e3,
+            "cost": cost(wall), "cpu_cost": cost(cpu)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--no-peers", action="store_true", help="skip torchview and torchlens")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "PEER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -304,16 +389,17 @@ def main() -> None:
             print(f"{LABELS[name]:<24} {v:<17} {r['ms']:>10.1f} {r['x_plain']:>8.2f} {r['peak_mib']:>9.1f} "
                   f"{r['peak_x_plain']:>13.2f}")
     n = neighbour_throughput()
-    print(f"neighbour thread (GPT-2 forwards) while another thread traces BERT: {n['traced_per_s']:.1f}/s "
-          f"against {n['plain_per_s']:.1f}/s beside plain BERT forwards: {n['loss'] * 100:+.1f}% lost; its CPU time "
-          f"per forward {n['traced_cpu_ms']:.2f} ms against {n['plain_cpu_ms']:.2f} ms: {n['cpu_cost'] * 100:+.1f}%")
-    print(f"  beside a neighbour whose forwards only install and remove the dispatch point: "
-          f"{n['dispatch_per_s']:.1f}/s ({n['dispatch_loss'] * 100:+.1f}% lost), CPU per forward "
-          f"{n['dispatch_cpu_cost'] * 100:+.1f}%")
-    c = install_cost(max(30, args.repeats))
+    plain = n["plain"]
+    print(f"neighbour thread (GPT-2 forwards) beside plain BERT forwards: {plain['per_s']:.1f}/s, "
+          f"CPU per forward {plain['cpu_ms']:.2f} ms; beside a thread running BERT under:")
+    for v, r in n.items():
+        if v != "plain":
+            print(f"  {v:<17} {r['per_s']:6.1f}/s  {r['loss'] * 100:+6.1f}% lost (cycles {r['loss_min'] * 100:+.1f} to "
+                  f"{r['loss_max'] * 100:+.1f}%), its CPU per forward {r['cpu_cost'] * 100:+.1f}%")
+    c = install_cost(blocks=max(10, args.repeats))
     print(f"install() with one callback on a class ResNet-50 does not use: {c['installed_ms']:.1f} ms against "
-          f"{c['plain_ms']:.1f} ms plain: {c['cost'] * 100:+.2f}%")
-
+          f"{c['plain_ms']:.1f} ms plain: {c['cost'] * 100:+.2f}% (steady state, median over pairs of blocks; CPU time "
+          f"{c['cpu_cost'] * 100:+.2f}%)")
 
 if __name__ == "__main__":
     main()
