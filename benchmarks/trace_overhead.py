@@ -350,6 +350,8 @@ def install_cost(blocks: int, per_block: int = 5) -> dict[str, float]:
                     fwdtrace.uninstall()
                     wall[variant].append(statistics.median(w))
                     cpu[variant].append(statistics.median(c))
+        per_call = _installed_cost_per_call()
+        calls = _module_calls(model, inputs)
     finally:
         fwdtrace.uninstall()
         fwdtrace.remove_hook(unused)
@@ -357,8 +359,45 @@ def install_cost(blocks: int, per_block: int = 5) -> dict[str, float]:
     def cost(t: dict[str, list[float]]) -> float:
         return statistics.median(i / p for i, p in zip(t["installed"], t["plain"], strict=True)) - 1
 
-    return {"plain_ms": statistics.median(wall["plain"]) * 1e3, "installed_ms": statistics.median(wall["installed"]) * 1e3,
-            "cost": cost(wall), "cpu_cost": cost(cpu)}
+    plain = statistics.median(wall["plain"])
+    return {"plain_ms": plain * 1e3, "installed_ms": statistics.median(wall["installed"]) * 1e3,
+            "cost": cost(wall), "cpu_cost": cost(cpu), "per_call_us": per_call * 1e6, "calls": calls,
+            "estimate": per_call * calls / plain}
+
+
+def _module_calls(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """How many module calls one forward makes (counted by a plain forward pre-hook on every module)."""
+    count = [0]
+    handles = [m.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1)) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return count[0]
+
+
+def _installed_cost_per_call(layers: int = 2000, repeats: int = 41) -> float:
+    """Seconds install() adds to one module call of a class it does not hook: a Sequential of
+    ``layers`` Identity layers with and without it, interleaved, median of the differences."""
+    model = nn.Sequential(*(nn.Identity() for _ in range(layers)))
+    x = torch.zeros(1)
+    diffs = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.thread_time()
+            model(x)
+            plain = time.thread_time() - start
+            fwdtrace.install()
+            try:
+                model(x)  # settle after the switch
+                start = time.thread_time()
+                model(x)
+                diffs.append(time.thread_time() - start - plain)
+            finally:
+                fwdtrace.uninstall()
+    return statistics.median(diffs) / (layers + 1)
 
 
 def main() -> None:
@@ -399,7 +438,8 @@ def main() -> None:
     c = install_cost(blocks=max(10, args.repeats))
     print(f"install() with one callback on a class ResNet-50 does not use: {c['installed_ms']:.1f} ms against "
           f"{c['plain_ms']:.1f} ms plain: {c['cost'] * 100:+.2f}% (steady state, median over pairs of blocks; CPU time "
-          f"{c['cpu_cost'] * 100:+.2f}%)")
+          f"{c['cpu_cost'] * 100:+.2f}%); per module call it adds {c['per_call_us']:.2f} us (2000 Identity layers), "
+          f"x {c['calls']} calls per forward = {c['estimate'] * 100:.2f}% of the plain forward")
 
 if __name__ == "__main__":
     main()
