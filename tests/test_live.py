@@ -353,8 +353,10 @@ with fwdtrace.serve(model, port=int(sys.argv[1])) as server:
     other = f"http://127.0.0.1:{int(sys.argv[1]) + 1 - rank}/"
     answer = json.load(urllib.request.urlopen(other + "api/samples?key=module.0.Linear&kind=grad"))
     status = json.load(urllib.request.urlopen(server.url + "api/status"))
-    print(json.dumps({"rank": rank, "port": server.port, "other_ranks": sorted({s["rank"] for s in answer["samples"]}),
-                      "other_taken": answer["taken"], "status": [status["rank"], status["world_size"]]}), flush=True)
+    row = {"rank": rank, "port": server.port, "other_ranks": sorted({s["rank"] for s in answer["samples"]}),
+           "other_taken": answer["taken"], "status": [status["rank"], status["world_size"]]}
+    with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:  # not stdout: the ranks share it
+        json.dump(row, f)
     dist.barrier()
 dist.destroy_process_group()
 """
@@ -379,11 +381,12 @@ def test_torch_distributed_each_rank_serves_on_port_plus_rank(tmp_path: Path) ->
     script.write_text(DDP_WORKER)
     port = _free_port_pair()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port_pair() + 2), str(script), str(port)]
+               str(_free_port_pair() + 2), str(script), str(port), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    # (each rank writes its own file: printed lines of two ranks can interleave on the shared stdout)
+    rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["port"]) for r in rows] == [(0, port), (1, port + 1)]
     assert [r["other_ranks"] for r in rows] == [[1], [0]]  # each rank's samples carry its rank
     assert [r["other_taken"] for r in rows] == [3, 3]
