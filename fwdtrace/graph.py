@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import FwdtraceError
+from .names import UniqueNames
 from .node import NODE_KINDS, Edge, Node, Scope, TensorRef, new_tuple
 
 if TYPE_CHECKING:
@@ -39,10 +40,7 @@ class Graph:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.edges: list[Edge] = []
-        self._names: set[str] = set()
-        # base -> the next suffix worth probing: names are never removed, so every suffix below
-        # it is still taken, and probing resumes there (O(1) per node, same names as probing from 1).
-        self._next_suffix: dict[str, int] = {}
+        self._names = UniqueNames()
         self._producer: dict[int, int] = {}  # obj_id -> id of the node that last wrote it
 
     # -- building ---------------------------------------------------------------------------------
@@ -111,18 +109,7 @@ class Graph:
             base = "node"
         elif "." in base:
             base = base.replace(".", "_")
-        names = self._names
-        if base not in names:
-            names.add(base)
-            return base
-        i = self._next_suffix.get(base, 1)
-        name = f"{base}_{i}"
-        while name in names:
-            i += 1
-            name = f"{base}_{i}"
-        self._next_suffix[base] = i + 1
-        names.add(name)
-        return name
+        return self._names.take(base)
 
     # -- reading ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -208,7 +195,7 @@ class Graph:
                 if node.id != i:
                     raise ValueError(f"id {node.id} where the node's position is {i}")
                 graph.nodes.append(node)
-                graph._names.add(node.name)
+                graph._names.taken.add(node.name)
                 for ref in node.outputs:
                     graph._producer[ref.obj_id] = node.id
             for i, e in enumerate(edges):

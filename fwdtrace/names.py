@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["function_name"]
+__all__ = ["function_name", "UniqueNames"]
 
 _FUNC2NAME: dict[Any, str] = {}
 
@@ -53,3 +53,35 @@ def function_name(func: Any) -> str:
         name = f"{module}.{getattr(func, '__qualname__', short)}"
     _FUNC2NAME[func] = name
     return name
+
+
+class UniqueNames:
+    """Hands out each name once: the base itself, then ``base_1``, ``base_2``, ... (the first free suffix).
+
+    >>> names = UniqueNames()
+    >>> [names.take(n) for n in ("relu", "relu", "relu_1", "relu")]
+    ['relu', 'relu_1', 'relu_1_1', 'relu_2']
+
+    Names are never given back, so every suffix below the last one handed out for a base is
+    still taken: probing resumes there (O(1) per name, the same names as probing from 1).
+    """
+
+    __slots__ = ("taken", "_next_suffix")
+
+    def __init__(self) -> None:
+        self.taken: set[str] = set()
+        self._next_suffix: dict[str, int] = {}
+
+    def take(self, base: str) -> str:
+        taken = self.taken
+        if base not in taken:
+            taken.add(base)
+            return base
+        i = self._next_suffix.get(base, 1)
+        name = f"{base}_{i}"
+        while name in taken:
+            i += 1
+            name = f"{base}_{i}"
+        self._next_suffix[base] = i + 1
+        taken.add(name)
+        return name

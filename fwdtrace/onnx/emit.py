@@ -33,6 +33,7 @@ import torch
 
 from .._tree import tensors_of
 from ..errors import FwdtraceError, describe, one_line, shapes_text
+from ..names import UniqueNames
 from .export import _cause_chain, _import_onnx, _input_names, _quiet_exporter_logs, _write_onnx
 
 if TYPE_CHECKING:
@@ -531,15 +532,8 @@ def _named_outputs(out: Any, path: str = "", seen: set[int] | None = None) -> It
 
 
 def _unique(names: list[str]) -> list[str]:
-    out: list[str] = []
-    taken: set[str] = set()
-    for name in names:
-        unique, i = name, 1
-        while unique in taken:
-            unique, i = f"{name}_{i}", i + 1
-        taken.add(unique)
-        out.append(unique)
-    return out
+    table = UniqueNames()
+    return [table.take(name) for name in names]
 
 
 
