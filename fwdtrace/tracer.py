@@ -51,19 +51,12 @@ _FUNC2NAMES: dict[Any, tuple[str, str, bool]] = {}  # torch function -> (target,
 _TYPE2CONSTANTS: dict[type, tuple[str, ...]] = {}
 
 
-class _InPlaceTargets(dict[str, bool]):
-    """target -> whether the op writes into its first argument (``add_``, ``__iadd__``), by name."""
-
-    def __missing__(self, target: str) -> bool:
-        short = target.rsplit(".", 1)[-1]
-        writes = (short.endswith("_") and not short.endswith("__")) or (
-            short.startswith("__i") and short.endswith("__") and short not in ("__index__", "__init__", "__invert__", "__int__", "__iter__")
-        )
-        self[target] = writes
-        return writes
-
-
-_IN_PLACE = _InPlaceTargets()
+def _writes_in_place(target: str) -> bool:
+    """Whether the op writes into its first argument (``add_``, ``__iadd__``), by name."""
+    short = target.rsplit(".", 1)[-1]
+    return (short.endswith("_") and not short.endswith("__")) or (
+        short.startswith("__i") and short.endswith("__") and short not in ("__index__", "__init__", "__invert__", "__int__", "__iter__")
+    )
 
 
 def _short_op_name(target: str) -> str:
@@ -470,7 +463,7 @@ class Tracer:
         names = _FUNC2NAMES.get(func)
         if names is None:
             target = function_name(func)
-            names = _FUNC2NAMES[func] = (target, _short_op_name(target), _IN_PLACE[target])
+            names = _FUNC2NAMES[func] = (target, _short_op_name(target), _writes_in_place(target))
         target, short, in_place = names
         if unmade:
             self._add_sources(unmade)
