@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fwdtrace
 from fwdtrace.memory import StorageTracker
-from fwdtrace.patching import add_call_handler, remove_call_handler
+from fwdtrace.tracer import around_module_calls
 
 torch.set_num_threads(1)
 
@@ -102,14 +102,14 @@ class _PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _straight_through(call: Callable[..., Any], module: nn.Module, a: tuple, k: dict) -> Any:
+    return call(module, *a, **k)
+
+
 def _hooks_only(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
     """The two hooks every eager trace needs, recording nothing: the floor under trace()."""
-    handle = add_call_handler(lambda call, module, a, k: call(module, *a, **k))
-    try:
-        with _PassThrough():
-            return m(**kw)
-    finally:
-        remove_call_handler(handle)
+    with around_module_calls(_straight_through), _PassThrough():
+        return m(**kw)
 
 
 class _MinimalRecorder(TorchFunctionMode):
@@ -153,12 +153,8 @@ def _minimal_recorder(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
         mode.log.append((module,))
         return call(module, *a, **k)
 
-    handle = add_call_handler(on_call)
-    try:
-        with mode:
-            return m(**kw)
-    finally:
-        remove_call_handler(handle)
+    with around_module_calls(on_call), mode:
+        return m(**kw)
 
 
 OURS: dict[str, Variant] = {
@@ -295,11 +291,8 @@ def neighbour_throughput(seconds: float = 3.0, rounds_per_variant: int = 5) -> d
     def dispatch_churn(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
         # fwdtrace's dispatch point installed and removed around every neighbour forward, as a
         # trace does, without the trace's own work: what the patching alone costs the server
-        handle = add_call_handler(lambda call, module, a, k: call(module, *a, **k))
-        try:
+        with around_module_calls(_straight_through):
             return m(**kw)
-        finally:
-            remove_call_handler(handle)
 
     neighbours: dict[str, Variant] = {
         "plain": OURS["plain"], "trace()": OURS["trace()"], "hooks only": OURS["hooks only"],
