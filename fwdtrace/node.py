@@ -83,7 +83,8 @@ class Node:
 
     @property
     def module_key(self) -> str:
-        """The module key of a module node, ``"blocks.0.c1.Conv2d"`` (see :func:`fwdtrace.module_keys`)."""
+        """The module key of a module node, ``"blocks.0.c1.Conv2d"`` (see :func:`fwdtrace.module_keys`);
+        of an atomic function node, its name in its module, ``"layers.0.attn.apply_rotary_pos_emb"``."""
         if not self.module_path:
             return self.class_name
         return f"{self.module_path}.{self.class_name}"

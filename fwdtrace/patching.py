@@ -21,6 +21,7 @@ instance) and puts each original back, in reverse order, exceptions included, as
 from __future__ import annotations
 
 import _signal  # signal's C functions: without the enum wrapping, several times faster
+import contextlib
 import signal
 import threading
 from collections.abc import Callable
@@ -30,13 +31,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["Patcher", "critical", "InterruptGuard", "add_call_handler", "remove_call_handler", "CallHandler", "call_dispatch_active"]
+from .errors import FwdtraceError
+
+__all__ = [
+    "Patcher", "critical", "InterruptGuard", "add_call_handler", "remove_call_handler", "CallHandler",
+    "call_dispatch_active", "add_function_handler", "FunctionHandler", "patched_functions",
+]
 
 _MISSING = object()
 
 # A handler gets ``(call, module, args, kwargs)`` and returns the call's result; ``call(module,
 # *args, **kwargs)`` runs the rest of the chain (inner handlers, then the original _call_impl).
 CallHandler = Callable[[Callable[..., Any], torch.nn.Module, tuple, dict], Any]
+# A function handler gets ``(call, args, kwargs)``; ``call(*args, **kwargs)`` runs the rest of the chain.
+FunctionHandler = Callable[[Callable[..., Any], tuple, dict], Any]
 
 
 # -- critical sections -----------------------------------------------------------------------------
@@ -151,20 +159,86 @@ def _deliver(handler: Any, signum: int, frame: FrameType | None) -> None:
 _GLOBALS = globals()
 
 
-# -- the one dispatch point of nn.Module.__call__ ---------------------------------------------------
+# -- patching one object ---------------------------------------------------------------------------
+@dataclass
+class _Patch:
+    owner: Any
+    name: str
+    previous: Any  # what owner.__dict__ held, or _MISSING when the attribute was inherited
+    value: Any = _MISSING  # what this patch set: restore leaves a value someone set since alone
+
+
+class Patcher:
+    """Replace attributes and restore the very same originals later.
+
+    >>> import torch
+    >>> from fwdtrace.patching import Patcher
+    >>> original = torch.nn.ReLU.__dict__["forward"]
+    >>> with Patcher() as p:
+    ...     p.patch(torch.nn.ReLU, "forward", lambda self, x: x)
+    >>> torch.nn.ReLU.__dict__["forward"] is original
+    True
+
+    Patching and restoring are critical sections (:class:`critical`): Ctrl-C cannot leave
+    half of them done. An attribute someone else set after this patcher's patch is left
+    as they set it (restoring ours would undo theirs); the dispatch points rely on that.
+    """
+
+    def __init__(self) -> None:
+        self._patches: list[_Patch] = []
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        with critical():
+            previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+            setattr(owner, name, value)
+            self._patches.append(_Patch(owner, name, previous, value))
+
+    def restore(self) -> None:
+        """Undo every patch, newest first. Safe to call twice; one failing undo does not stop the others."""
+        errors: list[BaseException] = []
+        with critical():
+            while self._patches:
+                p = self._patches.pop()
+                try:
+                    if p.value is not _MISSING and getattr(p.owner, "__dict__", {}).get(p.name, _MISSING) is not p.value:
+                        continue  # someone patched over us since: theirs stays
+                    if p.previous is _MISSING:
+                        if p.name in getattr(p.owner, "__dict__", {}):
+                            delattr(p.owner, p.name)
+                    else:
+                        setattr(p.owner, p.name, p.previous)
+                except Exception as e:  # keep undoing the rest; report the first failure after
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __len__(self) -> int:
+        return len(self._patches)
+
+    def __enter__(self) -> Patcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+# -- dispatch points: nn.Module.__call__, and every hooked function attribute --------------------
 # ``Module.__call__`` is ``_wrapped_call_impl``, which calls ``self._call_impl`` (hooks, then forward)
 # unless the module was ``.compile()``d. Patching ``_call_impl`` sees the same calls, hooks included,
 # for a fraction of the cost: setting a dunder such as ``__call__`` on a class makes CPython
 # rewrite the call slot of every subclass (about 1 ms with transformers imported, per setattr).
 PATCHED = "_call_impl"
+
+
 @dataclass(eq=False)
 class _Handle:
-    handler: CallHandler
+    handler: Callable[..., Any]
     thread: _ThreadHandlers | None  # None: every thread (install())
+    dispatch: _Dispatch
 
 
 class _ThreadHandlers:
-    """One thread's handlers, outermost first, and the chain built from them."""
+    """One thread's handlers of one dispatch point, outermost first, and the chain built from them."""
 
     __slots__ = ("handlers", "version", "chain")
 
@@ -174,30 +248,37 @@ class _ThreadHandlers:
         self.chain: Callable[..., Any] | None = None
 
 
-_local = threading.local()
-
-
-def _thread_handlers() -> _ThreadHandlers:
-    try:
-        return _local.handlers
-    except AttributeError:
-        state = _local.handlers = _ThreadHandlers()
-        return state
-
-
 class _Dispatch:
-    """The wrapper of ``nn.Module._call_impl`` and who is using it."""
+    """One patched attribute: the wrapper that stands in it while in use, the original, and who uses it.
 
-    def __init__(self) -> None:
-        self.original: Callable[..., Any] | None = None
+    The wrapper is set with :class:`Patcher` when the first handler arrives and the original
+    object put back when the last one leaves. ``call`` is what the wrapper runs for a thread
+    with no handler: the original, unwrapped from its ``staticmethod``/``classmethod``.
+    """
+
+    def __init__(self, owner: Any, name: str, link: Callable[..., Callable[..., Any]]) -> None:
+        self.owner = owner
+        self.name = name
+        self.link = link  # (handler, inner) -> one link of the chain
+        self.wrapper: Callable[..., Any] | None = None  # the plain function the attribute's value runs
+        self.call: Callable[..., Any] | None = None
         self.users = 0
         self.global_handlers: list[_Handle] = []
         self.version = 0  # bumped whenever the global handlers change
+        self._local = threading.local()
+        self._patcher = Patcher()
+
+    def thread_handlers(self) -> _ThreadHandlers:
+        try:
+            return self._local.handlers
+        except AttributeError:
+            state = self._local.handlers = _ThreadHandlers()
+            return state
 
     def chain(self) -> Callable[..., Any] | None:
-        local = _thread_handlers()
+        local = self.thread_handlers()
         if local.version != self.version:
-            local.chain = _build_chain(self.global_handlers + local.handlers, self.original)
+            local.chain = _build_chain(self.global_handlers + local.handlers, self.call, self.link)
             local.version = self.version
         return local.chain
 
@@ -229,47 +310,61 @@ class _Dispatch:
             return True
 
     def _install(self) -> None:
-        current = torch.nn.Module.__dict__[PATCHED]
-        self.original = current
-        _dispatching_call.__wrapped__ = current  # type: ignore[attr-defined]
-        setattr(torch.nn.Module, PATCHED, _dispatching_call)
+        current = vars(self.owner)[self.name]
+        # A staticmethod or classmethod stays one, around the wrapper: bound by the same descriptor rules.
+        kind = type(current) if isinstance(current, (staticmethod, classmethod)) else None
+        self.call = current.__func__ if kind is not None else current
+        assert self.wrapper is not None
+        self.wrapper.__wrapped__ = self.call  # type: ignore[attr-defined]
+        self._patcher.patch(self.owner, self.name, kind(self.wrapper) if kind is not None else self.wrapper)
         self.version += 1
 
     def _uninstall(self) -> None:
-        # Put back what was there, unless someone patched over us since: theirs stays.
-        if torch.nn.Module.__dict__.get(PATCHED) is _dispatching_call:
-            setattr(torch.nn.Module, PATCHED, self.original)
+        # Puts back what was there, unless someone patched over us since: theirs stays (see Patcher.restore).
+        self._patcher.restore()
         self.version += 1
 
 
-def _build_chain(handles: list[_Handle], original: Callable[..., Any] | None) -> Callable[..., Any] | None:
+def _build_chain(
+    handles: list[_Handle], original: Callable[..., Any] | None, link: Callable[..., Callable[..., Any]]
+) -> Callable[..., Any] | None:
     if not handles or original is None:
         return None
     call: Callable[..., Any] = original
     for handle in reversed(handles):
-        call = _link(handle.handler, call)
+        call = link(handle.handler, call)
     return call
 
 
-def _link(handler: CallHandler, inner: Callable[..., Any]) -> Callable[..., Any]:
+def _link_module_call(handler: CallHandler, inner: Callable[..., Any]) -> Callable[..., Any]:
     def link(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return handler(inner, module, args, kwargs)
 
     return link
 
 
-_DISPATCH = _Dispatch()
+def _link_function_call(handler: FunctionHandler, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def link(*args: Any, **kwargs: Any) -> Any:
+        return handler(inner, args, kwargs)
+
+    return link
+
+
+_DISPATCH = _Dispatch(torch.nn.Module, PATCHED, _link_module_call)
 _is_compiling = torch.compiler.is_compiling
 
 
 def _dispatching_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``nn.Module._call_impl`` while fwdtrace is in use: this thread's handlers, else the original."""
     if _is_compiling():  # dynamo tracing a compiled model: it must see the plain call
-        return _DISPATCH.original(self, *args, **kwargs)  # type: ignore[misc]
+        return _DISPATCH.call(self, *args, **kwargs)  # type: ignore[misc]
     chain = _DISPATCH.chain()
     if chain is None:
-        return _DISPATCH.original(self, *args, **kwargs)  # type: ignore[misc]
+        return _DISPATCH.call(self, *args, **kwargs)  # type: ignore[misc]
     return chain(self, *args, **kwargs)
+
+
+_DISPATCH.wrapper = _dispatching_call
 
 
 def add_call_handler(handler: CallHandler, *, all_threads: bool = False) -> _Handle:
@@ -291,14 +386,14 @@ def add_call_handler(handler: CallHandler, *, all_threads: bool = False) -> _Han
     The newest handler is the outermost. Remove handles in any order; the last removal puts
     the original ``_call_impl`` back.
     """
-    handle = _Handle(handler, None if all_threads else _thread_handlers())
+    handle = _Handle(handler, None if all_threads else _DISPATCH.thread_handlers(), _DISPATCH)
     _DISPATCH.add(handle)
     return handle
 
 
 def remove_call_handler(handle: _Handle) -> bool:
-    """Remove a handler added with :func:`add_call_handler`; False when it was already gone."""
-    return _DISPATCH.remove(handle)
+    """Remove a handler added with :func:`add_call_handler` or :func:`add_function_handler`; False when already gone."""
+    return handle.dispatch.remove(handle)
 
 
 def call_dispatch_active() -> bool:
@@ -306,60 +401,62 @@ def call_dispatch_active() -> bool:
     return _DISPATCH.users > 0
 
 
-# -- patching one object ---------------------------------------------------------------------------
-@dataclass
-class _Patch:
-    owner: Any
-    name: str
-    previous: Any  # what owner.__dict__ held, or _MISSING when the attribute was inherited
+# One dispatch point per patched function attribute, kept once made: (id(owner), name) -> it.
+_ATTRIBUTE2DISPATCH: dict[tuple[int, str], _Dispatch] = {}
 
 
-class Patcher:
-    """Replace attributes and restore the very same originals later.
+def _function_dispatch(owner: Any, name: str) -> _Dispatch:
+    with critical():
+        dispatch = _ATTRIBUTE2DISPATCH.get((id(owner), name))
+        if dispatch is None:
+            dispatch = _Dispatch(owner, name, _link_function_call)
 
-    >>> import torch
-    >>> from fwdtrace.patching import Patcher
-    >>> original = torch.nn.ReLU.__dict__["forward"]
-    >>> with Patcher() as p:
-    ...     p.patch(torch.nn.ReLU, "forward", lambda self, x: x)
-    >>> torch.nn.ReLU.__dict__["forward"] is original
-    True
+            def dispatching(*args: Any, **kwargs: Any) -> Any:
+                if _is_compiling():
+                    return dispatch.call(*args, **kwargs)  # type: ignore[misc]
+                chain = dispatch.chain()
+                if chain is None:
+                    return dispatch.call(*args, **kwargs)  # type: ignore[misc]
+                return chain(*args, **kwargs)
 
-    Patching and restoring are critical sections (:class:`critical`): Ctrl-C cannot leave
-    half of them done.
+            original = vars(owner)[name]
+            original = getattr(original, "__func__", original)
+            for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(dispatching, attr, getattr(original, attr))
+            dispatch.wrapper = dispatching
+            _ATTRIBUTE2DISPATCH[(id(owner), name)] = dispatch
+        return dispatch
+
+
+def add_function_handler(owner: Any, name: str, handler: FunctionHandler, *, all_threads: bool = False) -> _Handle:
+    """Send the calls of ``owner.name`` (a module's function, a class's method) through ``handler``.
+
+    >>> import math
+    >>> from fwdtrace.patching import add_function_handler, remove_call_handler
+    >>> original = math.hypot
+    >>> def twice(call, args, kwargs):
+    ...     return 2 * call(*args, **kwargs)
+    >>> handle = add_function_handler(math, "hypot", twice)
+    >>> math.hypot(3, 4)
+    10.0
+    >>> remove_call_handler(handle), math.hypot is original
+    (True, True)
+
+    ``handler(call, args, kwargs)`` returns the call's result; ``call(*args, **kwargs)`` runs
+    the rest of the chain. The attribute is replaced with ``setattr`` (one wrapper per
+    attribute, shared by every user, deciding per thread as module calls do) while any
+    handler is in, and the very same object put back when the last one leaves. A
+    ``staticmethod`` or ``classmethod`` stays one; a method gets ``self`` as ``args[0]``.
     """
+    if name not in getattr(owner, "__dict__", {}):
+        raise FwdtraceError(f"add_function_handler() expected an attribute held in {owner!r}'s own namespace, got {name!r}")
+    dispatch = _function_dispatch(owner, name)
+    handle = _Handle(handler, None if all_threads else dispatch.thread_handlers(), dispatch)
+    dispatch.add(handle)
+    return handle
 
-    def __init__(self) -> None:
-        self._patches: list[_Patch] = []
 
-    def patch(self, owner: Any, name: str, value: Any) -> None:
-        with critical():
-            previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-            setattr(owner, name, value)
-            self._patches.append(_Patch(owner, name, previous))
-
-    def restore(self) -> None:
-        """Undo every patch, newest first. Safe to call twice; one failing undo does not stop the others."""
-        errors: list[BaseException] = []
-        with critical():
-            while self._patches:
-                p = self._patches.pop()
-                try:
-                    if p.previous is _MISSING:
-                        if p.name in getattr(p.owner, "__dict__", {}):
-                            delattr(p.owner, p.name)
-                    else:
-                        setattr(p.owner, p.name, p.previous)
-                except Exception as e:  # keep undoing the rest; report the first failure after
-                    errors.append(e)
-        if errors:
-            raise errors[0]
-
-    def __len__(self) -> int:
-        return len(self._patches)
-
-    def __enter__(self) -> Patcher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
+def patched_functions() -> list[tuple[Any, str]]:
+    """The function attributes fwdtrace's wrappers stand in now, as ``(owner, name)``."""
+    return [(d.owner, d.name) for d in _ATTRIBUTE2DISPATCH.values() if d.users > 0]

@@ -8,7 +8,10 @@ Two things see the model run, both only in the thread that traces:
   returned (the user's own pre-hooks and forward hooks included), and the
   ``@hook_forward`` callbacks;
 - a ``TorchFunctionMode`` pushed on this thread's mode stack: torch functions called
-  between layers become ``"function"`` nodes.
+  between layers become ``"function"`` nodes;
+- a handler on the dispatch point of each function or method registered with
+  ``@hook_forward``/``register_atomic`` (the attribute that holds it, patched meanwhile):
+  its callbacks, and for an atomic one a ``"function"`` node per call, its inside hidden.
 
 Other threads keep running their forwards untouched, and may trace at the same time.
 """
@@ -37,12 +40,22 @@ from .graph import Graph
 from .keys import module_key
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
-from .patching import InterruptGuard, add_call_handler, critical, remove_call_handler
+from .patching import (
+    FunctionHandler,
+    InterruptGuard,
+    add_call_handler,
+    add_function_handler,
+    critical,
+    remove_call_handler,
+)
 
-__all__ = ["Tracer", "trace", "obj_id", "install", "uninstall", "layer_notes", "around_module_calls"]
+__all__ = [
+    "Tracer", "trace", "obj_id", "install", "uninstall", "layer_notes", "around_module_calls", "around_function_calls",
+]
 
 _local = threading.local()  # .tracer: this thread's active Tracer
 _INSTALLED: Any = None  # the handle of install()'s handler, for every thread
+_INSTALLED_FUNCTIONS: list[Any] = []  # install()'s handles on hooked functions' dispatch points
 
 _SIMPLE = (int, float, bool, str, type(None))
 _SIMPLE_TYPES = frozenset(_SIMPLE)
@@ -184,6 +197,7 @@ class Tracer:
         self.through = through
         self.graph = Graph()
         self._handle: Any = None
+        self._function_handles: list[Any] = []
         self._mode: _Recorder | None = None
         self._entered = False
         # tensor identity
@@ -221,6 +235,7 @@ class Tracer:
                 self._entered = True
                 _local.tracer = self
                 self._handle = add_call_handler(self._on_call)
+                self._function_handles = add_function_handlers(self._function_handler)
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
         except BaseException:
@@ -244,6 +259,7 @@ class Tracer:
             if self._handle is not None:
                 remove_call_handler(self._handle)
                 self._handle = None
+            remove_handlers(self._function_handles)
             if getattr(_local, "tracer", None) is self:
                 _local.tracer = None
             self._outside.clear()
@@ -357,16 +373,8 @@ class Tracer:
         self._stack.append((module, scope))
         self._scopes.append(self._scopes[-1] if root else (*self._scopes[-1], scope))
         try:
-            # Inside a leaf the function recorder steps aside: torch's fused fast paths (nn.MultiheadAttention's)
-            # check for an active mode and would fall back to slower, memory-hungrier kernels.
-            # (Inline, not torch's generator-based _pop_mode_temporarily: a generator cut short by
-            # Ctrl-C would push the mode back whenever it is collected, after the trace ended.)
-            if atomic and self._mode is not None and _current_function_mode() is self._mode:
-                torch._C._pop_torch_function_stack()
-                try:
-                    out = self._call_noted(call, module, args, kwargs, path)
-                finally:
-                    torch._C._push_on_torch_function_stack(self._mode)
+            if atomic:
+                out = self._call_aside(self._call_noted, call, module, args, kwargs, path)
             else:
                 out = self._call_noted(call, module, args, kwargs, path)
         finally:
@@ -400,6 +408,22 @@ class Tracer:
             self._end_root(out)
         return out
 
+    def _call_aside(self, run: Callable[..., Any], *args: Any) -> Any:
+        """``run(*args)`` with the function recorder stepped aside, for the inside of a leaf.
+
+        Torch's fused fast paths (nn.MultiheadAttention's) check for an active mode and would
+        fall back to slower, memory-hungrier kernels. (Inline, not torch's generator-based
+        _pop_mode_temporarily: a generator cut short by Ctrl-C would push the mode back
+        whenever it is collected, after the trace ended.)
+        """
+        if self._mode is not None and _current_function_mode() is self._mode:
+            torch._C._pop_torch_function_stack()
+            try:
+                return run(*args)
+            finally:
+                torch._C._push_on_torch_function_stack(self._mode)
+        return run(*args)
+
     def _call_noted(
         self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict, path: str | None = None
     ) -> Any:
@@ -429,12 +453,53 @@ class Tracer:
             for name, t in iter_tensors(out, "output"):
                 self.graph.add_node("output", "output", name=name, inputs=self._refs([t]))
 
-    def _run_callbacks(self, callbacks: list[_registry.Callback], module: torch.nn.Module, args: tuple, out: Any) -> Any:
+    def _run_callbacks(self, callbacks: list[Callable[..., Any]], first: Any, second: Any, out: Any) -> Any:
         self._quiet += 1  # a callback's own tensor work is not part of the model's graph
         try:
-            return _chain_callbacks(callbacks, module, args, out)
+            return _chain_callbacks(callbacks, first, second, out)
         finally:
             self._quiet -= 1
+
+    # -- hooked functions and methods -------------------------------------------------------------
+    def _function_handler(self, target: _registry.FunctionTarget) -> FunctionHandler:
+        def on_function(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            return self._on_hooked_function(target, call, args, kwargs)
+
+        return on_function
+
+    def _on_hooked_function(self, target: _registry.FunctionTarget, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if not target.atomic or self._quiet or not self._stack:
+            # Not one node (or inside a leaf, or outside the model): its torch calls are recorded as they come.
+            out = call(*args, **kwargs)
+            return self._run_callbacks(target.callbacks, args, kwargs, out) if target.callbacks else out
+        with torch._C.DisableTorchFunction():
+            in_tensors = _call_tensors(args, kwargs)
+            in_refs = self._refs(in_tensors)
+        self._quiet += 1  # what it computes inside is hidden, as inside a leaf layer
+        try:
+            out = self._call_aside(self._call_function_noted, target, call, args, kwargs)
+        finally:
+            self._quiet -= 1
+        if target.callbacks:
+            out = self._run_callbacks(target.callbacks, args, kwargs, out)
+        with torch._C.DisableTorchFunction():
+            self._add_sources(in_refs)
+            out_tensors = [out] if isinstance(out, torch.Tensor) else tensors_of(out)
+            out_refs = self._refs(out_tensors)
+            module_path = self._stack[-1][1].module_path
+            node = self.graph._append("function", target.path, target.name, module_path,
+                                      self._next_call(module_path, target.path), in_refs, out_refs,
+                                      {"atomic": True}, self._scopes[-1])
+            self._track_aliases(node.id, in_tensors, out_tensors, out_refs, False)
+        return out
+
+    def _call_function_noted(self, target: _registry.FunctionTarget, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except BaseException as e:
+            module, scope = self._stack[-1]
+            _note_layer(e, scope.module_path, module, args, kwargs, op=target.path)
+            raise
 
     # -- torch functions between layers -----------------------------------------------------------
     def _on_function(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -666,6 +731,59 @@ def around_module_calls(handler: Callable[..., Any]) -> Iterator[None]:
         remove_call_handler(handle)
 
 
+def add_function_handlers(
+    make_handler: Callable[[_registry.FunctionTarget], FunctionHandler], *, all_threads: bool = False,
+    targets: list[_registry.FunctionTarget] | None = None,
+) -> list[Any]:
+    """Put ``make_handler(target)`` on every attribute of each registered function target (or of ``targets``).
+
+    Returns the handles, for :func:`remove_handlers`. All or none are added: a critical
+    section (:class:`fwdtrace.patching.critical`), and a failure half-way removes those added.
+    """
+    handles: list[Any] = []
+    with critical():
+        try:
+            for target in list(_registry.REGISTRY.functions.values()) if targets is None else targets:
+                handler = make_handler(target)
+                for owner, name in target.attributes():
+                    handles.append(add_function_handler(owner, name, handler, all_threads=all_threads))
+        except BaseException:
+            remove_handlers(handles)
+            raise
+    return handles
+
+
+def remove_handlers(handles: list[Any]) -> None:
+    """Remove every handle of :func:`add_function_handlers` (the list empties), in one critical section."""
+    with critical():
+        while handles:
+            remove_call_handler(handles.pop())
+
+
+@contextlib.contextmanager
+def around_function_calls(
+    targets: list[_registry.FunctionTarget], make_handler: Callable[[_registry.FunctionTarget], FunctionHandler]
+) -> Iterator[None]:
+    """Send this thread's calls of each function target to ``make_handler(target)`` while active.
+
+    >>> import torch
+    >>> from fwdtrace.registry import resolve_any
+    >>> from fwdtrace.tracer import around_function_calls
+    >>> seen = []
+    >>> def note(target):
+    ...     return lambda call, args, kwargs: seen.append(target.name) or call(*args, **kwargs)
+    >>> with around_function_calls([resolve_any("torch.nn.functional.silu")], note):
+    ...     _ = torch.nn.SiLU()(torch.ones(1))
+    >>> seen
+    ['silu']
+    """
+    handles = add_function_handlers(make_handler, targets=targets)
+    try:
+        yield
+    finally:
+        remove_handlers(handles)
+
+
 @contextlib.contextmanager
 def layer_notes(model: torch.nn.Module) -> Iterator[None]:
     """While active, an error raised in any module of ``model`` (in this thread) gets a note naming that layer.
@@ -792,10 +910,11 @@ def obj_id(obj: torch.Tensor) -> int:
         return tracer.obj_id(obj)
 
 
-def _chain_callbacks(callbacks: list[_registry.Callback], module: torch.nn.Module, args: tuple, out: Any) -> Any:
-    """Run ``@hook_forward`` callbacks in order; each non-None result replaces the output."""
+def _chain_callbacks(callbacks: list[Callable[..., Any]], first: Any, second: Any, out: Any) -> Any:
+    """Run ``@hook_forward`` callbacks in order, ``fn(module, inputs, output)`` for a layer and
+    ``fn(inputs, kwargs, output)`` for a function; each non-None result replaces the output."""
     for fn in callbacks:
-        replaced = fn(module, args, out)
+        replaced = fn(first, second, out)
         if replaced is not None:
             out = replaced
     return out
@@ -808,6 +927,24 @@ def _installed_call(call: Callable[..., Any], module: torch.nn.Module, args: tup
         return out
     callbacks = _cached_type_info(type(module)).callbacks
     return _chain_callbacks(callbacks, module, args, out) if callbacks else out
+
+
+def _installed_function(target: _registry.FunctionTarget) -> FunctionHandler:
+    """install()'s handler of one hooked function, in every thread (a trace runs the callbacks itself)."""
+
+    def on_function(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        out = call(*args, **kwargs)
+        if not target.callbacks or getattr(_local, "tracer", None) is not None:
+            return out
+        return _chain_callbacks(target.callbacks, args, kwargs, out)
+
+    return on_function
+
+
+def _install_function(target: _registry.FunctionTarget) -> None:
+    """install()'s listener: a function registered while installed is patched at once."""
+    with critical():
+        _INSTALLED_FUNCTIONS.extend(add_function_handlers(_installed_function, all_threads=True, targets=[target]))
 
 
 def install() -> None:
@@ -833,6 +970,8 @@ def install() -> None:
     with critical():
         if _INSTALLED is None:
             _INSTALLED = add_call_handler(_installed_call, all_threads=True)
+            _INSTALLED_FUNCTIONS.extend(add_function_handlers(_installed_function, all_threads=True))
+            _registry.REGISTRY.listeners.append(_install_function)
 
 
 def uninstall() -> None:
@@ -842,6 +981,9 @@ def uninstall() -> None:
         raise FwdtraceError("uninstall() cannot run while a trace is active; call it after the trace")
     with critical():
         if _INSTALLED is not None:
+            if _install_function in _registry.REGISTRY.listeners:
+                _registry.REGISTRY.listeners.remove(_install_function)
+            remove_handlers(_INSTALLED_FUNCTIONS)
             remove_call_handler(_INSTALLED)
             _INSTALLED = None
 

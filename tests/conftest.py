@@ -18,13 +18,19 @@ _ORIGINAL_CALL_IMPL = torch.nn.Module.__dict__["_call_impl"]
 def _no_leftover_hooks():
     """Every test starts and ends with no user callbacks registered and nothing patched."""
     import fwdtrace
+    from fwdtrace.patching import patched_functions
     from fwdtrace.registry import REGISTRY
 
     atomic_before = set(REGISTRY.atomic)
+    functions_before = {path: (t, t.atomic, t.everywhere) for path, t in REGISTRY.functions.items()}
     yield
     fwdtrace.uninstall()
     fwdtrace.clear_hooks()
     REGISTRY.atomic = atomic_before
+    REGISTRY.functions = {path: t for path, (t, _, _) in functions_before.items()}
+    for t, atomic, everywhere in functions_before.values():
+        t.atomic, t.everywhere = atomic, everywhere
+    assert patched_functions() == [], "a hooked function is still patched"
     assert torch.nn.Module.__dict__["__call__"] is torch.nn.modules.module.Module._wrapped_call_impl
     assert torch.nn.Module.__dict__["_call_impl"] is _ORIGINAL_CALL_IMPL
 

@@ -32,8 +32,9 @@ BAD_TARGETS = [
     ("torch.nn.Conv3x3", r"^torch\.nn\.Conv3x3: module 'torch\.nn' has no attribute 'Conv3x3'"),
     ("torch.nn.Conv2d.forwrd", r"^torch\.nn\.Conv2d\.forwrd: type object 'Conv2d' has no attribute 'forwrd'"),
     ("no_such_package.Layer", r"^no_such_package: No module named 'no_such_package'"),
-    ("torch.nn.Conv2d.extra_repr", r"^hook_forward\(\) expected a torch\.nn\.Module subclass or its forward method"),
-    ("torch.nn.functional.relu", r"^hook_forward\(\) expected a torch\.nn\.Module subclass or its forward method"),
+    # (methods and functions are targets too: tests/test_hook_functions.py)
+    ("torch.nn.Conv2d.__constants__", r"^hook_forward\(\) expected a torch\.nn\.Module subclass or its forward method .*, or a function or method"),
+    ("torch.float32", r"^hook_forward\(\) expected a torch\.nn\.Module subclass or its forward method .*got 'torch\.float32' \(dtype\)"),
     (int, r"^hook_forward\(\) expected a torch\.nn\.Module subclass or its forward method .*\(class builtins\.int\)"),
     ("torch..nn", r"^expected a dotted path such as 'torch\.nn\.Conv2d\.forward', got 'torch\.\.nn'"),
     ("__import__('os').system('true')", r"^expected a dotted path"),  # resolved with getattr, never eval
@@ -62,7 +63,23 @@ def test_the_forward_of_a_local_class_asks_for_the_class() -> None:
 
 def test_register_atomic_of_a_non_class_names_itself() -> None:
     with pytest.raises(FwdtraceError, match=r"^register_atomic\(\) expected a torch\.nn\.Module subclass"):
-        fwdtrace.register_atomic("torch.nn.functional.relu")
+        fwdtrace.register_atomic("torch.float32")
+
+
+def test_hook_forward_atomic_called_without_decorating_registers_the_class() -> None:
+    """Issue 20: ``hook_forward(Cls, atomic=True)`` as a plain call (no callback applied) did nothing."""
+
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 + 1
+
+    model = nn.Sequential(Block(), nn.ReLU())
+    opened = [n.target for n in fwdtrace.trace(model, torch.ones(2)).nodes if n.kind != "input" and n.kind != "output"]
+    assert opened == ["torch.Tensor.mul", "torch.Tensor.add", "torch.nn.ReLU"]
+    fwdtrace.hook_forward(Block, atomic=True)  # the result (a decorator) thrown away
+    kinds = [(n.kind, n.target) for n in fwdtrace.trace(model, torch.ones(2)).nodes if n.kind == "module"]
+    assert kinds == [("module", qualified_name(Block)), ("module", "torch.nn.ReLU")]
+    assert REGISTRY.callbacks == []
 
 
 def test_the_decorated_function_is_returned_unchanged_and_callable_alone() -> None:

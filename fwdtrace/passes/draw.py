@@ -144,6 +144,8 @@ def _node_label(node: Node, show_path: bool) -> str:
         shapes = ", ".join(_shape_text(r.shape) for r in (node.outputs or node.inputs))
         return f"{node.kind}: {node.name}\n{shapes}"
     if node.kind == "function":
+        if node.attrs.get("atomic"):  # a hooked function, one box: its name (the tooltip has its path)
+            return node.name
         if node.target.startswith(("torch.", "onnx.")):
             return node.target.rsplit(".", 1)[-1].strip("_")
         return node.target  # a torch.library op (mylib.twice) or an ONNX custom domain's: with its namespace
