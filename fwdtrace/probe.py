@@ -21,8 +21,9 @@ from ._tree import tensors_of
 from .chaos import Chaos
 from .errors import FwdtraceError, describe
 from .keys import Selector, key2module, select_modules
+from .registry import FunctionTarget, resolve_any
 from .stats import RunningStats, check_bins, check_range, summary_text
-from .tracer import layer_notes
+from .tracer import add_function_handlers, layer_notes, remove_handlers
 
 __all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
 
@@ -59,7 +60,7 @@ class Hooks:
     def __init__(self, probe: Probe, keys: list[str]) -> None:
         self.probe = probe
         self.keys = keys
-        self._registrations: list[tuple[Callable[[str, torch.nn.Module], Any], str, torch.nn.Module]] = []
+        self._registrations: list[tuple[Callable[[str, Any], Any], str, Any]] = []  # (register, key, module)
         self._torch_handles: list[Any] = []
 
     def _attach(self) -> None:
@@ -85,6 +86,16 @@ class Hooks:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(self.keys)})"
+
+
+class _FunctionHooks:
+    """A probe's handles on function dispatch points, removable as one torch hook handle is."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        remove_handlers(self.handles)
 
 
 class StatsHandle(Hooks):
@@ -424,6 +435,45 @@ class Probe:
             return module.register_full_backward_hook(hook)
 
         return self._add(Hooks(self, []), register, selector)
+
+    def hook_function(self, target: Any, fn: Callable[[tuple, dict, Any], Any]) -> Hooks:
+        """Run ``fn(inputs, kwargs, output)`` after every call of a function or method; non-None replaces the output.
+
+        >>> import torch, fwdtrace
+        >>> model = torch.nn.Sequential(torch.nn.SiLU())
+        >>> with fwdtrace.Probe(model) as probe:
+        ...     _ = probe.hook_function("torch.nn.functional.silu", lambda inputs, kwargs, output: output * 0)
+        ...     model(torch.ones(2))
+        tensor([0., 0.])
+
+        ``target`` is what :func:`fwdtrace.hook_forward` takes for a function (a dotted path,
+        ``"pkg.Class.method"``, or the function itself); the handle's key is its path. The
+        attribute holding it is patched while the hook is on (in every thread, as torch's
+        hooks are), sharing its one wrapper with traces and other probes; removing the
+        handle, or leaving the probe, puts the original back once nothing else uses it.
+        """
+        _check_fn(fn, "hook_function()", "(inputs, kwargs, output)")
+        found = resolve_any(target, "Probe.hook_function()")
+        if not isinstance(found, FunctionTarget):
+            raise FwdtraceError(
+                f"Probe.hook_function() expected a function or method, got the layer class {found.__qualname__}; "
+                "use replace_output() with its module key"
+            )
+
+        def on_call(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            out = call(*args, **kwargs)
+            replaced = fn(args, kwargs, out)
+            return out if replaced is None else replaced
+
+        def register(key: str, module: Any) -> Any:
+            return _FunctionHooks(add_function_handlers(lambda _: on_call, all_threads=True, targets=[found]))
+
+        handle = Hooks(self, [found.path])
+        handle._registrations.append((register, found.path, None))
+        if self._enabled:
+            handle._attach()
+        self.handles.append(handle)
+        return handle
 
     # -- teacher / student ------------------------------------------------------------------------
     def match(self, teacher: Probe, pairs: dict[str, str] | Iterable[tuple[Selector, Selector]]) -> Match:

@@ -145,7 +145,7 @@ def _node_label(node: Node, show_path: bool) -> str:
         return f"{node.kind}: {node.name}\n{shapes}"
     if node.kind == "function":
         if node.attrs.get("atomic"):  # a hooked function, one box: its name (the tooltip has its path)
-            return node.name
+            return node.class_name
         if node.target.startswith(("torch.", "onnx.")):
             return node.target.rsplit(".", 1)[-1].strip("_")
         return node.target  # a torch.library op (mylib.twice) or an ONNX custom domain's: with its namespace
