@@ -1,6 +1,7 @@
 """What tracing costs against a plain forward, beside torchview and torchlens: time, memory, threads, install().
 
     python benchmarks/trace_overhead.py [--repeats 10] [--models resnet50 bert gpt2 gpt2-124m] [--no-peers]
+    python benchmarks/trace_overhead.py --function-hooks   # only the row with a function hooked by path
 
 One torch thread, everything under ``torch.no_grad()``. For each model it times, interleaved so
 drift hits all alike, a plain forward, ``fwdtrace.trace()`` (the default, ``pin=False``) and
@@ -23,6 +24,10 @@ neighbour runs plain BERT forwards, and that thread's own CPU time per forward (
 costs it, apart from sharing the GIL with a busier neighbour); and a ResNet-50 forward with
 ``fwdtrace.install()`` and one callback on a layer class the model does not use, in the steady
 state (blocks of forwards with it installed beside blocks without, the order alternating).
+
+A GPT-2 with eager attention is timed with ``eager_attention_forward`` hooked by its dotted path
+(one node per call, its inside hidden, and a callback), in ``trace()`` and in an ``install()``'ed
+forward, beside the same without the hook.
 
 Targets: default ``trace()`` at most 1.5x a plain forward on BERT and GPT-2, at most 1.2x on
 ResNet-50, within 1.1x in peak memory; a neighbour thread loses under 5% throughput;
@@ -83,12 +88,20 @@ def resnet50() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return ResNet50(), {"x": torch.randn(1, 3, 224, 224)}
 
 
+def gpt2_eager() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The GPT-2 above with transformers' eager attention: its eager_attention_forward runs (and can be hooked)."""
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000, n_positions=128, attn_implementation="eager")
+    return GPT2Model(config), {"input_ids": torch.randint(0, 1000, (1, 64))}
+
+
 MODELS: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
-    "resnet50": resnet50, "bert": bert, "gpt2": gpt2, "gpt2-124m": gpt2_small,
+    "resnet50": resnet50, "bert": bert, "gpt2": gpt2, "gpt2-124m": gpt2_small, "gpt2-eager": gpt2_eager,
 }
 DEFAULT_MODELS = ["resnet50", "bert", "gpt2"]
 LABELS = {"resnet50": "ResNet-50, 1x3x224x224", "bert": "BERT 4x256, 128 tokens", "gpt2": "GPT-2 2x128, 64 tokens",
-          "gpt2-124m": "GPT-2 124M, 128 tokens"}
+          "gpt2-124m": "GPT-2 124M, 128 tokens", "gpt2-eager": "GPT-2 2x128 eager, 64 tok"}
 
 Variant = Callable[[nn.Module, dict[str, torch.Tensor]], object]
 
@@ -393,11 +406,56 @@ def _installed_cost_per_call(layers: int = 2000, repeats: int = 41) -> float:
     return statistics.median(diffs) / (layers + 1)
 
 
+GPT2_ATTENTION = "transformers.models.gpt2.modeling_gpt2.eager_attention_forward"
+
+
+def function_hooks_cost(repeats: int) -> dict[str, float]:
+    """GPT-2 (eager attention) with its ``eager_attention_forward`` hooked by path, one node per call
+    and a callback: ``trace()`` and an ``install()``'ed forward against the same without the hook."""
+    from fwdtrace.registry import REGISTRY, resolve_any
+
+    target = resolve_any(GPT2_ATTENTION)
+    target.atomic = True
+    target.callbacks = [lambda inputs, kwargs, output: None]
+
+    def hooked(run: Variant) -> Variant:
+        def variant(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
+            REGISTRY.functions[target.path] = target  # registered for this call only: the others run without
+            try:
+                return run(m, kw)
+            finally:
+                del REGISTRY.functions[target.path]
+
+        return variant
+
+    def installed(m: nn.Module, kw: dict[str, torch.Tensor]) -> object:
+        fwdtrace.install()
+        try:
+            return m(**kw)
+        finally:
+            fwdtrace.uninstall()
+
+    variants: dict[str, Variant] = {
+        "plain": OURS["plain"], "trace()": OURS["trace()"], "trace() hooked": hooked(OURS["trace()"]),
+        "installed": installed, "installed hooked": hooked(installed),
+    }
+    return time_variants("gpt2-eager", variants, repeats)
+
+
+def print_function_hooks_cost(repeats: int) -> None:
+    f = function_hooks_cost(max(20, repeats))
+    print(f"{LABELS['gpt2-eager']}: trace() {f['trace()'] * 1e3:.1f} ms ({f['trace()'] / f['plain']:.2f}x plain "
+          f"{f['plain'] * 1e3:.1f} ms); with eager_attention_forward hooked by path (atomic + a callback) "
+          f"{f['trace() hooked'] * 1e3:.1f} ms ({f['trace() hooked'] / f['plain']:.2f}x); install()'ed forward "
+          f"{f['installed'] / f['plain']:.2f}x, with the hook {f['installed hooked'] / f['plain']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--models", nargs="*", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--no-peers", action="store_true", help="skip torchview and torchlens")
+    parser.add_argument("--function-hooks", action="store_true", help="only the GPT-2 row with its attention hooked")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "PEER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -408,6 +466,9 @@ def main() -> None:
         return
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.repeats} repeats, no_grad")
+    if args.function_hooks:
+        print_function_hooks_cost(args.repeats)
+        return
     print(f"{'model':<24} {'variant':<17} {'median ms':>10} {'x plain':>8} {'peak MiB':>9} {'peak x plain':>13}")
     for name in args.models:
         rows = measure(name, OURS, args.repeats)
@@ -420,6 +481,7 @@ def main() -> None:
         for v, r in rows.items():
             print(f"{LABELS[name]:<24} {v:<17} {r['ms']:>10.1f} {r['x_plain']:>8.2f} {r['peak_mib']:>9.1f} "
                   f"{r['peak_x_plain']:>13.2f}")
+    print_function_hooks_cost(args.repeats)
     n = neighbour_throughput()
     plain = n["plain"]
     print(f"neighbour thread (GPT-2 forwards) beside plain BERT forwards: {plain['per_s']:.1f}/s, "

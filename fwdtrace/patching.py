@@ -1,4 +1,4 @@
-"""All of fwdtrace's patching: one dispatch point for module calls, and a :class:`Patcher`.
+"""All of fwdtrace's patching: one dispatch point for module calls, one per hooked function, and a :class:`Patcher`.
 
 Traces, layer notes (probes, analysis) and :func:`fwdtrace.install` all need to see module
 calls. They share **one** wrapper of ``torch.nn.Module._call_impl`` (what ``module(...)`` runs:
@@ -12,6 +12,11 @@ slows or breaks the forwards of another (OpenTelemetry's instrumentors and torch
 Installing, removing and the bookkeeping around them run under a lock and cannot be cut
 short by Ctrl-C: a SIGINT that arrives meanwhile is held back and raised when the
 critical section ends (:class:`critical`).
+
+A function or method hooked by path (``@hook_forward("pkg.mod.f")``) gets a dispatch point of
+its own, the same class with the same rules: :func:`add_function_handler` puts one wrapper in the
+attribute that holds it (a module global, a class attribute) while any handler is in, and the
+very same object back when the last one leaves.
 
 :class:`Patcher` replaces attributes of one object (an exporter's ``forward`` of one
 instance) and puts each original back, in reverse order, exceptions included, as torch.fx's
