@@ -1,7 +1,8 @@
 """Walking the tensors inside nested inputs and outputs, and naming what they are.
 
-Tuples, lists, dicts (transformers' ModelOutput is one) and dataclasses are opened;
-every tensor leaf is yielded with a readable path such as ``output.logits`` or ``x[1]``.
+Tuples, lists, dicts (transformers' ModelOutput is one) and dataclasses are opened, and on
+request transformers' KV caches; every tensor leaf is yielded with a readable path such as
+``output.logits`` or ``x[1]``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from typing import Any
 import torch
 
 _DTYPE2NAME: dict[torch.dtype, str] = {}
+# Plain objects opened like containers when asked (``caches=True``): transformers' KV caches
+# (DynamicCache and its layers), which models return as ``past_key_values``. Other objects stay
+# closed: their attributes may be anything. Only a model's outputs open them: the trace's output
+# nodes and the flattening of an export (see fwdtrace.onnx.export), which must agree.
+_CACHE_MODULES = ("transformers.cache_utils",)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -28,23 +34,35 @@ def tensor_text(t: torch.Tensor) -> str:
     return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 
-def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every tensor leaf of ``obj``, depth first, in order."""
+def iter_tensors(obj: Any, path: str = "", caches: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor leaf of ``obj``, depth first, in order.
+
+    ``caches=True`` also opens transformers' KV caches (``output.past_key_values.layers[0].keys``).
+    """
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
-            yield from iter_tensors(v, f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]")
+            key = f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]"
+            yield from iter_tensors(v, key, caches)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{path}[{i}]")
+            yield from iter_tensors(v, f"{path}[{i}]", caches)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name), f"{path}.{f.name}")
+            yield from iter_tensors(getattr(obj, f.name), f"{path}.{f.name}", caches)
+    elif caches and is_cache(obj):
+        for k, v in vars(obj).items():
+            yield from iter_tensors(v, f"{path}.{k}", caches)
 
 
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The tensor leaves of ``obj`` in order."""
+def is_cache(obj: Any) -> bool:
+    """True for a transformers KV cache object (or one of its layers)."""
+    return type(obj).__module__.startswith(_CACHE_MODULES) and hasattr(obj, "__dict__")
+
+
+def tensors_of(obj: Any, caches: bool = False) -> list[torch.Tensor]:
+    """The tensor leaves of ``obj`` in order (``caches=True``: transformers' KV caches' too)."""
     if isinstance(obj, torch.Tensor):  # the common case, without a generator
         return [obj]
-    return [t for _, t in iter_tensors(obj)]
+    return [t for _, t in iter_tensors(obj, caches=caches)]

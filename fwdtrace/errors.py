@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["FwdtraceError", "describe", "shapes_text", "add_layer_note", "one_line", "NOTE_PREFIX"]
+__all__ = ["FwdtraceError", "FwdtraceWarning", "describe", "shapes_text", "add_layer_note", "one_line", "NOTE_PREFIX"]
 
 NOTE_PREFIX = "fwdtrace:"
 
@@ -23,6 +23,15 @@ class FwdtraceError(Exception):
     ... except fwdtrace.FwdtraceError as e:
     ...     print(str(e).split(":")[0])
     trace() expected a torch.nn.Module as model, got str
+    """
+
+
+class FwdtraceWarning(UserWarning):
+    """What fwdtrace has to tell you without stopping: said once, in fwdtrace's words.
+
+    >>> import warnings, fwdtrace
+    >>> issubclass(fwdtrace.errors.FwdtraceWarning, UserWarning)
+    True
     """
 
 

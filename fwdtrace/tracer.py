@@ -450,8 +450,11 @@ class Tracer:
 
     def _end_root(self, out: Any) -> None:
         with torch._C.DisableTorchFunction():
-            for name, t in iter_tensors(out, "output"):
-                self.graph.add_node("output", "output", name=name, inputs=self._refs([t]))
+            # A returned KV cache's tensors are outputs too, marked: an export may leave them out
+            plain = {path for path, _ in iter_tensors(out, "output")}
+            for name, t in iter_tensors(out, "output", caches=True):
+                meta = None if name in plain else {"cache": name.removeprefix("output.")}
+                self.graph.add_node("output", "output", name=name, inputs=self._refs([t]), meta=meta)
 
     def _run_callbacks(self, callbacks: list[Callable[..., Any]], first: Any, second: Any, out: Any) -> Any:
         self._quiet += 1  # a callback's own tensor work is not part of the model's graph

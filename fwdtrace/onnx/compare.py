@@ -56,6 +56,8 @@ __all__ = ["TopologyReport", "compare_onnx", "check_onnx", "render_side_by_side"
 # At most this many unexplained ONNX ops may sit between a call's inputs and its partner
 # (an inserted op is reported as extra instead of derailing the rest of the match).
 MAX_SKIPPED = 2
+# ...and this many after a layer the graph does not open, whose ONNX ops are unknown.
+_UNOPENED_SKIPPED = 64
 # Trace attributes and the ONNX attributes that must agree with them when both exist.
 _ATTR_PAIRS = (("kernel_size", "kernel_shape"), ("stride", "strides"), ("groups", "group"), ("dilation", "dilations"))
 _OUTPUT_GROUP = -1
@@ -95,7 +97,12 @@ class TopologyReport:
     exporter may drop (dropout in eval, views), fold (BatchNorm into Conv) or simplify
     (``relu(relu(x))``, ``x + 0``, a call repeated on the same inputs), with how.
     ``opened`` names the layer classes no rule knows, which :func:`check_onnx` compared as
-    the torch calls they make. ``str(report)`` is ``report.text``.
+    the torch calls they make. ``not_opened`` lists the calls of such layers that
+    :func:`compare_onnx`, given a graph alone, could not open: the ONNX ops between their
+    inputs and their readers are theirs, unchecked. ``status`` is ``'ok'``, ``'mismatch'``
+    (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened: neither
+    ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` opens them); ``ok`` is
+    ``status == 'ok'``. ``str(report)`` is ``report.text``.
     """
 
     ok: bool
@@ -107,14 +114,23 @@ class TopologyReport:
     text: str
     exporter: str | None = None
     opened: list[str] = field(default_factory=list)
+    not_opened: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.text
+
+    @property
+    def status(self) -> str:
+        """``'ok'``, ``'mismatch'`` or ``'incomplete'`` (layers a graph alone cannot open)."""
+        if self.missing or self.extra or self.rewired:
+            return "mismatch"
+        return "incomplete" if self.not_opened else "ok"
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-friendly data."""
         return {
             "ok": self.ok,
+            "status": self.status,
             "exporter": self.exporter,
             "matched": [{"trace": t, "onnx": list(o)} for t, o in self.matched],
             "missing": list(self.missing),
@@ -122,6 +138,7 @@ class TopologyReport:
             "rewired": list(self.rewired),
             "elided": [{"trace": t, "how": how} for t, how in self.elided],
             "opened": list(self.opened),
+            "not_opened": list(self.not_opened),
         }
 
 
@@ -146,6 +163,10 @@ class _Result:
     reqs: dict[int, list[frozenset[int]]]  # trace node id -> the groups that fed each input
     # gid -> where each input comes from, in trace and in ONNX order, for calls whose order differs
     reordered: dict[int, tuple[list[int | None], list[int | None]]] = field(default_factory=dict)
+    # layers no rule knows that the graph does not open (trace node id -> the ONNX nodes between)
+    unopened: dict[int, list[int]] = field(default_factory=dict)
+    outputs_fed: dict[int, list[str]] = field(default_factory=dict)  # gid -> the trace outputs it feeds
+    left_out: list[str] = field(default_factory=list)  # cache outputs the export does not return
 
 
 class _Matcher:
@@ -194,6 +215,9 @@ class _Matcher:
         self.trace_succ: dict[int, list[int]] = {}
         for e in trace.edges:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
+        self.unopened: list[int] = []  # layers no rule knows, which a graph alone cannot open
+        self.unopened_values: set[int] = set()  # trace obj_ids computed through one of them
+        self.out_nodes, self.left_out = self._compared_outputs()
 
     # -- ONNX helpers -----------------------------------------------------------------------------
     def op(self, oid: int) -> str:
@@ -271,7 +295,7 @@ class _Matcher:
             self.reqs[tn.id] = reqs
             self._match(tn, reqs, data_in)
         # the trace has an output node per returned tensor, the ONNX graph one for all
-        out_nodes = [n for n in self.tnodes if n.kind == "output"]
+        out_nodes = self.out_nodes
         o_out = next((n for n in self.onodes if n.kind == "output"), None)
         if out_nodes and o_out is not None:
             self.reqs[_OUTPUT_GROUP] = list(dict.fromkeys(
@@ -285,10 +309,64 @@ class _Matcher:
             if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
             and n.id not in self.value_free
         ]
+        unopened = self._inside_unopened(extra)
+        inside = {oid for oids in unopened.values() for oid in oids}
+        extra = [oid for oid in extra if oid not in inside]
         reordered = self._reordered()
         rewired = self._rewired() + [("order", gid, gid) for gid in reordered]
+        outputs_fed: dict[int, list[str]] = {}
+        for n in out_nodes:
+            for gid in sorted(self.tensor_groups.get(n.inputs[0].obj_id, ())) if n.inputs else ():
+                outputs_fed.setdefault(gid, []).append(_output_label(n))
         return _Result(self.groups, self.missing, extra, self.elided, rewired,
-                       ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs, reordered)
+                       ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs, reordered, unopened,
+                       outputs_fed, [_output_label(n) for n in self.left_out])
+
+    def _compared_outputs(self) -> tuple[list[Node], list[Node]]:
+        """The trace outputs the export returns too, and the KV cache outputs it leaves out.
+
+        The trace's outputs include a returned cache's tensors; an export may return them
+        (fwdtrace's to_onnx, the dynamo exporter) or not (a file exported without them). Only
+        when the ONNX graph has exactly the other outputs are the cache's left out.
+        """
+        outs = [n for n in self.tnodes if n.kind == "output"]
+        cached = [n for n in outs if n.meta.get("cache")]
+        o_out = next((n for n in self.onodes if n.kind == "output"), None)
+        if cached and o_out is not None and len(o_out.inputs) == len(outs) - len(cached):
+            return [n for n in outs if not n.meta.get("cache")], cached
+        return outs, []
+
+    def _inside_unopened(self, extra: list[int]) -> dict[int, list[int]]:
+        """The extra ONNX nodes each layer not opened may have become.
+
+        Those reached from the layer's inputs through unmatched ops only, within the layer's
+        scope where the export names one: they are the layer's, unchecked, not extra.
+        """
+        found: dict[int, list[int]] = {}
+        extra_set = set(extra)
+        taken: set[int] = set()
+        for tid in self.unopened:
+            tn = self.tnodes[tid]
+            sources = frozenset().union(*self.reqs.get(tid, [])) if self.reqs.get(tid) else frozenset()
+            seen: set[int] = set()
+            queue = deque(c for gid in sorted(sources) for v in self._out_values(gid) for c in self.consumers.get(v, ()))
+            while queue:
+                oid = queue.popleft()
+                if oid in seen or oid in self.matched or self.onodes[oid].kind != "function":
+                    continue
+                seen.add(oid)
+                for r in self.onodes[oid].outputs:
+                    queue.extend(self.consumers.get(r.obj_id, ()))
+            scope = tn.module_path
+            mine = [
+                oid for oid in sorted(seen)
+                if oid in extra_set and oid not in taken
+                and ((s := self.onodes[oid].meta.get("scope")) is None or not scope
+                     or s == scope or str(s).startswith(scope + "."))
+            ]
+            taken.update(mine)
+            found[tid] = mine
+        return found
 
     def _absorb_merges(self) -> None:
         """An unmatched op fed from inside one call's region, as its rule allows, is that call's.
@@ -344,7 +422,7 @@ class _Matcher:
                 continue
             preds.setdefault(e.dst, []).append(e.src)
         live: set[int] = set()
-        stack = [n.id for n in self.tnodes if n.kind == "output"]
+        stack = [n.id for n in self.out_nodes]
         if not stack:
             return {n.id for n in self.tnodes}
         while stack:
@@ -371,7 +449,12 @@ class _Matcher:
         # a BatchNorm after a Conv that is missing would have been folded into it
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
         outs: list[frozenset[int]] | None = None
-        if eq is None:
+        through_unopened = any(r.obj_id in self.unopened_values for r in data_in)
+        if eq is None and tn.kind == "module":  # a layer no rule knows: a graph alone cannot open it
+            self.unopened.append(tn.id)
+            through_unopened = True
+            tn_out = passthrough
+        elif eq is None:
             self._add_missing(tn)
             tn_out = passthrough
         else:
@@ -384,10 +467,8 @@ class _Matcher:
             simpler = self._simplification(tn, eq, data_in, call_key)
             # an op right where the inputs are, or none at all (not one further on, named by its scope)
             strict = can_fold or simpler is not None
-            found = (
-                self._find(tn, eq, reqs, max_skipped=0 if strict else MAX_SKIPPED, anchored=simpler is None)
-                if eq.patterns else None
-            )
+            skipped = 0 if strict else _UNOPENED_SKIPPED if through_unopened else MAX_SKIPPED
+            found = self._find(tn, eq, reqs, max_skipped=skipped, anchored=simpler is None) if eq.patterns else None
             if found is not None:
                 key, region = found
                 self._new_group(tn.id, region, key)
@@ -415,6 +496,8 @@ class _Matcher:
         for i, r in enumerate(tn.outputs):
             self.tensor_groups[r.obj_id] = outs[i] if outs is not None and i < len(outs) else tn_out
             self.written_by[r.obj_id] = tn.id
+        if through_unopened and tn.id not in self.groups:  # passed on, still behind the unknown ops
+            self.unopened_values.update(r.obj_id for r in tn.outputs)
         self.calls.setdefault(call_key, tn.id)
 
     def _call_key(self, tn: Node) -> tuple[Any, ...]:
@@ -886,6 +969,11 @@ def _pair_inputs(t_inputs: list[Node], o_inputs: list[Node]) -> tuple[list[tuple
 
 
 # -- the report -----------------------------------------------------------------------------------
+def _output_label(n: Node) -> str:
+    """``logits``, ``past_key_values.layers[0].keys``: which of the model's outputs a trace output node is."""
+    return str(n.meta.get("cache") or n.name.removeprefix("output_").removeprefix("output"))
+
+
 def _trace_label(n: Node) -> str:
     if n.kind == "input":
         return f"input {n.name}"
@@ -923,6 +1011,36 @@ class _Texts:
         scope = n.meta.get("scope")
         return f"'{_onnx_name(n)}' [{n.meta.get('op_type')}]" + (f" in {scope or '<root>'}" if scope is not None else "")
 
+    def outputs_of(self, side: str, gid: int) -> str:
+        """`` (past_key_values.layers[0].keys, ...)``: which graph outputs a group feeds, on one side."""
+        if side == "trace":
+            names = self.r.outputs_fed.get(gid, [])
+        else:
+            out = next((n for n in self.o.nodes if n.kind == "output"), None)
+            labels = list(out.meta.get("names", [])) if out is not None else []
+            position = {r.obj_id: i for i, r in enumerate(out.inputs)} if out is not None else {}
+            matched = {o for g in self.r.groups.values() for o in g.onodes}
+            consumers: dict[int, list[int]] = {}
+            for n in self.o.nodes:
+                for r in n.inputs:
+                    consumers.setdefault(r.obj_id, []).append(n.id)
+            names, seen = [], set()
+            queue = deque(r.obj_id for oid in sorted(self.r.groups[gid].onodes) for r in self.o.nodes[oid].outputs)
+            while queue:
+                v = queue.popleft()
+                if v in seen:
+                    continue
+                seen.add(v)
+                if v in position and position[v] < len(labels):
+                    names.append(labels[position[v]])
+                for c in consumers.get(v, ()):
+                    if c not in matched and self.o.nodes[c].kind == "function":
+                        queue.extend(r.obj_id for r in self.o.nodes[c].outputs)
+        names = [n for n in dict.fromkeys(names) if n]
+        if not names:
+            return ""
+        return f" ({', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''})"
+
     def onnx_neighbours(self, oid: int, forward: bool) -> list[str]:
         """Labels of the nearest matched calls before (or after) an ONNX node."""
         m = {o: g for g in self.r.groups.values() for o in g.onodes}
@@ -955,7 +1073,8 @@ class _Texts:
 
 
 def _build_report(
-    trace: Graph, og: Graph, result: _Result, exporter: str | None, opened: list[str] | None = None
+    trace: Graph, og: Graph, result: _Result, exporter: str | None, opened: list[str] | None = None,
+    source: str | None = None,
 ) -> TopologyReport:
     tx = _Texts(trace, og, result)
     wiring = {n.id for n in og.nodes if n.kind == "function" and n.meta.get("wiring")}
@@ -968,14 +1087,15 @@ def _build_report(
     extra = [_onnx_name(og.nodes[i]) for i in result.extra + result.unmatched_inputs[1]]
     rewired: list[str] = []
     for side, s, d in result.rewired:
+        into = tx.outputs_of(side, s) if d == _OUTPUT_GROUP else ""  # which outputs: a cache's, say
         if side == "trace":
             rewired.append(
-                f"trace edge {tx.group(s)} -> {tx.group(d)} has no ONNX path from {tx.group_onnx(s)} "
+                f"trace edge {tx.group(s)} -> {tx.group(d)}{into} has no ONNX path from {tx.group_onnx(s)} "
                 f"to {tx.group_onnx(d)} that avoids other matched ops"
             )
         elif side == "onnx":
             rewired.append(
-                f"ONNX connects {tx.group_onnx(s)} -> {tx.group_onnx(d)} ({tx.group(s)} -> {tx.group(d)}), "
+                f"ONNX connects {tx.group_onnx(s)} -> {tx.group_onnx(d)}{into} ({tx.group(s)} -> {tx.group(d)}), "
                 "an edge the trace does not have"
             )
         else:
@@ -989,7 +1109,13 @@ def _build_report(
                 f"trace ({names(t_order)}), ONNX ({names(o_order)})"
             )
     elided = [(_trace_label(trace.nodes[i]), how) for i, how in result.elided]
-    ok = not (missing or extra or rewired)
+    not_opened = [_trace_label(trace.nodes[i]) for i in result.unopened]
+    ok = not (missing or extra or rewired or not_opened)
+    verdict = (
+        "the export has the topology of the trace" if ok
+        else "the export DIFFERS from the trace" if missing or extra or rewired
+        else f"INCOMPLETE: {len(not_opened)} layer call{'s' if len(not_opened) > 1 else ''} not opened"
+    )
 
     kinds = Counter(
         how.split()[0].rstrip(":") if how.startswith(("folded", "simplified"))
@@ -997,15 +1123,25 @@ def _build_report(
         for _, how in elided
     )
     how_elided = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    what = f" ({exporter} exporter)" if exporter else f" ({source})" if source else ""
     lines = [
-        f"ONNX cross-check{f' ({exporter} exporter)' if exporter else ''}: "
-        + ("the export has the topology of the trace" if ok else "the export DIFFERS from the trace"),
+        f"ONNX cross-check{what}: {verdict}",
         f"  {len(matched)} traced calls matched to {sum(len(o) for _, o in matched)} ONNX nodes; "
         f"{len(elided)} elided{f' ({how_elided})' if how_elided else ''}; "
-        f"{len(missing)} missing, {len(extra)} extra, {len(rewired)} rewired",
+        f"{len(missing)} missing, {len(extra)} extra, {len(rewired)} rewired"
+        + (f", {len(not_opened)} not opened" if not_opened else ""),
     ]
     if opened:
         lines.append(f"  compared as the calls they make (no ONNX rule): {', '.join(opened)}")
+    if result.left_out:
+        lines.append(f"  outputs the export does not return, left out: {', '.join(result.left_out)}")
+    if not_opened:
+        lines.append("not opened (layers no ONNX rule knows, with a forward of their own: a graph alone does not "
+                     "show what they call; pass the model to open them, fwdtrace.check_onnx(model, x, onnx=proto), "
+                     "or declare them with fwdtrace.onnx_equivalent):")
+        for i in result.unopened:
+            ops = [_onnx_name(og.nodes[o]) for o in result.unopened[i]]
+            lines.append(f"  - {_trace_label(trace.nodes[i])}" + (f", unchecked: {', '.join(ops)}" if ops else ""))
     if result.missing or result.unmatched_inputs[0]:
         lines.append("missing (in the trace, not in the ONNX graph):")
         for i in result.missing + result.unmatched_inputs[0]:
@@ -1034,19 +1170,27 @@ def _build_report(
             lines.append(f"  {t.ljust(width)}  <->  {', '.join(o)}")
         for lbl, how in folded:
             lines.append(f"  {lbl.ljust(width)}  <->  {how}")
-    return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []))
+    return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []),
+                          not_opened)
 
 
 def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
-    """A .onnx file as a ModelProto, or a FwdtraceError saying what is wrong with the file."""
+    """A .onnx file as a ModelProto, or a FwdtraceError saying what is wrong with the file.
+
+    Weights in an external-data file stay there: only the few small tensors shape inference
+    reads are loaded (the comparison needs the topology, not the weights).
+    """
     import onnx
     from google.protobuf.message import DecodeError
+
+    from .export import _load_small_external_data
 
     where = str(path)
     if os.path.isdir(path):
         raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which is a folder")
     try:
-        proto = onnx.load(os.fspath(path))
+        proto = onnx.load(os.fspath(path), load_external_data=False)
+        _load_small_external_data(proto, os.path.dirname(os.path.abspath(path)))
     except FileNotFoundError:
         raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which does not exist") from None
     except (DecodeError, ValueError, OSError, RuntimeError) as e:
@@ -1059,11 +1203,22 @@ def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
 def _compare(graph: Graph, proto: Any, caller: str = "compare_onnx()") -> tuple[Graph, _Result]:
     if not isinstance(graph, Graph):
         raise FwdtraceError(f"{caller} expected a fwdtrace.Graph (from fwdtrace.trace) as graph, got {describe(graph)}")
-    if isinstance(proto, (str, os.PathLike)):
-        proto = _load_onnx_file(proto, caller)
+    proto = _onnx_model(proto, caller)
     og = onnx_graph(proto, prune=True)
     matcher = _Matcher(graph, og)
     return og, matcher.run()
+
+
+def _onnx_model(proto: Any, caller: str, what: str = "the ONNX model") -> Any:
+    """``proto`` as a ModelProto: read from a path (without its external weights), or checked."""
+    if isinstance(proto, (str, os.PathLike)):
+        return _load_onnx_file(proto, caller)
+    import onnx
+
+    if not isinstance(proto, onnx.ModelProto):
+        raise FwdtraceError(f"{caller} expected {what} as an onnx.ModelProto or a path to a .onnx file, "
+                            f"got {describe(proto)}")
+    return proto
 
 
 def compare_onnx(graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str]) -> TopologyReport:
@@ -1077,13 +1232,19 @@ def compare_onnx(graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str]) 
     (True, 3)
 
     See :class:`TopologyReport` for what it returns and the module docstring for how it matches.
+    A graph alone cannot show what a layer no ONNX rule knows calls inside (a custom layer
+    with a ``forward`` of its own, timm's ``LayerNorm2d``): such calls are reported apart as
+    ``not_opened`` and the report's ``status`` is ``'incomplete'`` (``ok`` False, but no
+    mismatch), with the hint to pass the model: ``check_onnx(model, x, onnx=proto)`` opens them.
     """
     og, result = _compare(graph, proto)
-    return _build_report(graph, og, result, None)
+    return _build_report(graph, og, result, None, source=str(proto) if isinstance(proto, (str, os.PathLike)) else None)
 
 
-def check_onnx(model: Any, *args: Any, exporter: str = "dynamo", **kwargs: Any) -> TopologyReport:
-    """Trace ``model(*args, **kwargs)``, export it with ``exporter`` and diff the two graphs.
+def check_onnx(
+    model: Any, *args: Any, exporter: str | None = None, onnx: Any = None, verbose: bool = False, **kwargs: Any
+) -> TopologyReport:
+    """Trace ``model(*args, **kwargs)`` and diff it with its ONNX export, or with a given ONNX model.
 
     >>> import torch, fwdtrace
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
@@ -1091,22 +1252,43 @@ def check_onnx(model: Any, *args: Any, exporter: str = "dynamo", **kwargs: Any) 
     >>> report.ok, report.elided
     (True, [('1 (BatchNorm2d)', 'folded into /0/Conv')])
 
-    ``exporter`` is one of torch's, ``"dynamo"`` or ``"torchscript"``, or ``"fwdtrace"``:
-    fwdtrace's own emission (:func:`fwdtrace.to_onnx`), checked against the trace.
+    ``onnx`` checks a given ONNX model instead of exporting one: a path to a ``.onnx`` file
+    (external-data weights are not read) or an ``onnx.ModelProto``. That is how to check a
+    file a pipeline produced: ``check_onnx(model, x, onnx="model.onnx")``, with the inputs
+    it was exported for. Otherwise ``exporter`` is one of torch's, ``"dynamo"`` (the
+    default) or ``"torchscript"``, or ``"fwdtrace"``: fwdtrace's own emission
+    (:func:`fwdtrace.to_onnx`), checked against the trace; ``exporter`` and ``onnx``
+    together are an error.
     Put the model in eval mode first if that is how you deploy it: exporters fold
     BatchNorm and drop dropout only in eval mode, and the trace runs the model as it is.
     Layers no ONNX rule knows (a custom layer with a forward of its own) are traced again
     as the torch calls they make and compared as those; ``report.opened`` names them.
+    A returned transformers cache (``past_key_values``) is compared when the ONNX model
+    returns its tensors, and left out (said in the report) when it returns the other outputs only.
+    The exporters' own warnings and prints are kept quiet (see :func:`fwdtrace.export_onnx`);
+    ``verbose=True`` shows them.
     """
+    if exporter is not None and onnx is not None:
+        raise FwdtraceError(
+            f"check_onnx() expected exporter= (export the model) or onnx= (check a given ONNX model), not both: "
+            f"got exporter={exporter!r} and onnx={describe(onnx) if not isinstance(onnx, (str, os.PathLike)) else str(onnx)!r}"
+        )
+    if onnx is not None:
+        proto = _onnx_model(onnx, "check_onnx()", "onnx=")  # read before the model runs: a bad path fails fast
+        graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
+        og, result = _compare(graph, proto, "check_onnx()")
+        source = str(onnx) if isinstance(onnx, (str, os.PathLike)) else "the given ONNX model"
+        return _build_report(graph, og, result, None, opened, source=source)
+    exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
         raise FwdtraceError(f"check_onnx() expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got {exporter!r}")
     graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
     if exporter == "fwdtrace":
         from .emit import to_onnx
 
-        proto = to_onnx(model, *args, **kwargs)
-    else:
-        proto = _export(model, args, kwargs, exporter, None, None, weights=False)  # a large model's weights stay on disk
+        proto = to_onnx(model, *args, verbose=verbose, **kwargs)
+    else:  # a large model's weights stay on disk
+        proto = _export(model, args, kwargs, exporter, None, None, weights=False, verbose=verbose)
     og, result = _compare(graph, proto)
     return _build_report(graph, og, result, exporter, opened)
 

@@ -34,6 +34,7 @@ import torch
 from .._tree import tensors_of
 from ..errors import FwdtraceError, describe, one_line, shapes_text
 from ..names import UniqueNames
+from ._quiet import quiet
 from .export import _cause_chain, _import_onnx, _input_names, _quiet_exporter_logs, _write_onnx
 
 if TYPE_CHECKING:
@@ -279,6 +280,7 @@ def to_onnx(
     *args: Any,
     path: str | os.PathLike[str] | None = None,
     opset: int | None = None,
+    verbose: bool = False,
     **kwargs: Any,
 ) -> onnx.ModelProto:
     """Run ``model(*args, **kwargs)`` once, eagerly, and return what it ran as an ONNX model.
@@ -306,7 +308,9 @@ def to_onnx(
     ``opset`` is the ONNX opset, 18 (torchlib's) to 23; the model is emitted at 18 and converted.
     ``path`` also writes the model there, whole or not at all. Ops that ONNX has no
     translation for raise a :class:`~fwdtrace.FwdtraceError` naming each of them, with the
-    module it ran in and a stub to register with :func:`fwdtrace.onnx_symbolic`.
+    module it ran in and a stub to register with :func:`fwdtrace.onnx_symbolic`. What torch
+    and onnxscript warn and print meanwhile goes to the ``fwdtrace.onnx`` logger at DEBUG;
+    ``verbose=True`` shows it as they print it.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"to_onnx() expected a torch.nn.Module as model, got {describe(model)}")
@@ -317,8 +321,9 @@ def to_onnx(
     _import_onnx()
     token = _symbolic_calls.set({})
     try:
-        gm, record = _record(model, args, kwargs)
-        proto = _emit(gm, record, opset)
+        with quiet("to_onnx()", verbose):
+            gm, record = _record(model, args, kwargs)
+            proto = _emit(gm, record, opset)
     finally:
         _symbolic_calls.reset(token)
     if path is not None:

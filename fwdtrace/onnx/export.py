@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -24,9 +25,10 @@ import torch
 
 from .._files import AtomicFile
 from .._tree import tensors_of
-from ..errors import FwdtraceError, describe
+from ..errors import FwdtraceError, FwdtraceWarning, describe
 from ..graph import Graph
 from ..node import Scope, TensorRef
+from ._quiet import quiet, user_stacklevel
 
 if TYPE_CHECKING:
     import onnx
@@ -61,6 +63,7 @@ def export_onnx(
     exporter: str = "dynamo",
     path: str | os.PathLike[str] | None = None,
     opset_version: int | None = None,
+    verbose: bool = False,
     **kwargs: Any,
 ) -> onnx.ModelProto:
     """Export ``model(*args, **kwargs)`` with torch's ONNX exporter and return the ModelProto.
@@ -74,8 +77,16 @@ def export_onnx(
     ``exporter`` is ``"dynamo"`` (torch.export based, torch's default; needs onnxscript) or
     ``"torchscript"`` (the legacy ``dynamo=False`` exporter). Keyword inputs go to the
     model as keyword inputs. Outputs that are dicts, dataclasses or transformers'
-    ``ModelOutput`` become the flat list of their tensors, in order. When the exporter fails,
-    the error names it, quotes its first line and suggests the other exporter.
+    ``ModelOutput`` become the flat list of their tensors, in order, a returned KV cache's
+    key and value tensors included (where the TorchScript exporter cannot export the cache,
+    as on Mamba's, the export leaves it out and a :class:`~fwdtrace.errors.FwdtraceWarning`
+    says so). When the exporter fails, the error names it, quotes its first line and
+    suggests the other exporter.
+
+    What torch's exporters and onnxscript warn and print while they run is not shown: a
+    warning in fwdtrace's words says what matters (a TorchScript trace that read values
+    from tensors), and the rest goes to the ``fwdtrace.onnx`` logger at DEBUG.
+    ``verbose=True`` shows their output as they print it.
 
     ``path`` also writes the model to a file, whole or not at all (written beside it, then
     moved in place). A model whose parameters and buffers exceed
@@ -85,7 +96,7 @@ def export_onnx(
     file instead of holding the weights (``onnx.load(path)`` reads them); without ``path``
     the weights are loaded into the proto returned.
     """
-    return _export(model, args, kwargs, exporter, opset_version, path, weights=True)
+    return _export(model, args, kwargs, exporter, opset_version, path, weights=True, verbose=verbose)
 
 
 def _export(
@@ -96,6 +107,7 @@ def _export(
     opset_version: int | None,
     path: str | os.PathLike[str] | None,
     weights: bool,
+    verbose: bool = False,
 ) -> onnx.ModelProto:
     """export_onnx's work; ``weights=False`` (for check_onnx) leaves a large model's weights unread.
 
@@ -108,7 +120,7 @@ def _export(
         raise FwdtraceError(f"export_onnx() expected exporter 'dynamo' or 'torchscript', got {exporter!r}")
     onnx_mod = _import_onnx()
     if _weight_bytes(model) <= EXTERNAL_DATA_THRESHOLD:
-        proto = _run_exporter(model, args, kwargs, exporter, opset_version, None)
+        proto = _run_exporter(model, args, kwargs, exporter, opset_version, None, verbose)
         if path is not None:
             _write_onnx(proto, os.fspath(path), None)
         return proto
@@ -118,7 +130,7 @@ def _export(
         raise FwdtraceError(f"export_onnx() expected path in an existing folder, got {target!r}")
     with tempfile.TemporaryDirectory(prefix=".fwdtrace-export-", dir=folder) as tmp:
         source = os.path.join(tmp, "model.onnx")
-        _run_exporter(model, args, kwargs, exporter, opset_version, source)
+        _run_exporter(model, args, kwargs, exporter, opset_version, source, verbose)
         proto = onnx_mod.load(source, load_external_data=False)
         if target is not None:
             _write_onnx(proto, target, tmp)  # large tensors now refer to the data file beside it
@@ -136,16 +148,48 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def _run_exporter(
     model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], exporter: str, opset_version: int | None,
-    file: str | None,
+    file: str | None, verbose: bool = False,
 ) -> Any:
-    """Run torch's exporter: into memory (returns the ModelProto), or into ``file`` with external data."""
+    """Run torch's exporter quietly: into memory (returns the ModelProto), or into ``file`` with external data.
+
+    A returned KV cache is part of the outputs. The TorchScript exporter cannot export every
+    cache's writes (Mamba's ``copy_`` into its states): then it runs again without the cache,
+    and a warning says so; the comparison leaves out outputs an export does not return.
+    """
+    # the TorchScript exporter writes its "Torch IR graph at exception" dump from C++
+    with quiet(f"the {exporter} exporter", verbose, fds=exporter == "torchscript"):
+        try:
+            return _run_exporter_once(model, args, kwargs, exporter, opset_version, file, True)
+        except _CacheNotExported as e:
+            proto = _run_exporter_once(model, args, kwargs, exporter, opset_version, file, False)
+            why = _first_line(e.error)
+    warnings.warn(  # outside the capture, which would keep it from the user
+        f"the {exporter} exporter could not export {type(model).__name__}'s returned cache ({why}): "
+        "the ONNX model returns the other outputs only", FwdtraceWarning, stacklevel=user_stacklevel(),
+    )
+    return proto
+
+
+class _CacheNotExported(Exception):
+    """The TorchScript exporter failed on a model whose outputs included a KV cache's tensors."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _run_exporter_once(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], exporter: str, opset_version: int | None,
+    file: str | None, caches: bool,
+) -> Any:
     onnx_mod = _import_onnx()
+    opened: list[bool] = []  # set by the patched forward when it returned a cache's tensors
     other = EXPORTERS[1 - EXPORTERS.index(exporter)]
     if args and type(args[-1]) is dict:  # both exporters read a trailing dict as keyword arguments
         args = (*args, {})
     try:
         if exporter == "dynamo":
-            with _export_forward(model, _n_positional(args), ()), _quiet_exporter_logs():
+            with _export_forward(model, _n_positional(args), (), caches=opened), _quiet_exporter_logs():
                 program = torch.onnx.export(
                     model, args, kwargs=kwargs or None, dynamo=True, verbose=False, opset_version=opset_version
                 )
@@ -166,7 +210,8 @@ def _run_exporter(
             positions = (*args[:n_args], *(kwargs[k] for k in tensor_kw))
             if positions and type(positions[-1]) is dict:
                 positions = (*positions, {})
-            with _export_forward(model, n_args, tuple(tensor_kw), consts), _quiet_exporter_logs():
+            with _export_forward(model, n_args, tuple(tensor_kw), consts, opened if caches else None), \
+                    _quiet_exporter_logs():
                 torch.onnx.export(
                     model, positions, cast(Any, file or buffer), dynamo=False,
                     opset_version=opset_version, input_names=_input_names(model, n_args) + tensor_kw,
@@ -175,6 +220,8 @@ def _run_exporter(
     except FwdtraceError:
         raise
     except Exception as e:
+        if any(opened) and exporter == "torchscript":
+            raise _CacheNotExported(e) from e
         root = _cause_chain(e)[-1]
         why = f"{type(e).__name__}: {_first_line(e)}"
         if root is not e:  # the dynamo exporter wraps the real reason in its step messages
@@ -340,14 +387,17 @@ def _needs_flattening(out: Any) -> bool:
 
 @contextlib.contextmanager
 def _export_forward(
-    model: torch.nn.Module, n_args: int, keywords: tuple[str, ...], consts: dict[str, Any] | None = None
+    model: torch.nn.Module, n_args: int, keywords: tuple[str, ...], consts: dict[str, Any] | None = None,
+    caches: list[bool] | None = None,
 ) -> Iterator[None]:
     """While active, ``model``'s forward takes keyword tensors by position and returns plain outputs.
 
     Positions after the first ``n_args`` go back to the forward as ``keywords``, with
     ``consts`` added. Both exporters refuse dataclass outputs and the TorchScript one
     refuses ModelOutput: such outputs become the tuple of their tensors, decided while the
-    exporter runs the model (no extra forward). The forward is patched on the instance, not
+    exporter runs the model (no extra forward). With ``caches`` (a list), a returned KV
+    cache's tensors are outputs too, as they are the trace's, and ``True`` is appended to
+    the list when there was one. The forward is patched on the instance, not
     wrapped in a parent module, so scopes and parameter names in the export stay ``model``'s.
     """
     forward = model.forward
@@ -363,7 +413,12 @@ def _export_forward(
             k = {**k, **fixed, **dict(zip(keywords, a[n_args:], strict=False))}
             a = a[:n_args]
         out = forward(*a, **k)
-        return tuple(tensors_of(out)) if _needs_flattening(out) else out
+        if not _needs_flattening(out):
+            return out
+        flat = tensors_of(out, caches=caches is not None)
+        if caches is not None and len(flat) > len(tensors_of(out)):
+            caches.append(True)
+        return tuple(flat)
 
     if isinstance(model, torch.jit.ScriptModule):  # compiled: no Python forward to wrap
         yield
@@ -578,5 +633,5 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
             meta={"onnx_name": node.name or f"{node.op_type}_{i}", "op_type": node.op_type, "data": data,
                   "scope": scope_path},
         )
-    graph.add_node("output", "output", inputs=[ref(o.name) for o in g.output])
+    graph.add_node("output", "output", inputs=[ref(o.name) for o in g.output], meta={"names": [o.name for o in g.output]})
     return graph

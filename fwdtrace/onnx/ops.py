@@ -262,14 +262,51 @@ def inherited_rule_target(target: str) -> str | None:
 def rule_target(target: str) -> str | None:
     """The registered target whose rule applies to ``target`` (itself, its canonical name or an ancestor).
 
-    A torch function no rule names gets one derived from onnxscript's torchlib, the table
-    the dynamo exporter itself emits with (``torch.addcmul`` is ``aten::addcmul``: Mul*2+Add).
+    A torch op with an :func:`fwdtrace.onnx_symbolic` and no rule gets one derived from the
+    ONNX ops its symbolic emits. A torch function no rule names gets one derived from
+    onnxscript's torchlib, the table the dynamo exporter itself emits with (``torch.addcmul``
+    is ``aten::addcmul``: Mul*2+Add).
     """
     _load_plugins_once()
     name = canonical_target(target)
     if name in _RULES:
         return name
-    return inherited_rule_target(name) or _torchlib_rule(name)
+    return inherited_rule_target(name) or _symbolic_rule(name) or _torchlib_rule(name)
+
+
+# torch op -> (its symbolic, the rule derived from it): re-derived when the symbolic changes
+_symbolic_rules: dict[str, tuple[Any, _Rule]] = {}
+
+
+def _symbolic_rule(name: str) -> str | None:
+    """``name`` when a torch op of that name has a symbolic (``mylib.twice``), its rule derived; else None.
+
+    Layer classes are left out: torch's exporters do not run a layer's symbolic, they export
+    what its forward calls, which check_onnx compares by opening the layer.
+    """
+    from .emit import _SYMBOLICS
+
+    fn = _SYMBOLICS.get(name)
+    if fn is None or _class_named(name) is not None:
+        return None
+    done = _symbolic_rules.get(name)
+    if done is None or done[0] is not fn:
+        pattern = _symbolic_pattern(fn)
+        if pattern is None:
+            return None
+        done = _symbolic_rules[name] = (fn, _Rule((lambda node: pattern or None), False, frozenset()))
+    return name
+
+
+def _symbolic_pattern(fn: Any) -> str | None:
+    """The pattern of the ONNX ops a symbolic emits, read from the function (as torchlib's are), or None."""
+    try:
+        proto = getattr(fn, "to_function_proto", None)  # an onnxscript function
+        ops = [n.op_type for n in proto().node] if proto is not None else _OP_CALL.findall(inspect.getsource(fn))
+    except (OSError, TypeError, AttributeError):
+        return None
+    counts = Counter(op for op in ops if op not in _NOT_WORK)
+    return "+".join(f"{op}*{n}" for op, n in sorted(counts.items()))
 
 
 # ONNX ops of torchlib's functions that carry no computation of their own.
@@ -342,7 +379,7 @@ def equivalence_for(node: Node) -> Equivalence | None:
     name = rule_target(node.target)
     if name is None:
         return None
-    rule = _RULES[name]
+    rule = _RULES[name] if name in _RULES else _symbolic_rules[name][1]
     result = rule.fn(node)
     texts = (result,) if isinstance(result, str) else tuple(result or ())
     key = (texts, rule.optional, rule.folds_into)

@@ -1,0 +1,278 @@
+"""One comparison whatever the caller has: a given ONNX file, a graph alone, caches, symbolics, quiet exports.
+
+References: onnxruntime runs what is compared (the exports are right), and check_onnx, which
+has the model, is the reference compare_onnx must never contradict.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from test_onnx_export import run_ort
+
+import fwdtrace
+from fwdtrace import FwdtraceError
+from fwdtrace.errors import FwdtraceWarning
+from fwdtrace.onnx import export as onnx_export
+
+
+class LayerNorm2d(torch.nn.LayerNorm):
+    """timm's LayerNorm2d: a LayerNorm subclass with a forward of its own (permute, layer_norm, permute)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class ConvNeXtish(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3)
+        self.norm = LayerNorm2d(8)
+        self.head = torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.stem(x))))
+
+
+def _convnextish() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return ConvNeXtish().eval(), torch.randn(1, 3, 8, 8)
+
+
+def _export(model: torch.nn.Module, x: torch.Tensor, exporter: str) -> onnx.ModelProto:
+    return fwdtrace.to_onnx(model, x) if exporter == "fwdtrace" else fwdtrace.export_onnx(model, x, exporter=exporter)
+
+
+def _drop_relu(proto: onnx.ModelProto) -> onnx.ModelProto:
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    (relu,) = [n for n in p.graph.node if n.op_type == "Relu"]
+    for n in p.graph.node:
+        n.input[:] = [relu.input[0] if i == relu.output[0] else i for i in n.input]
+    p.graph.node.remove(relu)
+    return p
+
+
+# -- a graph alone: layers it cannot open are reported apart --------------------------------------
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript", "fwdtrace"])
+def test_compare_onnx_and_check_onnx_agree_on_a_layer_with_its_own_forward(exporter: str) -> None:
+    model, x = _convnextish()
+    proto = _export(model, x, exporter)
+    np.testing.assert_allclose(run_ort(proto, x)[0], model(x).detach().numpy(), rtol=1e-4, atol=1e-5)
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, x), proto)
+    checked = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert checked.status == "ok" and checked.ok, checked.text
+    assert checked.opened == [f"{__name__}.LayerNorm2d"]
+    # neither ok nor a mismatch: the layer's ONNX op is its, unchecked, and the hint says what to do
+    assert (alone.status, alone.ok, alone.missing, alone.extra, alone.rewired) == ("incomplete", False, [], [], [])
+    assert alone.not_opened == ["norm (LayerNorm2d)"]
+    assert alone.text.startswith("ONNX cross-check: INCOMPLETE: 1 layer call not opened")
+    assert "fwdtrace.check_onnx(model, x, onnx=proto)" in alone.text
+    assert alone.to_dict()["status"] == "incomplete"
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_real_difference_beside_a_layer_not_opened_is_still_a_mismatch(exporter: str) -> None:
+    model, x = _convnextish()
+    tampered = _drop_relu(_export(model, x, exporter))
+    assert np.abs(run_ort(tampered, x)[0] - model(x).detach().numpy()).max() > 1e-3  # the tampering is real
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, x), tampered)
+    checked = fwdtrace.check_onnx(model, x, onnx=tampered)
+    assert checked.status == alone.status == "mismatch"
+    assert alone.missing == checked.missing == ["relu = torch.relu"]
+
+
+# -- check_onnx(onnx=...) -------------------------------------------------------------------------
+def test_check_onnx_checks_a_file_a_pipeline_wrote(tmp_path) -> None:
+    model, x = _convnextish()
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=False)  # the pipeline's own export, not fwdtrace's
+    report = fwdtrace.check_onnx(model, x, onnx=path)
+    assert report.ok, report.text
+    assert report.exporter is None and report.text.startswith(f"ONNX cross-check ({path}): the export has")
+    assert fwdtrace.check_onnx(model, x, onnx=str(path)).ok
+    assert not fwdtrace.check_onnx(model, x, onnx=_drop_relu(onnx.load(str(path)))).ok
+
+
+def test_check_onnx_reads_an_external_data_file_without_its_weights(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)  # every model goes through external data
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).eval(), torch.randn(2, 64)
+    path = tmp_path / "model.onnx"
+    fwdtrace.export_onnx(model, x, exporter="torchscript", path=path)
+    assert os.path.getsize(str(path) + ".data") >= 64 * 64 * 4  # the weights are there, beside it
+    os.remove(str(path) + ".data")  # read the weights, and the check would fail
+    report = fwdtrace.check_onnx(model, x, onnx=path)
+    assert report.ok, report.text
+    assert fwdtrace.compare_onnx(fwdtrace.trace(model, x), path).ok
+
+
+def test_check_onnx_refuses_an_exporter_and_a_file_together(tmp_path) -> None:
+    model, x = _convnextish()
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected exporter= \(export the model\) or onnx= "
+                                            r"\(check a given ONNX model\), not both: got exporter='dynamo' and onnx="):
+        fwdtrace.check_onnx(model, x, exporter="dynamo", onnx=tmp_path / "model.onnx")
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected onnx= as an onnx.ModelProto or a path"):
+        fwdtrace.check_onnx(model, x, onnx=42)
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected a .onnx file, got .*which does not exist"):
+        fwdtrace.check_onnx(model, x, onnx=tmp_path / "missing.onnx")
+
+
+# -- caches ---------------------------------------------------------------------------------------
+def _gpt2() -> tuple[torch.nn.Module, torch.Tensor]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval(), torch.randint(0, 50, (1, 8))
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript", "fwdtrace"])
+def test_a_model_returning_its_cache_agrees_with_every_exporter(exporter: str) -> None:
+    model, ids = _gpt2()
+    out = model(ids, use_cache=True)
+    eager = [out.logits] + [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    proto = fwdtrace.to_onnx(model, ids) if exporter == "fwdtrace" else fwdtrace.export_onnx(model, ids, exporter=exporter)
+    got = run_ort(proto, ids)
+    assert len(got) == len(eager) == 5  # the cache's tensors are outputs of the export
+    for a, b in zip(got, eager, strict=True):
+        np.testing.assert_allclose(a, b.detach().numpy(), rtol=1e-4, atol=1e-5)
+    report = fwdtrace.check_onnx(model, ids, exporter=exporter)
+    assert report.ok, report.text
+    assert fwdtrace.check_onnx(model, ids, onnx=proto).ok
+
+
+def test_a_cache_output_wired_elsewhere_is_named() -> None:
+    model, ids = _gpt2()
+    proto = fwdtrace.to_onnx(model, ids)
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    names = [o.name for o in p.graph.output]
+    for what in ("keys", "values"):  # layer 0's cache outputs now copy layer 1's
+        mine, other = f"past_key_values.layers.0.{what}", f"past_key_values.layers.1.{what}"
+        for n in p.graph.node:  # the model's own readers keep the original value
+            n.output[:] = [f"{o}_kept" if o == mine else o for o in n.output]
+            n.input[:] = [f"{o}_kept" if o == mine else o for o in n.input]
+        p.graph.node.append(onnx.helper.make_node("Identity", [other], [mine], name=f"copy_{what}"))
+    keys0 = names.index("past_key_values.layers.0.keys")
+    assert not np.allclose(run_ort(p, ids)[keys0], run_ort(proto, ids)[keys0])  # the tampering is real
+    report = fwdtrace.check_onnx(model, ids, onnx=p)
+    assert report.status == "mismatch"
+    (edge,) = report.rewired
+    assert edge.startswith("trace edge addmm = torch.addmm in transformer.h.0.attn.c_attn -> output "
+                           "(past_key_values.layers[0].keys, past_key_values.layers[0].values) has no ONNX path"), edge
+
+
+def test_an_export_without_the_cache_leaves_it_out_and_says_so() -> None:
+    model, ids = _gpt2()
+    proto = fwdtrace.export_onnx(model, ids, exporter="dynamo", use_cache=False)  # logits only
+    assert [o.name for o in proto.graph.output] == ["logits"]
+    report = fwdtrace.check_onnx(model, ids, onnx=proto)  # the model returns its cache: 5 outputs
+    assert report.ok, report.text
+    assert "outputs the export does not return, left out: past_key_values.layers[0].keys" in report.text
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_mamba_with_its_cache_stays_ok(exporter: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+                                      conv_kernel=4)
+    torch.manual_seed(0)
+    model, ids = transformers.MambaForCausalLM(config).eval(), torch.randint(0, 50, (1, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = fwdtrace.check_onnx(model, ids, exporter=exporter, use_cache=True)
+    assert report.ok, report.text
+    ours = [str(w.message) for w in caught if w.category is FwdtraceWarning]
+    if exporter == "torchscript":  # it cannot export Mamba's cache writes (aten::copy): exported without
+        assert any("could not export MambaForCausalLM's returned cache" in m for m in ours), ours
+        assert "outputs the export does not return, left out: cache_params" in report.text
+
+
+# -- symbolics ------------------------------------------------------------------------------------
+@torch.library.custom_op("fwdtrace_check::thrice", mutates_args=())
+def thrice(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+class Thrice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(thrice(x) + 1)
+
+
+def test_a_torch_op_with_a_symbolic_needs_no_equivalence(restore_rules) -> None:
+    @fwdtrace.onnx_symbolic("fwdtrace_check.thrice")
+    def thrice_onnx(op, x):
+        return op.Mul(x, op.CastLike(op.Constant(value_float=3.0), x))
+
+    model, x = Thrice(), torch.randn(2, 3)
+    proto = fwdtrace.to_onnx(model, x)
+    np.testing.assert_allclose(run_ort(proto, x)[0], model(x).numpy(), rtol=1e-6)
+    report = fwdtrace.check_onnx(model, x, exporter="fwdtrace")
+    assert report.ok, report.text
+    assert report.matched[0][0] == "thrice = fwdtrace_check.thrice"
+    fwdtrace.remove_onnx_symbolic("fwdtrace_check.thrice")
+    without = fwdtrace.compare_onnx(fwdtrace.trace(model, x), proto)  # nothing says what it became
+    assert without.missing == ["thrice = fwdtrace_check.thrice"]
+
+
+# -- quiet by default -----------------------------------------------------------------------------
+class Branchy(torch.nn.Module):
+    """A model whose TorchScript export reads a tensor as a Python value (a TracerWarning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y.relu() if bool(y.sum() > -1e9) else y
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_check_prints_nothing_of_other_libraries(exporter: str, capfd) -> None:
+    torch.manual_seed(0)
+    # torch.export refuses Branchy's branch on a value: dynamo gets a model without one
+    model, x = (Branchy().eval(), torch.randn(2, 4)) if exporter == "torchscript" else _convnextish()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fwdtrace.check_onnx(model, x, exporter=exporter).ok
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    foreign = [w for w in caught if w.category is not FwdtraceWarning]
+    assert foreign == [], [str(w.message) for w in foreign]
+    ours = [str(w.message) for w in caught if w.category is FwdtraceWarning]
+    if exporter == "torchscript":  # said once, in fwdtrace's words, with where
+        assert len(ours) == 1 and "values read from tensors as Python values (1 place: test_onnx_check.py:" in ours[0]
+
+
+def test_verbose_shows_the_exporters_own_output(capfd) -> None:
+    torch.manual_seed(0)
+    model, x = Branchy().eval(), torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fwdtrace.check_onnx(model, x, exporter="torchscript", verbose=True)
+    assert any(w.category.__name__ == "TracerWarning" for w in caught)
+    assert not any(w.category is FwdtraceWarning for w in caught)
+
+
+def test_a_failed_export_prints_only_fwdtraces_error(capfd, caplog) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2,
+                                      conv_kernel=4)
+    model, ids = transformers.MambaForCausalLM(config).eval(), torch.randint(0, 50, (1, 6))
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="fwdtrace.onnx"):
+        proto = fwdtrace.export_onnx(model, ids, exporter="torchscript", use_cache=True)
+    assert len(proto.graph.output) == 1
+    out, err = capfd.readouterr()
+    assert "Torch IR graph at exception" not in out + err  # torch's C++ dump of the failed first try
+    assert "Torch IR graph at exception" in caplog.text  # ... kept in the DEBUG log
