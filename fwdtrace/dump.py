@@ -375,7 +375,8 @@ class Dumper:
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
     naming the file, with every hook removed and the partial file deleted. Gradients of a
     module called several times are matched to its calls last first, the order backward
-    visits them.
+    visits them. The calls of functions registered with ``hook_forward``/``register_atomic``
+    (when :meth:`register` runs) are groups of their own, keyed as in a trace's graph.
     """
 
     def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False) -> None:
