@@ -3,7 +3,9 @@
 Layout (one file per registration): ``{directory}/{epoch}-epoch_{step}-step_dump.hdf5``
 (``..._rank{r}_dump.hdf5`` under ``torch.distributed``), one group per module call named
 ``{NNN}_{ClassName}`` in call order, holding datasets ``input0``, ``output0``,
-``grad_input0``, ``grad_output0``, ... Each tensor is written when its hook fires, never
+``grad_input0``, ``grad_output0``, ... A call of a function hooked by path (``hook_forward``,
+``register_atomic``) is a group of its own, ``{NNN}_{function_name}``, keyed as its graph node
+(``module_key`` ``"model.layers.0.self_attn.eager_attention_forward"``, ``function`` its path). Each tensor is written when its hook fires, never
 gathered in memory first. h5py is imported only here, when a dump is made or read.
 
 A dump is written under a temporary name in its folder (``{name}.partial-{random}``) and
@@ -29,6 +31,7 @@ import torch
 
 from ._files import AtomicFile
 from ._tree import dtype_name, iter_tensors, tensors_of
+from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
 from .keys import key2module
 
@@ -83,6 +86,9 @@ class _Call:
 
     name: str
     group: Any
+    # positional argument -> N of its dataset inputN: grad_inputN is named to match it, also
+    # where a non-tensor argument comes first (a hooked function's module, a flag)
+    input_numbers: dict[int, int] = field(default_factory=dict)
 
 
 class _Recording:
@@ -118,9 +124,10 @@ class _Recording:
         self.grads = grads
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
-        self.path2calls: dict[str, int] = {}
-        self.module2calls: dict[int, list[_Call]] = {}  # calls not yet through backward, per module
-        self.open_calls: dict[int, list[_Call]] = {}  # calls whose forward is running, per module
+        self.key2calls: dict[str, int] = {}
+        # per id() of a module or a function site: the calls not yet through backward, and those running
+        self.module2calls: dict[int, list[_Call]] = {}
+        self.open_calls: dict[int, list[_Call]] = {}
         self.skipped: list[str] = []
         self.forward_handles: list[Any] = []
         self.backward_handles: list[Any] = []
@@ -135,17 +142,30 @@ class _Recording:
 
     def _register(self, model: torch.nn.Module, grads: bool) -> None:
         root = model
-        for key, module in key2module(model).items():
-            path = key[: -len(type(module).__name__) - 1] if module is not root else ""
+        # (key, what takes the hooks, its module path, the group's class name, the function's path)
+        hooked: list[tuple[str, Any, str, str, str | None]] = [
+            (key, module, key[: -len(type(module).__name__) - 1] if module is not root else "", type(module).__name__, None)
+            for key, module in key2module(model).items()
+        ]
+        # Hooked functions' calls take the same hooks through their function sites (a site's hooks
+        # get the calling module as their first argument: the bookkeeping is by site, not by module).
+        hooked += [
+            (key, site, site.module_path, site.target.name, site.target.path)
+            for key, site in ModelCalls(model).registered_sites().items()
+        ]
+        for key, owner, path, class_name, function in hooked:
+            is_root = owner is root
             self.forward_handles.append(
-                module.register_forward_pre_hook(self._pre_hook(key, path, module is root), with_kwargs=True)
+                owner.register_forward_pre_hook(
+                    self._pre_hook(key, path, id(owner), class_name, function, is_root), with_kwargs=True
+                )
             )
             # always_call: torch runs the hook when the forward raises too, so a failed call is seen
             self.forward_handles.append(
-                module.register_forward_hook(self._post_hook(module is root), with_kwargs=True, always_call=True)
+                owner.register_forward_hook(self._post_hook(id(owner), is_root), with_kwargs=True, always_call=True)
             )
             if grads:
-                self.backward_handles.append(module.register_full_backward_hook(self._grad_hook(module is root)))
+                self.backward_handles.append(owner.register_full_backward_hook(self._grad_hook(id(owner), is_root)))
 
     def _remove_hooks(self) -> None:
         for h in self.forward_handles + self.backward_handles:
@@ -208,14 +228,14 @@ class _Recording:
             del self.file[name]
         self.order.clear()
         self.calls = 0
-        self.path2calls.clear()
+        self.key2calls.clear()
         self.module2calls.clear()
         self.open_calls.clear()
         self.skipped.clear()
         self.discarded += 1
         self.failed = None
 
-    def _pre_hook(self, key: str, path: str, is_root: bool) -> Any:
+    def _pre_hook(self, key: str, path: str, owner: int, class_name: str, function: str | None, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.forward_done or self.closed:
                 return
@@ -225,26 +245,33 @@ class _Recording:
                 self.root_depth += 1
             elif self.root_depth == 0:
                 return  # a submodule called on its own, before the step's forward
-            call_index = self.path2calls.get(path, 0)
-            self.path2calls[path] = call_index + 1
-            name = group_name(self.calls, type(module).__name__)
+            call_index = self.key2calls.get(key, 0)
+            self.key2calls[key] = call_index + 1
+            name = group_name(self.calls, class_name)
             try:
                 call = _Call(name, self.file.create_group(name, track_order=True))
                 call.group.attrs["module_key"] = key
                 call.group.attrs["module_path"] = path
                 call.group.attrs["call_index"] = call_index
-                call.group.attrs["class_name"] = type(module).__name__
+                call.group.attrs["class_name"] = class_name
+                if function is not None:
+                    call.group.attrs["function"] = function
             except Exception as e:
                 raise self._fail(e, name) from e
             self.calls += 1
             self._write_all(call, "input", (args, kwargs) if kwargs else args)
-            self.open_calls.setdefault(id(module), []).append(call)
+            number = 0
+            for position, arg in enumerate(args):
+                if isinstance(arg, torch.Tensor):
+                    call.input_numbers[position] = number
+                number += len(tensors_of(arg))
+            self.open_calls.setdefault(owner, []).append(call)
 
         return hook
 
-    def _post_hook(self, is_root: bool) -> Any:
+    def _post_hook(self, owner: int, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
-            stack = self.open_calls.get(id(module))
+            stack = self.open_calls.get(owner)
             if self.forward_done or self.closed or not stack:
                 return
             call = stack.pop()
@@ -258,7 +285,7 @@ class _Recording:
                 return
             self._write_all(call, "output", result)
             self._note_skipped(call, result)
-            self.module2calls.setdefault(id(module), []).append(call)
+            self.module2calls.setdefault(owner, []).append(call)
             if is_root:
                 self.root_depth -= 1
                 if self.root_depth == 0:
@@ -270,16 +297,18 @@ class _Recording:
 
         return hook
 
-    def _grad_hook(self, is_root: bool) -> Any:
+    def _grad_hook(self, owner: int, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            calls = self.module2calls.get(id(module))
+            calls = self.module2calls.get(owner)
             if not calls or self.closed:
                 return
             call = calls.pop()  # backward visits a module's calls last first
-            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)):
-                for i, g in enumerate(grads):
-                    if isinstance(g, torch.Tensor):
-                        self._write(call, f"{prefix}{i}", g)
+            for g_index, g in enumerate(grad_output):
+                if isinstance(g, torch.Tensor):
+                    self._write(call, f"grad_output{g_index}", g)
+            for position, g in enumerate(grad_input):
+                if isinstance(g, torch.Tensor):
+                    self._write(call, f"grad_input{call.input_numbers.get(position, position)}", g)
             if is_root and not calls:
                 self.backward_done = True
 
@@ -346,7 +375,8 @@ class Dumper:
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
     naming the file, with every hook removed and the partial file deleted. Gradients of a
     module called several times are matched to its calls last first, the order backward
-    visits them.
+    visits them. The calls of functions registered with ``hook_forward``/``register_atomic``
+    (when :meth:`register` runs) are groups of their own, keyed as in a trace's graph.
     """
 
     def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False) -> None:

@@ -1,6 +1,11 @@
-"""Module keys: the names every probe, dump and analysis row is addressed by.
+"""Keys: the names every probe, dump and analysis row is addressed by.
 
-A key is ``"{module_path}.{ClassName}"``, the root model being its class name alone.
+A module's key is ``"{module_path}.{ClassName}"``, the root model being its class name alone.
+A call of a function hooked by path (:func:`fwdtrace.hook_forward`, :func:`fwdtrace.register_atomic`)
+is keyed ``"{module_path}.{function_name}"`` by the module whose forward made it
+(``"model.layers.0.self_attn.eager_attention_forward"``), its name alone when the root's forward
+made it: the ``module_key`` of its node in a trace. Function keys exist once the model runs, so
+:func:`module_keys` lists them when given inputs.
 """
 
 from __future__ import annotations
@@ -8,13 +13,17 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .errors import FwdtraceError, describe
+from .registry import REGISTRY, resolve_any
 
-__all__ = ["module_keys", "module_key", "key2module", "select_modules", "closest_keys", "Selector"]
+__all__ = [
+    "module_keys", "module_key", "function_key", "key2module", "select_modules", "select_keys", "closest_keys",
+    "Selector",
+]
 
 Selector = str | type | Iterable[Any]
 
@@ -22,6 +31,12 @@ Selector = str | type | Iterable[Any]
 def module_key(module_path: str, module: torch.nn.Module) -> str:
     """``module_key("seq.0", nn.Conv2d(...)) == "seq.0.Conv2d"``; the root (path ``""``) is its class name."""
     name = type(module).__name__
+    return f"{module_path}.{name}" if module_path else name
+
+
+def function_key(module_path: str, name: str) -> str:
+    """``function_key("model.layers.0.self_attn", "eager_attention_forward")``: a hooked function's call
+    made in that module's forward; the root's own calls (path ``""``) are keyed by the name alone."""
     return f"{module_path}.{name}" if module_path else name
 
 
@@ -47,7 +62,7 @@ def key2module(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return out
 
 
-def module_keys(model: torch.nn.Module) -> list[str]:
+def module_keys(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> list[str]:
     """The module keys of ``model``, children before their parents, the root last.
 
     >>> import torch, fwdtrace
@@ -57,8 +72,28 @@ def module_keys(model: torch.nn.Module) -> list[str]:
     ...         self.seq = torch.nn.ModuleList([torch.nn.Conv2d(1, 1, 1) for _ in range(2)])
     >>> fwdtrace.module_keys(TestModel())
     ['seq.0.Conv2d', 'seq.1.Conv2d', 'seq.ModuleList', 'TestModel']
+
+    Given inputs, the model runs once (without grad) and the keys of the hooked functions it
+    called (``hook_forward``/``register_atomic`` on a function or method) are listed too, each
+    module's after its children's and before its own key, in first-call order:
+
+    >>> fwdtrace.register_atomic("torch.nn.functional.silu")
+    'torch.nn.functional.silu'
+    >>> fwdtrace.module_keys(torch.nn.Sequential(torch.nn.SiLU()), torch.ones(1))
+    ['0.silu', '0.SiLU', 'Sequential']
+    >>> _ = fwdtrace.registry.REGISTRY.functions.pop("torch.nn.functional.silu")  # the example undone
     """
-    return list(key2module(model))
+    keys = key2module(model)
+    if not inputs and not kwargs:
+        return list(keys)
+    from .calls import called_keys  # calls imports this module
+
+    called = called_keys(model, inputs, kwargs)
+    out: list[str] = []
+    for key, module in keys.items():
+        out += called.get(key[: -len(module_key("", module)) - 1] if module is not model else "", [])
+        out.append(key)
+    return out
 
 
 def closest_keys(name: str, keys: Iterable[str], n: int = 5) -> list[str]:
@@ -68,6 +103,14 @@ def closest_keys(name: str, keys: Iterable[str], n: int = 5) -> list[str]:
     ['seq.1.Conv2d', 'seq.0.Conv2d']
     """
     return difflib.get_close_matches(name, list(keys), n=n, cutoff=0.3)
+
+
+class FunctionSites(Protocol):
+    """What selecting function keys needs of a model (:class:`fwdtrace.calls.ModelCalls`)."""
+
+    def registered_sites(self) -> dict[str, Any]: ...
+
+    def sites(self, target: Any) -> dict[str, Any]: ...
 
 
 def select_modules(
@@ -83,15 +126,49 @@ def select_modules(
     An unknown key raises :class:`FwdtraceError` naming the closest keys; ``what`` (the
     caller, ``"Probe"``) and ``model_name`` start the message.
     """
+    return select_keys(key2module, selector, what, model_name)
+
+
+def select_keys(
+    key2module: dict[str, torch.nn.Module], selector: Selector, what: str, model_name: str,
+    functions: FunctionSites | None = None,
+) -> dict[str, Any]:
+    """The modules and function sites a selector names, by key (:func:`select_modules`, and function keys).
+
+    >>> import torch, fwdtrace
+    >>> from fwdtrace.calls import ModelCalls
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SiLU())
+    >>> calls = ModelCalls(model)
+    >>> list(select_keys(key2module(model), ["0.Linear", torch.nn.functional.silu], "Probe", "Sequential", calls))
+    ['0.Linear', '0.silu', '1.silu', 'silu']
+
+    With ``functions``, a key or glob also matches the function keys of every function
+    registered with ``hook_forward``/``register_atomic`` (``"{module path}.{name}"`` for every
+    module path of the model, where it may be called), its registered path selects all its keys,
+    and a function or method itself (registered or not) selects all of its keys too.
+    """
     if isinstance(selector, str):
         if selector in key2module:
             return {selector: key2module[selector]}
+        sites = functions.registered_sites() if functions is not None else {}
+        if selector in sites:
+            return {selector: sites[selector]}
         if any(c in selector for c in "*?["):
             found = {k: m for k, m in key2module.items() if fnmatch.fnmatchcase(k, selector)}
+            found.update((k, s) for k, s in sites.items() if fnmatch.fnmatchcase(k, selector))
             if found:
                 return found
-        close = closest_keys(selector, key2module)
-        hint = f"closest keys: {', '.join(repr(k) for k in close)}" if close else f"keys: {list(key2module)[:8]}"
+        registered = REGISTRY.functions.get(selector) if functions is not None else None
+        if registered is not None:
+            return dict(functions.sites(registered))  # type: ignore[union-attr]
+        every = [*key2module, *sites]
+        close = closest_keys(selector, every)
+        hint = f"closest keys: {', '.join(repr(k) for k in close)}" if close else f"keys: {every[:8]}"
+        if functions is not None:
+            hint += (
+                "; a function's keys are '{module path}.{name}' once it is registered with hook_forward or "
+                "register_atomic, or pass the function itself"
+            )
         raise FwdtraceError(
             f"{what} expected a module key, a glob or a class of {model_name}, got "
             f"{selector!r}, which matches no key; {hint}"
@@ -106,11 +183,18 @@ def select_modules(
             )
         return found
     if isinstance(selector, (list, tuple, set)):
-        out: dict[str, torch.nn.Module] = {}
+        out: dict[str, Any] = {}
         for s in selector:
-            out.update(select_modules(key2module, s, what, model_name))
+            out.update(select_keys(key2module, s, what, model_name, functions))
         return out
+    if functions is not None and callable(selector) and not isinstance(selector, type):
+        found_target = resolve_any(selector, what)
+        if isinstance(found_target, type):  # a layer's forward names its class
+            return select_keys(key2module, found_target, what, model_name, functions)
+        return dict(functions.sites(found_target))
+    functions_too = ", a function key, a function or method" if functions is not None else ""
     raise FwdtraceError(
         f"{what} expected a selector (a module key, a glob such as 'seq.*.Conv2d', a torch.nn.Module "
-        f"subclass or a list of them), got {describe(selector)}"
+        f"subclass{functions_too} or a list of them), got {describe(selector)}"
     )
+

@@ -1,5 +1,9 @@
 """Probes: hooks addressed by module key, to look inside a model, change it or break it on purpose.
 
+A key may also be a hooked function's (``"model.layers.0.self_attn.eager_attention_forward"``, see
+:mod:`fwdtrace.keys`): its hooks are :class:`fwdtrace.calls.FunctionSite` hooks, which run on that
+function's calls as torch's hooks run on a module's, so every probe method takes either.
+
 Every hook a :class:`Probe` adds is a torch hook kept in a :class:`Hooks` handle, so it
 can be removed alone (``handle.remove()``) or with all others (``probe.remove()``, or
 leaving ``with Probe(model) as probe:``, exceptions included). While the ``with`` block
@@ -18,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from ._tree import tensors_of
+from .calls import FunctionSite, ModelCalls
 from .chaos import Chaos
 from .errors import FwdtraceError, describe
-from .keys import Selector, key2module, select_modules
+from .keys import Selector, key2module, select_keys
 from .registry import FunctionTarget, resolve_any
 from .stats import RunningStats, check_bins, check_range, summary_text
 from .tracer import add_function_handlers, layer_notes, remove_handlers
@@ -177,6 +182,9 @@ class Probe:
     {'input_shape': [[3, 4]], 'output_shape': [[3, 2]]}
 
     ``probe.keys`` lists the keys, children before parents, the root (its class name) last.
+    Every selector also takes the keys of functions hooked by path (``register_atomic(path)``):
+    ``"model.layers.0.self_attn.eager_attention_forward"``, a glob, or the function itself; their
+    hooks get the calling module and the function's arguments (:class:`fwdtrace.calls.FunctionSite`).
     Set ``probe.enabled = False`` to switch every hook of the probe off without removing it.
     """
 
@@ -191,6 +199,7 @@ class Probe:
         self.handles: list[Hooks] = []
         self._key2module = key2module(model)
         self._module2key = {id(m): k for k, m in self._key2module.items()}
+        self._calls = ModelCalls(model)
         self._notes: contextlib.ExitStack | None = None
 
     @property
@@ -231,15 +240,21 @@ class Probe:
             self.handles[-1].remove()
 
     # -- selection --------------------------------------------------------------------------------
-    def select(self, selector: Selector) -> dict[str, torch.nn.Module]:
+    def select(self, selector: Selector) -> dict[str, torch.nn.Module | FunctionSite]:
         """The modules a selector names, by key: a key, a glob (``"seq.*.Conv2d"``), a class, or a list of them.
 
         >>> import torch, fwdtrace
         >>> probe = fwdtrace.Probe(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
         >>> list(probe.select(torch.nn.ReLU)), list(probe.select("*.Linear"))
         (['1.ReLU'], ['0.Linear'])
+
+        Function keys are selected too (:func:`fwdtrace.keys.select_keys`): a key or glob
+        matches those of the functions registered with ``hook_forward``/``register_atomic``,
+        one per module path where they may be called (``"*.eager_attention_forward"``), and a
+        function or method itself selects all of its keys; they come as
+        :class:`~fwdtrace.calls.FunctionSite` objects.
         """
-        return select_modules(self._key2module, selector, "Probe", type(self.model).__name__)
+        return select_keys(self._key2module, selector, "Probe", type(self.model).__name__, self._calls)
 
     def _one(self, selector: Selector, what: str) -> str:
         found = self.select(selector)
@@ -247,8 +262,8 @@ class Probe:
             raise FwdtraceError(f"{what} expected a selector naming exactly one module, got {selector!r} naming {list(found)}")
         return next(iter(found))
 
-    def _add(self, handle: Hooks, register: Callable[[str, torch.nn.Module], Any], selector: Selector) -> Any:
-        """Call ``register(key, module)`` for every selected module (now, or when the probe is enabled)."""
+    def _add(self, handle: Hooks, register: Callable[[str, Any], Any], selector: Selector) -> Any:
+        """Call ``register(key, module)`` for every selected module or function site (now, or when the probe is enabled)."""
         for key, module in self.select(selector).items():
             handle.keys.append(key)
             handle._registrations.append((register, key, module))
@@ -268,7 +283,9 @@ class Probe:
 
         Keys come in the order modules finish, so the root comes last: under ``name`` when
         the probe has one, else under its class name. A module called several times reports
-        its first call. Only tensors count; the result is JSON-serialisable.
+        its first call. The calls of functions registered with ``hook_forward``/``register_atomic``
+        are there under their keys (``"layers.0.attn.eager_attention_forward"``), before the
+        module that made them. Only tensors count; the result is JSON-serialisable.
         """
         out: dict[str, dict[str, list[list[int]]]] = {}
 
@@ -282,7 +299,8 @@ class Probe:
 
             return hook
 
-        handles = [m.register_forward_hook(record(k), with_kwargs=True) for k, m in self._key2module.items()]
+        hooked: dict[str, Any] = {**self._key2module, **self._calls.registered_sites()}
+        handles = [m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items()]
         try:
             with layer_notes(self.model), torch.no_grad():
                 self.model(*args, **kwargs)
@@ -553,12 +571,14 @@ class Probe:
         >>> fwdtrace.Probe(model).weight_stats("0.Linear")["0.Linear"]["weight"]["l2"]
         2.0
 
-        Modules without parameters of their own are left out; see
+        Modules without parameters of their own (and function keys) are left out; see
         :meth:`~fwdtrace.stats.RunningStats.to_dict` for the statistics.
         """
         check_bins(bins)
         out: dict[str, dict[str, dict[str, Any]]] = {}
         for key, module in self.select(selector).items():
+            if isinstance(module, FunctionSite):
+                continue
             params = {}
             for name, p in module.named_parameters(recurse=False):
                 s = RunningStats(bins)
