@@ -346,3 +346,96 @@ def test_svg_tooltips_say_where_what_and_what_a_box_holds(tmp_path: Path) -> Non
     inside = [n for n in graph.nodes if n.module_path.startswith("blocks.")]
     assert len(blocks.splitlines()) == 1 + len(inside)  # one line per node it holds
     assert "blocks.1.down.0: Conv2d 8→16 k1 s2 (1×8×16×16 → 1×16×8×8)" in blocks
+
+
+# -- the box graph in any order: folding may close cycles, ONNX may order boxes otherwise ----------------
+class RunningBuffer(nn.Module):
+    """A buffer reassigned in forward, read again by the next step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running", torch.zeros(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = self.lin(x)
+            self.running = 0.9 * self.running + 0.1 * x.mean(0)
+            x = x - self.running
+        return x
+
+
+class Coupling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor, logdet: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = x.chunk(2, -1)
+        s, t = self.net(a).chunk(2, -1)
+        return torch.cat([b * torch.exp(s) + t, a], -1), logdet + s.sum(-1)
+
+
+class Flow(nn.Module):
+    """A normalizing flow: affine couplings that also sum a log-determinant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Coupling() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logdet = torch.zeros(x.shape[0])
+        for layer in self.layers:
+            x, logdet = layer(x, logdet)
+        return x, logdet
+
+
+class EmbedConvLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.lstm(h)[0]
+
+
+CYCLIC = {  # model, inputs, the exporters whose ONNX graph crashed the draw pass
+    "running_buffer": (RunningBuffer, (torch.randn(3, 4),), ("torchscript", "fwdtrace")),
+    "flow": (Flow, (torch.randn(3, 4),), ("fwdtrace",)),
+    "embed_conv_lstm": (EmbedConvLSTM, (torch.randint(0, 20, (2, 6)),), ("fwdtrace",)),
+}
+
+
+def export(model: nn.Module, args: tuple[torch.Tensor, ...], exporter: str) -> object:
+    if exporter == "fwdtrace":
+        return fwdtrace.to_onnx(model, *args)
+    return fwdtrace.export_onnx(model, *args, exporter=exporter)
+
+
+@pytest.mark.parametrize("name", sorted(CYCLIC))
+def test_boxes_are_ranked_whatever_order_they_come_in(name: str, tmp_path: Path) -> None:
+    factory, args, exporters = CYCLIC[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    graph = fwdtrace.trace(model, *args)
+    for exporter in exporters:
+        proto = export(model, args, exporter)
+        og = fwdtrace.onnx_graph(proto)  # type: ignore[arg-type]
+        for depth in ("auto", None):
+            assert_nothing_lost(og, og.to_dot(depth))
+        svg = fwdtrace.render_side_by_side(graph, proto, tmp_path / f"{exporter}.svg")  # type: ignore[arg-type]
+        assert "exported (ONNX)" in Path(svg).read_text()
+
+
+def test_side_by_side_of_bert_draws(tmp_path: Path) -> None:
+    model, args, kwargs = bert()
+    graph = fwdtrace.trace(model, *args, **kwargs)
+    proto = fwdtrace.export_onnx(model, *args, exporter="torchscript", **kwargs)
+    og = fwdtrace.onnx_graph(proto)
+    for depth in ("auto", None, 1, 2):
+        assert_nothing_lost(og, og.to_dot(depth))
+    assert "exported (ONNX)" in Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "both.svg")).read_text()

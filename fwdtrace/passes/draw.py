@@ -356,27 +356,17 @@ def _layout_points(source: str) -> tuple[float, float]:
 def _wrap_edges(keys: list[str], edges: set[tuple[str, str]], width: int) -> list[tuple[str, str]]:
     """Invisible edges that break each rank wider than ``width`` boxes into rows of ``width``.
 
-    Ranks are longest paths from the sources, a source placed just above its first reader (as
-    Graphviz does), recomputed after each rank is wrapped, since pushing boxes down widens the
-    ranks below. Boxes of one rank have no path between them, so an edge from a box to a later
-    one of its rank closes no cycle.
+    Ranks are longest paths from the sources over the box graph with its cycles broken (see
+    :func:`_acyclic`), a source placed just above its first reader (as Graphviz does),
+    recomputed after each rank is wrapped, since pushing boxes down widens the ranks below.
+    Boxes of one rank have no path between them, so an edge from a box to a later one of its
+    rank closes no cycle.
     """
     order = {k: i for i, k in enumerate(keys)}
-    succ: dict[str, list[str]] = {k: [] for k in keys}
-    for u, v in sorted(edges):
-        succ[u].append(v)
+    succ = _acyclic(keys, edges)
     extra: list[tuple[str, str]] = []
     for _ in range(len(keys)):
-        pred: dict[str, list[str]] = {k: [] for k in keys}
-        for u in keys:
-            for v in succ[u]:
-                pred[v].append(u)
-        rank: dict[str, int] = {}
-        for k in _topological(keys, succ, pred):
-            rank[k] = max((rank[p] + 1 for p in pred[k]), default=0)
-        for k in keys:
-            if not pred[k] and succ[k]:
-                rank[k] = max(rank[k], min(rank[s] for s in succ[k]) - 1)
+        rank = _ranks(keys, succ)
         rank2keys: dict[int, list[str]] = {}
         for k in keys:
             rank2keys.setdefault(rank[k], []).append(k)
@@ -390,19 +380,60 @@ def _wrap_edges(keys: list[str], edges: set[tuple[str, str]], width: int) -> lis
     return extra
 
 
-def _topological(keys: list[str], succ: dict[str, list[str]], pred: dict[str, list[str]]) -> list[str]:
-    """``keys`` in an order where every box comes after those with an edge into it."""
+def _acyclic(keys: list[str], edges: set[tuple[str, str]]) -> dict[str, list[str]]:
+    """The box graph's successor lists without the edges that close a cycle.
+
+    Contracting an acyclic graph by box can close cycles (a side box both feeding a layer and
+    reading it, through a dead end it holds; a loop box); Graphviz breaks them by reversing
+    the back edges of a depth-first search, and so does this, visiting boxes in ``keys``
+    order, so that the ranks computed here are those Graphviz draws.
+    """
+    succ: dict[str, list[str]] = {k: [] for k in keys}
+    for u, v in sorted(edges):
+        succ[u].append(v)
+    state: dict[str, int] = {}  # 1 while on the search's stack, 2 once done
+    back: set[tuple[str, str]] = set()
+    for root in keys:
+        if root in state:
+            continue
+        state[root] = 1
+        stack = [(root, iter(succ[root]))]
+        while stack:
+            u, it = stack[-1]
+            v = next(it, "")
+            if not v:  # keys are never empty
+                state[u] = 2
+                stack.pop()
+            elif v not in state:
+                state[v] = 1
+                stack.append((v, iter(succ[v])))
+            elif state[v] == 1:
+                back.add((u, v))
+    return {u: [v for v in vs if (u, v) not in back and u != v] for u, vs in succ.items()}
+
+
+def _ranks(keys: list[str], succ: dict[str, list[str]]) -> dict[str, int]:
+    """Each box's rank in the acyclic box graph ``succ``: its longest path from a source, a
+    source placed just above its first reader."""
+    pred: dict[str, list[str]] = {k: [] for k in keys}
+    for u in keys:
+        for v in succ[u]:
+            pred[v].append(u)
     waiting = {k: len(pred[k]) for k in keys}
     ready = [k for k in reversed(keys) if not waiting[k]]
-    out = []
-    while ready:
+    rank: dict[str, int] = {}
+    while ready:  # Kahn's order: every box after those with an edge into it
         k = ready.pop()
-        out.append(k)
+        rank[k] = max((rank[p] + 1 for p in pred[k]), default=0)
         for v in succ[k]:
             waiting[v] -= 1
             if not waiting[v]:
                 ready.append(v)
-    return out + [k for k in keys if waiting[k] > 0]  # a cycle (none expected) keeps the rest in order
+    assert len(rank) == len(keys), "the box graph still has a cycle"
+    for k in keys:
+        if not pred[k] and succ[k]:
+            rank[k] = max(rank[k], min(rank[s] for s in succ[k]) - 1)
+    return rank
 
 
 def to_dot(
