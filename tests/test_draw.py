@@ -284,7 +284,7 @@ def test_default_picture_is_within_bounds_and_loses_nothing(name: str, tmp_path:
     graph = trace_model(name)
     dot = graph.to_dot()
     boxes = assert_nothing_lost(graph, dot)
-    assert boxes <= 250
+    assert min(30, len(dot_labels(graph.to_dot(None)))) <= boxes <= 250
     width, height = png_size(graph.render(tmp_path / "g.png"))
     assert width <= 4096 and height <= 16384
     # Whatever depth is asked for, folding keeps every node and edge.
@@ -309,17 +309,72 @@ def test_auto_depth_stays_within_the_target_and_says_so() -> None:
     graph = trace_model("bert")
     levels = max(len(n.scope) for n in graph.nodes) + 1  # depth `levels` collapses nothing
     counts = {d: len(dot_labels(graph.to_dot(d))) for d in range(0, levels + 1)}
-    for target in (10, 30):
+    for target in (10, 20):  # a target below 30 boxes is honoured as asked
         dot = graph.to_dot(target_nodes=target)
         chosen = max(d for d, c in counts.items() if c <= target)  # the deepest depth within the target
         labels = dot_labels(dot)
         assert len(labels) == counts[chosen] <= target
         assert f"depth {chosen} of {levels}: {len(labels)} boxes for {len(graph.nodes)} nodes" in dot.source
+    # From 30 on, the picture shows at least 30 boxes, if the target has to give.
+    floor = min(d for d, c in counts.items() if c >= 30)
+    assert max(d for d, c in counts.items() if c <= 30) < floor  # BERT's depths jump over 30
+    dot = graph.to_dot(target_nodes=30)
+    assert len(dot_labels(dot)) == counts[floor] > 30 and f"{counts[floor]} boxes" in dot.source
+    assert "(auto, at least 30)" in dot.source
     assert counts[levels] <= 250 and f"full detail: {counts[levels]} boxes" in graph.to_dot().source
     explicit = graph.to_dot(1)  # honoured, no caption
     assert len(dot_labels(explicit)) == counts[1] and "auto" not in explicit.source
     with pytest.raises(fwdtrace.FwdtraceError, match=r"^to_dot\(\) expected target_nodes as an integer >= 1, got 0"):
         graph.to_dot(target_nodes=0)
+
+
+class Stage(nn.Module):
+    """Distinct layers one after the other: nothing to fold."""
+
+    def __init__(self, widths: list[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:], strict=True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+class Detector(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        widths = list(range(4, 5 + n))
+        self.backbone, self.rpn, self.roi_heads = Stage(widths), Stage(widths[::-1]), Stage(widths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.roi_heads(self.rpn(self.backbone(x)))
+
+
+class Wrapped(nn.Module):
+    """Deep and narrow, as torchvision's detectors: the top level is one module holding everything."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.model = Detector(n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+@pytest.mark.parametrize("layers, bound", [(40, "at most 250"), (60, "at least 30")])
+def test_auto_depth_never_collapses_the_model_to_a_few_boxes(layers: int, bound: str, tmp_path: Path) -> None:
+    # 40 layers a stage: full detail is within 250 boxes but too tall for 72 dpi; 60: over 250 boxes.
+    # Every shallower depth shows 5 boxes or fewer (model, or backbone, rpn, roi_heads).
+    graph = fwdtrace.trace(Wrapped(layers).eval(), torch.randn(1, 4))
+    full = len(dot_labels(graph.to_dot(None)))
+    assert full == len(graph.nodes) == 6 * layers + 2
+    assert all(len(dot_labels(graph.to_dot(d))) <= 5 for d in range(3))
+    dot = graph.to_dot()
+    assert assert_nothing_lost(graph, dot) == full
+    assert f"full detail: {full} boxes for {full} nodes (auto, {bound})" in dot.source
+    width, height = png_size(render_digraph(dot, tmp_path / "g.png"))
+    assert width <= 4096 and height <= 16384
 
 
 def test_wide_fan_outs_wrap_into_rows(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ Graphviz's layout engine, so no ``dot`` binary is needed.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,6 +338,7 @@ DPI = 96  # Graphviz's PNG default: a 10 pt label is 13 px high
 MIN_DPI = 72  # below this a 10 pt label (10 px) is no longer legible: draw less detail instead
 MAX_PNG = (4096, 16384)  # px, width and height
 TARGET_NODES = 250
+MIN_AUTO_BOXES = 30  # the automatic depth shows at least this many boxes (all there are, if fewer)
 
 
 def _max_depth(graph: Graph) -> int:
@@ -491,27 +493,54 @@ def to_dot(
         raise FwdtraceError(f"to_dot() expected target_nodes as an integer >= 1, got {target_nodes!r}")
     folds = find_folds(graph)
     options = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path)
-    draw = lambda d, caption: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
-                                   show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
-                                   title=title, name_prefix=name_prefix, cluster_name=cluster_name)
+    draw = lambda d, caption, wrap: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
+                                         show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
+                                         title=title, name_prefix=name_prefix, cluster_name=cluster_name)
     if depth != "auto":
-        return draw(depth, None)
+        return draw(depth, None, wrap)
+    return _auto_depth(graph, folds, options, target_nodes, wrap, draw)
+
+
+def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nodes: int, wrap: int,
+                draw: Callable[[int, str, int], Digraph]) -> Digraph:
+    """The picture at the deepest depth with at most ``target_nodes`` boxes that fits ``MAX_PNG`` at
+    ``MIN_DPI``, but never shallower than the first depth that shows the model's parts.
+
+    That floor is the first depth with at least ``MIN_AUTO_BOXES`` boxes (all there are, if
+    fewer), even if it has more than ``target_nodes``: a detector whose top level is one
+    wrapper, or whose every deeper picture is too large, would otherwise collapse to one
+    "model" box. Only a target below ``MIN_AUTO_BOXES`` is honoured as asked. At the floor, a
+    picture too large is re-wrapped (wider rows when too tall, narrower when too wide) and
+    drawn at the resolution that fits, below ``MIN_DPI`` if it must.
+    """
     top = _max_depth(graph)
+    counts = [len(_units(graph, folds, d, **options).units) for d in range(top + 1)]
+    if target_nodes < MIN_AUTO_BOXES:  # asked for a small picture: the deepest depth within it
+        floor = max((d for d, c in enumerate(counts) if c <= target_nodes), default=0)
+    else:
+        floor = next(d for d, c in enumerate(counts) if c >= min(MIN_AUTO_BOXES, counts[top]))
     max_w, max_h = (px * 72 / MIN_DPI for px in MAX_PNG)  # in points
-    dot = None
-    for d in range(top, -1, -1):
-        count = len(_units(graph, folds, d, **options).units)
-        if count > target_nodes and d > 0:
+    for d in range(top, floor - 1, -1):
+        if counts[d] > target_nodes and d > floor:
             continue
         level = "full detail" if d == top else f"depth {d} of {top}"
-        dot = draw(d, f"{level}: {count} boxes for {len(graph.nodes)} nodes (auto, at most {target_nodes})")
+        bound = f"at most {target_nodes}" if counts[d] <= target_nodes else f"at least {MIN_AUTO_BOXES}"
+        caption = f"{level}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
+        dot = draw(d, caption, wrap)
         w, h = _layout_points(dot.source)
-        if (w <= max_w and h <= max_h) or d == 0:
-            dpi = min(DPI, MAX_PNG[0] * 72 / w, MAX_PNG[1] * 72 / h)
-            if dpi < DPI:
-                dot.attr(dpi=f"{dpi:.1f}")
+        if w <= max_w and h <= max_h:
             break
-    assert dot is not None
+        if d == floor:
+            tries = [max(2, wrap // 2), max(2, wrap // 4)] if w > max_w else [wrap * 2, wrap * 4]
+            for other in tries if wrap else []:  # the least scaled down of the wrappings
+                rewrapped = draw(d, caption, other)
+                w2, h2 = _layout_points(rewrapped.source)
+                if min(max_w / w2, max_h / h2) > min(max_w / w, max_h / h):
+                    dot, w, h = rewrapped, w2, h2
+    pad = 2 * 4  # Graphviz's default pad, 4 points a side, around the layout's bounding box
+    dpi = min(DPI, MAX_PNG[0] * 72 / (w + pad), MAX_PNG[1] * 72 / (h + pad))
+    if dpi < DPI:
+        dot.attr(dpi=f"{math.floor(dpi * 10) / 10:.1f}")  # rounded down: never a pixel over
     return dot
 
 
