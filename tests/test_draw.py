@@ -494,3 +494,16 @@ def test_side_by_side_of_bert_draws(tmp_path: Path) -> None:
     for depth in ("auto", None, 1, 2):
         assert_nothing_lost(og, og.to_dot(depth))
     assert "exported (ONNX)" in Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "both.svg")).read_text()
+
+
+def test_side_by_side_of_gpt2_draws_the_onnx_layers(tmp_path: Path) -> None:
+    model, args, kwargs = gpt2()
+    graph = fwdtrace.trace(model, *args, **kwargs)
+    proto = fwdtrace.export_onnx(model, *args, exporter="torchscript", **kwargs)
+    og = fwdtrace.onnx_graph(proto)
+    labels = dot_labels(og.to_dot())
+    gemms = sum(n.target == "onnx.Gemm" for n in og.nodes)  # c_attn, c_proj, c_fc, c_proj a layer
+    assert gemms == 4 * 3 and sum(label.startswith("Gemm") for label in labels) >= 4  # layers 1-2 folded
+    assert any(label.startswith("Gather") for label in labels)
+    svg = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "both.svg")).read_text()
+    assert svg.count(">Gemm</text>") >= 4
