@@ -507,3 +507,21 @@ def test_side_by_side_of_gpt2_draws_the_onnx_layers(tmp_path: Path) -> None:
     assert any(label.startswith("Gather") for label in labels)
     svg = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "both.svg")).read_text()
     assert svg.count(">Gemm</text>") >= 4
+
+
+def test_rendering_prints_nothing_and_graphviz_speaks_in_fwdtrace_words(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # A fresh process: fontconfig complains once, when Graphviz first measures a label.
+    code = ("import torch, fwdtrace; g = fwdtrace.trace(torch.nn.Linear(2, 2), torch.ones(1, 2)); "
+            f"g.render({str(tmp_path / 'g.png')!r}); g.render({str(tmp_path / 'g.svg')!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == ""
+    from fwdtrace.passes.draw import layout_bytes
+
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^Graphviz could not lay out the picture: syntax error in line 1"):
+        layout_bytes("digraph { a -> ; }", "svg")
+    with pytest.warns(UserWarning, match=r"^Graphviz: using box for unknown shape nonsense"):
+        assert b"<svg" in layout_bytes("digraph { a [shape=nonsense] }", "svg")

@@ -10,9 +10,14 @@ Graphviz's layout engine, so no ``dot`` binary is needed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable, Iterable
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,13 +53,62 @@ class Digraph(graphviz.Digraph):
 
 def layout_bytes(source: str, fmt: str) -> bytes:
     """Lay out DOT ``source`` with Graphviz's ``dot`` engine (bundled in pygraphviz) as ``fmt``."""
+    with _graphviz_messages():
+        agraph = _laid_out(source)
+        return bytes(agraph.draw(format=fmt))
+
+
+def _laid_out(source: str) -> Any:
+    """A pygraphviz AGraph of ``source``, laid out; call inside :func:`_graphviz_messages`."""
     try:
         import pygraphviz
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise FwdtraceError("rendering needs pygraphviz: pip install pygraphviz") from e
     agraph = pygraphviz.AGraph(string=source)
     agraph.layout(prog="dot")
-    return bytes(agraph.draw(format=fmt))
+    return agraph
+
+
+_STDERR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _graphviz_messages() -> Iterator[None]:
+    """Catch what Graphviz and its fontconfig write to the process's stderr (file descriptor 2,
+    below Python) while laying out: fontconfig's complaints about the system's newer config
+    files, printed by the older fontconfig bundled in pygraphviz's wheel, are dropped; Graphviz's
+    own warnings become a ``UserWarning`` and its errors go into fwdtrace's error.
+
+    The descriptor is the process's: other threads' writes meanwhile are passed on unchanged.
+    """
+    with _STDERR_LOCK, tempfile.TemporaryFile() as caught:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        failure: BaseException | None = None
+        try:
+            yield
+        except Exception as e:  # pygraphviz says "Invalid Input"; Graphviz said why on stderr
+            failure = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        lines = caught.read().decode(errors="replace").splitlines()
+    messages = [line for line in lines if line.strip() and not line.startswith("Fontconfig ")]
+    graphviz_lines = [line for line in messages if line.startswith(("Warning:", "Error:"))]
+    others = [line for line in messages if line not in graphviz_lines]
+    if others and sys.stderr is not None:
+        sys.stderr.write("\n".join(others) + "\n")
+    if isinstance(failure, FwdtraceError):
+        raise failure
+    errors = [line for line in graphviz_lines if line.startswith("Error:")]
+    if failure is not None or errors:
+        said = "; ".join(line.removeprefix("Error:").strip() for line in errors) or str(failure)
+        raise FwdtraceError(f"Graphviz could not lay out the picture: {said}") from failure
+    for line in graphviz_lines:
+        warnings.warn(f"Graphviz: {line.removeprefix('Warning:').strip()}", UserWarning, stacklevel=3)
 
 
 def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
@@ -347,10 +401,8 @@ def _max_depth(graph: Graph) -> int:
 
 def _layout_points(source: str) -> tuple[float, float]:
     """The width and height of the laid-out picture in points."""
-    import pygraphviz
-
-    agraph = pygraphviz.AGraph(string=source)
-    agraph.layout(prog="dot")
+    with _graphviz_messages():
+        agraph = _laid_out(source)
     x0, y0, x1, y1 = (float(v) for v in str(agraph.graph_attr["bb"]).split(","))
     return x1 - x0, y1 - y0
 
