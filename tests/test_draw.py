@@ -502,11 +502,13 @@ def test_side_by_side_of_gpt2_draws_the_onnx_layers(tmp_path: Path) -> None:
     proto = fwdtrace.export_onnx(model, *args, exporter="torchscript", **kwargs)
     og = fwdtrace.onnx_graph(proto)
     labels = dot_labels(og.to_dot())
-    gemms = sum(n.target == "onnx.Gemm" for n in og.nodes)  # c_attn, c_proj, c_fc, c_proj a layer
-    assert gemms == 4 * 3 and sum(label.startswith("Gemm") for label in labels) >= 4  # layers 1-2 folded
-    assert any(label.startswith("Gather") for label in labels)
+    # The embedding's Gather and each Conv1D's Gemm, in the scopes the exporter recorded (leaf
+    # layers, one box each); layers 1 and 2 are folded as repeats of layer 0.
+    assert {"wte", "c_attn", "c_proj", "c_fc"} <= set(labels)
+    assert not any(label.startswith("constants and side arithmetic") for label in labels)
     svg = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "both.svg")).read_text()
-    assert svg.count(">Gemm</text>") >= 4
+    assert svg.count(">c_attn</text>") == 2  # one box a side
+    assert svg.count(">Conv1D</text>") == 4  # the trace's layer 0: c_attn, c_proj, c_fc, c_proj
 
 
 def test_rendering_prints_nothing_and_graphviz_speaks_in_fwdtrace_words(tmp_path: Path) -> None:
@@ -525,3 +527,51 @@ def test_rendering_prints_nothing_and_graphviz_speaks_in_fwdtrace_words(tmp_path
         layout_bytes("digraph { a -> ; }", "svg")
     with pytest.warns(UserWarning, match=r"^Graphviz: using box for unknown shape nonsense"):
         assert b"<svg" in layout_bytes("digraph { a [shape=nonsense] }", "svg")
+
+
+def test_leaf_layers_are_one_box_and_the_empty_cache_is_folded() -> None:
+    graph = trace_model("gpt2")
+    folded, opened = graph.to_dot(None), graph.to_dot(None, open_leaf_layers=True)
+    assert_nothing_lost(graph, folded)
+    assert_nothing_lost(graph, opened)
+    agraph = __import__("pygraphviz").AGraph(string=folded.source)
+    label2members = {str(n.attr["label"]): str(n.attr["fwdtrace_members"]) for n in agraph.nodes()}
+    # transformers' Conv1D (view, addmm, view) and NewGELUActivation (8 ops): one box each, holding
+    # exactly the calls recorded in that module call; the graph keeps them.
+    for label, path in (("Conv1D\nc_attn", "h.0.attn.c_attn"), ("NewGELUActivation\nact", "h.0.mlp.act")):
+        inside = [n.id for n in graph.nodes if n.module_path == path]
+        assert len(inside) == (3 if "Conv1D" in label else 8) and all(graph.nodes[i].kind == "function" for i in inside)
+        assert label2members[label] == f"{inside[0]}-{inside[-1]}"
+    labels, open_labels = set(dot_labels(folded)), set(dot_labels(opened))
+    assert "addmm" not in labels and "tanh" not in labels and {"addmm", "tanh"} <= open_labels
+    # The first cache update concatenates keys and values onto tensors made empty from nothing.
+    cats = [n for n in graph.nodes if n.target == "torch.cat" and n.module_path == "h.0.attn"]
+    assert len(cats) == 2 and all(0 in n.inputs[0].shape and n.inputs[1].shape == n.outputs[0].shape for n in cats)
+    assert "cat" not in labels and "tensor" not in labels and "cat" in dot_labels(graph.to_dot(None, fold_side=False))
+    assert sum(label == "empty cache, 2 ops\n→ h.0.attn" for label in dot_labels(folded)) == 2
+
+
+def test_only_calls_of_functions_alone_are_leaf_layers() -> None:
+    class Scale(nn.Module):  # a layer written with functions: a leaf
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w + 1
+
+    class Holder(nn.Module):  # calls a layer: not a leaf, though it has functions of its own
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).relu() - 2
+
+    model = nn.Sequential(Scale(), Holder(), nn.Sequential(Scale()))
+    graph = fwdtrace.trace(model, torch.ones(2, 4))
+    labels = dot_labels(graph.to_dot(None))
+    assert labels.count("Scale\n0") == 2  # model.0 and model.2.0
+    assert {"relu", "sub", "Linear\nlin\n4→4"} <= set(labels)  # Holder stays open
+    opened = dot_labels(graph.to_dot(None, open_leaf_layers=True))
+    assert "mul" not in labels and "add" not in labels and opened.count("mul") == opened.count("add") == 2

@@ -34,9 +34,9 @@ __all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS"]
 
 FORMATS = ("png", "svg", "pdf")
 
-_FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "function": "#f7efd2", "side": "#f4f4f4",
-         "loop": "#e2ecd9"}
-_SHAPE = {"input": "box", "output": "box", "module": "box", "function": "ellipse", "side": "note"}
+_FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "layer": "#d6e6f5", "function": "#f7efd2",
+         "side": "#f4f4f4", "loop": "#e2ecd9"}
+_SHAPE = {"input": "box", "output": "box", "module": "box", "layer": "box", "function": "ellipse", "side": "note"}
 _HIGHLIGHT = {"color": "#c0392b", "fillcolor": "#f6c9c4", "penwidth": "2"}
 
 
@@ -287,7 +287,7 @@ class _Picture:
 
 
 def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: bool, fold_loops: bool,
-           fold_side: bool, show_path: bool) -> _Picture:
+           fold_side: bool, show_path: bool, open_leaf_layers: bool) -> _Picture:
     node2unit: dict[int, _Unit] = {}
     units: dict[str, _Unit] = {}
     loop2key = {id(loop): f"l:{i}" for i, loop in enumerate(folds.loops)}
@@ -316,6 +316,10 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
                     unit = units[key] = _Unit(key, n.scope[:i], "repeat", label,
                                               about=f"{count} blocks that compute the same as {first.module_path}")
                 break
+            if not open_leaf_layers and s in folds.leaf_layers:
+                key = f"g:{s.module_path}:{s.call_index}"
+                unit = units.get(key) or units.setdefault(key, _leaf_unit(key, s, n.scope[:i], show_path))
+                break
             if depth is not None and i == depth - 1:
                 key = f"g:{s.module_path}:{s.call_index}"
                 unit = units.get(key) or units.setdefault(
@@ -332,6 +336,16 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
         u = node2unit[n.id]
         ordered.setdefault(u.key, u)
     return _Picture(node2unit, list(ordered.values()))
+
+
+def _leaf_unit(key: str, s: Scope, placement: tuple[Scope, ...], show_path: bool) -> _Unit:
+    """One box for a leaf layer (see ``fold._leaf_layers``), labelled as a layer node is."""
+    lines = [s.class_name or s.module_path.rsplit(".", 1)[-1]]
+    last = s.module_path.rsplit(".", 1)[-1]
+    call = f" (call {s.call_index + 1})" if s.call_index else ""
+    if show_path and s.class_name and (last != s.class_name or call):
+        lines.append(last + call)
+    return _Unit(key, placement, "layer", "\n".join(lines), about=f"{_scope_label(s)}, a layer drawn as one box")
 
 
 def _loop_unit(key: str, loop: Loop, graph: Graph, placement: tuple[Scope, ...]) -> _Unit:
@@ -355,6 +369,8 @@ def _unit_name(unit: _Unit, graph: Graph) -> str:
     if unit.kind in ("module", "function", "input", "output"):
         node = graph.nodes[unit.members[0]]
         return node.module_path or node.name if node.kind == "module" else node.module_path or unit.label.split("\n")[0]
+    if unit.kind == "layer":
+        return graph.nodes[unit.members[0]].scope[len(unit.placement)].module_path
     if unit.kind == "loop":
         return f"the loop in {unit.placement[-1].module_path if unit.placement else 'the model'}"
     return unit.placement[-1].module_path if unit.placement and unit.kind != "group" else unit.label.split("\n")[0]
@@ -372,7 +388,8 @@ def _fold_side(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
         reads = {e.src for e in graph.edges if e.dst in members and e.src not in members}
         consumers = [_unit_name(node2unit[e.dst], graph) for e in graph.edges if e.src in members and e.dst not in members]
         dead = all(folds.side[i] == "dead end" for i in group)
-        kind = _side_kind(nodes, inputs, reads, dead)
+        cache = any(folds.side[i] == "empty cache" for i in group)
+        kind = "empty cache" if cache else _side_kind(nodes, inputs, reads, dead)
         fed = _paths_text(list(dict.fromkeys(consumers)))
         label = f"{kind}, {len(group)} ops" + (f"\n→ {fed}" if fed else "")
         placement = nodes[0].scope
@@ -498,6 +515,7 @@ def to_dot(
     fold_side: bool = True,
     fold_loops: bool = True,
     collapse_repeats: bool = True,
+    open_leaf_layers: bool = False,
     wrap: int = 12,
     show_shapes: bool = True,
     show_path: bool = True,
@@ -528,7 +546,10 @@ def to_dot(
     arithmetic, constants, results nothing reads) as one box naming what it feeds;
     ``fold_loops`` draws a loop (the same calls repeated in one module call, three times or
     more) as its first iteration and one box for the rest; ``collapse_repeats`` does the same
-    for a run of three or more identical sibling blocks. ``wrap`` breaks a rank of more boxes
+    for a run of three or more identical sibling blocks. A leaf layer, a module call that
+    calls no other module and records only function calls (transformers' ``Conv1D``, an
+    activation class), is one box like ``nn.Linear``; ``open_leaf_layers`` draws its calls
+    (the graph keeps them either way). ``wrap`` breaks a rank of more boxes
     than that into rows. In SVG each box has a tooltip: module path, class, shapes and
     attributes, or the list of the nodes a collapsed box holds (the DOT attribute
     ``fwdtrace_members`` lists their ids).
@@ -544,7 +565,8 @@ def to_dot(
     if not isinstance(target_nodes, int) or target_nodes < 1:
         raise FwdtraceError(f"to_dot() expected target_nodes as an integer >= 1, got {target_nodes!r}")
     folds = find_folds(graph)
-    options = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path)
+    options = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path,
+                   open_leaf_layers=open_leaf_layers)
     draw = lambda d, caption, wrap: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
                                          show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
                                          title=title, name_prefix=name_prefix, cluster_name=cluster_name)

@@ -49,10 +49,11 @@ class Loop:
 class Folds:
     """The folding candidates of one graph; see :func:`find_folds`."""
 
-    side: dict[int, str]  # function node id -> "side" or "dead end"
+    side: dict[int, str]  # function node id -> "side", "dead end" or "empty cache"
     loops: list[Loop]
     item2loop: dict[Item, Loop]  # items of the later iterations
     repeats: dict[Scope, tuple[Scope, int]]  # block -> (first block of its run, blocks after it)
+    leaf_layers: set[Scope] = field(default_factory=set)  # calls with no child calls, only function nodes
 
 
 def find_folds(graph: Graph) -> Folds:
@@ -71,7 +72,19 @@ def find_folds(graph: Graph) -> Folds:
     ['arange', 'unsqueeze']
     """
     item2loop, loops = _loops(graph)
-    return Folds(_side_nodes(graph), loops, item2loop, _repeated_runs(graph))
+    return Folds(_side_nodes(graph), loops, item2loop, _repeated_runs(graph), _leaf_layers(graph))
+
+
+def _leaf_layers(graph: Graph) -> set[Scope]:
+    """Module calls that call no other module and record only function nodes: a layer written
+    with functions (transformers' ``Conv1D``: view, addmm, view) or an activation class
+    (``NewGELUActivation``: 8 ops), which a picture may draw as one box, as it does ``nn.Linear``."""
+    leaves: dict[Scope, bool] = {}
+    for n in graph.nodes:
+        for i, s in enumerate(n.scope):
+            inner = i < len(n.scope) - 1 or n.kind != "function"
+            leaves[s] = leaves.get(s, True) and not inner
+    return {s for s, leaf in leaves.items() if leaf}
 
 
 # -- side computations and dead ends ---------------------------------------------------------------
@@ -142,6 +155,17 @@ def _side_nodes(graph: Graph) -> dict[int, str]:
             side[n.id] = "dead end"
         elif n.id not in data:
             side[n.id] = "side"
+    # An empty cache's plumbing: a concatenation onto a tensor made empty from nothing (the
+    # first update of transformers' DynamicCache: ``torch.tensor([])`` then ``cat``) passes
+    # its one real input through unchanged; it is drawn with the side computations.
+    empty = {r.obj_id for n in graph.nodes if n.kind == "function" and not n.inputs and n.outputs
+             and all(0 in r.shape for r in n.outputs) for r in n.outputs}
+    for n in graph.nodes:
+        if n.kind == "function" and n.target.rsplit(".", 1)[-1].lower() in ("cat", "concat", "concatenate") \
+                and n.id in live and any(r.obj_id in empty for r in n.inputs):
+            rest = [r for r in n.inputs if r.obj_id not in empty]
+            if len(rest) == 1 and len(n.outputs) == 1 and tuple(rest[0].shape) == tuple(n.outputs[0].shape):
+                side[n.id] = "empty cache"
     return side
 
 
