@@ -6,6 +6,7 @@ data path, the results it never uses, the loops it runs.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from test_draw import dot_labels as box_labels
@@ -57,6 +58,36 @@ def test_side_boxes_name_what_they_feed() -> None:
     assert "unused results, 3 ops" in source
     full = graph.to_dot(None, fold_side=False).source
     assert "ops" not in full and "arange" in full
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "fwdtrace"])
+def test_onnx_data_path_starts_at_the_token_ids_an_embedding_table_reads(exporter: str) -> None:
+    import networkx as nx
+
+    torch.manual_seed(0)
+    model, ids = MaskedEncoder().eval(), torch.randint(0, 20, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    if exporter == "fwdtrace":
+        proto = fwdtrace.to_onnx(model, ids, mask)
+    else:
+        proto = fwdtrace.export_onnx(model, ids, mask, exporter=exporter)
+    og = fwdtrace.onnx_graph(proto)
+    side = find_folds(og).side
+    # The reference: what the token ids reach is the data path; the rest (here the mask and
+    # position arithmetic) is side, whatever reaches an output.
+    full = nx.DiGraph(og.to_networkx())
+    ids_input, mask_input = og.input_nodes
+    assert [r.dtype for r in ids_input.outputs + mask_input.outputs] == ["int64", "int64"]
+    on_path = nx.descendants(full, ids_input.id)
+    live = set().union(*(nx.ancestors(full, n.id) for n in og.nodes if n.kind == "output"))
+    expected = {n.id for n in og.nodes if n.kind == "function" and n.id in live and n.id not in on_path}
+    assert {i for i, why in side.items() if why == "side"} == expected
+    table = next(n for n in og.nodes if any(r.param and r.param.endswith("tok.weight") for r in n.inputs))
+    assert table.id not in side and len(expected) < len(og.nodes) // 2
+    labels = box_labels(og.to_dot(None, open_leaf_layers=True))
+    assert any(label.startswith("Gather") for label in labels)
+    assert sum(label.startswith(("mask arithmetic", "constants", "position")) for label in labels) <= 2
 
 
 class Decoder(nn.Module):

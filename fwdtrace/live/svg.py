@@ -22,7 +22,8 @@ _SCOPE_LABEL = re.compile(r"^(.+) \((\w+)\)(?: call \d+)?$")
 
 
 def _unit_keys(graph: Graph, depth: int | None) -> tuple[int, dict[int, str]]:
-    """How many boxes ``to_dot(graph, depth, collapse_repeats=False)`` draws, and the module key of each.
+    """How many boxes ``to_dot(graph, depth, collapse_repeats=False, open_leaf_layers=True)`` draws,
+    and the module key of each.
 
     The draw pass makes one box per node, or per module call deeper than ``depth``, in
     the order the nodes come; box ``i`` is named ``u{i}`` in the DOT source.
@@ -54,11 +55,11 @@ def graph_svg(graph: Graph, depth: int | None = None) -> str:
     >>> 'data-key="0.Linear"' in graph_svg(g)
     True
 
-    Repeated blocks are drawn in full so every block can be clicked.
+    Repeated blocks and leaf layers are drawn in full so every block can be clicked.
     """
     from ..passes.draw import layout_bytes, to_dot
 
-    dot = to_dot(graph, depth=depth, collapse_repeats=False)
+    dot = to_dot(graph, depth=depth, collapse_repeats=False, open_leaf_layers=True)
     svg = layout_bytes(dot.source, "svg").decode()
     count, keys = _unit_keys(graph, depth)
     found = _NODE.findall(svg)

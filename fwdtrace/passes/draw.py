@@ -10,8 +10,14 @@ Graphviz's layout engine, so no ``dot`` binary is needed.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
-from collections.abc import Iterable
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +34,9 @@ __all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS"]
 
 FORMATS = ("png", "svg", "pdf")
 
-_FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "function": "#f7efd2", "side": "#f4f4f4",
-         "loop": "#e2ecd9"}
-_SHAPE = {"input": "box", "output": "box", "module": "box", "function": "ellipse", "side": "note"}
+_FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "layer": "#d6e6f5", "function": "#f7efd2",
+         "side": "#f4f4f4", "loop": "#e2ecd9"}
+_SHAPE = {"input": "box", "output": "box", "module": "box", "layer": "box", "function": "ellipse", "side": "note"}
 _HIGHLIGHT = {"color": "#c0392b", "fillcolor": "#f6c9c4", "penwidth": "2"}
 
 
@@ -47,13 +53,62 @@ class Digraph(graphviz.Digraph):
 
 def layout_bytes(source: str, fmt: str) -> bytes:
     """Lay out DOT ``source`` with Graphviz's ``dot`` engine (bundled in pygraphviz) as ``fmt``."""
+    with _graphviz_messages():
+        agraph = _laid_out(source)
+        return bytes(agraph.draw(format=fmt))
+
+
+def _laid_out(source: str) -> Any:
+    """A pygraphviz AGraph of ``source``, laid out; call inside :func:`_graphviz_messages`."""
     try:
         import pygraphviz
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise FwdtraceError("rendering needs pygraphviz: pip install pygraphviz") from e
     agraph = pygraphviz.AGraph(string=source)
     agraph.layout(prog="dot")
-    return bytes(agraph.draw(format=fmt))
+    return agraph
+
+
+_STDERR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _graphviz_messages() -> Iterator[None]:
+    """Catch what Graphviz and its fontconfig write to the process's stderr (file descriptor 2,
+    below Python) while laying out: fontconfig's complaints about the system's newer config
+    files, printed by the older fontconfig bundled in pygraphviz's wheel, are dropped; Graphviz's
+    own warnings become a ``UserWarning`` and its errors go into fwdtrace's error.
+
+    The descriptor is the process's: other threads' writes meanwhile are passed on unchanged.
+    """
+    with _STDERR_LOCK, tempfile.TemporaryFile() as caught:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        failure: BaseException | None = None
+        try:
+            yield
+        except Exception as e:  # pygraphviz says "Invalid Input"; Graphviz said why on stderr
+            failure = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        lines = caught.read().decode(errors="replace").splitlines()
+    messages = [line for line in lines if line.strip() and not line.startswith("Fontconfig ")]
+    graphviz_lines = [line for line in messages if line.startswith(("Warning:", "Error:"))]
+    others = [line for line in messages if line not in graphviz_lines]
+    if others and sys.stderr is not None:
+        sys.stderr.write("\n".join(others) + "\n")
+    if isinstance(failure, FwdtraceError):
+        raise failure
+    errors = [line for line in graphviz_lines if line.startswith("Error:")]
+    if failure is not None or errors:
+        said = "; ".join(line.removeprefix("Error:").strip() for line in errors) or str(failure)
+        raise FwdtraceError(f"Graphviz could not lay out the picture: {said}") from failure
+    for line in graphviz_lines:
+        warnings.warn(f"Graphviz: {line.removeprefix('Warning:').strip()}", UserWarning, stacklevel=3)
 
 
 def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
@@ -234,7 +289,7 @@ class _Picture:
 
 
 def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: bool, fold_loops: bool,
-           fold_side: bool, show_path: bool) -> _Picture:
+           fold_side: bool, show_path: bool, open_leaf_layers: bool) -> _Picture:
     node2unit: dict[int, _Unit] = {}
     units: dict[str, _Unit] = {}
     loop2key = {id(loop): f"l:{i}" for i, loop in enumerate(folds.loops)}
@@ -263,6 +318,10 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
                     unit = units[key] = _Unit(key, n.scope[:i], "repeat", label,
                                               about=f"{count} blocks that compute the same as {first.module_path}")
                 break
+            if not open_leaf_layers and s in folds.leaf_layers:
+                key = f"g:{s.module_path}:{s.call_index}"
+                unit = units.get(key) or units.setdefault(key, _leaf_unit(key, s, n.scope[:i], show_path))
+                break
             if depth is not None and i == depth - 1:
                 key = f"g:{s.module_path}:{s.call_index}"
                 unit = units.get(key) or units.setdefault(
@@ -279,6 +338,16 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
         u = node2unit[n.id]
         ordered.setdefault(u.key, u)
     return _Picture(node2unit, list(ordered.values()))
+
+
+def _leaf_unit(key: str, s: Scope, placement: tuple[Scope, ...], show_path: bool) -> _Unit:
+    """One box for a leaf layer (see ``fold._leaf_layers``), labelled as a layer node is."""
+    lines = [s.class_name or s.module_path.rsplit(".", 1)[-1]]
+    last = s.module_path.rsplit(".", 1)[-1]
+    call = f" (call {s.call_index + 1})" if s.call_index else ""
+    if show_path and s.class_name and (last != s.class_name or call):
+        lines.append(last + call)
+    return _Unit(key, placement, "layer", "\n".join(lines), about=f"{_scope_label(s)}, a layer drawn as one box")
 
 
 def _loop_unit(key: str, loop: Loop, graph: Graph, placement: tuple[Scope, ...]) -> _Unit:
@@ -302,6 +371,8 @@ def _unit_name(unit: _Unit, graph: Graph) -> str:
     if unit.kind in ("module", "function", "input", "output"):
         node = graph.nodes[unit.members[0]]
         return node.module_path or node.name if node.kind == "module" else node.module_path or unit.label.split("\n")[0]
+    if unit.kind == "layer":
+        return graph.nodes[unit.members[0]].scope[len(unit.placement)].module_path
     if unit.kind == "loop":
         return f"the loop in {unit.placement[-1].module_path if unit.placement else 'the model'}"
     return unit.placement[-1].module_path if unit.placement and unit.kind != "group" else unit.label.split("\n")[0]
@@ -319,7 +390,8 @@ def _fold_side(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
         reads = {e.src for e in graph.edges if e.dst in members and e.src not in members}
         consumers = [_unit_name(node2unit[e.dst], graph) for e in graph.edges if e.src in members and e.dst not in members]
         dead = all(folds.side[i] == "dead end" for i in group)
-        kind = _side_kind(nodes, inputs, reads, dead)
+        cache = any(folds.side[i] == "empty cache" for i in group)
+        kind = "empty cache" if cache else _side_kind(nodes, inputs, reads, dead)
         fed = _paths_text(list(dict.fromkeys(consumers)))
         label = f"{kind}, {len(group)} ops" + (f"\n→ {fed}" if fed else "")
         placement = nodes[0].scope
@@ -339,6 +411,7 @@ DPI = 96  # Graphviz's PNG default: a 10 pt label is 13 px high
 MIN_DPI = 72  # below this a 10 pt label (10 px) is no longer legible: draw less detail instead
 MAX_PNG = (4096, 16384)  # px, width and height
 TARGET_NODES = 250
+MIN_AUTO_BOXES = 30  # the automatic depth shows at least this many boxes (all there are, if fewer)
 
 
 def _max_depth(graph: Graph) -> int:
@@ -347,10 +420,8 @@ def _max_depth(graph: Graph) -> int:
 
 def _layout_points(source: str) -> tuple[float, float]:
     """The width and height of the laid-out picture in points."""
-    import pygraphviz
-
-    agraph = pygraphviz.AGraph(string=source)
-    agraph.layout(prog="dot")
+    with _graphviz_messages():
+        agraph = _laid_out(source)
     x0, y0, x1, y1 = (float(v) for v in str(agraph.graph_attr["bb"]).split(","))
     return x1 - x0, y1 - y0
 
@@ -358,27 +429,17 @@ def _layout_points(source: str) -> tuple[float, float]:
 def _wrap_edges(keys: list[str], edges: set[tuple[str, str]], width: int) -> list[tuple[str, str]]:
     """Invisible edges that break each rank wider than ``width`` boxes into rows of ``width``.
 
-    Ranks are longest paths from the sources, a source placed just above its first reader (as
-    Graphviz does), recomputed after each rank is wrapped, since pushing boxes down widens the
-    ranks below. Boxes of one rank have no path between them, so an edge from a box to a later
-    one of its rank closes no cycle.
+    Ranks are longest paths from the sources over the box graph with its cycles broken (see
+    :func:`_acyclic`), a source placed just above its first reader (as Graphviz does),
+    recomputed after each rank is wrapped, since pushing boxes down widens the ranks below.
+    Boxes of one rank have no path between them, so an edge from a box to a later one of its
+    rank closes no cycle.
     """
     order = {k: i for i, k in enumerate(keys)}
-    succ: dict[str, list[str]] = {k: [] for k in keys}
-    for u, v in sorted(edges):
-        succ[u].append(v)
+    succ = _acyclic(keys, edges)
     extra: list[tuple[str, str]] = []
     for _ in range(len(keys)):
-        pred: dict[str, list[str]] = {k: [] for k in keys}
-        for u in keys:
-            for v in succ[u]:
-                pred[v].append(u)
-        rank: dict[str, int] = {}
-        for k in _topological(keys, succ, pred):
-            rank[k] = max((rank[p] + 1 for p in pred[k]), default=0)
-        for k in keys:
-            if not pred[k] and succ[k]:
-                rank[k] = max(rank[k], min(rank[s] for s in succ[k]) - 1)
+        rank = _ranks(keys, succ)
         rank2keys: dict[int, list[str]] = {}
         for k in keys:
             rank2keys.setdefault(rank[k], []).append(k)
@@ -392,19 +453,60 @@ def _wrap_edges(keys: list[str], edges: set[tuple[str, str]], width: int) -> lis
     return extra
 
 
-def _topological(keys: list[str], succ: dict[str, list[str]], pred: dict[str, list[str]]) -> list[str]:
-    """``keys`` in an order where every box comes after those with an edge into it."""
+def _acyclic(keys: list[str], edges: set[tuple[str, str]]) -> dict[str, list[str]]:
+    """The box graph's successor lists without the edges that close a cycle.
+
+    Contracting an acyclic graph by box can close cycles (a side box both feeding a layer and
+    reading it, through a dead end it holds; a loop box); Graphviz breaks them by reversing
+    the back edges of a depth-first search, and so does this, visiting boxes in ``keys``
+    order, so that the ranks computed here are those Graphviz draws.
+    """
+    succ: dict[str, list[str]] = {k: [] for k in keys}
+    for u, v in sorted(edges):
+        succ[u].append(v)
+    state: dict[str, int] = {}  # 1 while on the search's stack, 2 once done
+    back: set[tuple[str, str]] = set()
+    for root in keys:
+        if root in state:
+            continue
+        state[root] = 1
+        stack = [(root, iter(succ[root]))]
+        while stack:
+            u, it = stack[-1]
+            v = next(it, "")
+            if not v:  # keys are never empty
+                state[u] = 2
+                stack.pop()
+            elif v not in state:
+                state[v] = 1
+                stack.append((v, iter(succ[v])))
+            elif state[v] == 1:
+                back.add((u, v))
+    return {u: [v for v in vs if (u, v) not in back and u != v] for u, vs in succ.items()}
+
+
+def _ranks(keys: list[str], succ: dict[str, list[str]]) -> dict[str, int]:
+    """Each box's rank in the acyclic box graph ``succ``: its longest path from a source, a
+    source placed just above its first reader."""
+    pred: dict[str, list[str]] = {k: [] for k in keys}
+    for u in keys:
+        for v in succ[u]:
+            pred[v].append(u)
     waiting = {k: len(pred[k]) for k in keys}
     ready = [k for k in reversed(keys) if not waiting[k]]
-    out = []
-    while ready:
+    rank: dict[str, int] = {}
+    while ready:  # Kahn's order: every box after those with an edge into it
         k = ready.pop()
-        out.append(k)
+        rank[k] = max((rank[p] + 1 for p in pred[k]), default=0)
         for v in succ[k]:
             waiting[v] -= 1
             if not waiting[v]:
                 ready.append(v)
-    return out + [k for k in keys if waiting[k] > 0]  # a cycle (none expected) keeps the rest in order
+    assert len(rank) == len(keys), "the box graph still has a cycle"
+    for k in keys:
+        if not pred[k] and succ[k]:
+            rank[k] = max(rank[k], min(rank[s] for s in succ[k]) - 1)
+    return rank
 
 
 def to_dot(
@@ -415,6 +517,7 @@ def to_dot(
     fold_side: bool = True,
     fold_loops: bool = True,
     collapse_repeats: bool = True,
+    open_leaf_layers: bool = False,
     wrap: int = 12,
     show_shapes: bool = True,
     show_path: bool = True,
@@ -445,7 +548,10 @@ def to_dot(
     arithmetic, constants, results nothing reads) as one box naming what it feeds;
     ``fold_loops`` draws a loop (the same calls repeated in one module call, three times or
     more) as its first iteration and one box for the rest; ``collapse_repeats`` does the same
-    for a run of three or more identical sibling blocks. ``wrap`` breaks a rank of more boxes
+    for a run of three or more identical sibling blocks. A leaf layer, a module call that
+    calls no other module and records only function calls (transformers' ``Conv1D``, an
+    activation class), is one box like ``nn.Linear``; ``open_leaf_layers`` draws its calls
+    (the graph keeps them either way). ``wrap`` breaks a rank of more boxes
     than that into rows. In SVG each box has a tooltip: module path, class, shapes and
     attributes, or the list of the nodes a collapsed box holds (the DOT attribute
     ``fwdtrace_members`` lists their ids).
@@ -461,28 +567,56 @@ def to_dot(
     if not isinstance(target_nodes, int) or target_nodes < 1:
         raise FwdtraceError(f"to_dot() expected target_nodes as an integer >= 1, got {target_nodes!r}")
     folds = find_folds(graph)
-    options = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path)
-    draw = lambda d, caption: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
-                                   show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
-                                   title=title, name_prefix=name_prefix, cluster_name=cluster_name)
+    options = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path,
+                   open_leaf_layers=open_leaf_layers)
+    draw = lambda d, caption, wrap: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
+                                         show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
+                                         title=title, name_prefix=name_prefix, cluster_name=cluster_name)
     if depth != "auto":
-        return draw(depth, None)
+        return draw(depth, None, wrap)
+    return _auto_depth(graph, folds, options, target_nodes, wrap, draw)
+
+
+def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nodes: int, wrap: int,
+                draw: Callable[[int, str, int], Digraph]) -> Digraph:
+    """The picture at the deepest depth with at most ``target_nodes`` boxes that fits ``MAX_PNG`` at
+    ``MIN_DPI``, but never shallower than the first depth that shows the model's parts.
+
+    That floor is the first depth with at least ``MIN_AUTO_BOXES`` boxes (all there are, if
+    fewer), even if it has more than ``target_nodes``: a detector whose top level is one
+    wrapper, or whose every deeper picture is too large, would otherwise collapse to one
+    "model" box. Only a target below ``MIN_AUTO_BOXES`` is honoured as asked. At the floor, a
+    picture too large is re-wrapped (wider rows when too tall, narrower when too wide) and
+    drawn at the resolution that fits, below ``MIN_DPI`` if it must.
+    """
     top = _max_depth(graph)
+    counts = [len(_units(graph, folds, d, **options).units) for d in range(top + 1)]
+    if target_nodes < MIN_AUTO_BOXES:  # asked for a small picture: the deepest depth within it
+        floor = max((d for d, c in enumerate(counts) if c <= target_nodes), default=0)
+    else:
+        floor = next(d for d, c in enumerate(counts) if c >= min(MIN_AUTO_BOXES, counts[top]))
     max_w, max_h = (px * 72 / MIN_DPI for px in MAX_PNG)  # in points
-    dot = None
-    for d in range(top, -1, -1):
-        count = len(_units(graph, folds, d, **options).units)
-        if count > target_nodes and d > 0:
+    for d in range(top, floor - 1, -1):
+        if counts[d] > target_nodes and d > floor:
             continue
         level = "full detail" if d == top else f"depth {d} of {top}"
-        dot = draw(d, f"{level}: {count} boxes for {len(graph.nodes)} nodes (auto, at most {target_nodes})")
+        bound = f"at most {target_nodes}" if counts[d] <= target_nodes else f"at least {MIN_AUTO_BOXES}"
+        caption = f"{level}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
+        dot = draw(d, caption, wrap)
         w, h = _layout_points(dot.source)
-        if (w <= max_w and h <= max_h) or d == 0:
-            dpi = min(DPI, MAX_PNG[0] * 72 / w, MAX_PNG[1] * 72 / h)
-            if dpi < DPI:
-                dot.attr(dpi=f"{dpi:.1f}")
+        if w <= max_w and h <= max_h:
             break
-    assert dot is not None
+        if d == floor:
+            tries = [max(2, wrap // 2), max(2, wrap // 4)] if w > max_w else [wrap * 2, wrap * 4]
+            for other in tries if wrap else []:  # the least scaled down of the wrappings
+                rewrapped = draw(d, caption, other)
+                w2, h2 = _layout_points(rewrapped.source)
+                if min(max_w / w2, max_h / h2) > min(max_w / w, max_h / h):
+                    dot, w, h = rewrapped, w2, h2
+    pad = 2 * 4  # Graphviz's default pad, 4 points a side, around the layout's bounding box
+    dpi = min(DPI, MAX_PNG[0] * 72 / (w + pad), MAX_PNG[1] * 72 / (h + pad))
+    if dpi < DPI:
+        dot.attr(dpi=f"{math.floor(dpi * 10) / 10:.1f}")  # rounded down: never a pixel over
     return dot
 
 

@@ -6,8 +6,8 @@ large models. Everything here is independent of the depth a picture is drawn at.
 
 - *Side computations* are function nodes off the data path: the data path starts at layer
   (module) calls, floating-point inputs and integer inputs that a layer reads as its main
-  input (token ids into an Embedding), and runs through every function that reads one of
-  those. What is left (attention-mask arithmetic, position ids from ``arange``, constants,
+  input (token ids into an Embedding, or into the Gather of an embedding table in an ONNX
+  graph), and runs through every function that reads one of those. What is left (attention-mask arithmetic, position ids from ``arange``, constants,
   weight arithmetic) only feeds the data path.
 - *Dead ends* are function nodes whose results reach no output.
 - *Loops* are runs of the same sequence of calls inside one module call (per box, per
@@ -49,10 +49,11 @@ class Loop:
 class Folds:
     """The folding candidates of one graph; see :func:`find_folds`."""
 
-    side: dict[int, str]  # function node id -> "side" or "dead end"
+    side: dict[int, str]  # function node id -> "side", "dead end" or "empty cache"
     loops: list[Loop]
     item2loop: dict[Item, Loop]  # items of the later iterations
     repeats: dict[Scope, tuple[Scope, int]]  # block -> (first block of its run, blocks after it)
+    leaf_layers: set[Scope] = field(default_factory=set)  # calls with no child calls, only function nodes
 
 
 def find_folds(graph: Graph) -> Folds:
@@ -71,7 +72,19 @@ def find_folds(graph: Graph) -> Folds:
     ['arange', 'unsqueeze']
     """
     item2loop, loops = _loops(graph)
-    return Folds(_side_nodes(graph), loops, item2loop, _repeated_runs(graph))
+    return Folds(_side_nodes(graph), loops, item2loop, _repeated_runs(graph), _leaf_layers(graph))
+
+
+def _leaf_layers(graph: Graph) -> set[Scope]:
+    """Module calls that call no other module and record only function nodes: a layer written
+    with functions (transformers' ``Conv1D``: view, addmm, view) or an activation class
+    (``NewGELUActivation``: 8 ops), which a picture may draw as one box, as it does ``nn.Linear``."""
+    leaves: dict[Scope, bool] = {}
+    for n in graph.nodes:
+        for i, s in enumerate(n.scope):
+            inner = i < len(n.scope) - 1 or n.kind != "function"
+            leaves[s] = leaves.get(s, True) and not inner
+    return {s for s, leaf in leaves.items() if leaf}
 
 
 # -- side computations and dead ends ---------------------------------------------------------------
@@ -97,24 +110,34 @@ def _side_nodes(graph: Graph) -> dict[int, str]:
     seeds = {n.id for n in graph.nodes if n.kind == "module"}
     seeds |= {n.id for n in graph.nodes if n.kind == "input" and any(_is_floating(r.dtype) for r in n.outputs)}
     data = propagate(seeds)
-    # Integer inputs a layer reads as its main input (token ids) are data; masks are not.
+    # Integer inputs a layer reads as its main input (token ids) are data; masks are not. A layer
+    # is a module call or, as in an ONNX graph, an op that looks up integers in a table (the
+    # Gather of an embedding: a floating-point weight of two dimensions or more); its main input
+    # is its first input that is not a weight. Layers are visited in execution order, each found
+    # input made data before the next layer is looked at: in an ONNX graph with only integer
+    # inputs nothing else is data at first, and the walk from a later layer would otherwise
+    # reach the mask through the attention.
     producer = {r.obj_id: n.id for n in graph.nodes for r in n.outputs}
-    index_inputs: set[int] = set()
+    seen: set[int] = set()
     for n in graph.nodes:
-        main = next((r for r in n.inputs if r.param is None), None) if n.kind == "module" else None
+        main = next((r for r in n.inputs if r.param is None), None)
+        lookup = n.kind == "function" and main is not None and not _is_floating(main.dtype) and main.dtype != "bool" \
+            and any(r.param is not None and _is_floating(r.dtype) and len(r.shape) >= 2 for r in n.inputs)
+        if n.kind != "module" and not lookup:
+            continue
         stack = [producer[main.obj_id]] if main is not None and main.obj_id in producer else []
-        seen: set[int] = set()
+        found: set[int] = set()
         while stack:
             i = stack.pop()
             if i in seen or i in data:
                 continue
             seen.add(i)
-            if by_id[i].kind == "input":
-                index_inputs.add(i)
+            if by_id[i].kind == "input" and not any(_is_floating(r.dtype) for r in by_id[i].outputs):
+                found.add(i)
             elif by_id[i].kind == "function":
                 stack.extend(node2srcs[i])
-    if index_inputs:
-        data = propagate(data | index_inputs)
+        if found:
+            data = propagate(data | found)
 
     outputs = [n.id for n in graph.nodes if n.kind == "output"]
     live = set(outputs)
@@ -132,6 +155,17 @@ def _side_nodes(graph: Graph) -> dict[int, str]:
             side[n.id] = "dead end"
         elif n.id not in data:
             side[n.id] = "side"
+    # An empty cache's plumbing: a concatenation onto a tensor made empty from nothing (the
+    # first update of transformers' DynamicCache: ``torch.tensor([])`` then ``cat``) passes
+    # its one real input through unchanged; it is drawn with the side computations.
+    empty = {r.obj_id for n in graph.nodes if n.kind == "function" and not n.inputs and n.outputs
+             and all(0 in r.shape for r in n.outputs) for r in n.outputs}
+    for n in graph.nodes:
+        if n.kind == "function" and n.target.rsplit(".", 1)[-1].lower() in ("cat", "concat", "concatenate") \
+                and n.id in live and any(r.obj_id in empty for r in n.inputs):
+            rest = [r for r in n.inputs if r.obj_id not in empty]
+            if len(rest) == 1 and len(n.outputs) == 1 and tuple(rest[0].shape) == tuple(n.outputs[0].shape):
+                side[n.id] = "empty cache"
     return side
 
 
