@@ -318,7 +318,7 @@ def test_keys_with_slashes_write_inside_out_dir_under_distinct_names(tmp_path: P
     names = [str(outside / "x"), "a/b", "a%2Fb", "a_b"]  # module names torch accepts
     model = nn.Sequential(OrderedDict((name, nn.Linear(2, 2)) for name in names))
     with fwdtrace.Recorder(out, timeout=SLOW) as rec:
-        keys = rec.track(model, None, name="..")
+        keys = rec.track(model, None)
         for _ in range(2):
             model(torch.randn(3, 2))
     assert keys == [f"{name}.Linear" for name in names]
