@@ -351,7 +351,7 @@ class Recorder:
         """Record the outputs (``"forward"``), output gradients (``"grad"``) or both of the selected modules.
 
         >>> import torch, fwdtrace, tempfile
-        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp(), timeout=10)
+        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp())
         >>> rec.track(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), torch.nn.ReLU, kind="both")
         ['1.ReLU']
         >>> _ = rec.stop()
@@ -498,7 +498,7 @@ class Recorder:
         """The most recently made recorder not yet stopped, for code far from where it was made.
 
         >>> import fwdtrace, tempfile
-        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp(), timeout=10)
+        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp())
         >>> fwdtrace.Recorder.current() is rec
         True
         >>> _ = rec.stop()
@@ -511,6 +511,8 @@ class Recorder:
         """Remove the hooks, send what is queued (for at most ``timeout`` s), finalise every file, join the workers.
 
         Returns the videos and last-frame PNGs written, sorted; a second call returns the same.
+        Warns (``RuntimeWarning``) when a worker had to be terminated, and names the files that
+        lost frames to a worker that died during the run (:meth:`stats` has the counts).
         """
         if self._stopped:
             return self._paths
