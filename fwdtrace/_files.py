@@ -33,13 +33,19 @@ class AtomicFile:
 
     ``tmp`` exists (empty, created with ``O_EXCL``) once the object is made; its name is
     ``.{name}.{random}.tmp``, or ``{name}.partial-{random}`` with ``partial_name=True`` so a
-    file a killed process leaves behind says what it is. With ``overwrite=False``,
+    file a killed process leaves behind says what it is, or ``{stem}.partial-{random}{suffix}``
+    with ``keep_suffix=True`` for writers that pick the format by the name (ffmpeg). With ``overwrite=False``,
     :meth:`commit` refuses an existing target (atomically, with a hard link where the
     file system has them).
     """
 
     def __init__(
-        self, target: str | os.PathLike[str], caller: str, overwrite: bool = True, partial_name: bool = False
+        self,
+        target: str | os.PathLike[str],
+        caller: str,
+        overwrite: bool = True,
+        partial_name: bool = False,
+        keep_suffix: bool = False,
     ) -> None:
         self.target = Path(target)
         self.caller = caller
@@ -48,7 +54,10 @@ class AtomicFile:
         name = self.target.name
         for _ in range(100):
             token = secrets.token_hex(4)
-            tmp = folder / (f"{name}.partial-{token}" if partial_name else f".{name}.{token}.tmp")
+            if keep_suffix:
+                tmp = folder / f"{self.target.stem}.partial-{token}{self.target.suffix}"
+            else:
+                tmp = folder / (f"{name}.partial-{token}" if partial_name else f".{name}.{token}.tmp")
             try:
                 # 0o666 before the umask, as open() gives: the file gets the user's usual mode.
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, 0o666)

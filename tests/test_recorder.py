@@ -1,7 +1,9 @@
 """fwdtrace.Recorder: videos read back with imageio, workers that never block training nor outlive it.
 
 Reference points are independent of the recorder: frames are counted by decoding the files,
-worker liveness is read from /proc, drops are checked against the calls the test made.
+worker liveness is read from /proc, drops are checked against the calls the test made. Tests
+wait on conditions with generous bounds (the suite runs on loaded cores), never on a time budget;
+``timeout=`` of a recorder is such a bound too.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import imageio.v2 as imageio
@@ -23,9 +28,13 @@ from torch import nn
 import fwdtrace
 from fwdtrace.errors import FwdtraceError
 from fwdtrace.recorder import views
+from fwdtrace.recorder.recorder import _Channel, file_stem
 from fwdtrace.recorder.worker import VideoFile
 
 ROOT = Path(__file__).parent.parent
+CHECKOUT_ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # this fwdtrace
+BOUND = 120.0  # seconds to wait for something that takes well under one on an idle machine
+SLOW = 300.0  # a recorder's timeout: how long stop() may wait for a worker on a loaded machine
 
 
 def frames_of(path: Path) -> list[np.ndarray]:
@@ -40,6 +49,18 @@ def changed(a: np.ndarray, b: np.ndarray) -> float:
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 6))
+
+
+def wait_until(condition: Callable[[], bool], what: str, bound: float = BOUND) -> None:
+    deadline = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {bound} s for {what}"
+        time.sleep(0.05)
+
+
+def drawing(folder: Path, stem: str) -> bool:
+    """Whether a worker has opened a video for ``stem`` in ``folder`` (under whatever name)."""
+    return any(n.startswith(stem + ".") and n.endswith(".mp4") for n in os.listdir(folder))
 
 
 def gone(pid: int) -> bool:
@@ -59,7 +80,7 @@ def test_training_loop_writes_every_frame_and_pixels_follow_activations(tmp_path
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)  # tiny: same input, (visibly) same activations
     xa, xb = torch.randn(16, 8), torch.randn(16, 8) * 3
     steps, every = 8, 2
-    with fwdtrace.Recorder(tmp_path, every=every, timeout=20) as rec:
+    with fwdtrace.Recorder(tmp_path, every=every, timeout=SLOW) as rec:
         assert rec.track(model, "2.Linear", kind="both") == ["2.Linear"]
         assert rec.track(model, nn.Tanh) == ["1.Tanh"]
         assert len(rec.processes) == 1 and rec.processes[0].is_alive()
@@ -85,24 +106,32 @@ def test_training_loop_writes_every_frame_and_pixels_follow_activations(tmp_path
     assert changed(last, frames[-1]) < changed(last, frames[0]) / 4  # the PNG is the last frame, uncompressed
 
 
-def test_slow_worker_makes_the_queue_drop_not_the_step_wait(tmp_path: Path) -> None:
+def test_a_stalled_worker_makes_the_queues_drop_not_the_step_wait(tmp_path: Path) -> None:
     model, x = mlp(), torch.randn(4, 8)
-    delay, calls = 0.5, 30
-    with fwdtrace.Recorder(tmp_path, queue_size=2, timeout=10, _worker_delay=delay) as rec:
-        rec.track(model, "2.Linear")
-        start = time.perf_counter()
-        for _ in range(calls):
-            model(x)
-        elapsed = time.perf_counter() - start
-    # Waiting on the worker would take about (calls - queue - in flight) * delay = 13 s.
-    assert elapsed < calls * delay / 3, elapsed
-    assert rec.dropped > 0
-    assert len(frames_of(tmp_path / "2.Linear.forward.mp4")) == calls - rec.dropped
+    calls, queue_size, stems = 30, 4, ["0.Linear.forward", "2.Linear.forward"]
+    rec = fwdtrace.Recorder(tmp_path, queue_size=queue_size, timeout=SLOW)
+    rec.track(model, ["0.Linear", "2.Linear"])
+    worker = rec.processes[0]
+    os.kill(worker.pid, signal.SIGSTOP)  # the worker draws nothing until SIGCONT
+    try:
+        training = threading.Thread(target=lambda: [model(x) for _ in range(calls)])
+        training.start()
+        training.join(BOUND)  # a step that waited for the stalled worker would never end
+        assert not training.is_alive()
+        dropped_while_stalled = rec.dropped_by
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    rec.stop()
+    share = queue_size // len(stems)
+    for stem in stems:  # each file keeps its share queued; at most IN_FLIGHT items reached the stalled worker
+        assert dropped_while_stalled[stem] >= calls - share - _Channel.IN_FLIGHT
+        assert len(frames_of(tmp_path / f"{stem}.mp4")) == calls - rec.dropped_by[stem]
+        assert rec.stats()[stem]["recorded"] == calls
 
 
 def test_exception_leaving_the_with_finalises_files(tmp_path: Path) -> None:
     model = mlp()
-    with pytest.raises(RuntimeError, match="^boom"), fwdtrace.Recorder(tmp_path, timeout=10) as rec:
+    with pytest.raises(RuntimeError, match="^boom"), fwdtrace.Recorder(tmp_path, timeout=SLOW) as rec:
         rec.track(model, "0.Linear", name="student")
         for _ in range(3):
             model(torch.randn(2, 8))
@@ -111,6 +140,214 @@ def test_exception_leaving_the_with_finalises_files(tmp_path: Path) -> None:
     assert len(frames_of(tmp_path / "student.0.Linear.forward.mp4")) == 3 - rec.dropped
     with pytest.raises(FwdtraceError, match=r"^Recorder.current\(\) expected a live Recorder, got none"):
         fwdtrace.Recorder.current()
+
+
+# -- fair drops: a worker that falls behind draws every file -----------------------------------------
+
+
+class HandFedWorker:
+    """Stands in for a worker process (its pipe, its credits and the process): it takes a frame
+    only when the test hands it a credit, and keeps the file stem of every frame it got."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.credits = 0
+        self.waiting = 0  # senders blocked in acquire()
+        self.got: list[str] = []
+        self.stopped = False
+        self.pid, self.exitcode, self.name = -1, None, "hand-fed"
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        with self.cond:
+            self.waiting += 1
+            self.cond.notify_all()
+            taken = self.cond.wait_for(lambda: self.credits > 0, timeout)
+            self.waiting -= 1
+            if taken:
+                self.credits -= 1
+            return taken
+
+    def give(self, n: int = 1) -> None:
+        with self.cond:
+            self.credits += n
+            self.cond.notify_all()
+
+    def send(self, item: tuple | None) -> None:
+        with self.cond:
+            if item is None:
+                self.stopped = True
+            else:
+                self.got.append(item[0])
+            self.cond.notify_all()
+
+    def settle(self, frames: int) -> None:
+        """Wait until ``frames`` frames arrived and the sender waits for the next credit."""
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.got) == frames and self.waiting and not self.credits, BOUND)
+
+    def close(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return not self.stopped
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def terminate(self) -> None:
+        self.stopped = True
+
+
+def test_a_worker_that_falls_behind_draws_every_file_in_turn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker takes one frame per training step, at the same point of every step: one shared
+    # drop-oldest queue then always hands it the same file (issue 24: 735 frames against 3).
+    worker = HandFedWorker()
+    monkeypatch.setattr(fwdtrace.Recorder, "_spawn", lambda self, index: (worker, worker, worker))
+    model, x, steps = mlp(), torch.randn(4, 8), 30
+    calls: Counter[str] = Counter()  # the reference: plain forward hooks
+    for key in ("0", "1", "2"):
+        model.get_submodule(key).register_forward_hook(lambda m, i, o, key=key: calls.update([key]))
+    rec = fwdtrace.Recorder(tmp_path, queue_size=6, timeout=SLOW)
+    rec.track(model, None)
+    stems = ["0.Linear.forward", "1.Tanh.forward", "2.Linear.forward"]
+    for step in range(steps):
+        model(x)
+        worker.give()
+        worker.settle(step + 1)
+    while_behind = Counter(worker.got)
+    assert sorted(while_behind) == stems and max(while_behind.values()) - min(while_behind.values()) <= 1
+    worker.give(1000)  # now it keeps up: stop() sends what is queued
+    rec.stop()
+    drained = Counter(worker.got) - while_behind
+    stats = rec.stats()
+    for stem, key in zip(stems, ("0", "1", "2"), strict=True):
+        assert drained[stem] <= 6 // len(stems)  # each file kept its share queued, no more
+        assert stats[stem]["recorded"] == calls[key] == steps
+        assert stats[stem]["sent"] == worker.got.count(stem)
+        assert stats[stem]["sent"] + stats[stem]["dropped"] == steps
+        assert rec.dropped_by[stem] == stats[stem]["dropped"] > 0
+    assert rec.dropped == sum(s["dropped"] for s in stats.values())
+    assert f"dropped={rec.dropped})" in repr(rec)
+
+
+# -- a worker that dies ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads worker states from /proc")
+def test_a_worker_killed_with_kill_9_is_reported_once_and_replaced(tmp_path: Path) -> None:
+    model, x = mlp(), torch.randn(4, 8)
+    stems = ["0.Linear.forward", "2.Linear.forward"]
+    with pytest.warns(RuntimeWarning) as caught:
+        rec = fwdtrace.Recorder(tmp_path, timeout=SLOW)
+        rec.track(model, ["0.Linear", "2.Linear"])
+        first = rec.processes[0]
+        model(x)
+        wait_until(lambda: all(drawing(tmp_path, stem) for stem in stems), "the worker to draw")
+        os.kill(first.pid, signal.SIGKILL)
+        wait_until(lambda: gone(first.pid), "the worker to die")
+        wait_until(lambda: rec.processes[0].pid != first.pid, "the recorder to notice")
+        assert "running, 1 worker death(s)" in repr(rec)
+        for _ in range(3):
+            model(x)
+        paths = rec.stop()
+    deaths = [str(w.message) for w in caught if "died" in str(w.message)]
+    assert len(deaths) == 1 and f"(pid {first.pid}) died (killed by SIGKILL); restarted it" in deaths[0]
+    assert all(stem in deaths[0] for stem in stems)
+    assert any(str(w.message).startswith("Recorder.stop(): files that lost frames to a dead worker") for w in caught)
+    assert not any(p.is_alive() for p in rec.processes)
+    for stem in stems:  # the new worker wrote the frames it was sent
+        assert rec.stats()[stem]["worker_deaths"] == 1 and not rec.stats()[stem]["failed"]
+        assert tmp_path / f"{stem}.mp4" in paths and 1 <= len(frames_of(tmp_path / f"{stem}.mp4")) <= rec.stats()[stem]["sent"]
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads worker states from /proc")
+def test_a_worker_that_cannot_be_restarted_marks_its_files_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_Channel, "RESTARTS", 0)
+    model, x = mlp(), torch.randn(4, 8)
+    with pytest.warns(RuntimeWarning) as caught:
+        rec = fwdtrace.Recorder(tmp_path, timeout=SLOW)
+        rec.track(model, "0.Linear")
+        first = rec.processes[0]
+        os.kill(first.pid, signal.SIGKILL)
+        wait_until(lambda: "failed: 0.Linear.forward" in repr(rec), "the recorder to notice")
+        for _ in range(5):
+            model(x)
+        assert rec.stop() == []
+    [death] = [str(w.message) for w in caught if "died" in str(w.message)]
+    assert "its files are marked failed" in death and "0.Linear.forward" in death
+    stats = rec.stats()["0.Linear.forward"]
+    assert stats["failed"] and stats["recorded"] == 5 and stats["dropped"] == 5 - stats["sent"] == 5
+
+
+# -- files: whole when they appear, never through a link, always inside out_dir -------------------
+
+
+def test_a_video_appears_at_its_name_only_when_finished(tmp_path: Path) -> None:
+    model, x = mlp(), torch.randn(4, 8)
+    with fwdtrace.Recorder(tmp_path, timeout=SLOW) as rec:
+        rec.track(model, "0.Linear")
+        model(x)
+        wait_until(lambda: drawing(tmp_path, "0.Linear.forward"), "the worker to draw")
+        [partial] = os.listdir(tmp_path)  # no final name while recording
+        assert partial.startswith("0.Linear.forward.partial-") and partial.endswith(".mp4")
+        model(x)
+    assert sorted(os.listdir(tmp_path)) == ["0.Linear.forward.mp4", "0.Linear.forward.png"]
+    assert len(frames_of(tmp_path / "0.Linear.forward.mp4")) == 2 - rec.dropped
+
+
+def test_a_symlink_at_a_file_name_is_replaced_not_written_through(tmp_path: Path) -> None:
+    out, model = tmp_path / "out", mlp()
+    out.mkdir()
+    victims = {ext: tmp_path / f"victim{ext}" for ext in (".mp4", ".png")}
+    for ext, victim in victims.items():
+        victim.write_bytes(b"keep me")
+        (out / f"0.Linear.forward{ext}").symlink_to(victim)
+    with fwdtrace.Recorder(out, timeout=SLOW) as rec:
+        rec.track(model, "0.Linear")
+        for _ in range(3):
+            model(torch.randn(4, 8))
+    assert all(victim.read_bytes() == b"keep me" for victim in victims.values())
+    assert rec.stop() == [out / "0.Linear.forward.mp4", out / "0.Linear.forward.png"]
+    assert not any(p.is_symlink() for p in rec.stop())
+    assert len(frames_of(out / "0.Linear.forward.mp4")) == 3 - rec.dropped
+
+
+def test_keys_with_slashes_write_inside_out_dir_under_distinct_names(tmp_path: Path) -> None:
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    outside.mkdir()
+    names = [str(outside / "x"), "a/b", "a%2Fb", "a_b"]  # module names torch accepts
+    model = nn.Sequential(OrderedDict((name, nn.Linear(2, 2)) for name in names))
+    with fwdtrace.Recorder(out, timeout=SLOW) as rec:
+        keys = rec.track(model, None)
+        for _ in range(2):
+            model(torch.randn(3, 2))
+    assert keys == [f"{name}.Linear" for name in names]
+    assert list(outside.iterdir()) == []
+    files = sorted(out.iterdir())
+    assert len(files) == 2 * len(names) and all(f.parent == out and f.is_file() for f in files)
+    assert sorted(s["key"] for s in rec.stats().values()) == sorted(keys)
+    for stem in rec.stats():
+        assert not stem.startswith(".") and "/" not in stem
+        assert len(frames_of(out / f"{stem}.mp4")) == 2 - rec.dropped_by[stem]
+
+
+FILE_STEMS = [
+    ("blocks.0.attn.Linear.forward", "blocks.0.attn.Linear.forward"),  # keys read as themselves
+    ("/etc/x.Linear.forward", "%2Fetc%2Fx.Linear.forward"),
+    ("a%2Fb.Linear.forward", "a%252Fb.Linear.forward"),  # % escaped too: distinct from "a/b"
+    ("...0.Linear.forward", "%2E..0.Linear.forward"),  # never hidden, never "." or ".."
+    ("é ü.forward", "%C3%A9%20%C3%BC.forward"),
+]
+
+
+@pytest.mark.parametrize(("text", "stem"), FILE_STEMS)
+def test_file_stem(text: str, stem: str) -> None:
+    assert file_stem(text) == stem
+
+
+def test_file_stem_of_long_keys_is_short_and_distinct() -> None:
+    a, b = "x" * 300 + ".a", "x" * 300 + ".b"
+    assert len(file_stem(a)) == 160 and file_stem(a) != file_stem(b) and file_stem(a) == file_stem(a)
 
 
 # -- the parent interrupted or killed --------------------------------------------------------------
@@ -122,7 +359,7 @@ from torch import nn
 if __name__ == "__main__":
     out, mode = sys.argv[1], sys.argv[2]
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    rec = fwdtrace.Recorder(out, timeout=3)
+    rec = fwdtrace.Recorder(out, timeout=30)
     try:
         with rec:
             rec.track(model, ["0.Linear", "2.Linear"])
@@ -131,7 +368,9 @@ if __name__ == "__main__":
                 model(torch.randn(8, 8))
                 calls += 1
                 if calls == 5:
-                    while not all(os.path.exists(os.path.join(out, k + ".forward.mp4")) for k in ("0.Linear", "2.Linear")):
+                    deadline = time.monotonic() + 120
+                    while not all(any(n.startswith(k + ".forward.partial-") for n in os.listdir(out)) for k in ("0.Linear", "2.Linear")):
+                        assert time.monotonic() < deadline, "no worker drew"
                         time.sleep(0.05)  # the worker is drawing; now interrupt or kill us
                     print(json.dumps({"workers": [p.pid for p in rec.processes]}), flush=True)
                 time.sleep(0.02)
@@ -149,6 +388,7 @@ def start_child(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's job
+        env=CHECKOUT_ENV,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -160,7 +400,7 @@ def start_child(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
 def test_ctrl_c_in_the_parent_finalises_every_file(tmp_path: Path) -> None:
     proc, workers = start_child(tmp_path)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole group, workers included
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=2 * SLOW)
     result = json.loads(out.strip().splitlines()[-1])
     assert proc.returncode == 0
     assert all(gone(pid) for pid in workers)
@@ -174,10 +414,7 @@ def test_kill_9_of_the_parent_leaves_no_worker_and_playable_files(tmp_path: Path
     proc, workers = start_child(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
-    deadline = time.monotonic() + 3 + 10  # the child's timeout, and slack for a busy machine
-    while not all(gone(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(gone(pid) for pid in workers)
+    wait_until(lambda: all(gone(pid) for pid in workers), "the workers to see their parent gone")
     for key in ("0.Linear", "2.Linear"):
         frames = frames_of(tmp_path / "out" / f"{key}.forward.mp4")
         assert len(frames) >= 1 and frames[0].shape == (480, 640, 3)
@@ -193,8 +430,8 @@ from torch import nn
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
-    with fwdtrace.Recorder(sys.argv[1] + "/all", timeout=20) as every_rank, \\
-            fwdtrace.Recorder(sys.argv[1] + "/one", timeout=20, ranks=[1]) as rank1:
+    with fwdtrace.Recorder(sys.argv[1] + "/all", timeout=300) as every_rank, \\
+            fwdtrace.Recorder(sys.argv[1] + "/one", timeout=300, ranks=[1]) as rank1:
         every_rank.track(model, "0.Linear")
         rank1.track(model, "1.ReLU")
         assert len(rank1.processes) == (1 if dist.get_rank() == 1 else 0)
@@ -208,9 +445,9 @@ if __name__ == "__main__":
 def test_torchrun_writes_one_set_of_files_per_rank(tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**CHECKOUT_ENV, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "all").iterdir())
     assert names == [f"0.Linear.forward.rank{r}{ext}" for r in (0, 1) for ext in (".mp4", ".png")]

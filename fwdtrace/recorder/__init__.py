@@ -1,7 +1,8 @@
 """Pictures and videos of layer activations and gradients over training, drawn in worker processes.
 
-``recorder.py`` is the training side (hooks, the bounded drop-oldest queue), ``worker.py``
-the worker process (its parent watchdog, file finalising), ``views.py`` the frames
+``recorder.py`` is the training side (hooks, per-file drop-oldest queues served in turn, the
+watch that restarts a dead worker), ``worker.py`` the worker process (its parent watchdog,
+files renamed into place when finished), ``views.py`` the frames
 (heatmap, histogram, PCA). Only the worker imports matplotlib.
 """
 

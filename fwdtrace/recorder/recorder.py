@@ -1,25 +1,32 @@
 """The training side of the recorder: hooks that hand small copies of tensors to worker processes.
 
 The training step never waits on a worker. A hook cuts its tensor down to what the pictures
-need, copies it to CPU numpy (no CUDA tensor crosses a process), and appends it to a bounded
-queue in this process, dropping the oldest item when full (and counting it); a thread per
-worker sends the queue down a pipe. A slow worker fills its pipe, its queue drops old frames,
-and training goes on at full speed.
+need, copies it to CPU numpy (no CUDA tensor crosses a process), and appends it to its file's
+bounded queue in this process, dropping that file's oldest item when full (and counting it); a
+thread per worker takes the files in turn and sends their items down a pipe. A slow worker fills
+its pipe, the queues drop old frames, every file keeps its share, and training goes on at full
+speed. The same thread watches its worker: one that dies is reported and restarted.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import hashlib
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
 import threading
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import quote
 
 import torch
 
@@ -29,9 +36,10 @@ from ..keys import Selector, key2module, select_modules
 from . import worker as worker_module
 from .views import VIEWS, reduce
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "file_stem"]
 
 _KINDS = ("forward", "grad", "both")
+_STEM_MAX = 160  # characters of a file stem: room left for ".partial-xxxxxxxx.mp4" under the usual 255
 
 
 def _rank() -> tuple[int, int]:
@@ -46,33 +54,108 @@ def _rank() -> tuple[int, int]:
         return 0, 1
 
 
-class _Channel:
-    """A bounded drop-oldest queue in the training process and the thread that feeds one worker.
+def file_stem(text: str) -> str:
+    """A file name for ``text`` inside one folder: the same for the same text, distinct for distinct texts.
 
-    The worker hands back a credit (a semaphore) per frame drawn, so at most ``IN_FLIGHT``
-    items sit in its pipe: the backlog stays here, where dropping the oldest is possible.
+    >>> file_stem("blocks.0.Linear.forward"), file_stem("/abs/dir/x.Linear.forward"), file_stem(".hidden")
+    ('blocks.0.Linear.forward', '%2Fabs%2Fdir%2Fx.Linear.forward', '%2Ehidden')
+
+    Letters, digits and ``._-~`` stay as they are (module keys read as themselves); any other
+    character is %-escaped, ``%`` included, so no name holds a ``/`` and no two texts share a
+    name; a leading dot is escaped (no hidden files). A stem longer than 160 characters is cut
+    and ends with a hash of the whole text.
+    """
+    stem = quote(text, safe="")
+    if stem.startswith("."):
+        stem = "%2E" + stem[1:]  # quote() never writes "%2E", so this stays one-to-one
+    if len(stem) > _STEM_MAX:
+        stem = f"{stem[: _STEM_MAX - 17]}~{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return stem
+
+
+@dataclass
+class _FileStats:
+    """What became of one file's frames: ``recorded`` is ``sent`` + ``dropped`` + what is still queued."""
+
+    key: str
+    kind: str
+    recorded: int = 0
+    sent: int = 0
+    dropped: int = 0
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class _Channel:
+    """Per-file drop-oldest queues in the training process and the thread that feeds them to one worker.
+
+    ``size`` is shared equally between the channel's files (at least one item each), and the
+    thread takes the files in turn: a worker that falls behind draws every file at the same rate,
+    and each file drops only its own oldest items. (One shared queue dropped the oldest item
+    overall; read at the same point of every step, its head was always the same file.) The worker
+    hands back a credit per frame drawn and the thread takes an item only once it holds one, so
+    at most ``IN_FLIGHT`` items sit in the pipe and the backlog stays here, where dropping is fair.
+
+    The thread also watches its worker (at least every ``WATCH_S`` s): a worker that died is
+    reported through ``on_death`` and replaced by ``spawn()``, at most ``RESTARTS`` times; after
+    that the channel is failed and its frames are dropped (counted).
     """
 
     IN_FLIGHT = 2
+    WATCH_S = 0.5
+    RESTARTS = 2
 
-    def __init__(self, conn: Any, credits: Any, process: Any, size: int, on_drop: Callable[[str], None]) -> None:
-        self.conn = conn
-        self.credits = credits
-        self.process = process
+    def __init__(
+        self,
+        name: str,
+        spawn: Callable[[], tuple[Any, Any, Any]],
+        size: int,
+        on_death: Callable[[_Channel, int, str, bool], None],
+    ) -> None:
+        self.name = name
+        self.spawn = spawn
         self.size = size
-        self.on_drop = on_drop
-        self.items: deque[tuple] = deque()
+        self.on_death = on_death
+        self.conn, self.credits, self.process = spawn()
+        self.stats: dict[str, _FileStats] = {}
+        self.queues: dict[str, deque[tuple]] = {}
+        self.turns: deque[str] = deque()  # the files with queued items, in the order they are served
+        self.deaths: list[str] = []  # how each worker of this channel died
+        self.failed = False
         self.ready = threading.Condition()
         self.closing = False
         self.deadline = float("inf")
         self.thread = threading.Thread(target=self._send_loop, name="fwdtrace-recorder-sender", daemon=True)
         self.thread.start()
 
-    def put(self, item: tuple) -> None:
+    def add(self, stem: str, key: str, kind: str) -> None:
         with self.ready:
-            if len(self.items) >= self.size:
-                self.on_drop(self.items.popleft()[0])
-            self.items.append(item)
+            self.stats[stem] = _FileStats(key, kind)
+            self.queues[stem] = deque()
+
+    def put(self, stem: str, item: tuple) -> None:
+        with self.ready:
+            stats = self.stats[stem]
+            stats.recorded += 1
+            if self.failed:
+                stats.dropped += 1
+                return
+            queue = self.queues[stem]
+            if not queue:
+                self.turns.append(stem)
+            else:
+                share = max(1, self.size // len(self.queues))
+                while len(queue) >= share:
+                    queue.popleft()
+                    stats.dropped += 1
+            queue.append(item)
             self.ready.notify()
 
     def close(self, deadline: float) -> None:
@@ -88,33 +171,61 @@ class _Channel:
     def _send_loop(self) -> None:
         while True:
             with self.ready:
-                while not self.items and not self.closing:
-                    self.ready.wait()
-                if not self.items or self._late():
+                if not self.turns and not self.closing:
+                    self.ready.wait(self.WATCH_S)
+                if self.closing and (not self.turns or self._late()):
                     break
-                item = self.items.popleft()
-            # Wait for the worker to take a frame; meanwhile the queue above keeps dropping the oldest.
-            while not self.credits.acquire(timeout=0.1):
-                if not self.process.is_alive() or self._late():
-                    break
-            else:
-                try:
-                    self.conn.send(item)
-                    continue
-                except (OSError, ValueError):  # the worker is gone
-                    pass
-            self.on_drop(item[0])
+                queued = bool(self.turns)
             if not self.process.is_alive():
+                if self._replace_worker():
+                    continue
+                break
+            # Wait for the worker to take a frame; meanwhile the queues keep dropping their oldest.
+            if not queued or not self.credits.acquire(timeout=0.1):
+                continue
+            with self.ready:  # only this thread takes items, so there is still one
+                stem = self.turns.popleft()
+                queue = self.queues[stem]
+                item = queue.popleft()
+                if queue:
+                    self.turns.append(stem)
+            try:
+                self.conn.send(item)
+            except (OSError, ValueError):  # the worker is gone: the next round sees it
                 with self.ready:
-                    self.closing, self.deadline = True, 0.0
+                    self.stats[stem].dropped += 1
+                self.process.join(self.WATCH_S)
+            else:
+                self.stats[stem].sent += 1  # only this thread writes sent
         with self.ready:
-            while self.items:
-                self.on_drop(self.items.popleft()[0])
-        try:
-            self.conn.send(worker_module.STOP)
-        except (OSError, ValueError):
-            pass
+            for stem, queue in self.queues.items():
+                self.stats[stem].dropped += len(queue)
+                queue.clear()
+            self.turns.clear()
+        if not self.failed:
+            try:
+                self.conn.send(worker_module.STOP)
+            except (OSError, ValueError):
+                pass
         self.conn.close()  # here, not in stop(): closing under a send in progress breaks the send
+
+    def _replace_worker(self) -> bool:
+        """Report the dead worker and start another; False (the channel failed) when that is not possible."""
+        pid, how = self.process.pid, _how_it_ended(self.process.exitcode)
+        self.deaths.append(how)
+        self.conn.close()
+        restart = not self.closing and len(self.deaths) <= self.RESTARTS
+        if restart:
+            try:
+                self.conn, self.credits, self.process = self.spawn()
+            except Exception as e:  # out of memory or processes: give up on this channel, not on training
+                how += f"; starting another failed: {e}"
+                restart = False
+        if not restart:
+            with self.ready:
+                self.failed = True
+        self.on_death(self, pid, how, restart)
+        return restart
 
 
 def _on_output(record: Callable[[Any], None]) -> Callable[[torch.nn.Module, Any, Any], None]:
@@ -136,7 +247,7 @@ class Recorder:
 
     >>> import torch, fwdtrace, tempfile
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> with fwdtrace.Recorder(tempfile.mkdtemp(), timeout=10) as rec:
+    >>> with fwdtrace.Recorder(tempfile.mkdtemp()) as rec:
     ...     rec.track(model, "0.Linear")
     ...     for _ in range(3):
     ...         _ = model(torch.randn(16, 4))
@@ -149,12 +260,18 @@ class Recorder:
     scatter of rows, or of pixels for ``[N, C, H, W]``, at most 512 sampled) and ``"auto"``
     (a heatmap for 2D and ``[1, H, W]``, else a histogram), one panel each. ``transform``
     runs on each tensor in the training process before the recorder detaches it, copies it
-    to CPU and cuts it down to what the views draw. ``queue_size`` items wait per worker; when
-    full the oldest is dropped (``rec.dropped`` counts them, ``rec.dropped_by`` per file).
+    to CPU and cuts it down to what the views draw. ``queue_size`` items wait per worker,
+    shared equally by the files it draws (at least one each); a file whose share is full drops
+    its oldest item, and the worker takes the files in turn (``rec.dropped`` counts the drops,
+    ``rec.dropped_by`` per file, :meth:`stats` says what became of every frame).
     ``workers`` processes start on the first :meth:`track` (``rec.processes``) and draw the
-    files between them. Workers exit within ``timeout`` seconds of a parent that died, and ``stop()`` waits at most
-    that long for queued frames. Under torch.distributed every rank writes its own files,
-    ``{key}.{kind}.rank{r}.mp4``, or only the ranks in ``ranks``.
+    files between them; a worker that dies is reported (a ``RuntimeWarning`` naming its files)
+    and restarted, twice at most, after which its files are marked failed. Workers exit within
+    ``timeout`` seconds of a parent that died, and ``stop()`` waits at most that long for queued
+    frames. Files are named ``{key}.{kind}.mp4`` (:func:`file_stem` escapes characters such as
+    ``/``: every file stays inside ``out_dir``) and appear only when finished; under
+    torch.distributed every rank writes its own files, ``{key}.{kind}.rank{r}.mp4``, or only the
+    ranks in ``ranks``.
     Scripts that make a Recorder need ``if __name__ == "__main__":``, as for DataLoader workers:
     workers are spawned, and a spawned process imports the main script.
     """
@@ -173,7 +290,6 @@ class Recorder:
         timeout: float = 30.0,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         ranks: Iterable[int] | None = None,
-        _worker_delay: float = 0.0,
     ) -> None:
         for name, count in (("every", every), ("workers", workers), ("queue_size", queue_size)):
             if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
@@ -215,17 +331,13 @@ class Recorder:
         self.world_size = world
         self.active = ranks is None or rank in ranks
         self.suffix = worker_module.video_suffix()
-        self.dropped_by: dict[str, int] = {}
-        self.processes: list[Any] = []
         self._channels: list[_Channel] = []
         self._handles: list[Any] = []
         self._stem2key: dict[str, tuple[str, int]] = {}  # stem -> (key, id of the module)
-        self._drop_lock = threading.Lock()
         self._stopped = False
         self._paths: list[Path] = []
         self._queue_size = queue_size
         self._workers = workers
-        self._worker_delay = _worker_delay
         Recorder._live.append(self)
 
     # -- what is recorded -------------------------------------------------------------------------
@@ -239,7 +351,7 @@ class Recorder:
         """Record the outputs (``"forward"``), output gradients (``"grad"``) or both of the selected modules.
 
         >>> import torch, fwdtrace, tempfile
-        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp(), timeout=10)
+        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp())
         >>> rec.track(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), torch.nn.ReLU, kind="both")
         ['1.ReLU']
         >>> _ = rec.stop()
@@ -265,7 +377,7 @@ class Recorder:
         plan = []
         for key, module in selected.items():
             for k in kinds:
-                stem = f"{name + '.' if name else ''}{key}.{k}" + (f".rank{self.rank}" if self.world_size > 1 else "")
+                stem = file_stem(f"{name + '.' if name else ''}{key}.{k}" + (f".rank{self.rank}" if self.world_size > 1 else ""))
                 seen = self._stem2key.get(stem)
                 if seen is not None and seen[1] != id(module):
                     raise FwdtraceError(
@@ -282,7 +394,7 @@ class Recorder:
             self._start_workers()
         for i, (stem, key, k, module) in enumerate(plan, len(self._handles)):
             channel = self._channels[i % len(self._channels)]
-            self.dropped_by.setdefault(stem, 0)
+            channel.add(stem, key, k)
             record = self._recorder_of(stem, key, k, channel)
             if k == "forward":
                 self._handles.append(module.register_forward_hook(_on_output(record)))
@@ -292,20 +404,36 @@ class Recorder:
 
     def _start_workers(self) -> None:
         """Spawn the workers, on the first track() (a recorder that tracks nothing costs nothing)."""
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch state
         for i in range(self._workers):
-            reader, writer = ctx.Pipe(duplex=False)
-            credits = ctx.Semaphore(_Channel.IN_FLIGHT)
-            process = ctx.Process(
-                target=worker_module.run,
-                args=(reader, credits, os.getpid(), str(self.out_dir), self.suffix, self.fps, self.timeout, self._worker_delay),
-                name=f"fwdtrace-recorder-{i}",
-            )
-            process.start()
-            reader.close()  # only the worker holds the read end: it sees EOF if we die
-            self.processes.append(process)
-            self._channels.append(_Channel(writer, credits, process, self._queue_size, self._count_drop))
+            spawn = functools.partial(self._spawn, i)
+            self._channels.append(_Channel(f"fwdtrace-recorder-{i}", spawn, self._queue_size, self._worker_died))
         atexit.register(self.stop)  # an uncaught KeyboardInterrupt outside a `with` still finalises
+
+    def _spawn(self, index: int) -> tuple[Any, Any, Any]:
+        """A new worker process: (the write end of its pipe, its credits, the process)."""
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch state
+        reader, writer = ctx.Pipe(duplex=False)
+        credits = ctx.Semaphore(_Channel.IN_FLIGHT)
+        process = ctx.Process(
+            target=worker_module.run,
+            args=(reader, credits, os.getpid(), str(self.out_dir), self.suffix, self.fps, self.timeout),
+            name=f"fwdtrace-recorder-{index}",
+        )
+        process.start()
+        reader.close()  # only the worker holds the read end: it sees EOF if we die
+        return writer, credits, process
+
+    def _worker_died(self, channel: _Channel, pid: int, how: str, restarted: bool) -> None:
+        """Called from the channel's thread, once per death: warn, naming the files that lose frames."""
+        then = "restarted it" if restarted else "its files are marked failed and get no more frames"
+        message = (
+            f"Recorder: worker {channel.name} (pid {pid}) died ({how}); {then}. Files affected: "
+            f"{', '.join(channel.stats)} (frames it had not drawn are lost)"
+        )
+        try:
+            warnings.warn(message, RuntimeWarning, stacklevel=1)
+        except Exception:  # warnings turned into errors must not end the thread: say it plainly
+            print(message, file=sys.stderr)
 
     def _recorder_of(self, stem: str, key: str, kind: str, channel: _Channel) -> Callable[[Any], None]:
         """The function a hook calls with the module's output (or output gradient) on every call."""
@@ -324,18 +452,45 @@ class Recorder:
             if self.transform is not None:
                 tensor = self.transform(tensor)
             payload = reduce(tensor, self.views)
-            channel.put((stem, f"{key}  {kind}  step {step}{rank}", payload, self.views))
+            channel.put(stem, (stem, f"{key}  {kind}  step {step}{rank}", payload, self.views))
 
         return record
 
-    def _count_drop(self, stem: str) -> None:
-        with self._drop_lock:
-            self.dropped_by[stem] = self.dropped_by.get(stem, 0) + 1
+    @property
+    def processes(self) -> list[Any]:
+        """The worker processes now running (a restarted worker replaces the one that died)."""
+        return [channel.process for channel in self._channels]
+
+    @property
+    def dropped_by(self) -> dict[str, int]:
+        """How many items each file dropped, by file stem (``"0.Linear.forward"``)."""
+        return {stem: stats.dropped for channel in self._channels for stem, stats in channel.stats.items()}
 
     @property
     def dropped(self) -> int:
         """How many items were dropped, all files together (per file: ``dropped_by``)."""
         return sum(self.dropped_by.values())
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """What became of each file's frames, by file stem.
+
+        >>> import torch, fwdtrace, tempfile
+        >>> model = torch.nn.Linear(2, 2)
+        >>> with fwdtrace.Recorder(tempfile.mkdtemp()) as rec:
+        ...     _ = rec.track(model, "Linear")
+        ...     _ = model(torch.randn(1, 2))
+        >>> rec.stats()
+        {'Linear.forward': {'key': 'Linear', 'kind': 'forward', 'recorded': 1, 'sent': 1, 'dropped': 0, 'worker_deaths': 0, 'failed': False}}
+
+        ``recorded`` is ``sent`` (to a worker) + ``dropped`` + what is still queued (nothing after
+        :meth:`stop`). ``worker_deaths`` counts the deaths of the worker that draws the file;
+        frames sent to a worker that then died are lost. ``failed``: no worker draws it any more.
+        """
+        return {
+            stem: {**asdict(stats), "worker_deaths": len(channel.deaths), "failed": channel.failed}
+            for channel in self._channels
+            for stem, stats in channel.stats.items()
+        }
 
     # -- lifetime ---------------------------------------------------------------------------------
     @classmethod
@@ -343,7 +498,7 @@ class Recorder:
         """The most recently made recorder not yet stopped, for code far from where it was made.
 
         >>> import fwdtrace, tempfile
-        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp(), timeout=10)
+        >>> rec = fwdtrace.Recorder(tempfile.mkdtemp())
         >>> fwdtrace.Recorder.current() is rec
         True
         >>> _ = rec.stop()
@@ -356,6 +511,8 @@ class Recorder:
         """Remove the hooks, send what is queued (for at most ``timeout`` s), finalise every file, join the workers.
 
         Returns the videos and last-frame PNGs written, sorted; a second call returns the same.
+        Warns (``RuntimeWarning``) when a worker had to be terminated, and names the files that
+        lost frames to a worker that died during the run (:meth:`stats` has the counts).
         """
         if self._stopped:
             return self._paths
@@ -384,11 +541,17 @@ class Recorder:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        lost = [f"{stem} ({s['worker_deaths']} worker death(s){', failed' if s['failed'] else ''})"
+                for stem, s in self.stats().items() if s["worker_deaths"]]
+        if lost:
+            warnings.warn(f"Recorder.stop(): files that lost frames to a dead worker: {', '.join(lost)}",
+                          RuntimeWarning, stacklevel=2)
         self._paths = sorted(
             path
-            for stem in self._stem2key
+            for stem, stats in self.stats().items()
+            if stats["sent"]
             for path in (self.out_dir / f"{stem}{self.suffix}", self.out_dir / f"{stem}.png")
-            if path.exists()
+            if path.is_file() and not path.is_symlink()
         )
         return self._paths
 
@@ -400,4 +563,10 @@ class Recorder:
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else ("inactive on this rank" if not self.active else "running")
+        deaths = sum(len(channel.deaths) for channel in self._channels)
+        if deaths:
+            state += f", {deaths} worker death(s)"
+        failed = [stem for stem, stats in self.stats().items() if stats["failed"]]
+        if failed:
+            state += f", failed: {', '.join(failed)}"
         return f"Recorder({str(self.out_dir)!r}, {len(self._stem2key)} files, {state}, dropped={self.dropped})"

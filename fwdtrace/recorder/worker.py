@@ -3,17 +3,20 @@
 A worker never outlives its training process and never leaves a broken file: it ignores
 SIGINT (a Ctrl-C reaches the whole process group; the parent's ``stop()`` tells the worker
 when to finish), and like DataLoader's workers it watches its parent, so when the parent dies
-without warning (kill -9) it closes every file it has written, playable, and exits.
+without warning (kill -9) it closes every file it has written, playable, and exits. A video
+is written under a temporary name beside its target and renamed when closed (``_files``), so
+a file at the final name is always whole, and a symlink planted there is replaced, not followed.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from .._files import AtomicFile, write_bytes
 
 __all__ = ["VideoFile", "video_suffix", "run"]
 
@@ -39,15 +42,16 @@ def video_suffix() -> str:
 class VideoFile:
     """Frames appended to one video (``.mp4`` through ffmpeg, or ``.gif``), closed into a playable file.
 
-    Also keeps the last frame, written beside the video as a PNG on :meth:`close`.
+    The frames go to ``{stem}.partial-{random}{suffix}`` beside ``path``; :meth:`close` renames
+    it to ``path`` and writes the last frame beside it as a PNG (atomically too).
 
     >>> import numpy as np, tempfile, imageio.v2 as imageio
     >>> path = Path(tempfile.mkdtemp()) / "demo.gif"
     >>> video = VideoFile(path, fps=10)
     >>> for v in (0, 255):
     ...     video.append(np.full((32, 32, 3), v, dtype=np.uint8))
-    >>> video.close(); len(imageio.mimread(path))
-    2
+    >>> path.exists(), video.close(), len(imageio.mimread(path))
+    (False, None, 2)
     """
 
     def __init__(self, path: Path, fps: float) -> None:
@@ -56,13 +60,18 @@ class VideoFile:
         self.path = path
         self.frames = 0
         self.last: Any = None
-        if path.suffix == ".mp4":
-            # yuv420p plays everywhere; frames are already a multiple of 16 pixels, so no resizing.
-            self._writer = imageio.get_writer(
-                path, format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p", macro_block_size=16
-            )
-        else:
-            self._writer = imageio.get_writer(path, format="GIF", mode="I", duration=1000 / fps, loop=0)
+        self._file = AtomicFile(path, caller="Recorder", partial_name=True, keep_suffix=True)
+        try:
+            if path.suffix == ".mp4":
+                # yuv420p plays everywhere; frames are already a multiple of 16 pixels, so no resizing.
+                self._writer = imageio.get_writer(
+                    self._file.tmp, format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p", macro_block_size=16
+                )
+            else:
+                self._writer = imageio.get_writer(self._file.tmp, format="GIF", mode="I", duration=1000 / fps, loop=0)
+        except BaseException:
+            self._file.discard()
+            raise
 
     def append(self, frame: Any) -> None:
         self._writer.append_data(frame)
@@ -72,9 +81,15 @@ class VideoFile:
     def close(self) -> None:
         import imageio.v2 as imageio
 
-        self._writer.close()
+        try:
+            self._writer.close()
+        except BaseException:
+            self._file.discard()
+            raise
+        self._file.commit()
         if self.last is not None:
-            imageio.imwrite(self.path.with_suffix(".png"), self.last)
+            png = imageio.imwrite("<bytes>", self.last, format="PNG")
+            write_bytes(self.path.with_suffix(".png"), png, caller="Recorder")
 
 
 def _parent_alive(parent_pid: int) -> bool:
@@ -91,13 +106,13 @@ def _parent_alive(parent_pid: int) -> bool:
     return True
 
 
-def run(conn: Any, credits: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeout: float, delay: float = 0.0) -> None:
+def run(conn: Any, credits: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeout: float) -> None:
     """The worker's main loop: frames in from ``conn``, videos out to ``out_dir``, until told to stop.
 
     Each message is ``(stem, title, payload, views)``; ``None`` means stop. A frame drawn
     releases ``credits`` once, so the sender keeps only a few items in the pipe. Stops, closing every
     file, also when the parent is gone (checked at least every ``timeout / 4`` seconds, so the
-    worker exits within ``timeout``) or the connection breaks. ``delay`` slows every frame (tests).
+    worker exits within ``timeout``) or the connection breaks.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -120,8 +135,6 @@ def run(conn: Any, credits: Any, parent_pid: int, out_dir: str, suffix: str, fps
             if message is STOP:
                 break
             stem, title, payload, views = message
-            if delay:
-                time.sleep(delay)
             try:
                 canvas = canvases.get(stem) or canvases.setdefault(stem, FrameCanvas())
                 frame = canvas.draw(title, payload, views)
@@ -134,5 +147,8 @@ def run(conn: Any, credits: Any, parent_pid: int, out_dir: str, suffix: str, fps
                 credits.release()
     finally:
         for video in videos.values():
-            video.close()
+            try:
+                video.close()
+            except Exception:  # one file that cannot be finished must not leave the others unfinished
+                traceback.print_exc()
         conn.close()
