@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._files import AtomicFile
+from ._files import AtomicFile, not_a_regular_file
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, describe, one_line
 from .keys import key2module
@@ -450,10 +450,9 @@ class _Reader:
         self.caller = caller
         self.max_bytes = max_bytes
         p = self.path
-        if p.is_dir():
-            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which is a folder")
-        if not p.is_file():
-            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which does not exist")
+        what = not_a_regular_file(p)
+        if what is not None:
+            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, {what}")
         try:
             self.file = h5py.File(p, "r")
         except OSError as e:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._files import not_a_regular_file
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..node import Node, TensorRef
@@ -1043,12 +1044,11 @@ def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
     from google.protobuf.message import DecodeError
 
     where = str(path)
-    if os.path.isdir(path):
-        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which is a folder")
+    what = not_a_regular_file(path)  # before opening: a FIFO blocks, /dev/zero never ends
+    if what is not None:
+        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, {what}")
     try:
         proto = onnx.load(os.fspath(path))
-    except FileNotFoundError:
-        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which does not exist") from None
     except (DecodeError, ValueError, OSError, RuntimeError) as e:
         raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which onnx cannot read: {type(e).__name__}: {e}") from e
     if not proto.graph.node and not proto.graph.output:
