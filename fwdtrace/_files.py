@@ -11,13 +11,14 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import FwdtraceError
 
-__all__ = ["AtomicFile", "atomic_write", "write_bytes"]
+__all__ = ["AtomicFile", "atomic_write", "write_bytes", "not_a_regular_file"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -147,3 +148,29 @@ def write_bytes(target: str | os.PathLike[str], data: bytes, caller: str) -> Non
         fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
+    """None for a regular file (links followed), else what ``path`` is instead, to end an error message.
+
+    >>> not_a_regular_file("/dev/zero"), not_a_regular_file("/no/such/file")
+    ('which is not a regular file but a character device', 'which does not exist')
+
+    Reading a FIFO blocks and ``/dev/zero`` never ends: inputs are checked before they are opened.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "which does not exist"
+    except OSError as e:
+        return f"which cannot be read: {e.strerror or e}"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "which is a folder"
+    kind = next((name for test, name in _KINDS if test(mode)), "something else")
+    return f"which is not a regular file but {kind}"

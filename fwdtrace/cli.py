@@ -3,7 +3,8 @@
 Each subcommand lives beside its feature: the module named in ``_COMMANDS`` provides
 ``configure_parser(parser)`` and ``run_cli(args) -> int``. One exit-code contract for all:
 0 when all is well, 1 when the check found a difference, 2 for anything else (bad usage,
-a factory that fails, shapes, devices, unreadable files, a forward that raises), with a
+a factory that fails, shapes, devices, unreadable files, a forward that raises, user code
+that calls ``sys.exit()``: never taken as the command's own exit code), with a
 one-line message naming the cause and the layer where there is one; ``--traceback``
 prints the details.
 """
@@ -46,6 +47,8 @@ def load_factory(spec: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as e:
+        raise FwdtraceError(f"could not import {module_name!r} for factory {spec!r}: it called sys.exit({e.code!r})") from e
     except Exception as e:
         raise FwdtraceError(f"could not import {module_name!r} for factory {spec!r}: {type(e).__name__}: {e}") from e
     obj: Any = module
@@ -65,6 +68,8 @@ def load_factory(spec: str) -> Any:
             pass
         try:
             model = obj()
+        except SystemExit as e:  # not the command's own exit: a user's function cannot end it silently
+            raise FwdtraceError(f"factory {spec!r} called sys.exit({e.code!r})") from e
         except Exception as e:
             raise FwdtraceError(f"factory {spec!r} raised {one_line(e)}") from e
     else:
@@ -189,16 +194,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The Python docs' recipe: point stdout at devnull so the exit flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except SystemExit as e:  # the model's code (its forward) called sys.exit(): an error, never the exit code
+        factory = getattr(args, "factory", None)
+        where = f"{factory}: the model's code" if factory else "code run by the command"
+        error: Exception = FwdtraceError(f"{where} called sys.exit({e.code!r})")
+        error.__cause__ = e
+        return _report(args, error)
     except Exception as e:
-        if args.traceback:
-            traceback.print_exc()
-        if isinstance(e, FwdtraceError):
-            message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        else:
-            message = one_line(e)
-        hint = "" if args.traceback or (isinstance(e, FwdtraceError) and e.__cause__ is None) else " (--traceback for details)"
-        print(f"fwdtrace {args.command}: error: {message}{hint}", file=sys.stderr)
-        return 2
+        return _report(args, e)
+
+
+def _report(args: argparse.Namespace, e: Exception) -> int:
+    """Print the one-line error of a failed command (and its traceback under ``--traceback``); exit code 2."""
+    if args.traceback:
+        traceback.print_exc()
+    if isinstance(e, FwdtraceError):
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    else:
+        message = one_line(e)
+    hint = "" if args.traceback or (isinstance(e, FwdtraceError) and e.__cause__ is None) else " (--traceback for details)"
+    print(f"fwdtrace {args.command}: error: {message}{hint}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -17,19 +17,21 @@ Reading treats every file as untrusted: only plain datasets inside the file are 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import operator
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._files import AtomicFile
+from ._files import AtomicFile, not_a_regular_file
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
@@ -41,6 +43,8 @@ FORMAT_ATTR = "fwdtrace_dump"
 FORMAT_VERSION = 2  # 2: completeness attributes, sanitized group names
 ORDER_DATASET = "execution_order"
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
+COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
+MAX_CHUNK_BYTES = 1 << 26  # HDF5 decompresses a whole chunk to read any of it: larger chunks are refused
 WRITING = "being written"  # the status of a dump until it is closed: what a killed writer leaves
 _GROUP_RE = re.compile(r"^(\d+)_(\w+)$", re.ASCII)
 _DATASET_RE = re.compile(r"^\w+$", re.ASCII)
@@ -476,10 +480,9 @@ class _Reader:
         self.caller = caller
         self.max_bytes = max_bytes
         p = self.path
-        if p.is_dir():
-            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which is a folder")
-        if not p.is_file():
-            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, which does not exist")
+        what = not_a_regular_file(p)
+        if what is not None:
+            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, {what}")
         try:
             self.file = h5py.File(p, "r")
         except OSError as e:
@@ -602,7 +605,8 @@ class _Reader:
     def shape(self, gname: str, dname: str) -> list[int]:
         return list(self.file[gname][dname].shape)
 
-    def load(self, gname: str, dname: str) -> torch.Tensor:
+    def checked(self, gname: str, dname: str) -> Any:
+        """The dataset, once its size is within the cap and backed by what the file really stores."""
         import numpy as np
 
         ds = self.file[gname][dname]
@@ -612,13 +616,41 @@ class _Reader:
         nbytes = int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize
         if nbytes > self.max_bytes:
             raise self.error(f"where {where} holds {nbytes} bytes, over the cap of {self.max_bytes} (max_bytes=)")
+        if not nbytes:
+            return ds
         try:
-            stored = ds.id.get_storage_size()
-            if nbytes and not ds.compression and stored < nbytes:
-                raise self.error(f"where {where} declares {nbytes} bytes but stores {stored} in the file")
-            arr = np.asarray(ds[()])
+            if ds.chunks is None:  # contiguous (never compressed): every byte is in the file
+                stored = ds.id.get_storage_size()
+                if stored < nbytes:
+                    raise self.error(f"where {where} declares {nbytes} bytes but stores {stored} in the file")
+                return ds
+            # Chunked, maybe compressed: a chunk never written reads as fill values, from nothing
+            # (a few kB of file declaring GiBs), so every chunk of the grid must be in the file.
+            # fwdtrace writes contiguous datasets; this is a file from elsewhere (h5repack, crafted).
+            chunk_bytes = int(np.prod(ds.chunks, dtype=object)) * ds.dtype.itemsize
+            if chunk_bytes > MAX_CHUNK_BYTES:
+                raise self.error(f"where {where} has chunks of {chunk_bytes} bytes, over the {MAX_CHUNK_BYTES} read at once")
+            grid = 1
+            for size, chunk in zip(ds.shape, ds.chunks, strict=True):
+                grid *= -(-size // chunk)
+            written = ds.id.get_num_chunks()
         except FwdtraceError:
             raise
+        except Exception as e:
+            raise self.damaged(e) from e
+        if written < grid:
+            raise self.error(
+                f"where {where} declares {nbytes} bytes in {grid} chunks but stores {written} of them: "
+                "a crafted or incomplete file"
+            )
+        return ds
+
+    def read(self, ds: Any, where: str, index: tuple = ()) -> torch.Tensor:
+        """``ds[index]`` as a tensor, in the dtype the dump recorded (bfloat16 from its bits)."""
+        import numpy as np
+
+        try:
+            arr = np.asarray(ds[index])
         except Exception as e:
             raise self.damaged(e) from e
         t = torch.from_numpy(arr.copy()) if arr.ndim else torch.tensor(arr)
@@ -629,6 +661,15 @@ class _Reader:
         if t.dtype != _BITS_AS[dtype]:
             raise self.error(f"where {where} is marked {name} but holds {arr.dtype}")
         return t.view(dtype)
+
+    def load(self, gname: str, dname: str) -> torch.Tensor:
+        return self.read(self.checked(gname, dname), f"'{gname}/{dname}'")
+
+    def blocks(self, gname: str, dname: str) -> Iterator[torch.Tensor]:
+        """The tensor in pieces of at most ``COMPARE_BLOCK_ELEMENTS`` elements, in C order, flattened."""
+        ds = self.checked(gname, dname)
+        for index in _blocks(tuple(ds.shape), COMPARE_BLOCK_ELEMENTS):
+            yield self.read(ds, f"'{gname}/{dname}'", index).reshape(-1)
 
     def __enter__(self) -> _Reader:
         return self
@@ -762,26 +803,71 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.6g}"
 
 
-def _compare(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, float, float, bool]:
-    if a.is_complex() or b.is_complex():
-        a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
-    a, b = a.to(torch.float64).reshape(-1), b.to(torch.float64).reshape(-1)
-    close = bool(torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
-    if a.numel() == 0:
-        return 1.0, 0.0, 0.0, close
-    diff = (a - b).abs()
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    diff = torch.where(same, torch.zeros_like(diff), diff)  # inf == inf and nan vs nan are no difference
-    scale = torch.maximum(a.abs(), b.abs())
-    rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
-    na, nb = a.norm(), b.norm()
-    if na == 0 and nb == 0:
-        cosine = 1.0
-    elif na == 0 or nb == 0 or not (torch.isfinite(na) and torch.isfinite(nb)):
-        cosine = 1.0 if close else math.nan
-    else:
-        cosine = float((a @ b) / (na * nb))
-    return cosine, float(diff.max()), float(rel.max()), close
+def _blocks(shape: tuple[int, ...], per_block: int) -> Iterator[tuple[Any, ...]]:
+    """Indices that cover ``shape`` in C order, each at most ``per_block`` elements (or one element).
+
+    >>> list(_blocks((2, 3), 4))  # one row of 3 at a time
+    [(slice(0, 1, None),), (slice(1, 2, None),)]
+    >>> list(_blocks((1, 5), 2))  # a row over the budget is read in parts
+    [(0, slice(0, 2, None)), (0, slice(2, 4, None)), (0, slice(4, 5, None))]
+    """
+    if not shape or 0 in shape:
+        yield ()
+        return
+    axis, inner = len(shape) - 1, 1  # inner: the elements of one index along axis
+    while axis > 0 and inner * shape[axis] <= per_block:
+        inner *= shape[axis]
+        axis -= 1
+    step = max(1, per_block // inner)
+    for outer in itertools.product(*(range(n) for n in shape[:axis])):
+        for start in range(0, shape[axis], step):
+            yield (*outer, slice(start, min(start + step, shape[axis])))
+
+
+def _max(a: float, b: float) -> float:
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+@dataclass
+class _Agreement:
+    """cosine, max_abs, max_rel and allclose of two tensors, gathered block by block."""
+
+    rtol: float
+    atol: float
+    close: bool = True
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    dot: float = 0.0
+    norm_a: float = 0.0
+    norm_b: float = 0.0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.is_complex() or b.is_complex():
+            a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
+        a, b = a.to(torch.float64).reshape(-1), b.to(torch.float64).reshape(-1)
+        self.close = self.close and bool(torch.allclose(a, b, rtol=self.rtol, atol=self.atol, equal_nan=True))
+        if a.numel() == 0:
+            return
+        diff = (a - b).abs()
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        diff = torch.where(same, torch.zeros_like(diff), diff)  # inf == inf and nan vs nan are no difference
+        scale = torch.maximum(a.abs(), b.abs())
+        rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
+        self.max_abs = _max(self.max_abs, float(diff.max()))
+        self.max_rel = _max(self.max_rel, float(rel.max()))
+        self.dot += float(a @ b)
+        self.norm_a = math.hypot(self.norm_a, float(a.norm()))  # no overflow from summing squares
+        self.norm_b = math.hypot(self.norm_b, float(b.norm()))
+
+    def result(self) -> tuple[float, float, float, bool]:
+        na, nb = self.norm_a, self.norm_b
+        if na == 0 and nb == 0:
+            cosine = 1.0
+        elif na == 0 or nb == 0 or not (math.isfinite(na) and math.isfinite(nb)):
+            cosine = 1.0 if self.close else math.nan
+        else:
+            cosine = self.dot / (na * nb)
+        return cosine, self.max_abs, self.max_rel, self.close
 
 
 def _tolerance(value: Any, name: str) -> float:
@@ -831,11 +917,15 @@ def compare_dumps(
                 if (gname, dname) not in other:
                     row.note = note
                 else:
-                    ta, tb = ra.load(gname, dname), rb.load(gname, dname)
-                    if ta.shape != tb.shape:
-                        row.note = f"shape {list(tb.shape)} in b"
+                    shape_b = rb.shape(gname, dname)
+                    if row.shape != shape_b:
+                        row.note = f"shape {shape_b} in b"
                     else:
-                        row.cosine, row.max_abs, row.max_rel, row.allclose = _compare(ta, tb, rtol, atol)
+                        # block by block: memory stays bounded whatever the tensors' size
+                        agreement = _Agreement(rtol, atol)
+                        for block_a, block_b in zip(ra.blocks(gname, dname), rb.blocks(gname, dname), strict=True):
+                            agreement.add(block_a, block_b)
+                        row.cosine, row.max_abs, row.max_rel, row.allclose = agreement.result()
                 report.rows.append(row)
     for prefix in ("output", "grad_input", ""):
         row_found = next((r for r in report.rows if not r.allclose and r.name.startswith(prefix)), None)

@@ -10,8 +10,8 @@ slows or breaks the forwards of another (OpenTelemetry's instrumentors and torch
 ``TorchFunctionMode`` stack work the same way).
 
 Installing, removing and the bookkeeping around them run under a lock and cannot be cut
-short by Ctrl-C: a SIGINT that arrives meanwhile is held back and raised when the
-critical section ends (:class:`critical`).
+short by a signal: a SIGINT (or a timeout's SIGALRM whose handler raises) that arrives
+meanwhile is held back and handled when the critical section ends (:class:`critical`).
 
 A function or method hooked by path (``@hook_forward("pkg.mod.f")``) gets a dispatch point of
 its own, the same class with the same rules: :func:`add_function_handler` puts one wrapper in the
@@ -56,109 +56,136 @@ FunctionHandler = Callable[[Callable[..., Any], tuple, dict], Any]
 _LOCK = threading.RLock()
 _MAIN_THREAD = threading.main_thread().ident
 _MAIN_DEPTH = [0]  # critical sections open in the main thread
-_SIGINT = int(signal.SIGINT)
+_GUARDS: list[InterruptGuard] = []  # the main thread's guards holding signals now, innermost last
+_SIGNALS = tuple(sorted(int(s) for s in signal.valid_signals()))
 
 
 class critical:
-    """Hold the patching lock and defer Ctrl-C until the block ends.
+    """Hold the patching lock and hold back signal handlers (Ctrl-C included) until the block ends.
 
     >>> from fwdtrace.patching import critical
     >>> with critical():
     ...     pass  # a SIGINT here would be raised on leaving the block, not inside it
 
-    In the main thread, SIGINT's Python handler is swapped for one that only records the
-    signal; on exit the original handler is put back and called with it (so a default
-    handler raises ``KeyboardInterrupt`` there). Other threads never receive Python signal
-    handlers, so for them this is just the lock. Sections nest.
+    In the main thread, every signal with a Python handler (SIGINT's ``KeyboardInterrupt``,
+    a ``SIGALRM`` timeout that raises, ...) is held back while the block runs; on leaving it
+    the handlers are put back and called with what arrived. Inside a trace its
+    :class:`InterruptGuard` already holds them: the section only marks itself, and the guard
+    delivers at its next safe point. Other threads never run Python signal handlers, so for
+    them this is just the lock. Sections nest.
     """
 
-    __slots__ = ("_previous", "_pending", "_main")
+    __slots__ = ("_guard", "_main")
 
     def __enter__(self) -> critical:
-        self._previous: Any = None
-        self._pending: tuple[int, FrameType | None] | None = None
+        self._guard: InterruptGuard | None = None
         self._main = threading.get_ident() == _MAIN_THREAD
-        # The handler first, then the lock: an interrupt before the swap leaves nothing held.
-        # Only the outermost section swaps: an inner one is already covered.
+        # The handlers first, then the lock: an interrupt before they are held leaves nothing held.
         if self._main:
-            if _MAIN_DEPTH[0] == 0 and _signal.getsignal(_SIGINT) is not None:  # None: set outside Python
-                self._previous = _signal.signal(_SIGINT, self._defer)
+            if not _GUARDS:
+                guard = InterruptGuard(())
+                try:
+                    guard.start()
+                except BaseException:  # a handler not yet held ran and raised: put back the others
+                    guard.stop()
+                    raise
+                self._guard = guard
             _MAIN_DEPTH[0] += 1
         _LOCK.acquire()
         return self
-
-    def _defer(self, signum: int, frame: FrameType | None) -> None:
-        if self._pending is None:
-            self._pending = (signum, frame)
 
     def __exit__(self, *exc: object) -> None:
         _LOCK.release()
         if self._main:
             _MAIN_DEPTH[0] -= 1
-        previous, pending = self._previous, self._pending
-        if previous is not None:
-            _signal.signal(_SIGINT, previous)
-        if pending is not None:
-            _deliver(previous, *pending)
+            if self._guard is not None:
+                self._guard.stop()
 
 
 class InterruptGuard:
-    """For the length of a trace: a Ctrl-C that lands in fwdtrace's own set-up or clean-up waits.
+    """For the length of a trace: a signal that lands in fwdtrace's own set-up or clean-up waits.
 
     >>> from fwdtrace.patching import InterruptGuard
     >>> guard = InterruptGuard(protected=())
     >>> guard.start(); guard.stop()  # a SIGINT in between, in protected code, is raised by stop()
 
-    A ``with`` statement cannot protect the first instruction of ``__exit__`` (CPython checks
-    for signals on entering any function), so a handler that only defers inside critical
-    sections would let an interrupt skip the whole clean-up. This handler looks at the
-    frame the signal landed in: in this module's functions or in a ``protected`` code
-    object it records the signal (``pending``), anywhere else (the model's code) it
-    calls the previous handler at once. :meth:`raise_pending` delivers a held signal at
-    the next safe point; :meth:`stop` puts the previous handler back and delivers it.
-    Main thread only (Python runs signal handlers there); elsewhere it does nothing.
+    Every signal with a Python handler when :meth:`start` runs is routed through this guard:
+    Ctrl-C, and also a ``SIGALRM`` timeout whose handler raises (as ``signal.setitimer``
+    timeouts and test runners do). A ``with`` statement cannot protect the first instruction
+    of ``__exit__`` (CPython runs signal handlers on entering any function), so a handler
+    that only defers inside critical sections would let a signal skip the whole clean-up.
+    This one looks where the signal landed: inside a :class:`critical` section, in this
+    module's functions or in a ``protected`` code object it records the signal
+    (``pending``); anywhere else (the model's code) it calls the original handler at once.
+    :meth:`raise_pending` handles held signals at the next safe point; :meth:`stop` puts
+    every original handler back (one set since stays) and then handles them. Each held
+    signal's handler runs once; the first exception they raise is raised. Main thread only
+    (Python runs signal handlers there); elsewhere it does nothing.
     """
 
-    __slots__ = ("_protected", "_previous", "pending")
+    __slots__ = ("_protected", "_previous", "_handlers", "_on_signal", "pending")
 
     def __init__(self, protected: tuple[Any, ...]) -> None:
         self._protected = frozenset(protected)
-        self._previous: Any = None
-        self.pending: tuple[int, FrameType | None] | None = None
+        self._previous: dict[int, Any] = {}  # signals still routed here -> their handler before start()
+        self._handlers: dict[int, Any] = {}  # every signal routed here -> that handler, to deliver to
+        self._on_signal = self._handler  # one bound method, so getsignal() can be compared with it
+        self.pending: dict[int, FrameType | None] = {}  # held back, in arrival order, once each (as the OS does)
 
     def start(self) -> None:
-        # Not inside critical(): that swaps the handler itself. A signal before the swap simply
-        # raises here, before anything was set up.
-        if threading.get_ident() == _MAIN_THREAD and _signal.getsignal(_SIGINT) is not None:
-            self._previous = _signal.signal(_SIGINT, self._handler)
+        # Not inside critical(): that starts a guard itself. A handler that runs before the swap
+        # and raises leaves the signals swapped so far recorded: stop() puts them back.
+        if threading.get_ident() != _MAIN_THREAD:
+            return
+        _GUARDS.append(self)
+        for signum in _SIGNALS:
+            handler = _signal.getsignal(signum)
+            if callable(handler):
+                self._previous[signum] = self._handlers[signum] = handler  # recorded before the swap
+                _signal.signal(signum, self._on_signal)  # runs signals already pending first
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if frame is not None and (frame.f_globals is _GLOBALS or frame.f_code in self._protected):
-            if self.pending is None:
-                self.pending = (signum, frame)
+        if _MAIN_DEPTH[0] or (frame is not None and (frame.f_globals is _GLOBALS or frame.f_code in self._protected)):
+            if signum not in self.pending:
+                self.pending[signum] = frame
             return
-        _deliver(self._previous, signum, frame)
+        self._handlers[signum](signum, frame)
 
     def raise_pending(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            _deliver(self._previous, *pending)
+        _handle(self.pending, self._handlers, None)
 
     def stop(self) -> None:
-        previous, self._previous = self._previous, None
-        if previous is not None:
-            if _signal.getsignal(_SIGINT) == self._handler:  # a handler set since stays
-                _signal.signal(_SIGINT, previous)
-            pending, self.pending = self.pending, None
-            if pending is not None:
-                _deliver(previous, *pending)
+        if self in _GUARDS:
+            _GUARDS.remove(self)
+        first: BaseException | None = None
+        previous = self._previous
+        # Once a handler is back, its signal may run it (and raise) at any instruction: catch that,
+        # put back the rest, raise it after. The outer loop only repeats after an exception.
+        while previous:
+            try:
+                while previous:
+                    signum = next(iter(previous))
+                    if _signal.getsignal(signum) is self._on_signal:  # a handler set since stays
+                        _signal.signal(signum, previous[signum])
+                    del previous[signum]
+            except BaseException as e:
+                if first is None:
+                    first = e
+        _handle(self.pending, self._handlers, first)
 
 
-def _deliver(handler: Any, signum: int, frame: FrameType | None) -> None:
-    if callable(handler):
-        handler(signum, frame)  # default_int_handler raises KeyboardInterrupt here
-    elif handler == signal.SIG_DFL:
-        signal.raise_signal(signum)
+def _handle(pending: dict[int, FrameType | None], handlers: dict[int, Any], first: BaseException | None) -> None:
+    """Run each held signal's handler, in arrival order; raise the first exception (``first`` if given)."""
+    while pending:
+        signum = next(iter(pending))
+        frame = pending.pop(signum)
+        try:
+            handlers[signum](signum, frame)  # default_int_handler raises KeyboardInterrupt here
+        except BaseException as e:
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
 
 
 _GLOBALS = globals()

@@ -26,6 +26,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -200,6 +201,7 @@ class Tracer:
         self._function_handles: list[Any] = []
         self._mode: _Recorder | None = None
         self._entered = False
+        self._entered_from: tuple[FrameType, int] | None = None  # the frame whose statement entered it, and where
         # tensor identity
         self._next_id = 0
         self._raw2obj: dict[int, tuple[int, Any, TensorRef | None]] = {}
@@ -221,7 +223,9 @@ class Tracer:
 
     # -- activation -------------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
-        if getattr(_local, "tracer", None) is not None:
+        entered_from = sys._getframe(1)
+        active: Tracer | None = getattr(_local, "tracer", None)
+        if active is not None and not active._stale(entered_from):
             raise FwdtraceError(
                 "a fwdtrace Tracer is already active: nested tracing is not supported; "
                 "trace the inner model inside the outer trace's graph instead"
@@ -229,19 +233,51 @@ class Tracer:
         if self._entered:
             raise FwdtraceError("a Tracer records one graph: make a new Tracer for another trace")
         _load_plugins()
+        if active is not None:
+            active._close()
+            active._guard.stop()  # its handlers back before this trace's guard wraps them
+            warnings.warn("fwdtrace: the previous trace in this thread was left active (its clean-up was "
+                          "cut short by an exception fwdtrace could not hold back); it was closed", stacklevel=2)
         try:
-            self._guard.start()  # from here on, Ctrl-C waits while fwdtrace's own code runs
+            self._guard.start()  # from here on, signals wait while fwdtrace's own code runs
             with critical():
                 self._entered = True
+                self._entered_from = (entered_from, entered_from.f_lasti)
                 _local.tracer = self
                 self._handle = add_call_handler(self._on_call)
                 self._function_handles = add_function_handlers(self._function_handler)
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
         except BaseException:
-            self._close()
+            try:
+                self._close()
+            finally:
+                self._guard.stop()
             raise
         return self
+
+    def _stale(self, entering: FrameType) -> bool:
+        """Whether this thread's active tracer can no longer be in use, so a new trace may replace it.
+
+        Its ``__exit__`` never ran (an exception from a signal handler installed after it
+        started, or a thread's asynchronous exception, landed on its first instruction) and
+        either the very ``with`` statement that entered it runs again (a loop that caught the
+        exception), or the :func:`trace` call that entered it has returned. A tracer entered
+        any other way (an ``ExitStack``, a fixture) may still be in use: nesting stays an error.
+        """
+        if self._entered_from is None:
+            return not self._entered
+        frame, lasti = self._entered_from
+        if frame is entering and frame.f_lasti == lasti:
+            return True
+        if frame.f_code is not trace.__code__:
+            return False
+        caller: FrameType | None = entering
+        while caller is not None:
+            if caller is frame:
+                return False
+            caller = caller.f_back
+        return True
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -262,6 +298,7 @@ class Tracer:
             remove_handlers(self._function_handles)
             if getattr(_local, "tracer", None) is self:
                 _local.tracer = None
+            self._entered_from = None
             self._outside.clear()
             self._raw2obj.clear()  # unpins, and dropping the weakrefs also drops their callbacks
             self._param_names.clear()

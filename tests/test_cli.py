@@ -74,6 +74,21 @@ def make_ok():
 def make_raises():
     raise RuntimeError("broken factory")
 
+def make_exits():
+    import sys
+    sys.exit(0)
+
+
+class ExitingForward(torch.nn.Module):
+    def forward(self, x):
+        import sys
+        sys.exit(0)
+
+
+def make_exiting_forward():
+    return ExitingForward()
+
+
 def make_sized(width):
     return torch.nn.Linear(width, width)
 
@@ -175,6 +190,36 @@ def test_traceback_prints_the_details(job_dir: Path, capsys: pytest.CaptureFixtu
         err = capsys.readouterr().err
         assert "Traceback (most recent call last)" in err and 'raise RuntimeError("broken factory")' in err
         assert err.strip().splitlines()[-1] == "fwdtrace analyze: error: factory 'models:make_raises' raised RuntimeError: broken factory"
+
+
+USER_EXITS = [
+    (["analyze", "models:make_exits", "--input-shape", "2,4"],
+     "fwdtrace analyze: error: factory 'models:make_exits' called sys.exit(0) (--traceback for details)"),
+    (["check-onnx", "models:make_exiting_forward", "--input-shape", "2,4"],
+     "fwdtrace check-onnx: error: models:make_exiting_forward: the model's code called sys.exit(0) (--traceback for details)"),
+    (["analyze", "models:make_exiting_forward", "--input-shape", "2,4"],
+     "fwdtrace analyze: error: models:make_exiting_forward: the model's code called sys.exit(0) (--traceback for details)"),
+    (["dump-diff", "a.hdf5", "/dev/zero"],
+     "fwdtrace dump-diff: error: compare_dumps() expected an HDF5 dump file, got '/dev/zero', which is not a regular "
+     "file but a character device"),
+    (["dump-diff", "pipe.hdf5", "a.hdf5"],
+     "fwdtrace dump-diff: error: compare_dumps() expected an HDF5 dump file, got 'pipe.hdf5', which is not a regular "
+     "file but a named pipe (FIFO)"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", USER_EXITS, ids=[" ".join(argv[:2]) for argv, _ in USER_EXITS])
+def test_user_code_cannot_end_the_command_silently_and_odd_paths_are_named(
+    job_dir: Path, argv: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sys.exit(0) in a factory or a forward is an error (exit 2), not the command's success; a device or a
+    FIFO given as a file is named as such (a FIFO would block a reader, /dev/zero never ends)."""
+    if not os.path.exists(job_dir / "pipe.hdf5"):
+        os.mkfifo(job_dir / "pipe.hdf5")
+    monkeypatch.chdir(job_dir)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == expected
 
 
 def test_check_onnx_and_analyze_make_the_same_inputs() -> None:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import re
 import signal
 import socket
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -595,6 +598,90 @@ def test_sizes_are_checked_before_allocating(tmp_path: Path) -> None:
                        r"where '000_Sequential/input0' holds 32 bytes, over the cap of 16 \(max_bytes=\)"):
         fwdtrace.read_dump(good, show=False, values=True, max_bytes=16)
     assert fwdtrace.read_dump(good, show=False, values=True, max_bytes=64)["status"] == "complete"
+
+
+def _unwritten(written: int):  # noqa: ANN202
+    """A gzip dataset declaring 256 MiB in 64 chunks, ``written`` of them in the file."""
+
+    def build(f: h5py.File, g: h5py.Group) -> None:
+        ds = g.create_dataset("output0", shape=(2**26,), dtype="<f4", chunks=(2**20,), compression="gzip")
+        ones = zlib.compress(np.ones(2**20, "<f4").tobytes())
+        for i in range(written):
+            ds.id.write_direct_chunk((i * 2**20,), ones)
+
+    return build
+
+
+def test_chunks_never_written_are_refused_before_reading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+
+    for written in (0, 1, 63):
+        path = _crafted(tmp_path / f"unwritten{written}.hdf5", _unwritten(written))
+        if written == 0:
+            assert path.stat().st_size < 20_000  # 256 MiB declared in a few kB
+        message = (rf"where '000_Linear/output0' declares 268435456 bytes in 64 chunks but stores {written} of them: "
+                   "a crafted or incomplete file")
+        with pytest.raises(FwdtraceError, match=r"^read_dump\(\) expected a self-contained fwdtrace dump, got "
+                           rf"'.*unwritten{written}.hdf5', {message}"):
+            fwdtrace.read_dump(path, show=False, values=True)
+        with pytest.raises(FwdtraceError, match=rf"^compare_dumps\(\) expected .*, {message}"):
+            fwdtrace.compare_dumps(path, path)
+        assert main(["dump-diff", str(path), str(path)]) == 2  # an unreadable dump, not a difference
+        assert re.match(rf"^fwdtrace dump-diff: error: compare_dumps\(\) expected .*, {message}$",
+                        capsys.readouterr().err.strip())
+    huge_chunks = _crafted(tmp_path / "huge_chunks.hdf5", lambda f, g: g.create_dataset(
+        "output0", shape=(2**25,), dtype="f4", chunks=(2**25,), compression="gzip"))
+    with pytest.raises(FwdtraceError, match=r"^read_dump\(\) expected .*, where '000_Linear/output0' has chunks of "
+                       r"134217728 bytes, over the 67108864 read at once"):
+        fwdtrace.read_dump(huge_chunks, show=False, values=True)
+
+
+BOUNDED_COMPARE = """
+import resource, sys, torch
+torch.set_num_threads(1)
+import fwdtrace
+warm_a, warm_b, a, b = sys.argv[1:]
+fwdtrace.compare_dumps(warm_a, warm_b)  # imports, gzip and first-use allocations before the baseline
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+row = fwdtrace.compare_dumps(a, b).rows[-1]
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((peak - before) * 1024, row.name, row.allclose, repr(row.max_abs), repr(row.max_rel), repr(row.cosine))
+"""
+
+
+def _ones_but_last(path: Path, n: int, last: float) -> Path:
+    """A dump whose output0 is ``n`` float32 ones but the last, gzip, every chunk written (directly: fast)."""
+    chunk = 2**18
+    ones = np.ones(chunk, "<f4")
+    full = zlib.compress(ones.tobytes())
+    ones[-1] = last
+
+    def build(f: h5py.File, g: h5py.Group) -> None:
+        ds = g.create_dataset("output0", shape=(n,), dtype="<f4", chunks=(chunk,), compression="gzip")
+        for i in range(n // chunk):
+            ds.id.write_direct_chunk((i * chunk,), zlib.compress(ones.tobytes()) if i == n // chunk - 1 else full)
+
+    return _crafted(path, build)
+
+
+def test_compare_dumps_reads_in_blocks_with_bounded_memory(tmp_path: Path) -> None:
+    """Two real 32 MiB tensors (every chunk written, gzip): compared with less memory than one of them
+    (reading both whole and comparing in float64 took 550 MiB)."""
+    import subprocess
+    import sys
+
+    n = 2**23
+    paths = [_ones_but_last(tmp_path / f"{name}.hdf5", size, last)
+             for name, size, last in (("warm_a", 2**18, 1.0), ("warm_b", 2**18, 2.0), ("a", n, 1.0), ("b", n, 2.0))]
+    assert paths[2].stat().st_size < 1_000_000
+    done = subprocess.run([sys.executable, "-c", BOUNDED_COMPARE, *map(str, paths)], capture_output=True, text=True,
+                          timeout=300, cwd=Path(fwdtrace.__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    grown, name, allclose, max_abs, max_rel, cosine = done.stdout.split()
+    assert int(grown) < n * 4, f"{int(grown) / 2**20:.0f} MiB more memory to compare two {n * 4 // 2**20} MiB tensors"
+    # the reference: ones against ones with one 2.0, by hand
+    assert (name, allclose, float(max_abs), float(max_rel)) == ("output0", "False", 1.0, 0.5)
+    assert float(cosine) == pytest.approx((n + 1) / math.sqrt(n * (n + 3)), rel=1e-12)
 
 
 def test_a_damaged_execution_order_is_named(tmp_path: Path) -> None:

@@ -197,3 +197,34 @@ def test_a_users_own_sigint_handler_is_called_after_the_section() -> None:
         assert calls == [signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_every_python_signal_handler_waits_for_the_section_and_each_runs_once() -> None:
+    """A timeout's SIGALRM that raises is held back like Ctrl-C; two signals held: both handlers run,
+    the first exception is raised, and both handlers are the user's again."""
+
+    class Timeout(Exception):
+        pass
+
+    calls: list[str] = []
+
+    def on_alarm(signum: int, frame: object) -> None:
+        calls.append("alarm")
+        raise Timeout
+
+    def on_usr1(signum: int, frame: object) -> None:
+        calls.append("usr1")
+
+    previous = {signal.SIGALRM: signal.signal(signal.SIGALRM, on_alarm), signal.SIGUSR1: signal.signal(signal.SIGUSR1, on_usr1)}
+    try:
+        with pytest.raises(Timeout):
+            with critical():
+                signal.raise_signal(signal.SIGALRM)
+                signal.raise_signal(signal.SIGUSR1)
+                signal.raise_signal(signal.SIGALRM)  # pending already: once, as the OS coalesces
+                calls.append("finished the section")
+        assert calls == ["finished the section", "alarm", "usr1"]
+        assert signal.getsignal(signal.SIGALRM) is on_alarm and signal.getsignal(signal.SIGUSR1) is on_usr1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 import random
 import signal
+import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
 import fwdtrace
+from fwdtrace import FwdtraceError
 from fwdtrace.patching import call_dispatch_active
 from fwdtrace.tracer import active_tracer
 
@@ -173,6 +176,173 @@ def test_ctrl_c_at_random_moments_leaves_nothing_patched_and_surfaces_only_as_ke
     assert others == []
     assert interrupted > 50, (interrupted, finished)  # the signals did land, many inside traces
     assert fwdtrace.trace(model, x) == reference
+
+
+# -- one signal per trace, at a random moment --------------------------------------------------------
+TRACES = 300
+
+
+class Timeout(Exception):
+    """What a SIGALRM-based timeout raises (``signal.setitimer`` recipes, pytest-timeout's signal method)."""
+
+
+def small_model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.ones(1, 4)
+
+
+def trace_under_fire(send: Any, raised: type[BaseException], fired: list[bool]) -> None:
+    """TRACES traces of a small model, each with one signal sent ``send(delay)`` after its start.
+
+    The signal's handler sets ``fired[0]`` and raises ``raised``. Whatever moment it lands in,
+    afterwards every handler is the one installed before, nothing is patched, and the next
+    trace works. The delay adapts so that about half the signals land inside the trace
+    (mostly in its set-up and clean-up: the model is tiny) and half just after it.
+    """
+    model, x = small_model()
+    reference = fwdtrace.trace(model, x)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGALRM)}
+    rng = random.Random(0)
+    latest = 1e-3  # seconds after the trace starts
+    inside, after, others = 0, 0, []
+    for _ in range(TRACES):
+        fired[0] = False
+        graph = None
+        try:
+            try:
+                send(rng.uniform(0.0, latest))
+                graph = fwdtrace.trace(model, x)
+            finally:
+                deadline = time.monotonic() + 60
+                while not fired[0] and time.monotonic() < deadline:  # the signal is handled inside this try
+                    time.sleep(0)
+        except raised:
+            pass
+        except BaseException as e:  # noqa: BLE001 - anything else fails, "a Tracer is already active" first
+            others.append(repr(e))
+        assert fired[0], "the signal never came"
+        if graph is None:
+            inside += 1
+            latest *= 1.1
+        else:
+            after += 1
+            latest *= 0.9
+            assert graph == reference
+        assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
+        assert_nothing_left()
+    assert others == []
+    assert inside > TRACES // 10 and after > TRACES // 10, (inside, after)
+    assert fwdtrace.trace(model, x) == reference
+
+
+@pytest.mark.parametrize("sender", ["timer", "thread"])
+def test_a_sigint_at_a_random_moment_of_each_trace_leaves_the_handler_and_nothing_patched(sender: str) -> None:
+    """Ctrl-C as a real SIGINT: sent by a ``signal.setitimer`` timer's handler, or by another thread."""
+    fired = [False]
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        fired[0] = True
+        raise KeyboardInterrupt
+
+    main_id = threading.main_thread().ident
+    assert main_id is not None and threading.current_thread() is threading.main_thread()
+    go, stop, delay = threading.Event(), threading.Event(), [0.0]
+
+    def timer_thread() -> None:
+        while not stop.is_set():
+            if go.wait(timeout=0.1):
+                go.clear()
+                time.sleep(delay[0])
+                signal.pthread_kill(main_id, signal.SIGINT)
+
+    def send(seconds: float) -> None:
+        if sender == "timer":
+            signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-6))
+        else:
+            delay[0] = seconds
+            go.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous_alarm = signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the timer thread gets the GIL within microseconds, not 5 ms
+    thread = threading.Thread(target=timer_thread, daemon=True)
+    try:
+        thread.start()
+        trace_under_fire(send, KeyboardInterrupt, fired)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        sys.setswitchinterval(switch)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_timeout_raised_by_sigalrm_at_a_random_moment_never_leaves_a_tracer_active() -> None:
+    """A SIGALRM handler that raises, as timeouts built on ``signal.setitimer`` do."""
+    fired = [False]
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        fired[0] = True
+        raise Timeout
+
+    def send(seconds: float) -> None:
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-6))
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        trace_under_fire(send, Timeout, fired)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_trace_whose_exit_never_ran_does_not_block_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler installed after a trace started is not held back: its exception can land on the first
+    instruction of ``__exit__``, which then does nothing. Simulated here by an ``__exit__`` that raises."""
+    model, x = small_model()
+    reference = fwdtrace.trace(model, x)
+
+    def cut_short(self: fwdtrace.Tracer, *exc: object) -> None:
+        raise Timeout
+
+    sigint = signal.getsignal(signal.SIGINT)
+    with monkeypatch.context() as patch:
+        patch.setattr(fwdtrace.Tracer, "__exit__", cut_short)
+        with pytest.raises(Timeout):
+            fwdtrace.trace(model, x)
+    assert active_tracer() is not None and call_dispatch_active()  # left behind, as described
+    assert signal.getsignal(signal.SIGINT) is not sigint  # its guard too
+    with pytest.warns(UserWarning, match=r"^fwdtrace: the previous trace in this thread was left active"):
+        assert fwdtrace.trace(model, x) == reference  # the trace() call that entered it has returned
+    assert_nothing_left()
+    assert signal.getsignal(signal.SIGINT) is sigint
+
+    graphs, left = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for attempt in range(2):  # a loop that catches the timeout and enters the same with statement again
+            with monkeypatch.context() as patch:
+                if attempt == 0:
+                    patch.setattr(fwdtrace.Tracer, "__exit__", cut_short)
+                try:
+                    with fwdtrace.Tracer() as tracer:
+                        model(x)
+                    graphs.append(tracer.graph)
+                except Timeout:
+                    left.append(active_tracer() is not None)
+    assert left == [True] and graphs == [reference] and signal.getsignal(signal.SIGINT) is sigint
+    assert [str(w.message).startswith("fwdtrace: the previous trace in this thread was left active") for w in caught] == [True]
+    assert_nothing_left()
+    tracer = fwdtrace.Tracer()
+    tracer.__enter__()  # entered elsewhere (an ExitStack, a fixture): still in use, nesting stays an error
+    try:
+        with pytest.raises(FwdtraceError, match=r"^a fwdtrace Tracer is already active"):
+            fwdtrace.trace(model, x)
+    finally:
+        tracer.__exit__(None, None, None)
+    assert_nothing_left()
 
 
 EXITS = list(itertools.permutations(range(3)))

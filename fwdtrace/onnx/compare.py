@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._files import not_a_regular_file
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..node import Node, TensorRef
@@ -1186,8 +1187,9 @@ def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
     from .export import _load_small_external_data
 
     where = str(path)
-    if os.path.isdir(path):
-        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which is a folder")
+    what = not_a_regular_file(path)  # before opening: a FIFO blocks, /dev/zero never ends
+    if what is not None:
+        raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, {what}")
     try:
         proto = onnx.load(os.fspath(path), load_external_data=False)
         _load_small_external_data(proto, os.path.dirname(os.path.abspath(path)))
