@@ -695,6 +695,8 @@ class _Matcher:
                         region.add(p)
                         counts[op] += 0 if p in self.wiring else 1
                         stack.append(p)
+            if not any(p.admits(counts, self.op(n.id)) for p in eq.patterns):
+                continue  # a written-out pattern short of an op (a pool that sums, no Div) is not that call
             score = (anchor, 0, len(region), -n.id)
             if best is None or score > best[0]:
                 best = (score, n.id, region)
