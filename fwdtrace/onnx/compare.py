@@ -5,9 +5,11 @@ to where the call's inputs landed in the ONNX graph, for ONNX nodes the call may
 become (:mod:`fwdtrace.onnx.ops`): one op (``Conv``), or a region of several (``MatMul``
 then ``Add`` for a Linear, a whole decomposed attention) whose only way in is through the
 call's inputs. Views, transposes and casts are wiring on both sides; constants, shape
-arithmetic and new tensors shaped like an input (``zeros_like``) are left out. Calls an
-exporter may simplify away (``relu(relu(x))``, ``x + 0``, a call repeated on the same
-inputs) are elided when no op stands right where their inputs are. Module scopes the exporter recorded (dynamo's
+arithmetic and new tensors shaped like an input (``zeros_like``) are left out. An in-place
+write through a view feeds the tensor viewed, and is its op plus the scatter that puts the
+slice back. Calls an exporter may simplify away (``relu(relu(x))``, ``x + 0``, a call
+repeated on the same values, by value numbers that follow every call and write) are elided
+when no op stands right where their inputs are. Module scopes the exporter recorded (dynamo's
 ``pkg.torch.onnx.name_scopes``, TorchScript's node names) rank the candidates when
 present; without them the dataflow, op types, attributes and sizes decide.
 
@@ -77,6 +79,9 @@ _CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
 # Calls whose index argument the trace may not keep (``x[:, t]``): without it, no two are alike.
 _INDEXING = frozenset({"torch.Tensor.__getitem__", "torch.Tensor.__setitem__"})
 _RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
+# Random draws besides dropout and rand*: two on the same input are two draws.
+_SAMPLERS = frozenset({"bernoulli", "multinomial", "normal", "uniform", "exponential", "poisson", "cauchy",
+                       "geometric", "log_normal", "rrelu"})
 _VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike", "ConstantOfShape"})
 # ONNX ops whose result depends on the order of their inputs and that take them in the
 # order of the torch call: Concat all of them (constants too), the others their data inputs
@@ -98,7 +103,7 @@ class TopologyReport:
     lists trace calls with no ONNX counterpart, ``extra`` ONNX nodes with no trace
     counterpart, ``rewired`` edges present on one side only. ``elided`` lists calls the
     exporter may drop (dropout in eval, views), fold (BatchNorm into Conv) or simplify
-    (``relu(relu(x))``, ``x + 0``, a call repeated on the same inputs), with how.
+    (``relu(relu(x))``, ``x + 0``, a call repeated on the same values), with how.
     ``opened`` names the layer classes no rule knows, which :func:`check_onnx` compared as
     the torch calls they make. ``str(report)`` is ``report.text``.
     """
@@ -500,8 +505,9 @@ class _Matcher:
         """
         target = canonical_target(tn.target)
         args = tn.attrs.get("args")
-        if None in (args or ()) or (args is None and target in _INDEXING) or any(
-            w in target.lower() for w in ("dropout", "rand")
+        short = target.rsplit(".", 1)[-1].strip("_").lower()
+        if None in (args or ()) or (args is None and target in _INDEXING) or (
+            "dropout" in short or "rand" in short or short in _SAMPLERS
         ):
             return None
         return next((e for e in self.calls.get(call_key, ()) if self._same_weights(self.tnodes[e], tn)), None)
