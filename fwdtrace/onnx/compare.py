@@ -519,7 +519,7 @@ class _Matcher:
         initialiser) are too, where the model is at hand to compare their values.
         """
         if tn.kind != "module" or first.module_path == tn.module_path or not _has_weights(tn):
-            return True  # two MaxPools alike
+            return True  # a function, one layer, or layers without weights (two MaxPools alike)
         if self.path2module is None:
             return False
         return _equal_layers(self.path2module.get(first.module_path), self.path2module.get(tn.module_path))
