@@ -5,9 +5,11 @@ to where the call's inputs landed in the ONNX graph, for ONNX nodes the call may
 become (:mod:`fwdtrace.onnx.ops`): one op (``Conv``), or a region of several (``MatMul``
 then ``Add`` for a Linear, a whole decomposed attention) whose only way in is through the
 call's inputs. Views, transposes and casts are wiring on both sides; constants, shape
-arithmetic and new tensors shaped like an input (``zeros_like``) are left out. Calls an
-exporter may simplify away (``relu(relu(x))``, ``x + 0``, a call repeated on the same
-inputs) are elided when no op stands right where their inputs are. Module scopes the exporter recorded (dynamo's
+arithmetic and new tensors shaped like an input (``zeros_like``) are left out. An in-place
+write through a view feeds the tensor viewed, and is its op plus the scatter that puts the
+slice back. Calls an exporter may simplify away (``relu(relu(x))``, ``x + 0``, a call
+repeated on the same values, by value numbers that follow every call and write) are elided
+when no op stands right where their inputs are. Module scopes the exporter recorded (dynamo's
 ``pkg.torch.onnx.name_scopes``, TorchScript's node names) rank the candidates when
 present; without them the dataflow, op types, attributes and sizes decide.
 
@@ -37,6 +39,7 @@ from .export import EXPORTERS, _export, onnx_graph
 from .ops import (
     NEW_TENSOR_FUNCTIONS,
     ONNX_WIRING_OPS,
+    OVERWRITE_FUNCTIONS,
     PAD_FUNCTIONS,
     SHAPE_ONLY_AFTER_FIRST,
     Equivalence,
@@ -44,6 +47,7 @@ from .ops import (
     equivalence_for,
     note_classes,
     rule_target,
+    written_through_a_view,
 )
 
 # check_onnx's exporters: torch's two and fwdtrace's own (to_onnx)
@@ -75,6 +79,12 @@ _GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
 _INDEX_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Concat", "Unsqueeze", "Reshape", "Cast", "Expand",
                         "Range", "Where", "Less"})
 _CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
+# Calls whose index argument the trace may not keep (``x[:, t]``): without it, no two are alike.
+_INDEXING = frozenset({"torch.Tensor.__getitem__", "torch.Tensor.__setitem__"})
+_RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
+# Random draws besides dropout and rand*: two on the same input are two draws.
+_SAMPLERS = frozenset({"bernoulli", "multinomial", "normal", "uniform", "exponential", "poisson", "cauchy",
+                       "geometric", "log_normal", "rrelu"})
 _VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike", "ConstantOfShape"})
 # ONNX ops whose result depends on the order of their inputs and that take them in the
 # order of the torch call: Concat all of them (constants too), the others their data inputs
@@ -96,7 +106,7 @@ class TopologyReport:
     lists trace calls with no ONNX counterpart, ``extra`` ONNX nodes with no trace
     counterpart, ``rewired`` edges present on one side only. ``elided`` lists calls the
     exporter may drop (dropout in eval, views), fold (BatchNorm into Conv) or simplify
-    (``relu(relu(x))``, ``x + 0``, a call repeated on the same inputs), with how.
+    (``relu(relu(x))``, ``x + 0``, a call repeated on the same values), with how.
     ``opened`` names the layer classes no rule knows, which :func:`check_onnx` compared as
     the torch calls they make. ``not_opened`` lists the calls of such layers that
     :func:`compare_onnx`, given a graph alone, could not open: the ONNX ops between their
@@ -171,7 +181,7 @@ class _Result:
 
 
 class _Matcher:
-    def __init__(self, trace: Graph, og: Graph) -> None:
+    def __init__(self, trace: Graph, og: Graph, model: Any = None) -> None:
         self.t = trace
         self.o = og
         self.tnodes = trace.nodes
@@ -212,7 +222,18 @@ class _Matcher:
         self.missing_producer: dict[int, int] = {}  # obj_id -> missing trace node that wrote it
         self.elided: list[tuple[int, str]] = []
         self.written_by: dict[int, int] = {}  # trace obj_id -> the node that last wrote it
-        self.calls: dict[tuple[Any, ...], int] = {}  # (target, inputs, attrs) -> first such trace node
+        # Value numbers: two tensors with one number hold the same values, made by the same
+        # calls from the same inputs (dynamo computes DeBERTa's padding mask once for all layers).
+        self.values: dict[int, int] = {}  # trace obj_id -> its value number, as last written
+        self.out_values: dict[int, list[int]] = {}  # trace node id -> the value numbers it made
+        self.n_values = 0
+        self.calls: dict[tuple[Any, ...], list[int]] = {}  # (target, input values, attrs) -> such trace nodes
+        self.out_groups: dict[int, list[frozenset[int]]] = {}  # trace node id -> what its outputs stood for
+        # with the model, layers of one class with equal weights are one computation too
+        self.path2module: dict[str, torch.nn.Module] | None = (
+            dict(model.named_modules()) if isinstance(model, torch.nn.Module) else None
+        )
+        self.also_written, self.partial_writes = self._writes_through_views()
         self.trace_succ: dict[int, list[int]] = {}
         for e in trace.edges:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
@@ -285,16 +306,24 @@ class _Matcher:
                 continue
             reads = tn.inputs[:1] if canonical_target(tn.target) in SHAPE_ONLY_AFTER_FIRST else tn.inputs
             data_in = [r for r in reads if r.obj_id in tdata]
-            if not data_in:  # computed from no model input: exporters fold it to a constant
+            # computed from no model input (exporters fold it to a constant), or from none of
+            # its values (zeros_like(x) reads only x's shape, y.zero_() overwrites all of y)
+            if not data_in or self._makes_a_constant(tn):
                 self.elided.append((tn.id, "constant"))
-                continue
-            if canonical_target(tn.target) in NEW_TENSOR_FUNCTIONS:  # zeros_like(x) reads only x's shape
-                self.elided.append((tn.id, "constant"))
+                tdata.difference_update(r.obj_id for r in tn.outputs)  # what it wrote in place is constant now
+                tdata.difference_update(self.also_written.get(tn.id, ()))
                 continue
             tdata.update(r.obj_id for r in tn.outputs)
             reqs = list(dict.fromkeys(self.tensor_groups[r.obj_id] for r in data_in if r.obj_id in self.tensor_groups))
             self.reqs[tn.id] = reqs
             self._match(tn, reqs, data_in)
+            # the tensor a view of it was written through holds the write now (a buffer made
+            # with new_full and filled with copy_ is the model's data from then on)
+            for obj in self.also_written.get(tn.id, ()):
+                tdata.add(obj)
+                self.tensor_groups[obj] = self.tensor_groups[tn.outputs[0].obj_id]
+                self.written_by[obj] = tn.id
+                self.values[obj] = self._fresh_value()
         # the trace has an output node per returned tensor, the ONNX graph one for all
         out_nodes = self.out_nodes
         o_out = next((n for n in self.onodes if n.kind == "output"), None)
@@ -410,6 +439,32 @@ class _Matcher:
                     group.onodes.add(oid)
                     self.matched[oid] = group.gid
 
+    def _makes_a_constant(self, tn: Node) -> bool:
+        """Whether a call reads none of its input's values: ``zeros_like(x)``, ``y.zero_()`` (not ``y[:2].zero_()``)."""
+        target = canonical_target(tn.target)
+        return target in NEW_TENSOR_FUNCTIONS or (
+            target in OVERWRITE_FUNCTIONS and len(tn.inputs) == 1 and tn.id not in self.partial_writes
+        )
+
+    def _writes_through_views(self) -> tuple[dict[int, list[int]], dict[int, tuple[int, ...]]]:
+        """Tensors that in-place calls wrote besides the ones they returned, and the calls that wrote part of one.
+
+        ``buf[0, :h].copy_(img)`` returns the view and writes ``buf``: the trace wires later
+        reads of ``buf`` to the copy, an edge carrying a tensor the call did not return.
+        Returns node id -> such tensors, and node id -> the shape of the largest, for calls
+        that wrote into a larger tensor (the export scatters the write back into it).
+        """
+        also: dict[int, dict[int, None]] = {}
+        partial: dict[int, tuple[int, ...]] = {}
+        for e in self.t.edges:
+            src = self.tnodes[e.src]
+            if src.kind != "function" or not src.outputs or any(r.obj_id == e.obj_id for r in src.outputs):
+                continue
+            also.setdefault(e.src, {})[e.obj_id] = None
+            if _numel(e.shape) > _numel(partial.get(e.src, src.outputs[0].shape)):
+                partial[e.src] = e.shape
+        return {nid: list(objs) for nid, objs in also.items()}, partial
+
     def _reaches_an_output(self) -> set[int]:
         """Trace nodes some output depends on."""
         preds: dict[int, list[int]] = {}
@@ -417,7 +472,7 @@ class _Matcher:
             target = canonical_target(self.tnodes[e.dst].target)
             # a new tensor shaped like its input (zeros_like) needs none of its values, nor
             # y.reshape_as(x) those of x
-            if target in NEW_TENSOR_FUNCTIONS or (
+            if self._makes_a_constant(self.tnodes[e.dst]) or (
                 target in SHAPE_ONLY_AFTER_FIRST and e.obj_id != self.tnodes[e.dst].inputs[0].obj_id
             ):
                 continue
@@ -445,7 +500,10 @@ class _Matcher:
 
     def _match(self, tn: Node, reqs: list[frozenset[int]], data_in: list[TensorRef]) -> None:
         eq = equivalence_for(tn)
+        if tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
+            eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
         call_key = self._call_key(tn)
+        earlier = self._earlier_call(tn, call_key)
         passthrough = frozenset().union(*reqs) if reqs else frozenset()
         # a BatchNorm after a Conv that is missing would have been folded into it
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
@@ -465,7 +523,7 @@ class _Matcher:
                 eq.folds_into and feeder is not None and feeder.key is not None
                 and self.op(feeder.key) in eq.folds_into
             )
-            simpler = self._simplification(tn, eq, data_in, call_key)
+            simpler = self._simplification(tn, eq, data_in, earlier)
             # an op right where the inputs are, or none at all (not one further on, named by its scope)
             strict = can_fold or simpler is not None
             skipped = 0 if strict else _UNOPENED_SKIPPED if through_unopened else MAX_SKIPPED
@@ -494,44 +552,78 @@ class _Matcher:
             else:
                 self._add_missing(tn)
                 tn_out = passthrough
+        values = self.out_values[earlier] if earlier is not None else [self._fresh_value() for _ in tn.outputs]
+        self.out_values[tn.id] = values
         for i, r in enumerate(tn.outputs):
             self.tensor_groups[r.obj_id] = outs[i] if outs is not None and i < len(outs) else tn_out
             self.written_by[r.obj_id] = tn.id
+            self.values[r.obj_id] = values[i]
+        self.out_groups[tn.id] = [self.tensor_groups[r.obj_id] for r in tn.outputs]
         if through_unopened and tn.id not in self.groups:  # passed on, still behind the unknown ops
             self.unopened_values.update(r.obj_id for r in tn.outputs)
-        self.calls.setdefault(call_key, tn.id)
+        self.calls.setdefault(call_key, []).append(tn.id)
+
+    def _fresh_value(self) -> int:
+        self.n_values += 1
+        return self.n_values
+
+    def _value(self, obj_id: int) -> int:
+        """The value number of a tensor; one first seen (an input, a weight) is a value of its own."""
+        if obj_id not in self.values:
+            self.values[obj_id] = self._fresh_value()
+        return self.values[obj_id]
 
     def _call_key(self, tn: Node) -> tuple[Any, ...]:
-        """What makes two calls the same computation: target, inputs as last written, arguments.
+        """What makes two calls the same computation: target, the values of their inputs, arguments.
 
-        A layer's weights are not among its inputs: two layers are the same computation only
-        when they are one layer, or when their ONNX form has no weights (two MaxPools alike).
+        A layer's weights are not among its inputs: :meth:`_same_weights` decides for layers.
         """
-        eq = equivalence_for(tn) if tn.kind == "module" else None
-        weightless = eq is not None and eq.patterns and not eq.op_types & _WEIGHTED_OPS
-        where = tn.module_path if tn.kind == "module" and not weightless else ""
-        inputs = tuple((r.obj_id, self.written_by.get(r.obj_id)) for r in tn.inputs)
-        return (canonical_target(tn.target), where, inputs, repr(sorted(tn.attrs.items())))
+        inputs = tuple(self._value(r.obj_id) for r in tn.inputs)
+        return (canonical_target(tn.target), inputs, repr(sorted(tn.attrs.items())))
+
+    def _earlier_call(self, tn: Node, call_key: tuple[Any, ...]) -> int | None:
+        """An earlier call that computed what ``tn`` computes, if any.
+
+        Not for an index the trace could not keep (``x[:, t]`` would make every step look the
+        same), nor anything random.
+        """
+        target = canonical_target(tn.target)
+        args = tn.attrs.get("args")
+        short = target.rsplit(".", 1)[-1].strip("_").lower()
+        if None in (args or ()) or (args is None and target in _INDEXING) or (
+            "dropout" in short or "rand" in short or short in _SAMPLERS
+        ):
+            return None
+        return next((e for e in self.calls.get(call_key, ()) if self._same_weights(self.tnodes[e], tn)), None)
+
+    def _same_weights(self, first: Node, tn: Node) -> bool:
+        """Whether two calls of one target use the same weights: one layer, or a layer whose ONNX form has none.
+
+        Two layers with equal weights (LeViT's two heads' BatchNorms, fresh from their
+        initialiser) are too, where the model is at hand to compare their values.
+        """
+        if tn.kind != "module" or first.module_path == tn.module_path or not _has_weights(tn):
+            return True  # a function, one layer, or layers without weights (two MaxPools alike)
+        if self.path2module is None:
+            return False
+        return _equal_layers(self.path2module.get(first.module_path), self.path2module.get(tn.module_path))
 
     def _simplification(
-        self, tn: Node, eq: Equivalence, data_in: list[TensorRef], call_key: tuple[Any, ...]
+        self, tn: Node, eq: Equivalence, data_in: list[TensorRef], earlier: int | None
     ) -> tuple[str, list[frozenset[int]] | None] | None:
         """Why an exporter may drop this call without changing the result, and what stands for it.
 
-        A call repeated on the same inputs is computed once (common subexpressions), an
-        idempotent op applied to its own result (``relu(relu(x))``) is merged, and
-        ``x + 0``, ``x * 1`` are nothing. Returns None for any other call.
+        A call repeated on the same inputs is computed once (common subexpressions, also
+        across layers: a padding mask inverted by each), as is a layer with the same weights
+        as one already applied to the same input; an idempotent op applied to its own
+        result (``relu(relu(x))``) is merged, and ``x + 0``, ``x * 1`` are nothing. Returns
+        None for any other call.
         """
-        earlier = self.calls.get(call_key)
-        # only real ops whose arguments the trace kept in full (an index the trace could not
-        # keep, ``x[:, t]``, would make every step look the same), and nothing random
-        if (
-            earlier is not None and eq.patterns and not eq.optional and None not in tn.attrs.get("args", ())
-            and not any(w in tn.target.lower() for w in ("dropout", "rand"))
-        ):
+        if earlier is not None and eq.patterns and not eq.optional:
             first = self.tnodes[earlier]
-            outs = [self.tensor_groups.get(r.obj_id, frozenset()) for r in first.outputs]
-            return f"simplified: repeats {_trace_label(first)} on the same inputs, computed once", outs
+            twin = tn.kind == "module" and first.module_path != tn.module_path and _has_weights(tn)
+            return (f"simplified: repeats {_trace_label(first)} on the same inputs"
+                    f"{' with equal weights' if twin else ''}, computed once"), self.out_groups[earlier]
         target = canonical_target(tn.target)
         succs = [self.tnodes[s] for s in self.trace_succ.get(tn.id, ())]
         if target in _CATS and succs and all(
@@ -693,6 +785,8 @@ class _Matcher:
                         region.add(p)
                         counts[op] += 0 if p in self.wiring else 1
                         stack.append(p)
+            if not any(p.admits(counts, self.op(n.id)) for p in eq.patterns):
+                continue  # a written-out pattern short of an op (a pool that sums, no Div) is not that call
             score = (anchor, 0, len(region), -n.id)
             if best is None or score > best[0]:
                 best = (score, n.id, region)
@@ -733,8 +827,11 @@ class _Matcher:
             if tvl != ovl:
                 return False
         if tn.outputs and on.outputs:
-            t_shape, o_shape = tn.outputs[0].shape, on.outputs[0].shape
-            if all(d >= 0 for d in o_shape) and _numel(t_shape) != _numel(o_shape):
+            # a write through a view makes the whole tensor viewed
+            t_shape, o_shape = self.partial_writes.get(tn.id, tn.outputs[0].shape), on.outputs[0].shape
+            # an LSTM fed a PackedSequence returns the packed steps, no padding: as many features
+            packed = self.op(oid) in _RECURRENT_OPS and len(o_shape) == 4 and t_shape[-1:] == (o_shape[1] * o_shape[3],)
+            if all(d >= 0 for d in o_shape) and _numel(t_shape) != _numel(o_shape) and not packed:
                 return False
         return True
 
@@ -906,6 +1003,27 @@ class _Matcher:
                 self.elided.append((s, f"folded in part: into the pads of {_onnx_name(self.onodes[key])} for "
                                        f"{_trace_label(self.tnodes[d])}, a Pad for its other readers"))
         return taken
+
+
+def _has_weights(tn: Node) -> bool:
+    """Whether a layer may carry weights: its ONNX form has ops that take them, or no rule says."""
+    eq = equivalence_for(tn)
+    return not (eq is not None and eq.patterns and not eq.op_types & _WEIGHTED_OPS)
+
+
+def _equal_layers(a: torch.nn.Module | None, b: torch.nn.Module | None) -> bool:
+    """Whether two layers compute alike: one class, equal settings, equal weights and buffers."""
+    if a is None or b is None or type(a) is not type(b):
+        return False
+    settings = [{k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (int, float, str, tuple))}
+                for m in (a, b)]
+    if settings[0] != settings[1]:
+        return False
+    ta, tb = ({**dict(m.named_parameters()), **dict(m.named_buffers())} for m in (a, b))
+    return ta.keys() == tb.keys() and all(
+        x.shape == y.shape and x.dtype == y.dtype and not x.is_meta and not y.is_meta and torch.equal(x, y)
+        for x, y in ((ta[k], tb[k]) for k in ta)
+    )
 
 
 def _zero_pad_amounts(tn: Node) -> list[int] | None:
@@ -1202,12 +1320,12 @@ def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
     return proto
 
 
-def _compare(graph: Graph, proto: Any, caller: str = "compare_onnx()") -> tuple[Graph, _Result]:
+def _compare(graph: Graph, proto: Any, caller: str = "compare_onnx()", model: Any = None) -> tuple[Graph, _Result]:
     if not isinstance(graph, Graph):
         raise FwdtraceError(f"{caller} expected a fwdtrace.Graph (from fwdtrace.trace) as graph, got {describe(graph)}")
     proto = _onnx_model(proto, caller)
     og = onnx_graph(proto, prune=True)
-    matcher = _Matcher(graph, og)
+    matcher = _Matcher(graph, og, model)
     return og, matcher.run()
 
 
@@ -1278,7 +1396,7 @@ def check_onnx(
     if onnx is not None:
         proto = _onnx_model(onnx, "check_onnx()", "onnx=")  # read before the model runs: a bad path fails fast
         graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
-        og, result = _compare(graph, proto, "check_onnx()")
+        og, result = _compare(graph, proto, "check_onnx()", model=model)
         source = str(onnx) if isinstance(onnx, (str, os.PathLike)) else "the given ONNX model"
         return _build_report(graph, og, result, None, opened, source=source)
     exporter = "dynamo" if exporter is None else exporter
@@ -1291,7 +1409,7 @@ def check_onnx(
         proto = to_onnx(model, *args, verbose=verbose, **kwargs)
     else:  # a large model's weights stay on disk
         proto = _export(model, args, kwargs, exporter, None, None, weights=False, verbose=verbose)
-    og, result = _compare(graph, proto)
+    og, result = _compare(graph, proto, model=model)
     return _build_report(graph, og, result, exporter, opened)
 
 

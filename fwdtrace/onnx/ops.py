@@ -28,7 +28,7 @@ from ..registry import qualified_name
 
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS",
-    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "PAD_FUNCTIONS",
+    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "PAD_FUNCTIONS", "OVERWRITE_FUNCTIONS", "written_through_a_view",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -439,6 +439,11 @@ NEW_TENSOR_FUNCTIONS = frozenset(
 )
 
 
+# In-place calls whose result does not depend on what they overwrite: ``y.zero_()`` is a
+# constant like ``zeros_like(y)``; through a view (``y[:, :2].zero_()``) it is a write into y.
+OVERWRITE_FUNCTIONS = frozenset(_functions("zero_", "fill_"))
+
+
 # Views, layout and copies: wiring on both sides.
 _register(
     _functions(
@@ -456,6 +461,7 @@ _register(
 )
 # New tensors shaped like their input carry none of its values: not an edge from it (the
 # comparison takes them for constants; a random one may stay in the export as *Like ops).
+_register(OVERWRITE_FUNCTIONS, optional=True)
 _register(NEW_TENSOR_FUNCTIONS, "RandomNormalLike", "RandomUniformLike", "RandomNormal", "RandomUniform", optional=True)
 # Dropout is an ONNX Dropout in a training-mode export and nothing at all in eval mode.
 _register(
@@ -521,10 +527,47 @@ _register(_nn("MaxPool1d", "MaxPool2d", "MaxPool3d") + _functions("max_pool1d", 
 _register(_nn("AvgPool1d", "AvgPool2d", "AvgPool3d") + _functions("avg_pool1d", "avg_pool2d", "avg_pool3d"),
           "AveragePool")
 _register(
-    _nn("AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d")
-    + _functions("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"),
+    _nn("AdaptiveAvgPool1d", "AdaptiveAvgPool3d") + _functions("adaptive_avg_pool1d", "adaptive_avg_pool3d"),
     "GlobalAveragePool", "ReduceMean", "AveragePool",
 )
+
+
+@onnx_equivalent(torch.nn.AdaptiveAvgPool2d)
+def _adaptive_avg_pool2d(node: Node) -> RuleResult:
+    # Output sizes that do not divide the input's (7x7 from 2x2: VGG at 64 px) have no ONNX
+    # pool: dynamo writes out torch's decomposition, windows gathered with a mask (a Where per
+    # dimension whose windows differ in length), summed element by element and divided.
+    found = ["GlobalAveragePool", "ReduceMean", "AveragePool"]
+    if node.inputs and node.outputs and len(node.inputs[0].shape) >= 2 and len(node.outputs[0].shape) >= 2:
+        ragged, window = 0, 1
+        for n_in, n_out in zip(node.inputs[0].shape[-2:], node.outputs[0].shape[-2:], strict=True):
+            longest, ragged_here = _adaptive_window(n_in, n_out)
+            ragged += ragged_here
+            window *= longest
+        if ragged:
+            found.append(f"Where*{ragged}" + (f"+Add*{window - 1}" if window > 1 else "") + "+Div")
+    return found
+
+
+for _target in _functions("adaptive_avg_pool2d"):
+    onnx_equivalent(_target)(_adaptive_avg_pool2d)
+
+
+def _adaptive_window(n_in: int, n_out: int) -> tuple[int, bool]:
+    """The longest window of an adaptive pool from ``n_in`` to ``n_out``, and whether windows differ in length.
+
+    As torch's decomposition (``torch._decomp``'s ``adaptive_avg_pool2d``) computes them.
+    """
+    if n_out <= 0:
+        return 1, False
+    longest = n_in // n_out + 1
+    rest = n_in % n_out
+    ragged = not (rest == 0 or n_out % rest == 0)
+    if ragged:
+        longest += 1
+    elif rest == 0:
+        longest -= 1
+    return longest, ragged
 _register(
     _nn("AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d")
     + _functions("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d"),
@@ -577,6 +620,28 @@ _register(
     ["torch.Tensor.__setitem__"] + _functions("index_put", "index_put_", "slice_scatter", "select_scatter"),
     "ScatterND", "ScatterElements", "Concat", "Concat*2", "Where", "Expand+ScatterND", optional=True,
 )
+
+
+def written_through_a_view(eq: Equivalence | None, dims: int) -> Equivalence:
+    """What an in-place call through a view of a larger tensor may become: its ops, then the write put back.
+
+    >>> eq = written_through_a_view(Equivalence((Pattern.parse("Mul"),)), 2)
+    >>> [p.text for p in eq.patterns]
+    ['Mul+ScatterND*2+ScatterElements*2', 'Mul+Concat*2', 'Mul+Where']
+
+    Exporters turn ``y[:, :2].mul_(2)`` into the Mul on a slice and a scatter into ``y``:
+    dynamo a ScatterND or ScatterElements per indexed dimension (``dims`` at most), TorchScript
+    one ScatterND; or slices put back together with a Concat, or a Where for a mask. The
+    write-back is required: an export that drops it computes something else.
+    """
+    back = [f"ScatterND*{dims}+ScatterElements*{dims}", "Concat*2", "Where"]
+    own = [p.text for p in eq.patterns] if eq is not None else []
+    texts = [f"{o}+{b}" for o in own for b in back] if own else back
+    return Equivalence(
+        tuple(Pattern.parse(t) for t in texts),
+        folds_into=eq.folds_into if eq is not None else frozenset(),
+        source=eq.source if eq is not None else "",
+    )
 _register(_functions("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"),
           "ScatterElements", "ScatterND")
 _register(_functions("index_add", "index_add_", "index_copy", "index_copy_", "masked_scatter"),
