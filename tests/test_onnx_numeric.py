@@ -213,3 +213,36 @@ def test_a_report_without_numbers_says_how_to_get_them() -> None:
     report = fwdtrace.check_onnx(model, x, exporter="torchscript")
     with pytest.raises(FwdtraceError, match=r"^report.first_divergence needs values: check_onnx\(model, x, numeric=True\)"):
         report.first_divergence  # noqa: B018
+
+
+def test_save_repro_writes_a_subgraph_that_reproduces_the_divergence_alone(tmp_path: object) -> None:
+    model, (x,) = zoo.resnetish()
+    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
+                                  1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
+    first = report.first_divergence
+    assert first is not None
+    paths = report.save_repro(str(tmp_path))
+    sub = onnx.load(paths["model"])
+    onnx.checker.check_model(sub)
+    assert [n.op_type for n in sub.graph.node] == ["Conv"]  # the smallest subgraph: the diverging call alone
+    inputs, expected = np.load(paths["inputs"]), np.load(paths["expected"])
+    assert list(inputs.keys()) == [i.name for i in sub.graph.input]
+    session = ort.InferenceSession(paths["model"], providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {k: inputs[k] for k in inputs.keys()})
+    want = expected[sub.graph.output[0].name]
+    # reference: the eager value, taken with a plain torch hook on the BatchNorm folded into that Conv
+    seen: dict[str, torch.Tensor] = {}
+    handle = model.blocks[0].b2.register_forward_hook(lambda m, i, o: seen.setdefault("bn", o.detach().clone()))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    np.testing.assert_array_equal(want, seen["bn"].numpy())
+    assert float(np.abs(got - want).max()) == pytest.approx(first.max_abs, rel=1e-3)
+
+
+def test_save_repro_needs_a_divergence(tmp_path: object) -> None:
+    model, (x,) = zoo.resnetish()
+    report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
+    with pytest.raises(FwdtraceError, match=r"^save_repro\(\) expected a report with a divergence"):
+        report.save_repro(str(tmp_path))

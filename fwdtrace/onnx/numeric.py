@@ -446,8 +446,8 @@ def _region_inputs(og: Graph, onodes: set[int]) -> list[str]:
     made = {name for o in onodes for name in og.nodes[o].meta.get("output_names", [])}
     read: list[str] = []
     for o in sorted(onodes):
-        for name in og.nodes[o].meta.get("input_names", []):
-            if name and name not in made and name not in read:
+        for name, ref in zip(og.nodes[o].meta.get("input_names", []), og.nodes[o].inputs, strict=False):
+            if ref.param is None and name not in made and name not in read:  # weights stay in the subgraph
                 read.append(name)
     return read
 
