@@ -33,7 +33,7 @@ from ..tracer import Tracer, _named_inputs
 if TYPE_CHECKING:
     from .compare import _Result
 
-__all__ = ["ValueRow", "NumericResult", "DEFAULT_TOLERANCES", "compare_values"]
+__all__ = ["ValueRow", "NumericResult", "DEFAULT_TOLERANCES"]
 
 # (rtol, atol) by dtype: an ONNX value agrees when max|onnx - eager| <= atol + rtol * max|eager|.
 # float32 allows for the reassociation of sums an ONNX runtime's kernels do (a deep model's
@@ -254,7 +254,7 @@ def _as_batches(inputs: Any, args: tuple, kwargs: dict) -> list[tuple[tuple, dic
     return out
 
 
-def check_tolerances(tolerances: Any) -> dict[str, tuple[float, float]]:
+def _check_tolerances(tolerances: Any) -> dict[str, tuple[float, float]]:
     """The defaults with the given ``{dtype: (rtol, atol)}`` over them."""
     merged = dict(DEFAULT_TOLERANCES)
     if tolerances is None:
@@ -285,7 +285,7 @@ def compare_values(
     from ..registry import qualified_name
     from .compare import _OUTPUT_GROUP, _trace_label
 
-    tols = check_tolerances(tolerances)
+    tols = _check_tolerances(tolerances)
     batches = _as_batches(inputs, args, kwargs)
     through = tuple(dict.fromkeys(
         type(m) for m in model.modules() if qualified_name(type(m)) in set(opened)
