@@ -7,6 +7,8 @@ The modules, each a separate pass over a recorded :class:`fwdtrace.Graph`:
 - :mod:`fwdtrace.onnx.ops`: the equivalences, what a torch layer or function becomes in ONNX
   (``onnx_equivalent`` registers more);
 - :mod:`fwdtrace.onnx.compare`: ``compare_onnx`` / ``check_onnx``, the edge-by-edge diff;
+- :mod:`fwdtrace.onnx.numeric`: ``check_onnx(numeric=True)``'s pass over that diff, each matched
+  call's eager output against its ONNX value in onnxruntime (first divergence, repro);
 - :mod:`fwdtrace.onnx.emit`: ``to_onnx`` (ONNX from one eager run, through torchlib) and
   ``onnx_symbolic`` (what torchlib does not cover).
 

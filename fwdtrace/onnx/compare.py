@@ -56,6 +56,8 @@ CHECK_EXPORTERS = (*EXPORTERS, "fwdtrace")
 if TYPE_CHECKING:
     import onnx
 
+    from .numeric import NumericResult, ValueRow
+
 __all__ = ["TopologyReport", "compare_onnx", "check_onnx", "render_side_by_side", "configure_parser", "run_cli"]
 
 # At most this many unexplained ONNX ops may sit between a call's inputs and its partner
@@ -126,9 +128,38 @@ class TopologyReport:
     exporter: str | None = None
     opened: list[str] = field(default_factory=list)
     not_opened: list[str] = field(default_factory=list)
+    # check_onnx(numeric=True): every matched call's output against its ONNX value (fwdtrace.onnx.numeric)
+    numeric: NumericResult | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
-        return self.text
+        if self.numeric is None:
+            return self.text
+        return "\n".join([self.numeric.lead(), *self.numeric.table(), self.text])
+
+    @property
+    def first_divergence(self) -> ValueRow | None:
+        """The earliest call whose ONNX value is out of tolerance while its inputs agree (``numeric=True``)."""
+        return self._numbers("first_divergence").first_divergence
+
+    @property
+    def worst(self) -> list[ValueRow]:
+        """The compared calls, largest relative error first (``numeric=True``)."""
+        return self._numbers("worst").worst
+
+    def save_repro(self, directory: str | os.PathLike[str]) -> dict[str, str]:
+        """Write the first divergence's ONNX subgraph, its input values and the eager result (``numeric=True``).
+
+        See :func:`fwdtrace.onnx.numeric.save_repro`; returns the paths written.
+        """
+        from .numeric import save_repro
+
+        return save_repro(self._numbers("save_repro()"), directory)
+
+    def _numbers(self, what: str) -> NumericResult:
+        if self.numeric is None:
+            raise FwdtraceError(f"report.{what} needs values: check_onnx(model, x, numeric=True), "
+                                "got a report of the structure only")
+        return self.numeric
 
     @property
     def status(self) -> str:
@@ -150,6 +181,7 @@ class TopologyReport:
             "elided": [{"trace": t, "how": how} for t, how in self.elided],
             "opened": list(self.opened),
             "not_opened": list(self.not_opened),
+            **({"numeric": self.numeric.to_dict()} if self.numeric is not None else {}),
         }
 
 
@@ -1362,7 +1394,9 @@ def compare_onnx(graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str]) 
 
 
 def check_onnx(
-    model: Any, *args: Any, exporter: str | None = None, onnx: Any = None, verbose: bool = False, **kwargs: Any
+    model: Any, *args: Any, exporter: str | None = None, onnx: Any = None, verbose: bool = False,
+    numeric: bool = False, inputs: list[Any] | None = None, tolerances: dict[str, tuple[float, float]] | None = None,
+    **kwargs: Any,
 ) -> TopologyReport:
     """Trace ``model(*args, **kwargs)`` and diff it with its ONNX export, or with a given ONNX model.
 
@@ -1387,6 +1421,15 @@ def check_onnx(
     returns its tensors, and left out (said in the report) when it returns the other outputs only.
     The exporters' own warnings and prints are kept quiet (see :func:`fwdtrace.export_onnx`);
     ``verbose=True`` shows them.
+
+    ``numeric=True`` also compares numbers: the model runs eagerly and the ONNX model in
+    onnxruntime on the same inputs (the example inputs, or each batch of ``inputs=[...]``),
+    and every matched call's output is compared with the ONNX value that carries it
+    (:mod:`fwdtrace.onnx.numeric`). ``report.first_divergence`` is the earliest call out of
+    tolerance whose inputs agree, ``report.worst`` ranks them, ``str(report)`` leads with the
+    answer and ``report.save_repro(folder)`` writes the diverging ONNX subgraph with its inputs.
+    ``tolerances={"float16": (rtol, atol)}`` overrides the defaults by dtype
+    (:data:`fwdtrace.onnx.numeric.DEFAULT_TOLERANCES`).
     """
     if exporter is not None and onnx is not None:
         raise FwdtraceError(
@@ -1398,7 +1441,11 @@ def check_onnx(
         graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
         og, result = _compare(graph, proto, "check_onnx()", model=model)
         source = str(onnx) if isinstance(onnx, (str, os.PathLike)) else "the given ONNX model"
-        return _build_report(graph, og, result, None, opened, source=source)
+        report = _build_report(graph, og, result, None, opened, source=source)
+        if numeric:
+            folder = os.path.dirname(os.path.abspath(onnx)) if isinstance(onnx, (str, os.PathLike)) else None
+            report.numeric = _numbers(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+        return report
     exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
         raise FwdtraceError(f"check_onnx() expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got {exporter!r}")
@@ -1407,10 +1454,20 @@ def check_onnx(
         from .emit import to_onnx
 
         proto = to_onnx(model, *args, verbose=verbose, **kwargs)
-    else:  # a large model's weights stay on disk
-        proto = _export(model, args, kwargs, exporter, None, None, weights=False, verbose=verbose)
+    else:  # a large model's weights stay on disk, unless onnxruntime is to run it
+        proto = _export(model, args, kwargs, exporter, None, None, weights=numeric, verbose=verbose)
     og, result = _compare(graph, proto, model=model)
-    return _build_report(graph, og, result, exporter, opened)
+    report = _build_report(graph, og, result, exporter, opened)
+    if numeric:
+        report.numeric = _numbers(model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
+    return report
+
+
+def _numbers(model: Any, args: tuple, kwargs: dict, graph: Graph, og: Graph, result: _Result, proto: Any,
+             folder: str | None, opened: list[str], inputs: Any, tolerances: Any) -> NumericResult:
+    from .numeric import compare_values
+
+    return compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
 
 
 def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tuple[Graph, list[str]]:

@@ -631,7 +631,7 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
             attrs=attrs,
             scope=scopes,
             meta={"onnx_name": node.name or f"{node.op_type}_{i}", "op_type": node.op_type, "data": data,
-                  "scope": scope_path},
+                  "scope": scope_path, "input_names": [n for n in node.input if n], "output_names": [o for o in node.output if o]},
         )
     graph.add_node("output", "output", inputs=[ref(o.name) for o in g.output], meta={"names": [o.name for o in g.output]})
     return graph

@@ -1,0 +1,582 @@
+"""Numbers beside the structure: where an ONNX model stops computing what eager PyTorch computes.
+
+A pass over a finished structural comparison (:mod:`fwdtrace.onnx.compare`): each matched
+call already names the ONNX node that computes its result, so the ONNX value holding that
+result is read from the match, never guessed. The model runs eagerly, once per batch,
+keeping a copy of every matched call's output as it was made (a later in-place write, a
+``ReLU(inplace=True)`` after a BatchNorm, does not change it); onnxruntime runs the ONNX
+model with those values added as extra graph outputs (the standard technique; a file's
+external weights are read by onnxruntime from the file's folder, not loaded twice). Each
+pair is compared: max absolute error, max relative error (to the eager tensor's largest
+magnitude, so values near zero do not blow it up), and whether it is within the tolerance
+of the lower-precision dtype of the two.
+
+The first divergence is the earliest call, in execution order, out of tolerance while every
+matched call feeding it agrees: where the file starts computing something else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .._tree import iter_tensors
+from ..errors import FwdtraceError, describe
+from ..graph import Graph
+from ..tracer import Tracer, _named_inputs
+
+if TYPE_CHECKING:
+    from .compare import _Result
+
+__all__ = ["ValueRow", "NumericResult", "DEFAULT_TOLERANCES"]
+
+# (rtol, atol) by dtype: an ONNX value agrees when max|onnx - eager| <= atol + rtol * max|eager|.
+# float32 allows for the reassociation of sums an ONNX runtime's kernels do (a deep model's
+# exports differ from eager by 1e-6..1e-5 relative); float16 and bfloat16 for their 11 and 8
+# bits of mantissa after a few accumulations; integers and booleans must be exact.
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-7, 1e-9),
+    "float32": (1e-4, 1e-5),
+    "float16": (1e-2, 1e-3),
+    "bfloat16": (5e-2, 1e-2),
+}
+_EXACT = (0.0, 0.0)
+# lower precision first: the tolerance of a pair is that of its least precise side
+_PRECISION = ("bfloat16", "float16", "float32", "float64")
+_ORT2DTYPE = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+    "tensor(bfloat16)": "bfloat16", "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8", "tensor(bool)": "bool", "tensor(int16)": "int16",
+}
+
+
+@dataclass
+class ValueRow:
+    """One matched call's output against the ONNX value that carries it.
+
+    ``call`` is the trace label (``encoder.layer.0.output.LayerNorm (LayerNorm)``), ``target``
+    the layer class or torch function; ``onnx_node`` and ``onnx_value`` where the ONNX model
+    computes it. ``max_abs`` and ``max_rel`` are the largest errors over every batch
+    (``max_rel`` relative to the eager tensor's largest magnitude); ``inputs_rel`` the largest
+    ``max_rel`` of the calls feeding it (0.0 for the model's inputs, None when none was
+    compared). ``compared`` is False, with the reason in ``note``, when the two sides could
+    not be set against each other (shapes that differ, say).
+    """
+
+    order: int  # the trace node id: execution order
+    call: str
+    module_path: str
+    target: str
+    onnx_node: str
+    onnx_value: str
+    shape: tuple[int, ...]
+    dtype: str  # the less precise of the two sides', which sets the tolerance
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    ok: bool = True
+    compared: bool = True
+    inputs_rel: float | None = None
+    note: str = ""
+    kind: str = "module"  # the trace node's: "module", "function", or "output" for the model's outputs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "order": self.order, "call": self.call, "module_path": self.module_path, "target": self.target,
+            "onnx_node": self.onnx_node, "onnx_value": self.onnx_value, "shape": list(self.shape),
+            "dtype": self.dtype, "max_abs": _finite_or_str(self.max_abs), "max_rel": _finite_or_str(self.max_rel),
+            "ok": self.ok, "compared": self.compared,
+            "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
+            "kind": self.kind,
+        }
+
+
+@dataclass
+class NumericResult:
+    """Every compared call of a check, and what a repro needs (see :meth:`fwdtrace.TopologyReport.save_repro`)."""
+
+    rows: list[ValueRow]
+    batches: int
+    tolerances: dict[str, tuple[float, float]]
+    # for save_repro: the ONNX model, the folder of its external data, the first batch's feeds
+    # and the eager values of the first divergence
+    proto: Any = field(default=None, repr=False)
+    folder: str | None = None
+    feeds: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    eager: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    # ONNX node name -> the data values it reads from outside, for the repro's subgraph
+    region_inputs: dict[int, list[str]] = field(default_factory=dict, repr=False)
+    structure_differs: bool = False
+
+    @property
+    def divergent(self) -> list[ValueRow]:
+        return [r for r in self.rows if r.compared and not r.ok]
+
+    @property
+    def first_divergence(self) -> ValueRow | None:
+        """The earliest call out of tolerance whose inputs still agree (else the earliest out of tolerance)."""
+        bad = self.divergent
+        if not bad:
+            return None
+        clean = [r for r in bad if r.inputs_rel is not None and _within_inputs(r, self)]
+        return min(clean or bad, key=lambda r: r.order)
+
+    @property
+    def worst(self) -> list[ValueRow]:
+        """Compared rows, largest relative error first."""
+        return sorted((r for r in self.rows if r.compared), key=lambda r: (-_sortable(r.max_rel), r.order))
+
+    def lead(self) -> str:
+        """The answer in one line."""
+        first = self.first_divergence
+        batches = f" over {self.batches} batches" if self.batches > 1 else ""
+        compared = sum(1 for r in self.rows if r.compared)
+        if first is None:
+            worst = self.worst
+            at = f"; largest max rel err {_num(worst[0].max_rel)} at {worst[0].call}" if worst else ""
+            rewrote = (" (where the structure differs, the exporter rewrote that part and it computes the same)"
+                       if self.structure_differs else "")
+            return f"no divergence: {compared} matched values agree with eager{batches}{at}{rewrote}"
+        inputs = (
+            "at the model's inputs" if first.inputs_rel == 0.0
+            else f"inputs agree to {_num(first.inputs_rel)}" if first.inputs_rel is not None and _within_inputs(first, self)
+            else f"inputs already off by {_num(first.inputs_rel)}" if first.inputs_rel is not None
+            else "inputs not compared"
+        )
+        where = first.module_path if first.kind == "module" and first.module_path else first.call
+        return (f"first divergence: {where}, max rel err {_num(first.max_rel)} "
+                f"({first.dtype}), {inputs}{batches}")
+
+    def table(self, limit: int = 8) -> list[str]:
+        """The worst rows, with the first divergence, as aligned lines."""
+        first = self.first_divergence
+        shown = self.worst[:limit]
+        if first is not None and first not in shown:
+            shown.append(first)
+        skipped = [r for r in self.rows if not r.compared]
+        lines = []
+        if shown:
+            width = max(len(r.call) for r in shown)
+            owidth = max(len(r.onnx_value) for r in shown)
+            lines.append(f"  {'call'.ljust(width)}  {'ONNX value'.ljust(owidth)}  {'dtype':8}  {'max abs':>9}  "
+                         f"{'max rel':>9}  ")
+            for r in shown:
+                flag = "" if r.ok else "  DIVERGES" + (" (first)" if r is first else "")
+                lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
+                             f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}{flag}")
+        if skipped:
+            lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
+                         + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "lead": self.lead(),
+            "batches": self.batches,
+            "tolerances": {k: list(v) for k, v in self.tolerances.items()},
+            "first_divergence": None if first is None else first.to_dict(),
+            "worst": [r.call for r in self.worst[:10]],
+            "values": [r.to_dict() for r in self.rows],
+        }
+
+
+def _within_inputs(row: ValueRow, result: NumericResult) -> bool:
+    """Whether a row's inputs agree: within the tolerance of its dtype, relative to scale."""
+    rtol, atol = result.tolerances.get(row.dtype, _EXACT)
+    return row.inputs_rel is not None and row.inputs_rel <= rtol + atol
+
+
+def _sortable(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return "0" if x == 0 else f"{x:.1e}"
+
+
+def _finite_or_str(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+class _ValueTracer(Tracer):
+    """A trace that keeps a copy of the outputs of the calls asked for, as each call made them.
+
+    The copy is taken where the tracer files a call's outputs (``_track_aliases``, right after
+    the node is appended), so an in-place write later in the model does not reach it.
+    """
+
+    def __init__(self, wanted: set[int], through: tuple[type, ...]) -> None:
+        super().__init__(through=through)
+        self.wanted = wanted
+        self.values: dict[int, list[torch.Tensor]] = {}
+        self.inputs: dict[int, torch.Tensor] = {}  # obj_id -> the model input's value
+
+    def _begin_root(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        super()._begin_root(model, args, kwargs)
+        with torch._C.DisableTorchFunction():
+            for _, t in _named_inputs(model, args, kwargs):
+                self.inputs[self.obj_id(t)] = t.detach().clone()
+
+    def _track_aliases(self, node_id: int, in_tensors: list[torch.Tensor], out_tensors: list[torch.Tensor],
+                       out_refs: Any, in_place: bool) -> None:
+        super()._track_aliases(node_id, in_tensors, out_tensors, out_refs, in_place)
+        if node_id in self.wanted:
+            with torch._C.DisableTorchFunction():
+                self.values[node_id] = [t.detach().clone() for t in out_tensors]
+
+
+def _as_batches(inputs: Any, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    if inputs is None:
+        return [(args, kwargs)]
+    if not isinstance(inputs, (list, tuple)) or not inputs:
+        raise FwdtraceError(f"check_onnx() expected inputs as a non-empty list of batches (a tensor or a tuple of "
+                            f"the model's positional arguments each), got {describe(inputs)}")
+    out: list[tuple[tuple, dict]] = []
+    for i, b in enumerate(inputs):
+        if isinstance(b, torch.Tensor):
+            out.append(((b,), kwargs))
+        elif isinstance(b, tuple) and all(isinstance(x, torch.Tensor) for x in b):
+            out.append((b, kwargs))
+        elif isinstance(b, dict):
+            out.append(((), b))
+        else:
+            raise FwdtraceError(f"check_onnx() expected each batch in inputs as a tensor, a tuple of tensors or a "
+                                f"dict of keyword arguments, got {describe(b)} at inputs[{i}]")
+    return out
+
+
+def _check_tolerances(tolerances: Any) -> dict[str, tuple[float, float]]:
+    """The defaults with the given ``{dtype: (rtol, atol)}`` over them."""
+    merged = dict(DEFAULT_TOLERANCES)
+    if tolerances is None:
+        return merged
+    if not isinstance(tolerances, dict):
+        raise FwdtraceError(f"check_onnx() expected tolerances as a dict {{dtype name: (rtol, atol)}}, "
+                            f"got {describe(tolerances)}")
+    for k, v in tolerances.items():
+        if (not isinstance(k, str) or not isinstance(v, (tuple, list)) or len(v) != 2
+                or not all(isinstance(x, (int, float)) and x >= 0 for x in v)):
+            raise FwdtraceError(f"check_onnx() expected tolerances as {{dtype name: (rtol, atol)}} with "
+                                f"non-negative numbers, got {k!r}: {v!r}")
+        merged[k] = (float(v[0]), float(v[1]))
+    return merged
+
+
+def compare_values(
+    model: torch.nn.Module, args: tuple, kwargs: dict, trace: Graph, og: Graph, result: _Result, proto: Any,
+    folder: str | None, opened: list[str], inputs: Any = None, tolerances: Any = None,
+) -> NumericResult:
+    """Run ``model`` eagerly and ``proto`` in onnxruntime on each batch; compare every matched call's output.
+
+    ``trace``, ``og`` and ``result`` are the structural comparison's: which ONNX node stands
+    for which call comes from ``result.groups``. ``folder`` is where the file's external data
+    lives (None for a model held in memory whole). ``opened`` names the layer classes the
+    structural trace recorded as the calls they make; the value runs do the same.
+    """
+    from ..registry import qualified_name
+    from .compare import _OUTPUT_GROUP, _trace_label
+
+    tols = _check_tolerances(tolerances)
+    batches = _as_batches(inputs, args, kwargs)
+    through = tuple(dict.fromkeys(
+        type(m) for m in model.modules() if qualified_name(type(m)) in set(opened)
+    )) if isinstance(model, torch.nn.Module) else ()
+
+    # which eager tensor each ONNX value stands for: (row, trace node, output index, ONNX value name)
+    rows: dict[int, ValueRow] = {}
+    pairs: list[tuple[int, int, int, str]] = []
+    readers: dict[int, list[int]] = {}  # ONNX obj_id -> the nodes reading it
+    for n in og.nodes:
+        for r in n.inputs:
+            readers.setdefault(r.obj_id, []).append(n.id)
+    for gid in sorted(result.groups):
+        group = result.groups[gid]
+        if gid < 0 or group.key is None or trace.nodes[gid].kind not in ("module", "function"):
+            continue
+        tn = trace.nodes[gid]
+        last = trace.nodes[group.trace_ids[-1]]  # a BatchNorm folded into this Conv: the Conv's value is the BN's
+        on = og.nodes[group.key]
+        names = list(on.meta.get("output_names", []))
+        label = _trace_label(tn) + "".join(f" + {_trace_label(trace.nodes[t])}" for t in group.trace_ids[1:])
+        row = ValueRow(gid, label, tn.module_path, tn.class_name if tn.kind == "module" else tn.target,
+                       str(on.meta.get("onnx_name", on.name)), ", ".join(names), (), "", kind=tn.kind)
+        rows[gid] = row
+        t_outs = last.outputs
+        if len(names) == len(t_outs):
+            chosen = [(i, _carrier(og, readers, group.key, i, t_outs[i].shape)) for i in range(len(names))]
+        elif len(t_outs) == 1 and names:
+            chosen = [(0, _carrier(og, readers, group.key, 0, t_outs[0].shape))]
+        else:
+            row.compared, row.note = False, f"{len(t_outs)} outputs against {len(names)} ONNX values"
+            continue
+        row.onnx_value = ", ".join(n for _, n in chosen)
+        pairs.extend((gid, last.id, i, n) for i, n in chosen)
+    out_group = result.groups.get(_OUTPUT_GROUP)
+    o_out = og.nodes[out_group.key] if out_group is not None and out_group.key is not None else None
+    out_names = list(o_out.meta.get("names", [])) if o_out is not None else []
+    t_out_nodes = [trace.nodes[t] for t in out_group.trace_ids] if out_group is not None else []
+    # the call each model output comes from, whose row its own row follows (dtype, inputs)
+    call2gid = {t: gid for gid in rows for t in result.groups[gid].trace_ids}
+    out_feeder = {e.dst: call2gid[e.src] for e in trace.edges if e.src in call2gid}
+    input_nodes = [n for n in trace.nodes if n.kind == "input"]
+    onnx_inputs: dict[int, str] = {}  # trace input node -> ONNX input name
+    for n in input_nodes:
+        g = result.groups.get(n.id)
+        if g is not None and g.key is not None:
+            onnx_inputs[n.id] = og.nodes[g.key].name
+
+    session, extra = _session(proto, folder, [n for *_, n in pairs], out_names)
+    ort_inputs = {i.name: _ORT2DTYPE.get(i.type, "") for i in session.get_inputs()}
+    unfed = [name for name in ort_inputs if name not in onnx_inputs.values()]
+    if unfed:
+        raise FwdtraceError(f"check_onnx(numeric=True) cannot feed the ONNX model's input(s) {', '.join(unfed)}: "
+                            f"no traced input pairs with them (traced inputs: "
+                            f"{', '.join(n.name for n in input_nodes) or 'none'})")
+    wanted = {t for _, t, _, _ in pairs}
+    numeric = NumericResult(list(rows.values()), len(batches), tols, proto=proto, folder=folder,
+                            structure_differs=bool(result.missing or result.extra or result.rewired))
+    out_rows: list[ValueRow] = []
+    for b, (bargs, bkwargs) in enumerate(batches):
+        tracer = _ValueTracer(wanted, through)
+        with torch.no_grad(), tracer:
+            out = model(*bargs, **bkwargs)
+        got = tracer.graph
+        if len(got.nodes) != len(trace.nodes) or any(got.nodes[t].target != trace.nodes[t].target for t in wanted):
+            raise FwdtraceError(f"check_onnx(numeric=True): batch {b} of inputs made the model run other calls "
+                                f"than the example inputs ({len(got.nodes)} nodes against {len(trace.nodes)}): "
+                                "the ONNX model was made for one path through the model")
+        feeds = {}
+        for n in input_nodes:
+            if n.id in onnx_inputs and n.outputs and n.outputs[0].obj_id in tracer.inputs:
+                name = onnx_inputs[n.id]
+                feeds[name] = _to_numpy(tracer.inputs[n.outputs[0].obj_id], ort_inputs.get(name, ""))
+        try:
+            values = dict(zip(extra, session.run(extra, feeds), strict=True))
+        except Exception as e:
+            raise FwdtraceError(f"check_onnx(numeric=True): onnxruntime could not run the ONNX model on batch {b} "
+                                f"(inputs {', '.join(f'{k} {v.dtype}{list(v.shape)}' for k, v in feeds.items())}): "
+                                f"{type(e).__name__}: {e}") from e
+        if b == 0:
+            numeric.feeds = feeds
+        for gid, tid, i, name in pairs:
+            eager = tracer.values.get(tid)
+            row = rows[gid]
+            if eager is None or i >= len(eager) or name not in values:
+                row.compared, row.note = False, "no eager value" if eager is None else "no ONNX value"
+                continue
+            _compare_into(row, eager[i], values[name], tols)
+            if b == 0 and row.compared:
+                numeric.eager[name] = eager[i].detach().to(torch.float32 if eager[i].is_floating_point()
+                                                           else eager[i].dtype).numpy()
+        # the model's outputs, paired by position (an export that leaves a cache out has fewer)
+        eager_outs = [t for _, t in iter_tensors(out, "output", caches=True)]
+        if len(t_out_nodes) == len(out_names):
+            outs_by_node = [n for n in trace.nodes if n.kind == "output"]
+            for k, (tnode, name) in enumerate(zip(t_out_nodes, out_names, strict=True)):
+                if b == 0:
+                    out_rows.append(ValueRow(len(trace.nodes) + k, f"output {tnode.name}", "", "output", "graph output",
+                                             name, (), "", kind="output"))
+                j = outs_by_node.index(tnode)
+                feeder = rows.get(out_feeder.get(tnode.id, -1))
+                if j < len(eager_outs) and name in values:
+                    _compare_into(out_rows[k], eager_outs[j], values[name], tols,
+                                  feeder.dtype if feeder is not None and feeder.compared else None)
+                if feeder is not None and feeder.compared:
+                    out_rows[k].inputs_rel = feeder.max_rel
+    for row in rows.values():
+        rels = []
+        for req in result.reqs.get(row.order, []):
+            for fed_by in req:
+                if fed_by in rows and rows[fed_by].compared:
+                    rels.append(rows[fed_by].max_rel)
+                elif fed_by >= 0 and trace.nodes[fed_by].kind == "input":
+                    rels.append(0.0)
+        row.inputs_rel = max(rels, key=_sortable) if rels else None
+    numeric.rows = sorted(rows.values(), key=lambda r: r.order) + out_rows
+    numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
+    return numeric
+
+
+def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:
+    """The ONNX value holding a call's output ``index``: the key node's, or one wiring op on.
+
+    A region ends at its last real op; the tensor the call returned may be a reshape or
+    transpose further (a Linear on a 3-d input emitted as a 2-d Gemm then a Reshape, an
+    attention's output projection before the batch-first transpose). The nearest value
+    shaped like the eager output, reached through wiring ops only, is the call's output.
+    """
+    on = og.nodes[key]
+    names = on.meta.get("output_names", [])
+    start = on.outputs[index]
+    if not _shaped_other(start.shape, shape):
+        return str(names[index])
+    frontier = [(key, index)]
+    for _ in range(4):  # a few views, not a walk into the next call
+        nxt = []
+        for nid, i in frontier:
+            for c in readers.get(og.nodes[nid].outputs[i].obj_id, ()):
+                cn = og.nodes[c]
+                if cn.kind != "function" or not cn.meta.get("wiring") or not cn.outputs:
+                    continue
+                if not _shaped_other(cn.outputs[0].shape, shape):
+                    return str(cn.meta["output_names"][0])
+                nxt.append((c, 0))
+        frontier = nxt
+    return str(names[index])
+
+
+def _shaped_other(onnx_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether shape inference says the ONNX value is shaped unlike the eager tensor (unknown: no)."""
+    if not onnx_shape and shape:
+        return False  # no inferred shape
+    return len(onnx_shape) != len(shape) or any(o not in (-1, s) for o, s in zip(onnx_shape, shape, strict=True))
+
+
+def _region_inputs(og: Graph, onodes: set[int]) -> list[str]:
+    """The data values a call's ONNX nodes read from outside them (not initializers), by name."""
+    made = {name for o in onodes for name in og.nodes[o].meta.get("output_names", [])}
+    read: list[str] = []
+    for o in sorted(onodes):
+        for name, ref in zip(og.nodes[o].meta.get("input_names", []), og.nodes[o].inputs, strict=False):
+            if ref.param is None and name not in made and name not in read:  # weights stay in the subgraph
+                read.append(name)
+    return read
+
+
+def _to_numpy(t: torch.Tensor, ort_dtype: str) -> np.ndarray:
+    if ort_dtype == "float16":
+        t = t.to(torch.float16)
+    elif ort_dtype == "float32" and t.is_floating_point():
+        t = t.to(torch.float32)
+    if t.dtype == torch.bfloat16:
+        t = t.to(torch.float32)
+    return t.contiguous().numpy()
+
+
+def _pair_dtype(eager: torch.Tensor, onnx_value: np.ndarray, floor: str | None) -> str:
+    names = [str(eager.dtype).removeprefix("torch."), "bfloat16" if onnx_value.dtype.name == "bfloat16"
+             else onnx_value.dtype.name, *([floor] if floor else [])]
+    for p in _PRECISION:
+        if p in names:
+            return p
+    return names[0]
+
+
+def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dict[str, tuple[float, float]],
+                  floor: str | None = None) -> None:
+    """Fold one batch's errors into ``row`` (the maximum over batches).
+
+    ``floor`` is a dtype the value was computed in before a cast (a float16 model's output
+    cast back to float32): the tolerance is that of the least precise.
+    """
+    got = np.asarray(onnx_value)
+    want = eager.detach().to(torch.float64).numpy() if eager.dtype != torch.bool else eager.numpy()
+    row.shape, row.dtype = tuple(eager.shape), _pair_dtype(eager, got, floor)
+    if got.shape != want.shape:
+        if got.size == want.size and tuple(d for d in got.shape if d != 1) == tuple(d for d in want.shape if d != 1):
+            got = got.reshape(want.shape)  # only size-1 axes differ: the same elements in the same order
+        else:
+            row.compared = False
+            row.note = f"ONNX value shaped {list(got.shape)}, eager {list(want.shape)}"
+            return
+    if got.dtype == np.bool_ or want.dtype == np.bool_:
+        differ = float(np.count_nonzero(got.astype(bool) != want.astype(bool)))
+        row.max_abs = max(row.max_abs, differ)
+        row.max_rel = max(row.max_rel, differ / max(want.size, 1))
+        row.ok = row.ok and differ == 0
+        return
+    g = got.astype(np.float64)
+    same = (g == want) | (np.isnan(g) & np.isnan(want))  # equal infinities and NaNs agree
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.where(same, 0.0, np.abs(g - want))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    finite = np.abs(want[np.isfinite(want)])
+    scale = float(finite.max()) if finite.size else 0.0
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    rtol, atol = tols.get(row.dtype, _EXACT)
+    row.max_abs = max(row.max_abs, max_abs)
+    row.max_rel = max(row.max_rel, max_rel, key=_sortable)
+    row.ok = row.ok and max_abs <= atol + rtol * scale
+
+
+def _session(proto: Any, folder: str | None, values: list[str], out_names: list[str]) -> tuple[Any, list[str]]:
+    """An onnxruntime session of ``proto`` with ``values`` as extra outputs, and the outputs it returns.
+
+    The outputs are added to ``proto`` only while it is serialized: the caller's model is
+    left as it was, and no copy of the weights is made besides the bytes onnxruntime reads.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    graph = proto.graph
+    existing = {o.name for o in graph.output}
+    added = [v for v in dict.fromkeys(values) if v and v not in existing]
+    n = len(graph.output)
+    graph.output.extend([onnx.ValueInfoProto(name=v) for v in added])
+    try:
+        data = proto.SerializeToString()
+    finally:
+        del graph.output[n:]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    # the graph as written: a fusion would compute a value other than the one exposed and read next
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if folder is not None:  # external weights: read from the file's folder, not loaded by us
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+    try:
+        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise FwdtraceError(f"check_onnx(numeric=True): onnxruntime could not load the ONNX model"
+                            f"{' (external data: pass the path of the .onnx file, onnx=path)' if folder is None else ''}"
+                            f": {type(e).__name__}: {e}") from e
+    return session, [*out_names, *added]
+
+
+def save_repro(numeric: NumericResult, directory: str | os.PathLike[str]) -> dict[str, str]:
+    """Write the ONNX subgraph of the first divergence, the values reaching it and the eager result.
+
+    Returns the paths written by role: ``model`` (``subgraph.onnx``), ``inputs``
+    (``inputs.npz``, one array per subgraph input, by ONNX name) and ``expected``
+    (``expected.npz``, the eager value of each subgraph output).
+    """
+    import onnx
+
+    first = numeric.first_divergence
+    if first is None:
+        raise FwdtraceError("save_repro() expected a report with a divergence, got one whose values all agree")
+    if numeric.proto is None:
+        raise FwdtraceError("save_repro() needs the ONNX model the values were compared on; this report has none")
+    os.makedirs(directory, exist_ok=True)
+    inputs = numeric.region_inputs.get(first.order, [])
+    outputs = [v.strip() for v in first.onnx_value.split(",") if v.strip()]
+    session, names = _session(numeric.proto, numeric.folder, inputs, [])
+    values = dict(zip(names, session.run(names, numeric.feeds), strict=True))
+    values.update({k: v for k, v in numeric.feeds.items() if k in inputs})
+    full = onnx.ModelProto()
+    full.CopyFrom(numeric.proto)
+    if numeric.folder is not None:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(full, numeric.folder)
+    # the extractor wants every value typed; inferred types are enough
+    full = onnx.shape_inference.infer_shapes(full)
+    sub = onnx.utils.Extractor(full).extract_model(inputs, outputs)
+    paths = {
+        "model": os.path.join(os.fspath(directory), "subgraph.onnx"),
+        "inputs": os.path.join(os.fspath(directory), "inputs.npz"),
+        "expected": os.path.join(os.fspath(directory), "expected.npz"),
+    }
+    onnx.save(sub, paths["model"])
+    np.savez(paths["inputs"], **{k: values[k] for k in inputs})
+    np.savez(paths["expected"], **{k: numeric.eager[k] for k in outputs if k in numeric.eager})  # type: ignore[arg-type]
+    return paths

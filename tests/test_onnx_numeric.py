@@ -1,0 +1,248 @@
+"""check_onnx(numeric=True): where an ONNX model stops computing what eager PyTorch computes.
+
+References: torch itself (plain forward hooks give the eager value of a layer), onnxruntime
+run on the file alone (the ONNX value of a node), and files altered on purpose (a weight
+scaled by 1.01, a float16 conversion, a dynamic quantization), where the place of the
+divergence is known before the check runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import zoo
+
+import fwdtrace
+from fwdtrace import FwdtraceError
+
+# (zoo model, exporter): honest exports, every compared value within float32 tolerance
+HONEST = [
+    ("resnetish", "torchscript"), ("resnetish", "dynamo"), ("resnetish", "fwdtrace"),
+    ("transformer_encoder", "torchscript"), ("transformer_encoder", "fwdtrace"),
+    ("hand_attention", "dynamo"), ("lstm_tagger", "torchscript"), ("embed_norm_gelu", "torchscript"),
+]
+
+
+def _run_ort(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    p.graph.output.extend([onnx.ValueInfoProto(name=n) for n in outputs if n not in {o.name for o in p.graph.output}])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the graph as written
+    session = ort.InferenceSession(p.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+@pytest.mark.parametrize(("name", "exporter"), HONEST)
+def test_honest_exports_show_no_divergence(name: str, exporter: str) -> None:
+    model, args = zoo.ZOO[name]()
+    report = fwdtrace.check_onnx(model, *args, exporter=exporter, numeric=True)
+    assert report.numeric is not None
+    compared = [r for r in report.numeric.rows if r.compared]
+    assert report.first_divergence is None, str(report)
+    assert len(compared) >= len(report.matched) // 2  # most matched calls are compared, not skipped
+    assert all(r.max_rel < 1e-4 for r in compared)
+    assert str(report).startswith("no divergence: ")
+    # the model's own outputs are among the rows, and agree as onnxruntime says they do
+    assert any(r.target == "output" and r.compared for r in report.numeric.rows)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "fwdtrace"])
+def test_small_transformers_show_no_divergence(exporter: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=16)).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    report = fwdtrace.check_onnx(bert, input_ids=ids, exporter=exporter, numeric=True)
+    assert report.first_divergence is None, str(report)
+    rows = {r.call: r for r in report.numeric.rows if r.compared} if report.numeric else {}
+    assert "encoder.layer.1.output.LayerNorm (LayerNorm)" in rows
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16)).eval()
+    report = fwdtrace.check_onnx(gpt, torch.randint(0, 50, (1, 8)), exporter=exporter, numeric=True)
+    assert report.first_divergence is None, str(report)
+
+
+def test_a_row_is_what_torch_hooks_and_onnxruntime_give() -> None:
+    model, (x,) = zoo.resnetish()
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert report.numeric is not None
+    (row,) = [r for r in report.numeric.rows if r.module_path == "blocks.1.down.0"]
+    seen: dict[str, torch.Tensor] = {}
+    # the Conv's BatchNorm is folded into it: the ONNX Conv's value is the BatchNorm's output
+    handle = model.blocks[1].down[1].register_forward_hook(lambda m, i, o: seen.setdefault("bn", o.detach().clone()))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    (got,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [row.onnx_value])
+    want = seen["bn"].double().numpy()
+    assert row.max_abs == pytest.approx(float(np.abs(got - want).max()), rel=1e-6, abs=1e-12)
+    assert row.max_rel == pytest.approx(row.max_abs / float(np.abs(want).max()), rel=1e-6)
+    assert row.shape == tuple(seen["bn"].shape) and row.dtype == "float32" and row.ok
+
+
+def _scale_conv_weight(proto: onnx.ModelProto, node_name: str, factor: float) -> onnx.ModelProto:
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    (conv,) = [n for n in p.graph.node if n.name == node_name]
+    (init,) = [i for i in p.graph.initializer if i.name == conv.input[1]]
+    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * np.float32(factor), init.name))
+    return p
+
+
+def test_a_conv_weight_scaled_by_1_01_is_the_first_divergence() -> None:
+    model, (x,) = zoo.resnetish()
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    tampered = _scale_conv_weight(proto, "/blocks/blocks.0/c2/Conv", 1.01)
+    # reference: onnxruntime says the tampered file computes another result, the honest one the same
+    feeds = {proto.graph.input[0].name: x.numpy()}
+    out = proto.graph.output[0].name
+    with torch.no_grad():
+        want = model(x).numpy()
+    honest_err = np.abs(_run_ort(proto, feeds, [out])[0] - want).max()
+    assert np.abs(_run_ort(tampered, feeds, [out])[0] - want).max() > 5 * honest_err
+    report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.module_path == "blocks.0.c2", str(report)
+    assert first.onnx_node == "/blocks/blocks.0/c2/Conv"
+    assert first.max_rel == pytest.approx(0.01, rel=0.5)  # the Conv's output scales by 1.01 (+ folded BN shift)
+    assert first.inputs_rel is not None and first.inputs_rel < 1e-5
+    assert report.numeric is not None
+    earlier = [r for r in report.numeric.rows if r.order < first.order and r.compared]
+    assert earlier and all(r.ok for r in earlier)
+    assert str(report).splitlines()[0] == (
+        f"first divergence: blocks.0.c2, max rel err {first.max_rel:.1e} (float32), "
+        f"inputs agree to {first.inputs_rel:.1e}"
+    )
+    assert report.to_dict()["numeric"]["first_divergence"]["module_path"] == "blocks.0.c2"
+    assert report.worst[0].max_rel >= report.worst[-1].max_rel
+
+
+class ExpSoftmax(torch.nn.Module):
+    """A softmax written out (exp, then divide by the sum), as hand-made attention often is: no max subtracted."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = x.exp()
+        return e / e.sum(-1, keepdim=True)
+
+
+class Peaky(torch.nn.Module):
+    """Logits between 8 and 16: fine in float16, but their exp (up to 9e6) overflows float16's 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.attn = ExpSoftmax()
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(self.proj(x) * 2 + 12.0))
+
+
+def test_float16_conversion_diverges_first_at_the_softmax_fed_large_logits(tmp_path: object) -> None:
+    float16 = pytest.importorskip("onnxconverter_common.float16")
+    torch.manual_seed(0)
+    model, x = Peaky().eval(), torch.randn(2, 8)
+    half = float16.convert_float_to_float16(fwdtrace.export_onnx(model, x, exporter="torchscript"), keep_io_types=True)
+    report = fwdtrace.check_onnx(model, x, onnx=half, numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.module_path == "attn" and first.target == "torch.Tensor.exp", str(report)
+    assert first.dtype == "float16" and first.max_abs == float("inf")
+    # reference: torch says the logits fit float16 and their exp does not
+    with torch.no_grad():
+        logits = model.proj(x) * 2 + 12.0
+    assert torch.isfinite(logits.half()).all() and not torch.isfinite(logits.exp().half()).all()
+    assert first.inputs_rel is not None and first.inputs_rel < 1e-2
+    assert "(float16)" in str(report).splitlines()[0]
+
+
+def test_dynamic_quantization_gives_rows_with_their_error(tmp_path: object) -> None:
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    src, dst = os.path.join(str(tmp_path), "m.onnx"), os.path.join(str(tmp_path), "q.onnx")
+    fwdtrace.export_onnx(model, x, exporter="torchscript", path=src)
+    quantization.quantize_dynamic(src, dst, weight_type=quantization.QuantType.QInt8)
+    assert "MatMulInteger" in {n.op_type for n in onnx.load(dst).graph.node}
+    report = fwdtrace.check_onnx(model, x, onnx=dst, numeric=True)
+    assert report.numeric is not None
+    rows = {r.module_path: r for r in report.numeric.rows if r.target == "Linear"}
+    assert set(rows) == {"0", "2"}
+    with torch.no_grad():
+        first_linear = model[0](x).double().numpy()
+    quantized = onnx.load(dst)
+    (got,) = _run_ort(quantized, {quantized.graph.input[0].name: x.numpy()}, [rows["0"].onnx_value])
+    assert rows["0"].max_abs == pytest.approx(float(np.abs(got - first_linear).max()), rel=1e-6)
+    assert rows["0"].max_abs > 0 and not rows["0"].ok
+    assert report.first_divergence is rows["0"]
+
+
+def test_several_batches_take_the_largest_error() -> None:
+    model, (x,) = zoo.resnetish()
+    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/stem/stem.0/Conv", 1.01)
+    one = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
+    batches = [x, x * 3]
+    both = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True, inputs=batches)
+    second = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True, inputs=[x * 3])
+    assert both.numeric is not None and one.numeric is not None and second.numeric is not None
+    for a, b, c in zip(both.numeric.rows, one.numeric.rows, second.numeric.rows, strict=True):
+        assert a.max_abs == max(b.max_abs, c.max_abs)
+    assert "over 2 batches" in str(both).splitlines()[0]
+
+
+def test_tolerances_can_be_set() -> None:
+    model, (x,) = zoo.resnetish()
+    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/stem/stem.0/Conv", 1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True, tolerances={"float32": (0.1, 0.0)})
+    assert report.first_divergence is None
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected tolerances as"):
+        fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True, tolerances={"float32": 0.1})
+
+
+def test_a_report_without_numbers_says_how_to_get_them() -> None:
+    model, (x,) = zoo.resnetish()
+    report = fwdtrace.check_onnx(model, x, exporter="torchscript")
+    with pytest.raises(FwdtraceError, match=r"^report.first_divergence needs values: check_onnx\(model, x, numeric=True\)"):
+        report.first_divergence  # noqa: B018
+
+
+def test_save_repro_writes_a_subgraph_that_reproduces_the_divergence_alone(tmp_path: object) -> None:
+    model, (x,) = zoo.resnetish()
+    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
+                                  1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
+    first = report.first_divergence
+    assert first is not None
+    paths = report.save_repro(str(tmp_path))
+    sub = onnx.load(paths["model"])
+    onnx.checker.check_model(sub)
+    assert [n.op_type for n in sub.graph.node] == ["Conv"]  # the smallest subgraph: the diverging call alone
+    inputs, expected = np.load(paths["inputs"]), np.load(paths["expected"])
+    assert list(inputs.keys()) == [i.name for i in sub.graph.input]
+    session = ort.InferenceSession(paths["model"], providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {k: inputs[k] for k in inputs.keys()})
+    want = expected[sub.graph.output[0].name]
+    # reference: the eager value, taken with a plain torch hook on the BatchNorm folded into that Conv
+    seen: dict[str, torch.Tensor] = {}
+    handle = model.blocks[0].b2.register_forward_hook(lambda m, i, o: seen.setdefault("bn", o.detach().clone()))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    np.testing.assert_array_equal(want, seen["bn"].numpy())
+    assert float(np.abs(got - want).max()) == pytest.approx(first.max_abs, rel=1e-3)
+
+
+def test_save_repro_needs_a_divergence(tmp_path: object) -> None:
+    model, (x,) = zoo.resnetish()
+    report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
+    with pytest.raises(FwdtraceError, match=r"^save_repro\(\) expected a report with a divergence"):
+        report.save_repro(str(tmp_path))
