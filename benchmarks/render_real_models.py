@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -106,11 +105,6 @@ def _models() -> dict[str, Factory]:
     }
 
 
-def _png_size(path: Path) -> tuple[int, int]:
-    width, height = struct.unpack(">II", path.read_bytes()[16:24])
-    return width, height
-
-
 def _contact_sheet(rows: list[dict[str, Any]], path: Path, cell: int = 520) -> None:
     """Thumbnails, scaled to fit a cell, with the model's name and figures under each."""
     from PIL import Image, ImageDraw
@@ -154,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         boxes = sum(1 for line in source.splitlines() if "fwdtrace_members=" in line)
         caption = next(line for line in source.splitlines() if "(auto, at most" in line)
         choice = caption.split('label="', 1)[1].split(":", 1)[0]
-        size = _png_size(png)
+        size = corpus.png_size(png)
         ok = size[0] <= MAX_PNG[0] and size[1] <= MAX_PNG[1] and boxes <= TARGET_NODES
         if not ok:
             failures.append(name)
