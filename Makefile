@@ -35,8 +35,10 @@ browser:
 	fi
 
 # The whole suite: unit tests, doctests of the package, notebooks (tests/test_notebooks.py).
+# loadgroup keeps the conformance cases of one model (tests/test_conformance.py) on one worker,
+# so that its build, trace and exports are done once.
 test: $(STAMP) lint typecheck browser
-	$(PY) -m pytest -n 2 -q --doctest-modules fwdtrace tests
+	$(PY) -m pytest -n 2 --dist loadgroup -q --doctest-modules fwdtrace tests
 
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,recorder,bench]'
@@ -49,18 +51,25 @@ bench: $(STAMP)
 	$(PY) benchmarks/live_cost.py
 	$(PY) benchmarks/recorder_cost.py
 
-# Real models (torchvision detection and classification, transformers) drawn with default settings;
-# a contact sheet in out/real_models/. Its own venv: torchvision needs torch 2.14.1 (a CUDA build
-# that runs on the CPU, several GB), which `make test` must never depend on.
+# Real models: the conformance suite's entry points over torchvision (classification, detection,
+# segmentation) and timm, a summary in out/conformance_real.{jsonl,md} (resumable: pairs already
+# there are skipped); then a dozen real models drawn with default settings, a contact sheet in
+# out/real_models/. Its own venv: torchvision needs torch 2.14.1 (a CUDA build that runs on the
+# CPU, several GB), which `make test` must never depend on. timm goes in without its dependencies
+# (they would replace torch), then the three it needs.
 REAL_VENV := .venv-real
 $(REAL_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(REAL_VENV)
 	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
 	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps timm
+	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check huggingface_hub safetensors pyyaml
 	touch $(REAL_VENV)/.installed
 
 bench-real: $(REAL_VENV)/.installed
+	$(REAL_VENV)/bin/python benchmarks/conformance_real.py run
+	$(REAL_VENV)/bin/python benchmarks/conformance_real.py table
 	$(REAL_VENV)/bin/python benchmarks/render_real_models.py
 
 clean:

@@ -25,27 +25,20 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-import fwdtrace
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import corpus  # noqa: E402  (the model factories the conformance suite uses: one list of real models)
+
+import fwdtrace  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "onnx_real_models.jsonl")
 EXPORTERS = ("dynamo", "torchscript")
 Factory = Callable[[], tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]]
-
-# timm: the smallest member of each family the issue names, and a few more.
-TIMM = [
-    "vit_tiny_patch16_224", "deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "eva02_tiny_patch14_224",
-    "swin_tiny_patch4_window7_224", "swinv2_cr_tiny_224", "convnext_atto", "convnextv2_atto",
-    "efficientnet_b0", "tf_efficientnet_b0", "mobilenetv3_small_100", "mobilenetv3_large_100",
-    "regnetx_002", "regnety_002", "levit_128s", "fastvit_t8", "poolformer_s12", "poolformerv2_s12",
-    "mobilevit_xxs", "mobilevitv2_050", "coatnet_nano_rw_224", "coat_lite_tiny", "ghostnet_100", "edgenext_xx_small",
-    "resnet18", "resnet50d", "densenet121", "rexnet_100", "tiny_vit_5m_224", "efficientformer_l1",
-    "repvit_m1", "pvt_v2_b0", "cait_xxs24_224", "mixer_s16_224", "maxvit_nano_rw_256", "mobilenetv4_conv_small",
-    "hgnetv2_b0", "dla34", "convmixer_768_32", "beit_base_patch16_224",
-]
 
 # transformers: (config class, model class, config overrides, input kind)
 _SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
@@ -93,31 +86,11 @@ TRANSFORMERS: dict[str, tuple[str, str, dict[str, Any], str]] = {
 
 
 def torchvision_models() -> dict[str, Factory]:
-    import torchvision
-
-    def make(name: str) -> Factory:
-        def build() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
-            model = torchvision.models.get_model(name, weights=None).eval()
-            size = 299 if name == "inception_v3" else 224
-            return model, (torch.randn(1, 3, size, size),), {}
-
-        return build
-
-    return {f"torchvision/{n}": make(n) for n in torchvision.models.list_models(module=torchvision.models)}
+    return {f"torchvision/{n}": corpus.torchvision_model(n) for n in corpus.torchvision_classification()}
 
 
 def timm_models() -> dict[str, Factory]:
-    import timm
-
-    def make(name: str) -> Factory:
-        def build() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
-            model = timm.create_model(name, pretrained=False).eval()
-            size = model.pretrained_cfg.get("input_size", (3, 224, 224))
-            return model, (torch.randn(1, *size),), {}
-
-        return build
-
-    return {f"timm/{n}": make(n) for n in TIMM}
+    return {f"timm/{n}": corpus.timm_model(n) for n in corpus.TIMM}
 
 
 def transformers_models() -> dict[str, Factory]:
@@ -146,24 +119,11 @@ def transformers_models() -> dict[str, Factory]:
 FAMILIES = {"torchvision": torchvision_models, "timm": timm_models, "transformers": transformers_models}
 
 
-@torch.no_grad()
-def vary_constant_weights(model: torch.nn.Module) -> None:
-    """Give every all-equal weight and statistic (a fresh norm's ones and zeros) some spread, as training would.
-
-    Freshly built norms are all alike: an exporter may then merge two of them on one input
-    (LeViT's two heads), which it could not do on a trained model.
-    """
-    gen = torch.Generator().manual_seed(1)
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_floating_point() and t.numel() > 1 and bool((t == t.flatten()[0]).all()):
-            t.add_(0.1 * torch.rand(t.shape, generator=gen).to(t.dtype))
-
-
 def check_one(name: str, factory: Factory, exporters: list[str], out: str) -> None:
     torch.manual_seed(0)
     try:
         model, args, kwargs = factory()
-        vary_constant_weights(model)
+        corpus.vary_constant_weights(model)
     except Exception as e:  # a model this environment cannot build is not the check's fault
         rows = [{"model": name, "exporter": x, "status": "build failed", "why": f"{type(e).__name__}: {e}"[:300]}
                 for x in exporters]

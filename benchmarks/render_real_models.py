@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-import fwdtrace
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import corpus  # noqa: E402  (the model factories the conformance suite uses: one list of real models)
+
+import fwdtrace  # noqa: E402
 from fwdtrace.passes.draw import MAX_PNG, TARGET_NODES
 
 OUT = Path("out/real_models")
@@ -61,50 +64,7 @@ class DETRish(nn.Module):
         return {"logits": self.cls(hs), "boxes": self.box(hs).sigmoid()}
 
 
-class Seq2Seq(nn.Module):
-    """An LSTM encoder and a greedy LSTMCell decoder with dot-product attention, 12 steps."""
-
-    def __init__(self, vocab: int = 1000, d: int = 256, steps: int = 12) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.encoder = nn.LSTM(d, d, num_layers=2, batch_first=True)
-        self.cell = nn.LSTMCell(2 * d, d)
-        self.out = nn.Linear(2 * d, vocab)
-        self.steps = steps
-
-    def forward(self, src: torch.Tensor) -> torch.Tensor:
-        memory, (h, c) = self.encoder(self.embed(src))
-        h, c = h[-1], c[-1]
-        token = torch.zeros(src.shape[0], dtype=torch.long)
-        context = memory.mean(1)
-        logits = []
-        for _ in range(self.steps):
-            h, c = self.cell(torch.cat([self.embed(token), context], -1), (h, c))
-            weights = torch.softmax(torch.bmm(memory, h.unsqueeze(2)).squeeze(2), -1)
-            context = torch.bmm(weights.unsqueeze(1), memory).squeeze(1)
-            logits.append(self.out(torch.cat([h, context], -1)))
-            token = logits[-1].argmax(-1)
-        return torch.stack(logits, 1)
-
-
 # -- the list ------------------------------------------------------------------------------------------------
-def _tv(name: str, shape: tuple[int, ...] = (1, 3, 224, 224)) -> Factory:
-    def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-        import torchvision
-
-        return getattr(torchvision.models, name)(weights=None).eval(), (torch.randn(*shape),), {}
-    return make
-
-
-def _detection(name: str) -> Factory:
-    def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-        import torchvision
-
-        model = getattr(torchvision.models.detection, name)(weights=None, weights_backbone=None).eval()
-        return model, ([torch.rand(3, 320, 320)],), {}
-    return make
-
-
 def _hf(make_model: Callable[[Any], nn.Module], config: str, inputs: Callable[[], dict[str, Any]], **cfg: Any) -> Factory:
     def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
         import transformers
@@ -127,11 +87,11 @@ def _models() -> dict[str, Factory]:
     import transformers as tf
 
     return {
-        "resnet50": _tv("resnet50"),
-        "convnext_tiny": _tv("convnext_tiny"),
-        "swin_t": _tv("swin_t"),
-        "maskrcnn_resnet50_fpn": _detection("maskrcnn_resnet50_fpn"),
-        "fasterrcnn_resnet50_fpn": _detection("fasterrcnn_resnet50_fpn"),
+        "resnet50": corpus.torchvision_model("resnet50"),
+        "convnext_tiny": corpus.torchvision_model("convnext_tiny"),
+        "swin_t": corpus.torchvision_model("swin_t"),
+        "maskrcnn_resnet50_fpn": corpus.torchvision_detection("maskrcnn_resnet50_fpn"),
+        "fasterrcnn_resnet50_fpn": corpus.torchvision_detection("fasterrcnn_resnet50_fpn"),
         "detr_like": lambda: (DETRish().eval(), (torch.randn(1, 3, 320, 320),), {}),
         "bert_base": _hf(tf.BertModel, "BertConfig", _tokens()),
         "gpt2": _hf(tf.GPT2Model, "GPT2Config", _tokens()),
@@ -141,13 +101,8 @@ def _models() -> dict[str, Factory]:
                             lambda: {"input_features": torch.randn(1, 80, 3000),
                                      "decoder_input_ids": torch.randint(0, 1000, (1, 8))}),
         "wav2vec2_base": _hf(tf.Wav2Vec2Model, "Wav2Vec2Config", lambda: {"input_values": torch.randn(1, 16000)}),
-        "lstm_seq2seq": lambda: (Seq2Seq().eval(), (torch.randint(0, 1000, (2, 20)),), {}),
+        "lstm_seq2seq": lambda: (corpus.Seq2Seq().eval(), (torch.randint(0, 1000, (2, 20)),), {}),
     }
-
-
-def _png_size(path: Path) -> tuple[int, int]:
-    width, height = struct.unpack(">II", path.read_bytes()[16:24])
-    return width, height
 
 
 def _contact_sheet(rows: list[dict[str, Any]], path: Path, cell: int = 520) -> None:
@@ -193,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         boxes = sum(1 for line in source.splitlines() if "fwdtrace_members=" in line)
         caption = next(line for line in source.splitlines() if "(auto, at most" in line)
         choice = caption.split('label="', 1)[1].split(":", 1)[0]
-        size = _png_size(png)
+        size = corpus.png_size(png)
         ok = size[0] <= MAX_PNG[0] and size[1] <= MAX_PNG[1] and boxes <= TARGET_NODES
         if not ok:
             failures.append(name)

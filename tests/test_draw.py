@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import zoo
+from corpus import assert_nothing_lost, png_size  # the conformance suite's box-membership checks, shared
 from torch import nn
 
 import fwdtrace
@@ -236,47 +237,6 @@ def models() -> dict[str, object]:
 def trace_model(name: str) -> fwdtrace.Graph:
     model, args, *kwargs = models()[name]()  # type: ignore[operator]
     return fwdtrace.trace(model, *args, **(kwargs[0] if kwargs else {}))
-
-
-def png_size(path: str | Path) -> tuple[int, int]:
-    import struct
-
-    width, height = struct.unpack(">II", Path(path).read_bytes()[16:24])  # the IHDR chunk
-    return width, height
-
-
-def members_of(agraph: object) -> dict[int, str]:
-    """node id -> the DOT node whose box holds it; each node id in exactly one box."""
-    node2box: dict[int, str] = {}
-    for n in agraph.nodes():  # type: ignore[attr-defined]
-        for part in str(n.attr.get("fwdtrace_members")).split():
-            a, _, b = part.partition("-")
-            for i in range(int(a), int(b or a) + 1):
-                assert i not in node2box, f"node {i} is in two boxes: {node2box[i]} and {n}"
-                node2box[i] = str(n)
-    return node2box
-
-
-def assert_nothing_lost(graph: fwdtrace.Graph, dot: Digraph) -> int:
-    """Every node in exactly one box; the drawn edges are those of the graph contracted by box
-    (networkx's quotient graph). Returns the number of boxes."""
-    import networkx as nx
-    import pygraphviz
-
-    agraph = pygraphviz.AGraph(string=dot.source)
-    node2box = members_of(agraph)
-    assert sorted(node2box) == [n.id for n in graph.nodes]
-    full = nx.DiGraph(graph.to_networkx())
-    box2nodes: dict[str, set[int]] = {}
-    for i, box in node2box.items():
-        box2nodes.setdefault(box, set()).add(i)
-    quotient = nx.quotient_graph(full, list(box2nodes.values()), relabel=False)
-    set2box = {frozenset(nodes): box for box, nodes in box2nodes.items()}
-    contracted = {(set2box[u], set2box[v]) for u, v in quotient.edges() if u != v}
-    drawn = [(str(u), str(v)) for u, v in agraph.edges() if agraph.get_edge(u, v).attr.get("style") != "invis"]
-    assert len(drawn) == len(set(drawn))  # one edge per pair of boxes
-    assert set(drawn) == contracted
-    return len(agraph.nodes())
 
 
 @pytest.mark.parametrize("name", sorted(models()))

@@ -1,0 +1,811 @@
+"""The conformance corpus: real architectures in one table, and every public entry point run on each.
+
+A row (:class:`Case`) builds a model from a small config with random weights and its example
+inputs. :data:`ENTRIES` names each public entry point (the trace, pictures at every depth,
+each ONNX check and export, analysis, probes, the live page's SVG, JSON) and holds the
+function that runs it on one :class:`Run` and asserts its invariants, each against an
+independent reference where there is one (plain forward hooks, ``p.numel()``, onnxruntime,
+the graph contracted by box). A :class:`Run` does a model's expensive work once: one
+build, one trace, one export per exporter, one ``check_onnx`` per exporter.
+
+``tests/test_conformance.py`` makes one pytest case per (row, entry point) from
+:data:`CORPUS`; ``benchmarks/conformance_real.py`` runs the same entries over torchvision
+and timm (:func:`real_cases`). Adding a model is adding a row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import struct
+import warnings
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fwdtrace
+
+Built = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
+EXPORTERS = ("dynamo", "torchscript", "fwdtrace")
+AUTO_MIN_BOXES = 30  # the automatic picture shows at least min(this, boxes at full detail)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model of the corpus.
+
+    ``exporter_fails`` declares where an exporter itself cannot export the model (not a
+    fwdtrace defect): exporter -> a regex its error must match. The cells of that exporter
+    then assert that fwdtrace's error names the exporter and matches, instead of a report.
+    """
+
+    name: str
+    build: Callable[[], Built]
+    exporter_fails: Mapping[str, str] = field(default_factory=dict)
+    family: str = "own"
+
+
+# -- the rows: models of our own ---------------------------------------------------------------------------
+class TinyDetector(nn.Module):
+    """A two-stage-detector's skeleton in small: images of different sizes batched as torchvision's
+    ``GeneralizedRCNNTransform.batch_images`` does (``new_full``, then ``copy_`` through a view),
+    a backbone, an FPN-like top-down merge, one head run in a loop over the levels, and a loop
+    over the top boxes decoding each."""
+
+    def __init__(self, width: int = 16, boxes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU())
+        self.c2 = nn.Sequential(nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU())
+        self.c3 = nn.Sequential(nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU())
+        self.lateral = nn.ModuleList(nn.Conv2d(c, width, 1) for c in (8, 16, 32))
+        self.head = nn.Conv2d(width, 5, 3, padding=1)  # 4 box deltas and a score per place, shared by levels
+        self.boxes = boxes
+
+    def forward(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        size = [max(s) for s in zip(*[img.shape for img in images], strict=True)]
+        size[1], size[2] = (int(math.ceil(s / 8) * 8) for s in size[1:])
+        batch = images[0].new_full([len(images), *size], 0)
+        for img, pad in zip(images, batch, strict=True):
+            pad[: img.shape[0], : img.shape[1], : img.shape[2]].copy_(img)
+        f1 = self.stem(batch)
+        f2 = self.c2(f1)
+        f3 = self.c3(f2)
+        p3 = self.lateral[2](f3)
+        p2 = self.lateral[1](f2) + F.interpolate(p3, size=f2.shape[-2:], mode="nearest")
+        p1 = self.lateral[0](f1) + F.interpolate(p2, size=f1.shape[-2:], mode="nearest")
+        out = torch.cat([self.head(p).flatten(2).transpose(1, 2) for p in (p1, p2, p3)], 1)
+        scores = out[0, :, 4].sigmoid()
+        top = scores.topk(self.boxes).indices
+        boxes = []
+        for i in range(self.boxes):
+            d = out[0, top[i], :4]
+            boxes.append(torch.stack([d[0], d[1], d[0] + d[2].exp(), d[1] + d[3].exp()]))
+        return {"boxes": torch.stack(boxes), "scores": scores[top]}
+
+
+class EmbedConvLSTM(nn.Module):
+    """Token ids, an Embedding, a residual Conv1d, an LSTM (the issue's ``'l:0'`` draw-pass crash)."""
+
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.conv = nn.Conv1d(d, d, 3, padding=1)
+        self.lstm = nn.LSTM(d, d, batch_first=True)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        out, _ = self.lstm(x)
+        return self.head(out)
+
+
+class Seq2Seq(nn.Module):
+    """An LSTM encoder and a greedy LSTMCell decoder with dot-product attention, ``steps`` steps."""
+
+    def __init__(self, vocab: int = 1000, d: int = 256, steps: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.encoder = nn.LSTM(d, d, num_layers=2, batch_first=True)
+        self.cell = nn.LSTMCell(2 * d, d)
+        self.out = nn.Linear(2 * d, vocab)
+        self.steps = steps
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        memory, (h, c) = self.encoder(self.embed(src))
+        h, c = h[-1], c[-1]
+        token = torch.zeros(src.shape[0], dtype=torch.long)
+        context = memory.mean(1)
+        logits = []
+        for _ in range(self.steps):
+            h, c = self.cell(torch.cat([self.embed(token), context], -1), (h, c))
+            weights = torch.softmax(torch.bmm(memory, h.unsqueeze(2)).squeeze(2), -1)
+            context = torch.bmm(weights.unsqueeze(1), memory).squeeze(1)
+            logits.append(self.out(torch.cat([h, context], -1)))
+            token = logits[-1].argmax(-1)
+        return torch.stack(logits, 1)
+
+
+def _zoo(name: str) -> Callable[[], Built]:
+    def build() -> Built:
+        import zoo
+
+        model, inputs = zoo.ZOO[name]()
+        return model, inputs, {}
+
+    return build
+
+
+def _own(make: Callable[[], nn.Module], *inputs: Callable[[], Any]) -> Callable[[], Built]:
+    def build() -> Built:
+        return make().eval(), tuple(i() for i in inputs), {}
+
+    return build
+
+
+# -- the rows: transformers from small configs ---------------------------------------------------------------
+def _ids(length: int = 8, vocab: int = 100, padded: bool = True) -> dict[str, torch.Tensor]:
+    """Token ids and a padded attention mask: transformers drops an all-ones mask in eager mode only."""
+    mask = torch.ones(2, length, dtype=torch.long)
+    if padded:
+        mask[1, length - 3 :] = 0
+    return {"input_ids": torch.randint(1, vocab, (2, length)), "attention_mask": mask}
+
+
+def _hf(model_cls: str, config_cls: str, inputs: Callable[[], dict[str, Any]], **config: Any) -> Callable[[], Built]:
+    def build() -> Built:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+        return model.eval(), (), inputs()
+
+    return build
+
+
+_SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+          "vocab_size": 100, "max_position_embeddings": 32}
+_SEQ2SEQ = {"d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 100,
+            "max_position_embeddings": 32}
+
+
+def _pixels(size: int = 32) -> Callable[[], dict[str, Any]]:
+    return lambda: {"pixel_values": torch.randn(1, 3, size, size)}
+
+
+def _seq2seq_ids() -> dict[str, Any]:
+    return {**_ids(), "decoder_input_ids": torch.randint(1, 100, (2, 5))}
+
+
+CORPUS: list[Case] = [
+    Case("bert", _hf("BertModel", "BertConfig", _ids, **_SMALL), family="transformers"),
+    Case("gpt2", _hf("GPT2Model", "GPT2Config", _ids, n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                     n_positions=32), family="transformers"),  # use_cache on, as shipped
+    Case("t5", _hf("T5Model", "T5Config", _seq2seq_ids, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   vocab_size=100), family="transformers"),
+    Case("bart", _hf("BartModel", "BartConfig", _seq2seq_ids, **_SEQ2SEQ), family="transformers"),
+    Case("opt", _hf("OPTModel", "OPTConfig", _ids, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    ffn_dim=64, word_embed_proj_dim=32, vocab_size=100, max_position_embeddings=32),
+         family="transformers"),
+    Case("llama", _hf("LlamaModel", "LlamaConfig", _ids, **_SMALL, num_key_value_heads=2), family="transformers"),
+    Case("whisper", _hf("WhisperModel", "WhisperConfig",
+                        lambda: {"input_features": torch.randn(1, 16, 32), "decoder_input_ids": torch.tensor([[1, 2, 3]])},
+                        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                        max_source_positions=16, max_target_positions=16, vocab_size=100, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
+         family="transformers"),
+    Case("vit", _hf("ViTModel", "ViTConfig", _pixels(), **{**_SMALL, "image_size": 32, "patch_size": 8}),
+         family="transformers"),
+    Case("swin", _hf("SwinModel", "SwinConfig", _pixels(), image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                     num_heads=[2, 2], window_size=4), family="transformers"),
+    Case("clip", _hf("CLIPModel", "CLIPConfig", lambda: {**_ids(), **_pixels()()},
+                     text_config={**_SMALL}, vision_config={**_SMALL, "image_size": 32, "patch_size": 8},
+                     projection_dim=16), family="transformers"),
+    Case("wav2vec2", _hf("Wav2Vec2Model", "Wav2Vec2Config", lambda: {"input_values": torch.randn(1, 400)},
+                         **{**_SMALL, "conv_dim": (16, 16), "conv_kernel": (10, 3), "conv_stride": (5, 2),
+                            "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4}),
+         family="transformers"),
+    Case("mamba", _hf("MambaModel", "MambaConfig", lambda: {"input_ids": torch.randint(1, 100, (1, 8))},
+                      hidden_size=32, num_hidden_layers=2, state_size=4, vocab_size=100, use_mambapy=True),
+         family="transformers"),
+    Case("resnetish", _zoo("resnetish")),
+    Case("densenetish", _zoo("densenetish")),
+    Case("unetish", _zoo("unetish")),
+    Case("transformer_encoder", _zoo("transformer_encoder"),  # nn.MultiheadAttention's fast path under no_grad
+         exporter_fails={"torchscript": "aten::_native_multi_head_attention"}),
+    Case("lstm_tagger", _zoo("lstm_tagger")),
+    Case("embed_conv_lstm", _own(EmbedConvLSTM, lambda: torch.randint(0, 50, (2, 7)))),
+    Case("seq2seq", _own(lambda: Seq2Seq(vocab=50, d=16, steps=4), lambda: torch.randint(0, 50, (2, 6)))),
+    Case("detector", _own(TinyDetector, lambda: [torch.rand(3, 30, 26), torch.rand(3, 28, 32)])),
+]
+
+
+# -- the rows for make bench-real: torchvision and timm -------------------------------------------------------
+def torchvision_classification() -> list[str]:
+    import torchvision
+
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+def torchvision_model(name: str, size: int | None = None) -> Callable[[], Built]:
+    """A torchvision classifier on one image of its size (299 px for Inception v3, else 224)."""
+    side = size or (299 if name == "inception_v3" else 224)
+
+    def build() -> Built:
+        import torchvision
+
+        return torchvision.models.get_model(name, weights=None).eval(), (torch.randn(1, 3, side, side),), {}
+
+    return build
+
+
+def torchvision_detection(name: str, size: int = 320) -> Callable[[], Built]:
+    def build() -> Built:
+        import torchvision
+
+        model = torchvision.models.get_model(name, weights=None, weights_backbone=None).eval()
+        return model, ([torch.rand(3, size, size)],), {}
+
+    return build
+
+
+def torchvision_segmentation(name: str, size: int = 224) -> Callable[[], Built]:
+    def build() -> Built:
+        import torchvision
+
+        model = torchvision.models.get_model(name, weights=None, weights_backbone=None).eval()
+        return model, (torch.randn(1, 3, size, size),), {}
+
+    return build
+
+
+def timm_model(name: str) -> Callable[[], Built]:
+    def build() -> Built:
+        import timm
+
+        model = timm.create_model(name, pretrained=False).eval()
+        size = model.pretrained_cfg.get("input_size", (3, 224, 224))
+        return model, (torch.randn(1, *size),), {}
+
+    return build
+
+
+TV_DETECTION = ["fasterrcnn_mobilenet_v3_large_320_fpn", "fasterrcnn_resnet50_fpn", "maskrcnn_resnet50_fpn",
+                "retinanet_resnet50_fpn", "fcos_resnet50_fpn", "ssd300_vgg16", "ssdlite320_mobilenet_v3_large",
+                "keypointrcnn_resnet50_fpn"]
+TV_SEGMENTATION = ["deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "fcn_resnet50", "lraspp_mobilenet_v3_large"]
+# timm: the smallest member of many families.
+TIMM = [
+    "vit_tiny_patch16_224", "deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "eva02_tiny_patch14_224",
+    "swin_tiny_patch4_window7_224", "swinv2_cr_tiny_224", "convnext_atto", "convnextv2_atto",
+    "efficientnet_b0", "tf_efficientnet_b0", "mobilenetv3_small_100", "mobilenetv3_large_100",
+    "regnetx_002", "regnety_002", "levit_128s", "fastvit_t8", "poolformer_s12", "poolformerv2_s12",
+    "mobilevit_xxs", "mobilevitv2_050", "coatnet_nano_rw_224", "coat_lite_tiny", "ghostnet_100", "edgenext_xx_small",
+    "resnet18", "resnet50d", "densenet121", "rexnet_100", "tiny_vit_5m_224", "efficientformer_l1",
+    "repvit_m1", "pvt_v2_b0", "cait_xxs24_224", "mixer_s16_224", "maxvit_nano_rw_256", "mobilenetv4_conv_small",
+    "hgnetv2_b0", "dla34", "convmixer_768_32", "beit_base_patch16_224",
+]
+
+
+def real_cases() -> list[Case]:
+    """torchvision (every classification model, detection, segmentation) and timm, for ``make bench-real``.
+
+    Detection and segmentation come first: they are where the defects were found.
+    """
+    cases = [Case(f"torchvision/{n}", torchvision_detection(n), family="torchvision-detection") for n in TV_DETECTION]
+    cases += [Case(f"torchvision/{n}", torchvision_segmentation(n), family="torchvision-segmentation") for n in TV_SEGMENTATION]
+    cases += [Case(f"torchvision/{n}", torchvision_model(n), family="torchvision")
+              for n in torchvision_classification()]
+    cases += [Case(f"timm/{n}", timm_model(n), family="timm") for n in TIMM]
+    return cases
+
+
+# -- the shared work of one model ----------------------------------------------------------------------------
+class Run:
+    """One model's build, trace, exports and checks, each done once and kept (errors too).
+
+    Every entry point of :data:`ENTRIES` takes a Run; what they share is computed on first use.
+    """
+
+    def __init__(self, case: Case, workdir: Path) -> None:
+        self.case = case
+        self.workdir = Path(workdir)
+        self._done: dict[str, Any] = {}
+
+    def _once(self, key: str, compute: Callable[[], Any]) -> Any:
+        if key not in self._done:
+            try:
+                self._done[key] = (True, compute())
+            except Exception as e:  # kept so that every cell needing it fails with the same error, once computed
+                self._done[key] = (False, e)
+        ok, value = self._done[key]
+        if not ok:
+            raise value
+        return value
+
+    def _built(self) -> Built:
+        def build() -> Built:
+            torch.manual_seed(0)
+            model, args, kwargs = self.case.build()
+            vary_constant_weights(model)
+            return model, args, kwargs
+
+        return self._once("build", build)
+
+    @property
+    def model(self) -> nn.Module:
+        return self._built()[0]
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return self._built()[1]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self._built()[2]
+
+    def path(self, name: str) -> Path:
+        return self.workdir / name
+
+    @property
+    def graph(self) -> fwdtrace.Graph:
+        return self._once("trace", lambda: self.trace())
+
+    def trace(self) -> fwdtrace.Graph:
+        with torch.no_grad():
+            return fwdtrace.trace(self.model, *self.args, **self.kwargs)
+
+    @property
+    def eager(self) -> Any:
+        def forward() -> Any:
+            with torch.no_grad():
+                return self.model(*self.args, **self.kwargs)
+
+        return self._once("eager", forward)
+
+    def exported(self, exporter: str) -> Path:
+        """The model exported to a file the public way: ``export_onnx(path=...)`` or ``to_onnx(path=...)``."""
+        def export() -> Path:
+            path = self.path(f"{exporter}.onnx")
+            with torch.no_grad():
+                if exporter == "fwdtrace":
+                    fwdtrace.to_onnx(self.model, *self.args, path=path, **self.kwargs)
+                else:
+                    fwdtrace.export_onnx(self.model, *self.args, exporter=exporter, path=str(path), **self.kwargs)
+            return path
+
+        return self._once(f"export:{exporter}", export)
+
+    def check(self, exporter: str) -> fwdtrace.TopologyReport:
+        def check() -> fwdtrace.TopologyReport:
+            with torch.no_grad():
+                return fwdtrace.check_onnx(self.model, *self.args, exporter=exporter, **self.kwargs)
+
+        return self._once(f"check:{exporter}", check)
+
+    def runs_like_eager(self, exporter: str) -> tuple[bool, str]:
+        """Whether onnxruntime on the exported file gives eager's outputs, and where not, how."""
+        return self._once(f"ort:{exporter}", lambda: ort_agrees(self.exported(exporter), self))
+
+    def compared(self, exporter: str) -> fwdtrace.TopologyReport:
+        return self._once(f"compare:{exporter}", lambda: fwdtrace.compare_onnx(self.graph, self.exported(exporter)))
+
+
+@torch.no_grad()
+def vary_constant_weights(model: nn.Module) -> None:
+    """Give every all-equal weight and statistic (a fresh norm's ones and zeros) some spread, as training would.
+
+    Freshly built norms are all alike: an exporter may then merge two of them on one input
+    (LeViT's two heads), which it could not do on a trained model.
+    """
+    gen = torch.Generator().manual_seed(1)
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point() and t.numel() > 1 and bool((t == t.flatten()[0]).all()):
+            t.add_(0.1 * torch.rand(t.shape, generator=gen).to(t.dtype))
+
+
+# -- independent references ----------------------------------------------------------------------------------
+def leaves(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors a user sees in inputs and outputs: inside tuples, lists, dicts (ModelOutput) and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from leaves(v)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        for f in fields(obj):
+            yield from leaves(getattr(obj, f.name))
+
+
+def hook_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, dict[str, list[list[int]]]]:
+    """Plain forward hooks on every module, keyed by path and class name, first call of each."""
+    out: dict[str, dict[str, list[list[int]]]] = {}
+    handles = []
+    for path, m in model.named_modules():
+        key = f"{path}.{type(m).__name__}" if path else type(m).__name__
+
+        def hook(mod: nn.Module, a: tuple, kw: dict, result: Any, key: str = key) -> None:
+            out.setdefault(key, {"input_shape": [list(t.shape) for t in leaves((a, kw))],
+                                 "output_shape": [list(t.shape) for t in leaves(result)]})
+
+        handles.append(m.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def hook_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
+    """How many times plain forward hooks see each module (by path) called in one forward."""
+    calls: dict[str, int] = {}
+    handles = [m.register_forward_hook(lambda *_, p=path: calls.__setitem__(p, calls.get(p, 0) + 1))
+               for path, m in model.named_modules(remove_duplicate=False)]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _input_names(run: Run) -> dict[str, torch.Tensor]:
+    """The exporters' names for the example's tensors: forward's parameter names, keywords by their
+    keys, the items of a list input as ``name_0``, ``name_1``."""
+    params = [p.name for p in inspect.signature(run.model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named: dict[str, torch.Tensor] = {}
+    for name, value in [*zip(params, run.args, strict=False), *run.kwargs.items()]:
+        if isinstance(value, torch.Tensor):
+            named[name] = value
+        elif isinstance(value, (list, tuple)):
+            named.update((f"{name}_{i}", t) for i, t in enumerate(value) if isinstance(t, torch.Tensor))
+    return named
+
+
+def ort_agrees(path: Path, run: Run) -> tuple[bool, str]:
+    """onnxruntime on an exported file against eager: the eager outputs must come out, in order, among
+    the ONNX outputs (which may hold more: the tensors of caches), within float32 tolerance."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    named, given = _input_names(run), list(leaves((run.args, run.kwargs)))
+    if all(n in named for n in names):
+        feed = {n: named[n].numpy() for n in names}
+    else:
+        assert len(names) == len(given), f"ONNX inputs {names} for the {len(given)} tensors given"
+        feed = {n: t.numpy() for n, t in zip(names, given, strict=True)}
+    results = session.run(None, feed)
+    expected = list(leaves(run.eager))
+    k = 0
+    for got in results:
+        if k == len(expected):
+            break
+        want = expected[k]
+        if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != str(want.numpy().dtype):
+            continue
+        close = torch.allclose(torch.from_numpy(got), want, rtol=1e-3, atol=1e-4) if want.is_floating_point() \
+            else bool((torch.from_numpy(got) == want).all())
+        if close:
+            k += 1
+    if k == len(expected):
+        return True, ""
+    return False, (f"{k} of the {len(expected)} eager outputs found in order; the next, "
+                   f"{list(expected[k].shape)}, is not among the {len(results)} ONNX outputs")
+
+
+def members_of(agraph: Any) -> dict[int, str]:
+    """node id -> the DOT node whose box holds it; each node id in exactly one box."""
+    node2box: dict[int, str] = {}
+    for n in agraph.nodes():
+        for part in str(n.attr.get("fwdtrace_members")).split():
+            a, _, b = part.partition("-")
+            for i in range(int(a), int(b or a) + 1):
+                assert i not in node2box, f"node {i} is in two boxes: {node2box[i]} and {n}"
+                node2box[i] = str(n)
+    return node2box
+
+
+def assert_nothing_lost(graph: fwdtrace.Graph, dot: Any) -> int:
+    """Every node in exactly one box; the drawn edges are those of the graph contracted by box
+    (networkx's quotient graph). Returns the number of boxes."""
+    import networkx as nx
+    import pygraphviz
+
+    agraph = pygraphviz.AGraph(string=dot.source)
+    node2box = members_of(agraph)
+    assert sorted(node2box) == [n.id for n in graph.nodes], "some nodes are in no box"
+    full = nx.DiGraph(graph.to_networkx())
+    box2nodes: dict[str, set[int]] = {}
+    for i, box in node2box.items():
+        box2nodes.setdefault(box, set()).add(i)
+    quotient = nx.quotient_graph(full, list(box2nodes.values()), relabel=False)
+    set2box = {frozenset(nodes): box for box, nodes in box2nodes.items()}
+    contracted = {(set2box[u], set2box[v]) for u, v in quotient.edges() if u != v}
+    drawn = [(str(u), str(v)) for u, v in agraph.edges() if agraph.get_edge(u, v).attr.get("style") != "invis"]
+    assert len(drawn) == len(set(drawn)), "two edges between one pair of boxes"
+    assert set(drawn) == contracted, "the drawn edges are not the graph's contracted by box"
+    return len(agraph.nodes())
+
+
+def side_boxes(dot: Any) -> dict[int, bool]:
+    """node id -> whether its box is a dashed side-computation box."""
+    import pygraphviz
+
+    agraph = pygraphviz.AGraph(string=dot.source)
+    out = {}
+    for n in agraph.nodes():
+        side = "dashed" in str(n.attr.get("style") or "")
+        for part in str(n.attr.get("fwdtrace_members")).split():
+            a, _, b = part.partition("-")
+            out.update({i: side for i in range(int(a), int(b or a) + 1)})
+    return out
+
+
+def png_size(path: str | Path) -> tuple[int, int]:
+    data = Path(path).read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n"), f"{path} is not a PNG"
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    return width, height
+
+
+def assert_svg(path: str | Path) -> ET.Element:
+    root = ET.parse(path).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg", f"{path} is not an SVG"
+    return root
+
+
+def _levels(graph: fwdtrace.Graph) -> int:
+    return max((len(n.scope) for n in graph.nodes), default=0) + 1  # depth `levels` collapses nothing
+
+
+def _boxes(dot: Any) -> int:
+    return sum(1 for line in dot.source.splitlines() if "fwdtrace_members=" in line)
+
+
+def _assert_readable_auto_picture(graph: fwdtrace.Graph, stem: Path) -> None:
+    """The automatic picture: nothing lost, at least min(30, full detail) boxes, within the README's bounds."""
+    from fwdtrace.passes.draw import MAX_PNG, TARGET_NODES
+
+    dot = graph.to_dot()
+    boxes = assert_nothing_lost(graph, dot)
+    full = _boxes(graph.to_dot(None))
+    caption = re.search(r'label="([^"]*\(auto[^"]*)"', dot.source)
+    assert boxes >= min(AUTO_MIN_BOXES, full), (
+        f"the automatic picture shows {boxes} boxes, fewer than min({AUTO_MIN_BOXES}, {full} at full detail)"
+        f" ({caption.group(1) if caption else 'no caption'})")
+    assert boxes <= TARGET_NODES, f"{boxes} boxes, over the target of {TARGET_NODES}"
+    width, height = png_size(graph.render(stem.with_suffix(".png")))
+    assert width <= MAX_PNG[0] and height <= MAX_PNG[1], f"PNG of {width}x{height} px, over {MAX_PNG}"
+    assert_svg(graph.render(stem.with_suffix(".svg")))
+
+
+# -- the entry points ----------------------------------------------------------------------------------------
+def _trace(run: Run) -> None:
+    graph = run.graph
+    ids = [n.id for n in graph.nodes]
+    assert ids == list(range(len(ids))) and graph.input_nodes and graph.output_nodes
+    assert all(0 <= e.src < len(ids) and 0 <= e.dst < len(ids) for e in graph.edges)
+    # Layers: each module node is a module of the model, called as many times as plain hooks count.
+    modules = dict(run.model.named_modules(remove_duplicate=False))
+    calls = hook_calls(run.model, run.args, run.kwargs)
+    recorded: dict[str, int] = {}
+    for n in graph.find(kind="module"):
+        assert n.module_path in modules, f"module node {n.name} at {n.module_path!r}, not a module of the model"
+        assert type(modules[n.module_path]).__name__ == n.class_name
+        recorded[n.module_path] = recorded.get(n.module_path, 0) + 1
+    wrong = {p: (k, calls.get(p, 0)) for p, k in recorded.items() if calls.get(p, 0) != k}
+    assert not wrong, f"module nodes per path differ from the calls plain hooks saw (traced, hooked): {wrong}"
+    # The outputs: the tensors the model returned, with their shapes.
+    traced = sorted(tuple(r.shape) for n in graph.output_nodes for r in n.inputs)
+    eager = sorted(tuple(t.shape) for t in leaves(run.eager))
+    assert traced == eager, f"output shapes {traced} differ from eager's {eager}"
+
+
+def _render_auto(run: Run) -> None:
+    _assert_readable_auto_picture(run.graph, run.path("auto"))
+
+
+def _render_depths(run: Run) -> None:
+    graph = run.graph
+    for depth in range(0, _levels(graph) + 1):
+        assert_nothing_lost(graph, graph.to_dot(depth))
+        png_size(graph.render(run.path(f"depth{depth}.png"), depth=depth))
+        assert_svg(graph.render(run.path(f"depth{depth}.svg"), depth=depth))
+
+
+def _declared_failure(run: Run, exporter: str, call: Callable[[], Any]) -> bool:
+    """True (and checked) where the row declares that ``exporter`` cannot export this model."""
+    why = run.case.exporter_fails.get(exporter)
+    if why is None:
+        return False
+    try:
+        call()
+    except fwdtrace.FwdtraceError as e:
+        text = str(e)
+        named = "to_onnx()" if exporter == "fwdtrace" else f"the {exporter} ONNX exporter failed"
+        assert named in text, f"the error does not name the {exporter} exporter: {text[:500]}"
+        assert re.search(why, text), f"the {exporter} exporter failed otherwise than declared ({why!r}): {text[:500]}"
+        return True
+    raise AssertionError(f"declared to fail with {exporter} ({why!r}), but it did not: update the corpus row")
+
+
+def _check_onnx(exporter: str) -> Callable[[Run], None]:
+    def entry(run: Run) -> None:
+        if _declared_failure(run, exporter, lambda: run.check(exporter)):
+            return
+        report = run.check(exporter)
+        # The reference: the export run in onnxruntime. An export that computes something else must
+        # not be ok (the TorchScript exporter drops writes through views); one that computes what
+        # eager does must be, or the check cries wolf.
+        agrees, why = run.runs_like_eager(exporter)
+        if not agrees:
+            assert not report.ok, f"check_onnx(exporter={exporter!r}) is ok on an export that differs from eager: {why}"
+            return
+        assert report.ok, (
+            f"check_onnx(exporter={exporter!r}) is not ok: {_summary(report)}\n{str(report)[:3000]}")
+
+    return entry
+
+
+def _summary(report: fwdtrace.TopologyReport) -> str:
+    """The counts and the first differences of a report, on one line."""
+    first = (report.missing[:2] + report.extra[:2] + report.rewired[:2])
+    return (f"{len(report.missing)} missing, {len(report.extra)} extra, {len(report.rewired)} rewired; "
+            + " | ".join(" ".join(x.split()) for x in first))
+
+
+def _opened_classes(report: fwdtrace.TopologyReport) -> set[str]:
+    return {c.rsplit(".", 1)[-1] for c in report.opened}
+
+
+def _compare_file(exporter: str) -> Callable[[Run], None]:
+    def entry(run: Run) -> None:
+        if _declared_failure(run, exporter, lambda: run.exported(exporter)):
+            return
+        path = run.exported(exporter)
+        compared, checked = run.compared(exporter), run.check(exporter)
+        counts = lambda r: (r.ok, len(r.missing), len(r.extra), len(r.rewired))  # noqa: E731
+        opened = _opened_classes(checked)
+        # compare_onnx must not report as missing what check_onnx opens (it cannot open a graph alone).
+        cried = [m for m in compared.missing if any(f"({c})" in m for c in opened)]
+        assert not cried, f"compare_onnx reports as missing layers check_onnx opens ({sorted(opened)}): {cried[:5]}"
+        if not opened:
+            assert counts(compared) == counts(checked), (
+                f"compare_onnx on the exported file (ok, missing, extra, rewired) {counts(compared)} disagrees with "
+                f"check_onnx {counts(checked)}:\n{str(compared)[:1500]}")
+        if "onnx" in inspect.signature(fwdtrace.check_onnx).parameters:  # the file given to check_onnx itself
+            with torch.no_grad():
+                given = fwdtrace.check_onnx(run.model, *run.args, onnx=path, **run.kwargs)
+            assert counts(given) == counts(checked), (
+                f"check_onnx(onnx=file) {counts(given)} disagrees with check_onnx(exporter={exporter!r}) "
+                f"{counts(checked)}:\n{str(given)[:1500]}")
+
+    return entry
+
+
+def _side_by_side(exporter: str) -> Callable[[Run], None]:
+    def entry(run: Run) -> None:
+        if _declared_failure(run, exporter, lambda: run.exported(exporter)):
+            return
+        path = run.exported(exporter)
+        png_size(fwdtrace.render_side_by_side(run.graph, path, run.path(f"side_{exporter}.png")))
+        root = assert_svg(fwdtrace.render_side_by_side(run.graph, path, run.path(f"side_{exporter}.svg")))
+        titles = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}title")]
+        assert any(t.startswith("t_") for t in titles) and any(t.startswith("o_") for t in titles)
+        # The ONNX side draws its data path: the ops matched to the trace's layers are not folded away as
+        # side computations (what the side-by-side draws for the ONNX side is the pruned graph at full depth).
+        og = fwdtrace.onnx_graph(path, prune=True)
+        side = side_boxes(og.to_dot(None))
+        name2id = {str(n.meta.get("onnx_name", n.name)): n.id for n in og.nodes}
+        layers = [names for label, names in run.compared(exporter).matched
+                  if " = " not in label and not label.startswith(("input ", "output"))]
+        on_path = [names for names in layers if any(not side.get(name2id.get(x, -1), True) for x in names)]
+        assert len(on_path) * 2 >= len(layers), (
+            f"only {len(on_path)} of the {len(layers)} layers matched in ONNX are on the ONNX side's data path; "
+            f"the others are drawn inside side-computation boxes")
+
+    return entry
+
+
+def _onnx_graph(exporter: str) -> Callable[[Run], None]:
+    def entry(run: Run) -> None:
+        if _declared_failure(run, exporter, lambda: run.exported(exporter)):
+            return
+        _assert_readable_auto_picture(fwdtrace.onnx_graph(run.exported(exporter)), run.path(f"onnx_{exporter}"))
+
+    return entry
+
+
+def _to_onnx(run: Run) -> None:
+    if _declared_failure(run, "fwdtrace", lambda: run.exported("fwdtrace")):
+        return
+    agrees, why = run.runs_like_eager("fwdtrace")
+    assert agrees, f"onnxruntime on to_onnx's model differs from eager: {why}"
+
+
+def _analyze(run: Run) -> None:
+    analysis = fwdtrace.analyze(run.model, *run.args, warmup=1, repeats=1, **run.kwargs)
+    params = list(run.model.parameters())  # shared parameters once
+    assert analysis.params == sum(p.numel() for p in params)
+    assert analysis.trainable_params == sum(p.numel() for p in params if p.requires_grad)
+    unknown = {r.key for r in analysis.rows} - set(fwdtrace.module_keys(run.model))
+    assert not unknown, f"rows under keys that are not module keys: {sorted(unknown)[:5]}"
+
+
+def _probe_shapes(run: Run) -> None:
+    model = run.model
+    keys = fwdtrace.module_keys(model)
+    expected = {f"{p}.{type(m).__name__}" if p else type(m).__name__ for p, m in model.named_modules()}
+    assert set(keys) == expected and len(keys) == len(expected) and keys[-1] == type(model).__name__
+    position = {k: i for i, k in enumerate(keys)}
+    for p, m in model.named_modules():  # children before their parents
+        for c, child in m.named_children():
+            key = f"{p}.{c}" if p else c
+            if f"{key}.{type(child).__name__}" in position:
+                parent = f"{p}.{type(m).__name__}" if p else type(m).__name__
+                assert position[f"{key}.{type(child).__name__}"] < position[parent]
+    with fwdtrace.Probe(model) as probe:
+        shapes = probe.shapes(*run.args, **run.kwargs)
+    reference = hook_shapes(model, run.args, run.kwargs)
+    assert list(shapes.items()) == list(reference.items()), (
+        f"Probe.shapes differs from plain forward hooks at "
+        f"{[k for k in {**shapes, **reference} if shapes.get(k) != reference.get(k)][:5]}")
+
+
+def _live_svg(run: Run) -> None:
+    from fwdtrace.live.svg import graph_svg
+
+    root = ET.fromstring(graph_svg(run.graph))
+    keys = [g.get("data-key") for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("data-key")]
+    unknown = set(keys) - set(fwdtrace.module_keys(run.model))
+    assert not unknown, f"boxes keyed by names that are not module keys: {sorted(unknown)[:5]}"
+    module_boxes = [g for g in root.iter("{http://www.w3.org/2000/svg}g")
+                    if g.get("class") == "node" and g.get("data-key")]
+    assert module_boxes or not run.graph.find(kind="module"), "no layer box of the live page carries its key"
+
+
+def _json(run: Run) -> None:
+    text = run.graph.to_json()
+    back = fwdtrace.Graph.from_json(text)
+    assert back == run.graph and back.to_json() == text
+    assert run.trace().to_json() == text, "a second trace of the same model and inputs gives other JSON"
+
+
+ENTRIES: dict[str, Callable[[Run], None]] = {
+    "trace": _trace,
+    "render_auto": _render_auto,
+    "render_depths": _render_depths,
+    **{f"check_onnx[{x}]": _check_onnx(x) for x in EXPORTERS},
+    **{f"compare_file[{x}]": _compare_file(x) for x in EXPORTERS},
+    **{f"side_by_side[{x}]": _side_by_side(x) for x in EXPORTERS},
+    **{f"onnx_graph[{x}]": _onnx_graph(x) for x in EXPORTERS},
+    "to_onnx": _to_onnx,
+    "analyze": _analyze,
+    "probe_shapes": _probe_shapes,
+    "live_svg": _live_svg,
+    "json": _json,
+}
+
+
+def run_entry(run: Run, entry: str) -> None:
+    """Run one entry point on one model, other libraries' warnings silenced (they are not the invariants)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ENTRIES[entry](run)
