@@ -53,6 +53,8 @@ _LAZY: dict[str, str] = {
     "serve": "fwdtrace.live.server",
     # out-of-process recorder (issue 11)
     "Recorder": "fwdtrace.recorder",
+    # Model Explorer (issue 22)
+    "view": "fwdtrace.passes.model_explorer",
 }
 
 __all__ = [
@@ -109,5 +111,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .onnx.export import export_onnx as export_onnx
     from .onnx.export import onnx_graph as onnx_graph
     from .onnx.ops import onnx_equivalent as onnx_equivalent
+    from .passes.model_explorer import view as view
     from .probe import Probe as Probe
     from .recorder import Recorder as Recorder

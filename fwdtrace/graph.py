@@ -7,6 +7,7 @@ passes over a finished graph (``fwdtrace/passes``), as in torch.fx.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     import networkx
 
     from .passes.draw import Digraph
+    from .passes.model_explorer import ModelExplorerFiles
 
 JSON_FORMAT_VERSION = 1
 
@@ -255,6 +257,14 @@ class Graph:
         from .passes.draw import render
 
         return render(self, path, depth=depth, **options)
+
+    # -- Model Explorer (a pass; imported lazily) ------------------------------------------------
+    def to_model_explorer(self, path: str | os.PathLike[str], *, node_data: Any = None) -> ModelExplorerFiles:
+        """Model Explorer's graph JSON at ``path`` and its node-data files beside it; see
+        :func:`fwdtrace.passes.model_explorer.to_model_explorer`."""
+        from .passes.model_explorer import to_model_explorer
+
+        return to_model_explorer(self, path, node_data=node_data)
 
     def _repr_svg_(self) -> str:
         return self.to_dot()._repr_image_svg_xml()

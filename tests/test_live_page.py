@@ -9,6 +9,8 @@ browser fails the test, elsewhere it skips saying what is missing.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import threading
@@ -105,3 +107,102 @@ def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
     finally:
         stop.set()
         driver.quit()  # type: ignore[attr-defined]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_model_explorer_renders_a_bert_graph(tmp_path: Path) -> None:
+    """fwdtrace.view() in a child process serves a small BERT's graph; Model Explorer's page lays it out."""
+    import re
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("model_explorer") is None:
+        why = "the Model Explorer page test needs pip install ai-edge-model-explorer (make test installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    transformers = pytest.importorskip("transformers")
+    driver = _browser()
+    from selenium.webdriver.common.by import By
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=16)
+    model = transformers.BertModel(config).eval()
+    graph = fwdtrace.trace(model, torch.randint(0, 100, (1, 8)))
+    (tmp_path / "bert.json").write_text(graph.to_json())
+    # each leaf layer's parameters: all of BERT's live in its leaf layers, so Model Explorer's sum is the model's
+    params = {n.module_key: sum(p.numel() for p in model.get_submodule(n.module_path).parameters())
+              for n in graph.nodes if n.kind == "module"}
+    (tmp_path / "params.json").write_text(json.dumps(params))
+    port = _free_port()
+    script = (
+        "import json, sys, fwdtrace\n"
+        f"g = fwdtrace.Graph.from_json(open({str(tmp_path / 'bert.json')!r}).read())\n"
+        f"fwdtrace.view(g, node_data={{'params': json.load(open({str(tmp_path / 'params.json')!r}))}}, "
+        f"folder={str(tmp_path)!r}, port={port}, open_browser=False)\n"
+    )
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    server = subprocess.Popen([sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env, cwd=tmp_path)
+    lines: list[str] = []
+    url_seen = threading.Event()
+
+    def read() -> None:
+        assert server.stdout is not None
+        for line in server.stdout:
+            lines.append(line)
+            if line.startswith(f"http://127.0.0.1:{port}/"):
+                url_seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if not url_seen.wait(60):
+            raise AssertionError("Model Explorer's server did not start:\n" + "".join(lines))
+        url = next(line.strip() for line in lines if line.startswith(f"http://127.0.0.1:{port}/"))
+        driver.get(url)  # type: ignore[attr-defined]
+        body = lambda: driver.find_element(By.TAG_NAME, "body").text  # type: ignore[attr-defined]  # noqa: E731
+        # The side panel, filled once the page has read and laid out the graph: every traced call is an op
+        # node, every module call around one a layer, BERT's children the root-level layers.
+        _wait(lambda: "op node count" in body() and "Root-level nodes stats" in body(), what="the graph info")
+        text = body()
+        assert re.search(rf"op node count\s+{len(graph.nodes)}\b", text), text
+        # Model Explorer counts the layers with more than one thing inside (it folds a GELUActivation
+        # around its one gelu into that call)
+        children: dict[tuple, set] = {}
+        for n in graph.nodes:
+            for i in range(len(n.scope)):
+                children.setdefault(n.scope[:i + 1], set()).add(n.scope[:i + 2] if i + 1 < len(n.scope) else n.id)
+        layers = [k for k, inside in children.items() if len(inside) > 1]
+        assert 0 < len(layers) < len(children)
+        assert re.search(rf"layer count\s+{len(layers)}\b", text), text
+        for child in ("embeddings", "encoder", "pooler"):
+            assert re.search(rf"^\d+\s+{child}\b", text, re.M) or f"\n{child}\n" in text, child
+        total = sum(p.numel() for p in model.parameters())
+        _wait(lambda: re.search(rf"Sum\s+{total}\b", body()), what=f"the node data's sum {total}")
+        canvas = _wait(lambda: [c for c in driver.find_elements(By.TAG_NAME, "canvas")  # type: ignore[attr-defined]
+                                if c.size["width"] > 200 and c.size["height"] > 200], what="the WebGL canvas")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shot = ARTIFACTS / "model_explorer_bert.png"
+        driver.save_screenshot(str(shot))  # type: ignore[attr-defined]
+        # drawn, not blank: the boxes and edges of the graph cover part of the canvas
+        from PIL import Image
+
+        c = canvas[0]
+        box = (c.location["x"], c.location["y"], c.location["x"] + c.size["width"], c.location["y"] + c.size["height"])
+        with Image.open(shot) as img:
+            pixels = list(img.convert("L").crop(box).getdata())
+        assert sum(p < 200 for p in pixels) > 0.005 * len(pixels)
+    finally:
+        driver.quit()  # type: ignore[attr-defined]
+        server.terminate()
+        server.wait(10)

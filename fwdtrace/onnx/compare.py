@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     from .numeric import NumericResult, ValueRow
 
-__all__ = ["TopologyReport", "compare_onnx", "check_onnx", "render_side_by_side", "configure_parser", "run_cli"]
+__all__ = ["TopologyReport", "ReportIds", "compare_onnx", "check_onnx", "render_side_by_side", "configure_parser", "run_cli"]
 
 # At most this many unexplained ONNX ops may sit between a call's inputs and its partner
 # (an inserted op is reported as extra instead of derailing the rest of the match).
@@ -92,6 +92,16 @@ _VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike",
 # order of the torch call: Concat all of them (constants too), the others their data inputs
 # (torch.addmm puts the bias first, Gemm last; masked_fill and Where differ alike).
 _ORDERED_OPS = frozenset({"Concat", "Sub", "Div", "Pow", "MatMul", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"})
+
+
+@dataclass
+class ReportIds:
+    """A report's lists by node id: ``matched`` pairs a trace node id with its ONNX graph node ids
+    (in the order of ``TopologyReport.matched``), ``missing`` trace node ids, ``extra`` ONNX ones."""
+
+    matched: list[tuple[int, tuple[int, ...]]]
+    missing: list[int]
+    extra: list[int]
 
 
 @dataclass
@@ -130,6 +140,12 @@ class TopologyReport:
     not_opened: list[str] = field(default_factory=list)
     # check_onnx(numeric=True): every matched call's output against its ONNX value (fwdtrace.onnx.numeric)
     numeric: NumericResult | None = field(default=None, repr=False)
+    # What the lists above name, by node id, and the two graphs compared (the trace with the
+    # layers no rule knows opened; the ONNX graph pruned): for exports that place the report
+    # on the graphs (Model Explorer's pair) without matching again.
+    ids: ReportIds = field(default_factory=lambda: ReportIds([], [], []), repr=False, compare=False)
+    trace: Graph | None = field(default=None, repr=False, compare=False)
+    onnx_graph: Graph | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         if self.numeric is None:
@@ -160,6 +176,13 @@ class TopologyReport:
             raise FwdtraceError(f"report.{what} needs values: check_onnx(model, x, numeric=True), "
                                 "got a report of the structure only")
         return self.numeric
+
+    def to_model_explorer(self, folder: str | os.PathLike[str]) -> Any:
+        """Both graphs and the matches as Model Explorer files; see
+        :func:`fwdtrace.passes.model_explorer.onnx_pair_to_model_explorer`."""
+        from ..passes.model_explorer import onnx_pair_to_model_explorer
+
+        return onnx_pair_to_model_explorer(self, folder)
 
     @property
     def status(self) -> str:
@@ -1229,13 +1252,16 @@ def _build_report(
 ) -> TopologyReport:
     tx = _Texts(trace, og, result)
     wiring = {n.id for n in og.nodes if n.kind == "function" and n.meta.get("wiring")}
-    matched = [
-        (_trace_label(trace.nodes[g.gid]), tuple(_onnx_name(og.nodes[o]) for o in sorted(g.onodes) if o not in wiring))
-        for g in sorted(result.groups.values(), key=lambda g: g.gid)
-        if g.gid >= 0 and trace.nodes[g.gid].kind not in ("input", "output")
-    ]
-    missing = [_trace_label(trace.nodes[i]) for i in result.missing + result.unmatched_inputs[0]]
-    extra = [_onnx_name(og.nodes[i]) for i in result.extra + result.unmatched_inputs[1]]
+    ids = ReportIds(
+        [(g.gid, tuple(o for o in sorted(g.onodes) if o not in wiring))
+         for g in sorted(result.groups.values(), key=lambda g: g.gid)
+         if g.gid >= 0 and trace.nodes[g.gid].kind not in ("input", "output")],
+        result.missing + result.unmatched_inputs[0],
+        result.extra + result.unmatched_inputs[1],
+    )
+    matched = [(_trace_label(trace.nodes[t]), tuple(_onnx_name(og.nodes[o]) for o in onnx_ids)) for t, onnx_ids in ids.matched]
+    missing = [_trace_label(trace.nodes[i]) for i in ids.missing]
+    extra = [_onnx_name(og.nodes[i]) for i in ids.extra]
     rewired: list[str] = []
     for side, s, d in result.rewired:
         into = tx.outputs_of(side, s) if d == _OUTPUT_GROUP else ""  # which outputs: a cache's, say
@@ -1322,7 +1348,7 @@ def _build_report(
         for lbl, how in folded:
             lines.append(f"  {lbl.ljust(width)}  <->  {how}")
     return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []),
-                          not_opened)
+                          not_opened, ids, trace, og)
 
 
 def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:

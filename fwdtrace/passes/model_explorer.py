@@ -1,0 +1,358 @@
+"""Google's Model Explorer: a finished Graph as its graph JSON, per-node numbers as its node data.
+
+A pass over the graph, like ``draw.py``. Model Explorer (``pip install ai-edge-model-explorer``)
+draws big graphs with WebGL and lays out a node's ``namespace`` (``a/b/c``) as nested layers
+that expand and collapse; its PyTorch adapter only reads a ``torch.export.ExportedProgram``,
+which many eager models do not export to. Here every traced call is one Model Explorer node
+(its id is the node's id in the Graph), its namespace the module calls around it, so layers
+expand and collapse as modules; tensors flow on incoming edges, their shapes and dtypes in the
+nodes' output metadata (``tensor_shape``, the key Model Explorer's own adapter uses and shows
+on edges).
+
+The files are plain JSON in Model Explorer's formats (the dataclasses of its
+``model_explorer.graph_builder`` and ``model_explorer.node_data_builder``), written without
+the package: only :func:`view` needs it installed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .._files import write_bytes
+from ..errors import FwdtraceError, describe
+from ..graph import Graph
+from ..node import Node, Scope
+
+if TYPE_CHECKING:
+    from ..analysis import Analysis
+    from ..onnx.compare import TopologyReport
+
+__all__ = [
+    "ModelExplorerFiles", "ModelExplorerPair", "graph_collection", "node_data_results", "to_model_explorer",
+    "onnx_pair_to_model_explorer", "view", "INSTALL_HINT",
+]
+
+INSTALL_HINT = "pip install ai-edge-model-explorer (or pip install 'fwdtrace[model-explorer]')"
+# Low values pale, high values red: a hot spot stands out in a big graph.
+_GRADIENT = [{"stop": 0, "bgColor": "#fff5eb"}, {"stop": 1, "bgColor": "#d7301f"}]
+_HIGHLIGHT_STYLE = {"backgroundColor": "#f6c9c4", "borderColor": "#c0392b", "hoveredBorderColor": "#c0392b"}
+
+NodeValues = Mapping[Any, float]
+NodeData = Mapping[str, NodeValues]
+
+
+class ModelExplorerFiles(NamedTuple):
+    """What :func:`to_model_explorer` wrote: the graph file and one node-data file per name."""
+
+    graph: str
+    node_data: dict[str, str]
+
+
+class ModelExplorerPair(NamedTuple):
+    """What :func:`onnx_pair_to_model_explorer` wrote: both graphs and their node mapping."""
+
+    trace: str
+    onnx: str
+    mapping: str
+
+
+# -- the graph ------------------------------------------------------------------------------------
+def namespace(scope: tuple[Scope, ...]) -> str:
+    """The Model Explorer namespace of a node inside ``scope``: one layer per module call.
+
+    >>> namespace((Scope("encoder", "Encoder"), Scope("encoder.layer.0", "Layer"), Scope("encoder.layer.0.attn", "Attn", 1)))
+    'encoder/layer.0/attn#1'
+
+    Each layer is named by its path below the enclosing call's (``layer.0`` inside
+    ``encoder``), so joining them with ``.`` gives the module path back; a module's second
+    call is ``#1``, as the ONNX report writes it, so two calls are two layers.
+    """
+    parts: list[str] = []
+    parent = ""
+    for s in scope:
+        rel = s.module_path[len(parent) + 1:] if parent and s.module_path.startswith(parent + ".") else s.module_path
+        # "/" separates layers in Model Explorer: a path made of it would nest wrongly.
+        rel = rel.replace("/", "_") or "<root>"
+        parts.append(f"{rel}#{s.call_index}" if s.call_index else rel)
+        parent = s.module_path
+    return "/".join(parts)
+
+
+def _label(n: Node) -> str:
+    if n.kind in ("input", "output"):
+        return n.name
+    return n.class_name
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def _tensor_attrs(ref: Any) -> list[dict[str, str]]:
+    attrs = [{"key": "tensor_shape", "value": f"{ref.dtype}{list(ref.shape)}"}]
+    if ref.param is not None:
+        attrs.append({"key": "param", "value": ref.param})
+    return attrs
+
+
+def graph_collection(
+    graph: Graph, *, graph_id: str = "fwdtrace", label: str | None = None, highlight: Iterable[int] = ()
+) -> dict[str, Any]:
+    """``graph`` as Model Explorer's ``GraphCollection`` (a dict ready for ``json.dumps``).
+
+    >>> import torch, fwdtrace
+    >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.ones(1, 4))
+    >>> [(n["id"], n["label"], n["namespace"]) for n in graph_collection(g)["graphs"][0]["nodes"]]
+    [('0', 'input', ''), ('1', 'Linear', ''), ('2', 'output', '')]
+
+    ``highlight`` names node ids to draw in red (the ONNX pair's missing and extra calls).
+    """
+    marked = set(highlight)
+    groups: dict[str, dict[str, str]] = {}
+    nodes: list[dict[str, Any]] = []
+    for n in graph.nodes:
+        for depth in range(1, len(n.scope) + 1):
+            ns = namespace(n.scope[:depth])
+            if ns not in groups:
+                s = n.scope[depth - 1]
+                groups[ns] = {"module_path": s.module_path, "class": s.class_name, "call_index": str(s.call_index)}
+        attrs = [{"key": "kind", "value": n.kind}, {"key": "name", "value": n.name}, {"key": "target", "value": n.target}]
+        if n.kind in ("module", "function"):
+            attrs += [{"key": "module_path", "value": n.module_path}, {"key": "module_key", "value": n.module_key},
+                      {"key": "call_index", "value": str(n.call_index)}]
+        attrs += [{"key": k, "value": _text(v)} for k, v in sorted(n.attrs.items())]
+        position = {(r.obj_id): i for i, r in enumerate(n.inputs)}
+        edges = []
+        for e in graph.in_edges(n.id):
+            src = graph.nodes[e.src]
+            out_index = next((i for i, r in enumerate(src.outputs) if r.obj_id == e.obj_id), 0)
+            edges.append({"sourceNodeId": str(e.src), "sourceNodeOutputId": str(out_index),
+                          "targetNodeInputId": str(position.get(e.obj_id, 0))})
+        node: dict[str, Any] = {
+            "id": str(n.id),
+            "label": _label(n),
+            "namespace": namespace(n.scope),
+            "subgraphIds": [],
+            "attrs": attrs,
+            "incomingEdges": edges,
+            "outputsMetadata": [{"id": str(i), "attrs": _tensor_attrs(r)} for i, r in enumerate(n.outputs)],
+            "inputsMetadata": [{"id": str(i), "attrs": _tensor_attrs(r)} for i, r in enumerate(n.inputs)],
+        }
+        if n.id in marked:
+            node["style"] = dict(_HIGHLIGHT_STYLE)
+        nodes.append(node)
+    out: dict[str, Any] = {"id": graph_id, "nodes": nodes}
+    if groups:
+        out["groupNodeAttributes"] = groups
+    return {"label": label or graph_id, "graphs": [out], "graphSorting": "node_count_desc"}
+
+
+# -- node data ------------------------------------------------------------------------------------
+def _resolver(graph: Graph) -> Any:
+    by_name = {n.name: [n.id] for n in graph.nodes}
+    by_key: dict[str, list[int]] = {}
+    for n in graph.nodes:
+        if n.kind in ("module", "function"):
+            by_key.setdefault(n.module_key, []).append(n.id)
+
+    def resolve(key: Any, caller: str) -> list[int]:
+        if isinstance(key, int) and not isinstance(key, bool):
+            if 0 <= key < len(graph.nodes):
+                return [key]
+            raise FwdtraceError(f"{caller} expected a node id from 0 to {len(graph.nodes) - 1}, got {key}")
+        if isinstance(key, str):
+            ids = by_name.get(key) or by_key.get(key)
+            if ids:
+                return ids
+            close = difflib.get_close_matches(key, [*by_key, *by_name], n=3)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise FwdtraceError(f"{caller} expected a node name or module key of the graph, got {key!r}{hint}")
+        raise FwdtraceError(f"{caller} expected node data keyed by node id (int), node name or module key (str), got {describe(key)}")
+
+    return resolve
+
+
+def node_data_results(graph: Graph, values: NodeValues, caller: str = "node_data_results()") -> dict[str, float]:
+    """Model Explorer results (node id -> number) from numbers keyed by node id, node name or module key.
+
+    >>> import torch, fwdtrace
+    >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()), torch.ones(1, 4))
+    >>> node_data_results(g, {"1.ReLU": 0.5, 1: 2})
+    {'1': 2.0, '2': 0.5}
+
+    A module key names every call of the module: each gets the number.
+    """
+    resolve = _resolver(graph)
+    out: dict[int, float] = {}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise FwdtraceError(f"{caller} expected a number for {key!r}, got {describe(value)}")
+        if not math.isfinite(value):
+            raise FwdtraceError(f"{caller} expected finite numbers (JSON has no NaN or inf), got {value} for {key!r}")
+        for node_id in resolve(key, caller):
+            out[node_id] = float(value)
+    return {str(i): out[i] for i in sorted(out)}
+
+
+def analysis_node_data(graph: Graph, analysis: Analysis) -> dict[str, dict[Any, float]]:
+    """:func:`fwdtrace.analyze`'s numbers per traced call: FLOPs and latency per call, peak memory.
+
+    A row's FLOPs (its ``flops_total``: a leaf call's children are part of it) and time are
+    per model run over all its calls, so each call gets the mean; its peak memory is a peak,
+    so each call gets it whole. Calls without a row of their own (torch functions inside a
+    module: their FLOPs are that module's own) get no number; latency is left out when the
+    analysis did not time (``repeats=0``, the meta device).
+    """
+    keys = {n.module_key for n in graph.nodes if n.kind in ("module", "function")}
+    rows = [r for r in analysis.rows if r.key in keys and r.calls]
+    data: dict[str, dict[Any, float]] = {
+        "flops": {r.key: r.flops_total / r.calls for r in rows},
+        "peak_memory_bytes": {r.key: r.peak_memory_bytes for r in rows},
+    }
+    latency = {r.key: r.latency_ms / r.calls for r in rows if r.latency_ms is not None}
+    if latency:
+        data["latency_ms"] = latency
+    return data
+
+
+def _node_data_file(graph_id: str, name: str, results: dict[str, float]) -> dict[str, Any]:
+    # ModelNodeData: GraphNodeData per graph id.
+    return {graph_id: {"name": name, "results": {k: {"value": v} for k, v in results.items()},
+                       "gradient": [dict(g) for g in _GRADIENT]}}
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "data"
+
+
+def _dump(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1) + "\n").encode()
+
+
+def to_model_explorer(
+    graph: Graph, path: str | os.PathLike[str], *, node_data: NodeData | Analysis | None = None,
+    graph_id: str = "fwdtrace", label: str | None = None, highlight: Iterable[int] = (),
+) -> ModelExplorerFiles:
+    """Write ``graph`` as Model Explorer graph JSON at ``path``, and per-node numbers beside it.
+
+    >>> import torch, fwdtrace, tempfile, os, json
+    >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()), torch.ones(1, 4))
+    >>> d = tempfile.mkdtemp()
+    >>> files = to_model_explorer(g, os.path.join(d, "g.json"), node_data={"error": {"0.Linear": 1e-6}})
+    >>> os.path.basename(files.node_data["error"]), json.load(open(files.node_data["error"]))["fwdtrace"]["results"]
+    ('g.error.json', {'1': {'value': 1e-06}})
+
+    ``node_data`` is an :class:`~fwdtrace.Analysis` (FLOPs, latency and peak memory per call,
+    see :func:`analysis_node_data`) or a mapping name -> {node id, node name or module
+    key: number}: running statistics (``{k: s.mean for k, s in stats.stats.items()}``), a
+    numeric check's error per call. Each name becomes Model Explorer's node-data file
+    ``{stem}.{name}.json`` beside ``path``, to load in its "node data" panel (:func:`view`
+    loads them). The graph is checked entirely before any file is written.
+    """
+    target = Path(path)
+    if target.suffix != ".json":
+        raise FwdtraceError(f"to_model_explorer() expected a path ending in .json, got {str(path)!r}")
+    if not isinstance(graph, Graph):
+        raise FwdtraceError(f"to_model_explorer() expected a fwdtrace.Graph, got {describe(graph)}")
+    from ..analysis import Analysis
+
+    if isinstance(node_data, Analysis):
+        node_data = analysis_node_data(graph, node_data)
+    elif node_data is not None and not isinstance(node_data, Mapping):
+        raise FwdtraceError(
+            f"to_model_explorer() expected node_data as an Analysis or a mapping name -> {{node: number}}, "
+            f"got {describe(node_data)}"
+        )
+    files: dict[str, tuple[Path, bytes]] = {}
+    for name, values in (node_data or {}).items():
+        if not isinstance(values, Mapping):
+            raise FwdtraceError(f"to_model_explorer() expected node_data[{name!r}] as a mapping node -> number, "
+                                f"got {describe(values)}")
+        results = node_data_results(graph, values, "to_model_explorer()")
+        files[str(name)] = (target.with_name(f"{target.stem}.{_slug(str(name))}.json"),
+                            _dump(_node_data_file(graph_id, str(name), results)))
+    write_bytes(target, _dump(graph_collection(graph, graph_id=graph_id, label=label, highlight=highlight)),
+                "to_model_explorer()")
+    for file, data in files.values():
+        write_bytes(file, data, "to_model_explorer()")
+    return ModelExplorerFiles(str(target), {name: str(file) for name, (file, _) in files.items()})
+
+
+# -- the ONNX pair --------------------------------------------------------------------------------
+def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLike[str]) -> ModelExplorerPair:
+    """The ONNX cross-check as a Model Explorer pair: ``trace.json``, ``onnx.json`` and ``mapping.json``.
+
+    >>> import torch, fwdtrace, tempfile, json
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    >>> report = fwdtrace.check_onnx(model, torch.ones(1, 4), exporter="torchscript")
+    >>> pair = onnx_pair_to_model_explorer(report, tempfile.mkdtemp())
+    >>> json.load(open(pair.mapping))["mappingEntries"]
+    [{'leftNodeIds': ['1'], 'rightNodeIds': ['1']}, {'leftNodeIds': ['2'], 'rightNodeIds': ['2']}]
+
+    The mapping is the report's ``matched`` pairs (Model Explorer's node mapping format, to
+    load in its split view's "sync navigation"), so selecting a call on one side selects what
+    it became on the other. Missing calls and extra ONNX nodes are drawn in red.
+    """
+    trace, og = getattr(report, "trace", None), getattr(report, "onnx_graph", None)
+    if trace is None or og is None:
+        raise FwdtraceError(
+            f"onnx_pair_to_model_explorer() expected a report from fwdtrace.check_onnx or compare_onnx, got {describe(report)}"
+        )
+    out = Path(folder)
+    if not out.is_dir():
+        raise FwdtraceError(f"onnx_pair_to_model_explorer() expected an existing folder, got {str(folder)!r}")
+    ids = report.ids
+    mapping = {"mappingEntries": [{"leftNodeIds": [str(t)], "rightNodeIds": [str(o) for o in onnx_ids]}
+                                  for t, onnx_ids in ids.matched]}
+    trace_file = to_model_explorer(trace, out / "trace.json", graph_id="trace", label="traced (PyTorch eager)",
+                                   highlight=ids.missing).graph
+    onnx_file = to_model_explorer(og, out / "onnx.json", graph_id="onnx", label="exported (ONNX)",
+                                  highlight=ids.extra).graph
+    write_bytes(out / "mapping.json", _dump(mapping), "onnx_pair_to_model_explorer()")
+    return ModelExplorerPair(trace_file, onnx_file, str(out / "mapping.json"))
+
+
+# -- opening it -----------------------------------------------------------------------------------
+def view(
+    graph_or_model: Any, *args: Any, node_data: NodeData | Analysis | None = None, folder: str | None = None,
+    host: str = "127.0.0.1", port: int = 8080, open_browser: bool = True,
+) -> ModelExplorerFiles:
+    """Open a graph (or ``model(*args)``, traced) in Model Explorer, with its node data.
+
+    >>> import fwdtrace  # doctest: +SKIP
+    >>> fwdtrace.view(model, torch.ones(1, 3, 224, 224), node_data=fwdtrace.analyze(model, x))  # doctest: +SKIP
+
+    Writes the files (:func:`to_model_explorer`) to ``folder`` (a new temporary folder by
+    default) and starts Model Explorer's server (``model_explorer.visualize_from_config``),
+    which opens a browser tab unless ``open_browser=False`` and serves until Ctrl+C (in
+    Colab it embeds the page). Needs ``pip install ai-edge-model-explorer``; without it a
+    FwdtraceError says so. Returns the files written.
+    """
+    try:
+        import model_explorer
+    except ImportError:
+        raise FwdtraceError(f"fwdtrace.view() needs Model Explorer: {INSTALL_HINT}") from None
+    if isinstance(graph_or_model, Graph):
+        if args:
+            raise FwdtraceError(f"fwdtrace.view() expected no inputs with a Graph, got {len(args)}")
+        graph = graph_or_model
+    else:
+        from ..tracer import trace
+
+        graph = trace(graph_or_model, *args)
+    where = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="fwdtrace-model-explorer-"))
+    files = to_model_explorer(graph, where / "graph.json", node_data=node_data)
+    config = model_explorer.config()
+    config.add_model_from_path(files.graph)
+    for file in files.node_data.values():
+        config.add_node_data_from_path(file)
+    model_explorer.visualize_from_config(config, host=host, port=port, no_open_in_browser=not open_browser)
+    return files

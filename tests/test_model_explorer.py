@@ -1,0 +1,280 @@
+"""Model Explorer export: the written JSON read back with Model Explorer's own dataclasses, against networkx, the
+model's modules and analyze()'s numbers; view() with the server mocked; the ONNX pair from the check's report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zoo
+from torch import nn
+
+import fwdtrace
+from fwdtrace import FwdtraceError
+from fwdtrace.passes import model_explorer as mx
+
+graph_builder = pytest.importorskip("model_explorer.graph_builder", reason="pip install ai-edge-model-explorer")
+node_data_builder = pytest.importorskip("model_explorer.node_data_builder")
+dacite = pytest.importorskip("dacite")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x)) + x
+
+
+class SharedBlock(nn.Module):
+    """A block called twice (two layers in Model Explorer), a ModuleList and a Linear called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.stack = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(self.block(x))
+        for b in self.stack:
+            x = b(x)
+        return self.head(x) + self.head(x)
+
+
+def _shared() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return SharedBlock().eval(), (torch.randn(2, 6),)
+
+
+MODELS = {"shared_block": _shared, "resnetish": zoo.resnetish, "transformer_encoder": zoo.transformer_encoder}
+
+
+def _load(path: str) -> Any:
+    """The file as Model Explorer's GraphCollection: strict, so a field it does not know fails."""
+    return dacite.from_dict(graph_builder.GraphCollection, json.loads(Path(path).read_text()),
+                            config=dacite.Config(strict=True))
+
+
+def _load_node_data(path: str) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    return {gid: dacite.from_dict(node_data_builder.GraphNodeData, d, config=dacite.Config(strict=True))
+            for gid, d in data.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_graph_json_against_networkx_and_the_modules(name: str, tmp_path: Path) -> None:
+    model, inputs = MODELS[name]()
+    graph = fwdtrace.trace(model, *inputs)
+    files = graph.to_model_explorer(tmp_path / "g.json")
+    (me_graph,) = _load(files.graph).graphs
+    nxg = graph.to_networkx()
+    nodes = {n.id: n for n in me_graph.nodes}
+    assert sorted(nodes) == sorted(str(i) for i in nxg.nodes)
+    assert sum(len(n.incomingEdges) for n in me_graph.nodes) == nxg.number_of_edges()
+    # every networkx edge arrives as an incoming edge from the tensor's producer, its shape and dtype on the output
+    for src, dst, data in nxg.edges(data=True):
+        edge = next(e for e in nodes[str(dst)].incomingEdges if e.sourceNodeId == str(src)
+                    and nxg.nodes[src]["outputs"][int(e.sourceNodeOutputId)]["obj_id"] == data["obj_id"])
+        meta = {m.id: {kv.key: kv.value for kv in m.attrs} for m in nodes[str(src)].outputsMetadata}
+        assert meta[edge.sourceNodeOutputId]["tensor_shape"] == f"{data['dtype']}{list(data['shape'])}"
+        assert nxg.nodes[dst]["inputs"][int(edge.targetNodeInputId)]["obj_id"] == data["obj_id"]
+    # namespaces: one layer per enclosing module call, each a module of the model, joined back into its path
+    path2module = dict(model.named_modules())
+    for n in graph.nodes:
+        ns = nodes[str(n.id)].namespace
+        if not n.scope:
+            assert ns == ""
+            continue
+        prefix = ""
+        for part in ns.split("/"):
+            prefix = f"{prefix}.{part.split('#')[0]}" if prefix else part.split("#")[0]
+            assert prefix in path2module, (ns, prefix)
+        assert prefix == n.scope[-1].module_path
+        assert n.module_path.startswith(prefix)
+    groups = me_graph.groupNodeAttributes or {}
+    assert {g["module_path"] for g in groups.values()} == {s.module_path for n in graph.nodes for s in n.scope}
+    for g in groups.values():
+        assert type(path2module[g["module_path"]]).__name__ == g["class"]
+
+
+def test_a_module_called_twice_is_two_layers(tmp_path: Path) -> None:
+    model, inputs = _shared()
+    calls: list[str] = []
+    handle = model.block.register_forward_hook(lambda m, i, o: calls.append("block"))
+    graph = fwdtrace.trace(model, *inputs)
+    handle.remove()
+    (me_graph,) = _load(graph.to_model_explorer(tmp_path / "g.json").graph).graphs
+    block_layers = {n.namespace for n in me_graph.nodes if n.namespace.startswith("block")}
+    assert len(calls) == 2 and block_layers == {"block", "block#1"}
+    for ns in block_layers:  # each call holds its own Linear, GELU and add
+        assert sorted(n.label for n in me_graph.nodes if n.namespace == ns) == ["GELU", "Linear", "add"]
+
+
+def test_node_data_from_analyze(tmp_path: Path) -> None:
+    model, inputs = _shared()
+    graph = fwdtrace.trace(model, *inputs)
+    analysis = fwdtrace.analyze(model, *inputs, warmup=2, repeats=1)  # the second warmup run times modules
+    files = graph.to_model_explorer(tmp_path / "g.json", node_data=analysis)
+    assert sorted(files.node_data) == ["flops", "latency_ms", "peak_memory_bytes"]
+    assert Path(files.node_data["flops"]).name == "g.flops.json"
+    flops = _load_node_data(files.node_data["flops"])["fwdtrace"].results
+    memory = _load_node_data(files.node_data["peak_memory_bytes"])["fwdtrace"].results
+    latency = _load_node_data(files.node_data["latency_ms"])["fwdtrace"].results
+    linears = [n for n in graph.nodes if n.target == "torch.nn.Linear"]
+    assert len(linears) == 6  # block twice, the stack's two, head twice
+    for n in linears:
+        fc = model.get_submodule(n.module_path)
+        # one call of a Linear on a (2, in) input: 2 * 2 * in * out multiply-adds (the bias is not counted)
+        assert flops[str(n.id)].value == 2 * 2 * fc.in_features * fc.out_features
+        row = analysis.row(n.module_key)
+        assert memory[str(n.id)].value == row.peak_memory_bytes
+        assert row.latency_ms is not None
+        assert latency[str(n.id)].value == pytest.approx(row.latency_ms / row.calls)
+    # torch functions have no row of their own: their FLOPs are their module's
+    assert all(str(n.id) not in flops for n in graph.nodes if n.kind == "function")
+
+
+def test_node_data_without_timing_and_from_any_numbers(tmp_path: Path) -> None:
+    model, inputs = _shared()
+    graph = fwdtrace.trace(model, *inputs)
+    untimed = fwdtrace.analyze(SharedBlock().to("meta"), torch.randn(2, 6, device="meta"))  # the meta device: no time
+    files = graph.to_model_explorer(tmp_path / "g.json", node_data=untimed)
+    assert sorted(files.node_data) == ["flops", "peak_memory_bytes"]
+    with fwdtrace.Probe(model) as probe:
+        stats = probe.running_stats("block.fc.Linear", of="output")
+        model(*inputs)
+    means = {k: s.mean for k, s in stats.stats.items()}
+    files = graph.to_model_explorer(tmp_path / "s.json", node_data={"output mean": means, "by id": {3: 7}})
+    results = _load_node_data(files.node_data["output mean"])["fwdtrace"].results
+    with torch.no_grad():
+        first = model.block.fc(inputs[0])
+        second = model.block.fc(model.block(inputs[0]))
+    expected = torch.cat([first.flatten(), second.flatten()]).double().mean().item()
+    ids = [str(n.id) for n in graph.nodes if n.module_key == "block.fc.Linear"]
+    assert sorted(results) == sorted(ids) and len(ids) == 2
+    assert all(results[i].value == pytest.approx(expected, rel=1e-5) for i in ids)
+    assert Path(files.node_data["by id"]).name == "s.by_id.json"
+    assert {k: v.value for k, v in _load_node_data(files.node_data["by id"])["fwdtrace"].results.items()} == {"3": 7}
+
+
+BAD_NODE_DATA = [
+    ({"x": {"blok.fc.Linear": 1.0}}, r"^to_model_explorer\(\) expected a node name or module key of the graph, "
+                                     r"got 'blok\.fc\.Linear'; closest: block\.fc\.Linear"),
+    ({"x": {"block.fc.Linear": float("nan")}}, r"^to_model_explorer\(\) expected finite numbers"),
+    ({"x": {"block.fc.Linear": "1"}}, r"^to_model_explorer\(\) expected a number for 'block\.fc\.Linear', got"),
+    ({"x": {999: 1.0}}, r"^to_model_explorer\(\) expected a node id from 0 to \d+, got 999"),
+    ({"x": [1.0]}, r"^to_model_explorer\(\) expected node_data\['x'\] as a mapping node -> number"),
+    ([1.0], r"^to_model_explorer\(\) expected node_data as an Analysis or a mapping"),
+]
+
+
+@pytest.mark.parametrize("node_data,match", BAD_NODE_DATA)
+def test_bad_node_data_writes_nothing(node_data: Any, match: str, tmp_path: Path) -> None:
+    model, inputs = _shared()
+    graph = fwdtrace.trace(model, *inputs)
+    with pytest.raises(FwdtraceError, match=match):
+        graph.to_model_explorer(tmp_path / "g.json", node_data=node_data)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_path_and_graph(tmp_path: Path) -> None:
+    graph = fwdtrace.trace(nn.Linear(2, 2), torch.ones(1, 2))
+    with pytest.raises(FwdtraceError, match=r"^to_model_explorer\(\) expected a path ending in \.json, got '.*g\.svg'"):
+        graph.to_model_explorer(tmp_path / "g.svg")
+    with pytest.raises(FwdtraceError, match=r"^to_model_explorer\(\) expected a fwdtrace\.Graph, got"):
+        mx.to_model_explorer("graph", tmp_path / "g.json")  # type: ignore[arg-type]
+
+
+def test_the_same_graph_gives_the_same_bytes(tmp_path: Path) -> None:
+    model, inputs = _shared()
+    a = fwdtrace.trace(model, *inputs).to_model_explorer(tmp_path / "a.json").graph
+    b = fwdtrace.trace(model, *inputs).to_model_explorer(tmp_path / "b.json").graph
+    assert Path(a).read_bytes() == Path(b).read_bytes()
+
+
+def test_view_without_model_explorer_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "model_explorer", None)
+    with pytest.raises(FwdtraceError, match=r"^fwdtrace\.view\(\) needs Model Explorer: pip install ai-edge-model-explorer"):
+        fwdtrace.view(nn.Linear(2, 2), torch.ones(1, 2))
+
+
+def test_view_hands_the_files_to_model_explorer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import model_explorer
+
+    seen: dict[str, Any] = {}
+
+    def fake_visualize(config: Any, **kwargs: Any) -> None:  # the server would block until Ctrl+C
+        seen["config"], seen["kwargs"] = config, kwargs
+
+    monkeypatch.setattr(model_explorer, "visualize_from_config", fake_visualize)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    files = fwdtrace.view(model, torch.ones(2, 4), node_data={"n": {"0.Linear": 1.5}}, folder=str(tmp_path),
+                          port=8123, open_browser=False)
+    config = seen["config"]
+    assert [s["url"] for s in config.model_sources] == [str(Path(files.graph).resolve())]
+    assert config.node_data_sources == [str(Path(files.node_data["n"]).resolve())]
+    assert seen["kwargs"] == {"host": "127.0.0.1", "port": 8123, "no_open_in_browser": True}
+    assert len(_load(files.graph).graphs[0].nodes) == len(fwdtrace.trace(model, torch.ones(2, 4)).nodes)
+    with pytest.raises(FwdtraceError, match=r"^fwdtrace\.view\(\) expected no inputs with a Graph, got 1"):
+        fwdtrace.view(fwdtrace.trace(model, torch.ones(2, 4)), torch.ones(2, 4))
+
+
+def test_onnx_pair_maps_the_reports_matches(tmp_path: Path) -> None:
+    model, inputs = zoo.resnetish()
+    model.eval()
+    proto = fwdtrace.export_onnx(model, *inputs, exporter="torchscript")
+    report = fwdtrace.check_onnx(model, *inputs, onnx=proto)
+    assert report.ok
+    pair = report.to_model_explorer(tmp_path)
+    (trace,) = _load(pair.trace).graphs
+    (onnx_side,) = _load(pair.onnx).graphs
+    # the two graphs: the trace, and the ONNX model as fwdtrace reads it (pruned of shape arithmetic)
+    assert len(trace.nodes) == len(fwdtrace.trace(model, *inputs).nodes)
+    assert len(onnx_side.nodes) == len(fwdtrace.onnx_graph(proto, prune=True).nodes)
+    entries = json.loads(Path(pair.mapping).read_text())["mappingEntries"]
+    assert len(entries) == len(report.matched)
+    # each entry is one of the report's matches: the trace call by its module path and class, ONNX nodes by name
+    onnx_names = {n.name for n in proto.graph.node}
+    t_nodes = {n.id: n for n in trace.nodes}
+    o_graph = report.onnx_graph
+    assert o_graph is not None
+    for entry, (label, onnx) in zip(entries, report.matched, strict=True):
+        (left,) = entry["leftNodeIds"]
+        attrs = {kv.key: kv.value for kv in t_nodes[left].attrs}
+        if attrs["kind"] == "module":
+            call = f"#{attrs['call_index']}" if attrs["call_index"] != "0" else ""
+            assert label == f"{attrs['module_path']}{call} ({t_nodes[left].label})"
+        else:
+            assert label.startswith(f"{attrs['name']} = {attrs['target']}")
+        names = [o_graph.nodes[int(r)].meta["onnx_name"] for r in entry["rightNodeIds"]]
+        assert tuple(names) == onnx and all(n in onnx_names for n in names)
+        assert all(r in {n.id for n in onnx_side.nodes} for r in entry["rightNodeIds"])
+    assert not any(n.style for n in trace.nodes + onnx_side.nodes)  # nothing missing or extra
+
+
+def test_onnx_pair_marks_missing_and_extra(tmp_path: Path) -> None:
+    import onnx
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    x = torch.ones(1, 4)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    relu = next(n for n in proto.graph.node if n.op_type == "Relu")
+    relu.op_type = "Sigmoid"  # a tampered export: the ReLU is missing, a Sigmoid extra
+    onnx.checker.check_model(proto)
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert not report.ok and report.missing and report.extra
+    pair = report.to_model_explorer(tmp_path)
+    (trace,) = _load(pair.trace).graphs
+    (onnx_side,) = _load(pair.onnx).graphs
+    red_trace = [n.label for n in trace.nodes if n.style is not None]
+    red_onnx = [n.label for n in onnx_side.nodes if n.style is not None]
+    assert red_trace == ["ReLU"] and red_onnx == ["Sigmoid"]
+    with pytest.raises(FwdtraceError, match=r"^onnx_pair_to_model_explorer\(\) expected an existing folder"):
+        report.to_model_explorer(tmp_path / "nope")
