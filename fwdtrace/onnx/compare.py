@@ -1348,7 +1348,7 @@ def _build_report(
         for lbl, how in folded:
             lines.append(f"  {lbl.ljust(width)}  <->  {how}")
     return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []),
-                          not_opened, ids, trace, og)
+                          not_opened, ids=ids, trace=trace, onnx_graph=og)
 
 
 def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
