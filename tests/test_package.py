@@ -8,7 +8,7 @@ from pathlib import Path
 
 import fwdtrace
 
-HEAVY = ("onnx", "onnxscript", "onnxruntime", "h5py", "networkx", "graphviz", "pygraphviz", "transformers")
+HEAVY = ("onnx", "onnxscript", "onnxruntime", "h5py", "networkx", "graphviz", "pygraphviz", "transformers", "tensorboard")
 
 
 def test_import_needs_only_torch() -> None:
