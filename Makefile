@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	@# The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,recorder,model-explorer]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,recorder,model-explorer,tensorboard]'
 	touch $(STAMP)
 
 demo: $(STAMP)

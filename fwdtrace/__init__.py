@@ -88,7 +88,10 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # The public names and the module's dunders only: not the helpers this file imports (Any,
+    # importlib, TYPE_CHECKING) nor submodules that happen to be loaded, so tab completion
+    # shows the API. Submodules (fwdtrace.keys, fwdtrace.passes.draw) are imported by name.
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__") and n.endswith("__"))})
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerly ("X as X" re-exports)

@@ -10,8 +10,10 @@ The model runs ``max(warmup, 1) + repeats`` times, always under ``torch.no_grad(
 3. the repeats run the plain, unpatched forward, timed as a whole (``torch.cuda.synchronize``
    around each on GPU): ``latency_ms`` is their median, ``latency_p90_ms`` their 90th percentile.
 
+With ``repeats=0`` only the counting run happens, as torchinfo-style summaries do: parameters,
+FLOPs, shapes and memory, every time None (the table's Time column shows "-").
 On the meta device (``model.to("meta")`` or a model built under ``torch.device("meta")``)
-only the counting run happens, without allocating memory: parameters and FLOPs are exact,
+only the counting run happens too, without allocating memory: parameters and FLOPs are exact,
 ``peak_memory_bytes`` is what the tensors would occupy, every time is None.
 """
 
@@ -30,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._tree import tensors_of
 from .errors import FwdtraceError, describe
 from .flops import flops_of
-from .keys import key2module
+from .keys import closest_names, key2module, key_path
 from .memory import StorageTracker
 from .registry import qualified_name
 from .tracer import active_tracer, around_module_calls, layer_notes
@@ -52,6 +54,7 @@ class ModuleRow:
     The ``flops`` of all rows add up to :attr:`Analysis.flops`."""
 
     key: str
+    module_path: str  # as ``named_modules()`` names it; "" for the root
     class_name: str
     calls: int  # forward calls in one run of the model
     input_shapes: tuple[Shape, ...]  # of its first call; () when it did not run
@@ -84,15 +87,20 @@ class Analysis:
     peak_memory_bytes: int
     memory_method: str
     warmup: int
-    repeats: int  # timed runs; 0 on the meta device
+    repeats: int  # timed runs; 0 on the meta device or when timing was skipped
     rows: tuple[ModuleRow, ...]
 
-    def row(self, key: str) -> ModuleRow:
-        """The row of one module key (see :func:`fwdtrace.module_keys`)."""
+    def row(self, name: str) -> ModuleRow:
+        """The row of one module, by key (see :func:`fwdtrace.module_keys`) or module path:
+        ``row("0.Linear")`` and ``row("0")`` are the same row."""
         for r in self.rows:
-            if r.key == key:
+            if r.key == name:
                 return r
-        raise FwdtraceError(f"expected a module key of {self.model} such as {self.rows[-1].key!r}, got {key!r}")
+        for r in self.rows:
+            if r.module_path == name:
+                return r
+        hint = closest_names(name, [r.key for r in self.rows], [r.module_path for r in self.rows])
+        raise FwdtraceError(f"expected a module key or path of {self.model}, got {name!r}; {hint}")
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "rows"}
@@ -107,7 +115,7 @@ class Analysis:
 
     def __str__(self) -> str:
         if self.latency_ms is None:
-            timing = "latency not measured (meta device)"
+            timing = f"latency not measured ({'meta device' if self.device == 'meta' else 'repeats=0'})"
         else:
             timing = f"latency {human_ms(self.latency_ms)} median, {human_ms(self.latency_p90_ms)} p90 of {self.repeats}"
         head = [
@@ -256,15 +264,16 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
       buffers and inputs plus every tensor storage the forward creates, alive at once, at
       the worst moment. It misses kernels' private workspaces and allocator overhead.
 
-    How the runs are spent is in the module docstring of :mod:`fwdtrace.analysis`. The model
-    runs in the mode it is in: call ``model.eval()`` first, or dropout stays on and BatchNorm
-    updates its running statistics on every run. An error in the forward is re-raised with
+    ``repeats=0`` skips timing: one counting run, every latency None. How the runs are spent
+    is in the module docstring of :mod:`fwdtrace.analysis`. The model runs in the mode it is
+    in: call ``model.eval()`` first, or dropout stays on and BatchNorm updates its running
+    statistics on every run. An error in the forward is re-raised with
     a note naming the module key, class and input shapes.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"analyze() expected a torch.nn.Module as model, got {describe(model)}")
     warmup = _check_count("warmup", warmup, 0)
-    repeats = _check_count("repeats", repeats, 1)
+    repeats = _check_count("repeats", repeats, 0)
     if active_tracer() is not None:
         raise FwdtraceError("analyze() cannot run while a trace is active; call it before or after the trace")
     key2mod = key2module(model)
@@ -302,7 +311,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
 
         runs: list[dict[str, float]] = []
         times: list[float] = []
-        if not on_meta:
+        if not on_meta and repeats:  # repeats=0: no timing at all, module times included
             for _ in range(warmup - 1):
                 runs.append(_timed_modules(model, module2key, args, kwargs, sync))
             for _ in range(repeats):
@@ -317,6 +326,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     rows = tuple(
         ModuleRow(
             key=k,
+            module_path=key_path(k, m),
             class_name=qualified_name(type(m)),
             calls=counts.calls[k],
             input_shapes=counts.inputs.get(k, ()),
@@ -379,7 +389,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models without allocating their memory)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10; 0 skips timing)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 

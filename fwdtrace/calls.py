@@ -27,7 +27,7 @@ from torch.utils.hooks import BackwardHook
 
 from . import registry as _registry
 from .errors import FwdtraceError, describe
-from .keys import function_key, key2module, module_key
+from .keys import function_key, key2module, key_path
 from .patching import add_call_handler, critical, remove_call_handler
 from .registry import FunctionTarget
 from .tracer import add_function_handlers, layer_notes, remove_handlers
@@ -163,7 +163,7 @@ class ModelCalls:
         self._module2path: dict[int, str] = {}
         self.paths: list[str] = []  # every module path, in module_keys' order
         for key, module in key2module(model).items():
-            path = key[: -len(module_key("", module)) - 1] if module is not model else ""
+            path = key_path(key, module)
             self._module2path[id(module)] = path
             self.paths.append(path)
         self._sites: dict[tuple[str, str], FunctionSite] = {}  # (target path, module path) -> site

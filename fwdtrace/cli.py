@@ -1,4 +1,4 @@
-"""The ``fwdtrace`` command: ``check-onnx``, ``export-onnx``, ``analyze``, ``dump-diff`` and ``serve``.
+"""The ``fwdtrace`` command: ``draw``, ``check-onnx``, ``export-onnx``, ``analyze``, ``dump-diff`` and ``serve``.
 
 Each subcommand lives beside its feature: the module named in ``_COMMANDS`` provides
 ``configure_parser(parser)`` and ``run_cli(args) -> int``. One exit-code contract for all:
@@ -24,6 +24,7 @@ from .errors import FwdtraceError, describe, one_line
 
 # command -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
+    "draw": ("fwdtrace.passes.draw", "trace a model and draw its graph (SVG, PNG, PDF) or write it as JSON"),
     "check-onnx": ("fwdtrace.onnx.compare", "trace a model, export it to ONNX and diff the two graphs"),
     "export-onnx": ("fwdtrace.onnx.emit", "run a model once and write the ONNX of what it ran"),
     "analyze": ("fwdtrace.analysis", "parameters, FLOPs, latency and memory per module"),

@@ -35,7 +35,7 @@ from ._files import AtomicFile, not_a_regular_file
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
-from .keys import key2module
+from .keys import key2module, key_path
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
 
@@ -148,7 +148,7 @@ class _Recording:
         root = model
         # (key, what takes the hooks, its module path, the group's class name, the function's path)
         hooked: list[tuple[str, Any, str, str, str | None]] = [
-            (key, module, key[: -len(type(module).__name__) - 1] if module is not root else "", type(module).__name__, None)
+            (key, module, key_path(key, module), type(module).__name__, None)
             for key, module in key2module(model).items()
         ]
         # Hooked functions' calls take the same hooks through their function sites (a site's hooks

@@ -6,6 +6,10 @@ is keyed ``"{module_path}.{function_name}"`` by the module whose forward made it
 (``"model.layers.0.self_attn.eager_attention_forward"``), its name alone when the root's forward
 made it: the ``module_key`` of its node in a trace. Function keys exist once the model runs, so
 :func:`module_keys` lists them when given inputs.
+
+Selectors take a module's path too, the name ``model.named_modules()`` and the graph show
+(``"res.c1"`` for the key ``"res.c1.Conv1d"``; ``""`` is the root): one name for a layer, whichever
+a user has at hand.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from .errors import FwdtraceError, describe
 from .registry import REGISTRY, resolve_any
 
 __all__ = [
-    "module_keys", "module_key", "function_key", "key2module", "select_modules", "select_keys", "closest_keys",
-    "Selector",
+    "module_keys", "module_key", "function_key", "key_path", "key2module", "select_modules", "select_keys",
+    "closest_keys", "closest_names", "Selector",
 ]
 
 Selector = str | type | Iterable[Any]
@@ -38,6 +42,13 @@ def function_key(module_path: str, name: str) -> str:
     """``function_key("model.layers.0.self_attn", "eager_attention_forward")``: a hooked function's call
     made in that module's forward; the root's own calls (path ``""``) are keyed by the name alone."""
     return f"{module_path}.{name}" if module_path else name
+
+
+def key_path(key: str, module: torch.nn.Module) -> str:
+    """The module path a module key was made from: ``key_path("seq.0.Conv2d", conv) == "seq.0"``,
+    ``""`` for the root (whose key is its class name alone)."""
+    name = type(module).__name__
+    return key[: -len(name) - 1] if len(key) > len(name) else ""
 
 
 def key2module(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -91,7 +102,7 @@ def module_keys(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> list[str
     called = called_keys(model, inputs, kwargs)
     out: list[str] = []
     for key, module in keys.items():
-        out += called.get(key[: -len(module_key("", module)) - 1] if module is not model else "", [])
+        out += called.get(key_path(key, module), [])
         out.append(key)
     return out
 
@@ -105,6 +116,21 @@ def closest_keys(name: str, keys: Iterable[str], n: int = 5) -> list[str]:
     return difflib.get_close_matches(name, list(keys), n=n, cutoff=0.3)
 
 
+def closest_names(name: str, keys: Iterable[str], paths: Iterable[str], n: int = 5) -> str:
+    """What an unknown selector's error suggests: the closest keys and the closest module paths.
+
+    >>> closest_names("seq.1.Conv", ["seq.0.Conv2d", "seq.1.Conv2d"], ["seq.0", "seq.1"], n=1)
+    "closest keys: 'seq.1.Conv2d'; closest module paths: 'seq.1'"
+    """
+    keys, paths = list(keys), [p for p in paths if p]
+    parts = []
+    for what, names in (("keys", keys), ("module paths", paths)):
+        close = closest_keys(name, names, n)
+        if close:
+            parts.append(f"closest {what}: {', '.join(repr(k) for k in close)}")
+    return "; ".join(parts) or f"keys: {keys[:8]}"
+
+
 class FunctionSites(Protocol):
     """What selecting function keys needs of a model (:class:`fwdtrace.calls.ModelCalls`)."""
 
@@ -116,15 +142,17 @@ class FunctionSites(Protocol):
 def select_modules(
     key2module: dict[str, torch.nn.Module], selector: Selector, what: str, model_name: str
 ) -> dict[str, torch.nn.Module]:
-    """The modules a selector names, by key: a key, a glob (``"seq.*.Conv2d"``), a class, or a list of them.
+    """The modules a selector names, by key: a key or a module path, a glob of either
+    (``"seq.*.Conv2d"``, ``"seq.*"``), a class, or a list of them.
 
     >>> import torch
     >>> k2m = key2module(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
-    >>> list(select_modules(k2m, "*.Linear", "Probe", "Sequential"))
-    ['0.Linear']
+    >>> list(select_modules(k2m, "*.Linear", "Probe", "Sequential")), list(select_modules(k2m, "1", "Probe", "Sequential"))
+    (['0.Linear'], ['1.ReLU'])
 
-    An unknown key raises :class:`FwdtraceError` naming the closest keys; ``what`` (the
-    caller, ``"Probe"``) and ``model_name`` start the message.
+    A key wins over a path spelled the same; a glob selects what it matches among the keys and
+    among the paths, in key order. An unknown name raises :class:`FwdtraceError` naming the
+    closest keys and paths; ``what`` (the caller, ``"Probe"``) and ``model_name`` start the message.
     """
     return select_keys(key2module, selector, what, model_name)
 
@@ -150,35 +178,38 @@ def select_keys(
     if isinstance(selector, str):
         if selector in key2module:
             return {selector: key2module[selector]}
+        path2key = {key_path(k, m): k for k, m in key2module.items()}
+        if selector in path2key:
+            key = path2key[selector]
+            return {key: key2module[key]}
         sites = functions.registered_sites() if functions is not None else {}
         if selector in sites:
             return {selector: sites[selector]}
         if any(c in selector for c in "*?["):
             found = {k: m for k, m in key2module.items() if fnmatch.fnmatchcase(k, selector)}
+            found.update((k, key2module[k]) for p, k in path2key.items() if fnmatch.fnmatchcase(p, selector))
             found.update((k, s) for k, s in sites.items() if fnmatch.fnmatchcase(k, selector))
-            if found:
-                return found
+            if found:  # in key order, whichever name matched
+                return {k: found[k] for k in [*key2module, *sites] if k in found}
         registered = REGISTRY.functions.get(selector) if functions is not None else None
         if registered is not None:
             return dict(functions.sites(registered))  # type: ignore[union-attr]
-        every = [*key2module, *sites]
-        close = closest_keys(selector, every)
-        hint = f"closest keys: {', '.join(repr(k) for k in close)}" if close else f"keys: {every[:8]}"
+        hint = closest_names(selector, [*key2module, *sites], path2key)
         if functions is not None:
             hint += (
                 "; a function's keys are '{module path}.{name}' once it is registered with hook_forward or "
                 "register_atomic, or pass the function itself"
             )
         raise FwdtraceError(
-            f"{what} expected a module key, a glob or a class of {model_name}, got "
-            f"{selector!r}, which matches no key; {hint}"
+            f"{what} expected a module key or path, a glob or a class of {model_name}, got "
+            f"{selector!r}, which matches no key or path; {hint}"
         )
     if isinstance(selector, type) and issubclass(selector, torch.nn.Module):
         found = {k: m for k, m in key2module.items() if isinstance(m, selector)}
         if not found:
             classes = sorted({type(m).__name__ for m in key2module.values()})
             raise FwdtraceError(
-                f"{what} expected a module key, a glob or a class of {model_name}, got "
+                f"{what} expected a module key or path, a glob or a class of {model_name}, got "
                 f"{selector.__name__}, of which the model has no instance; its classes: {', '.join(classes)}"
             )
         return found
@@ -194,7 +225,7 @@ def select_keys(
         return dict(functions.sites(found_target))
     functions_too = ", a function key, a function or method" if functions is not None else ""
     raise FwdtraceError(
-        f"{what} expected a selector (a module key, a glob such as 'seq.*.Conv2d', a torch.nn.Module "
+        f"{what} expected a selector (a module key or path, a glob such as 'seq.*.Conv2d' or 'seq.*', a torch.nn.Module "
         f"subclass{functions_too} or a list of them), got {describe(selector)}"
     )
 

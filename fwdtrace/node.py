@@ -89,9 +89,24 @@ class Node:
             return self.class_name
         return f"{self.module_path}.{self.class_name}"
 
+    @property
+    def key(self) -> str | None:
+        """The name selectors take for this node (:mod:`fwdtrace.keys`): a module node's module key,
+        a function node's function key (selectable once the function is hooked by path), None for
+        the graph's inputs and outputs. ``module_path`` names the same layer (selectors take both).
+
+        >>> import torch, fwdtrace
+        >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.ones(1, 4))
+        >>> [(n.module_path, n.key) for n in g.nodes]
+        [('', None), ('0', '0.Linear'), ('', None)]
+        """
+        return self.module_key if self.kind in ("module", "function") else None
+
     def to_dict(self) -> dict[str, Any]:
+        # "key" is derived (from_dict ignores it): written for readers of the JSON, same bytes every time
         return {
             "id": self.id,
+            "key": self.key,
             "kind": self.kind,
             "target": self.target,
             "name": self.name,

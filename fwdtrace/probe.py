@@ -115,6 +115,17 @@ class StatsHandle(Hooks):
         """``{key: {"mean": ..., "std": ..., ...}}`` for every key seen so far."""
         return {k: s.to_dict() for k, s in self.stats.items()}
 
+    def to_tensorboard(self, writer: Any, step: int) -> None:
+        """Write the statistics as they stand to TensorBoard at ``step`` (a ``SummaryWriter`` or a log
+        folder): per key a histogram and mean/std/nan/inf, see :func:`fwdtrace.tensorboard.add_running_stats`."""
+        from .tensorboard import add_running_stats, summary_writer
+
+        made, owned = summary_writer(writer, "to_tensorboard()")
+        try:
+            add_running_stats(made, self, step)
+        finally:
+            (made.close if owned else made.flush)()
+
 
 class ChaosHandle(Hooks):
     """The hooks of one :meth:`Probe.chaos` call; ``log`` lists every fault injected."""

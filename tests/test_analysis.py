@@ -178,13 +178,16 @@ def test_bad_arguments_are_refused_with_what_was_given():
     model, inputs = zoo.resnetish()
     with pytest.raises(FwdtraceError, match=r"^analyze\(\) expected a torch.nn.Module as model, got str"):
         fwdtrace.analyze("resnet", *inputs)
-    with pytest.raises(FwdtraceError, match=r"^analyze\(\) expected repeats as an integer >= 1, got 0"):
-        fwdtrace.analyze(model, *inputs, repeats=0)
+    with pytest.raises(FwdtraceError, match=r"^analyze\(\) expected repeats as an integer >= 0, got -1"):
+        fwdtrace.analyze(model, *inputs, repeats=-1)
     with pytest.raises(FwdtraceError, match=r"^analyze\(\) expected warmup as an integer >= 0, got -1"):
         fwdtrace.analyze(model, *inputs, warmup=-1)
     result = fwdtrace.analyze(model, *inputs, warmup=1, repeats=1)
-    with pytest.raises(FwdtraceError, match=r"^expected a module key of ResNetish such as 'ResNetish', got 'fc'"):
-        result.row("fc")
+    with pytest.raises(
+        FwdtraceError,
+        match=r"^expected a module key or path of ResNetish, got 'fc\.Linaer'; closest keys: 'fc\.Linear'.*; closest module paths: 'fc'",
+    ):
+        result.row("fc.Linaer")
 
 
 class Inner(nn.Module):
@@ -246,7 +249,7 @@ def test_cli_prints_the_table_or_json_and_exits_zero(capsys):
         (["zoo_missing:Net", "--input-shape", "1,3"], "could not import 'zoo_missing'"),
         (["zoo:ResNetish", "--input-shape", "1,5,16,16"],
          "zoo:ResNetish: the forward failed on inputs float32[1, 5, 16, 16]: RuntimeError"),
-        (["zoo:ResNetish", "--input-shape", "1,3,16,16", "--repeats", "0"], "analyze() expected repeats"),
+        (["zoo:ResNetish", "--input-shape", "1,3,16,16", "--repeats", "-1"], "analyze() expected repeats"),
         (["zoo:ResNetish", "--input-shape", "1,3,16,16", "--device", "gpu7"], "expected --device as cpu"),
     ],
 )
@@ -278,3 +281,30 @@ def test_fwdtrace_analyze_stays_callable_after_the_cli_imports_its_module():
     model, inputs = zoo.shared_weights()
     result = fwdtrace.analyze(model, *inputs, warmup=1, repeats=1)
     assert isinstance(result, fwdtrace.Analysis)
+
+
+def test_repeats_zero_runs_the_model_once_and_times_nothing():
+    model, inputs = zoo.resnetish()
+    forwards = []
+    handle = model.register_forward_hook(lambda *a: forwards.append(1))
+    try:
+        result = fwdtrace.analyze(model, *inputs, warmup=3, repeats=0)
+    finally:
+        handle.remove()
+    assert len(forwards) == 1  # the counting run only: no timing runs, warmup included
+    timed = fwdtrace.analyze(model, *inputs, warmup=1, repeats=1)
+    assert (result.params, result.flops, result.peak_memory_bytes) == (timed.params, timed.flops, timed.peak_memory_bytes)
+    assert [(r.key, r.flops, r.input_shapes) for r in result.rows] == [(r.key, r.flops, r.input_shapes) for r in timed.rows]
+    assert result.latency_ms is None and result.latency_p90_ms is None and result.repeats == 0
+    assert all(r.latency_ms is None and r.latency_share is None for r in result.rows)
+    assert "latency not measured (repeats=0)" in str(result)
+
+
+def test_rows_are_found_by_key_or_by_the_path_named_modules_gives():
+    model, inputs = zoo.resnetish()
+    result = fwdtrace.analyze(model, *inputs, repeats=0)
+    key_of = {id(m): k for k, m in fwdtrace.keys.key2module(model).items()}
+    for path, module in model.named_modules():
+        row = result.row(path)
+        assert row.key == key_of[id(module)] and row.module_path == path
+        assert result.row(row.key) is row

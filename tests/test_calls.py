@@ -93,8 +93,8 @@ def test_a_mistyped_function_key_is_an_error_naming_the_closest_function_key() -
     fwdtrace.register_atomic(ATTN)
     with fwdtrace.Probe(model) as probe:
         with pytest.raises(FwdtraceError, match=(
-            r"^Probe expected a module key, a glob or a class of LlamaForCausalLM, got "
-            r"'model.layers.1.self_attn.eager_attention_foward', which matches no key; "
+            r"^Probe expected a module key or path, a glob or a class of LlamaForCausalLM, got "
+            r"'model.layers.1.self_attn.eager_attention_foward', which matches no key or path; "
             r"closest keys: 'model.layers.1.self_attn.eager_attention_forward'"
         )):
             probe.print_io("model.layers.1.self_attn.eager_attention_foward")

@@ -136,6 +136,12 @@ EXIT_CODES = [
      "(incomplete: it was cut short while being written"),
     (["dump-diff", "DUMP_A", "DUMP_A", "--rtol", "-1"], 2,
      "fwdtrace dump-diff: error: compare_dumps() expected rtol as a finite number >= 0, got -1.0"),
+    (["draw", OK, "--input-shape", "2,4", "-o", "ok.svg"], 0, "stdout:wrote ok.svg: 4 nodes (2 modules), 3 edges"),
+    (["draw", OK, "--input-shape", "2,5", "-o", "bad.svg"], 2,
+     "fwdtrace draw: error: models:make_ok: the forward failed on inputs float32[2, 5]: RuntimeError: "),
+    (["serve", OK, "--input-shape", "2,5", "--port", "0"], 2,
+     "fwdtrace serve: error: models:make_ok: the forward failed on inputs float32[2, 5]: RuntimeError: "),
+    (["serve", OK, "--input-shape", "2,4", "--dtype", "int8", "--port", "0"], 2, "usage: fwdtrace serve"),
     (["dump-diff", "DUMP_A", "no_such.hdf5"], 2,
      "fwdtrace dump-diff: error: compare_dumps() expected an HDF5 dump file, got 'no_such.hdf5', which does not exist"),
 ]
@@ -222,20 +228,23 @@ def test_user_code_cannot_end_the_command_silently_and_odd_paths_are_named(
     assert captured.err.strip() == expected
 
 
-def test_check_onnx_and_analyze_make_the_same_inputs() -> None:
+def test_every_command_that_runs_a_model_makes_the_same_inputs() -> None:
     from fwdtrace import analysis
+    from fwdtrace.live import server
     from fwdtrace.onnx import compare as onnx_compare
+    from fwdtrace.passes import draw
 
     for dtype in ("float32", "bfloat16", "int64"):
         made = []
-        for module in (analysis, onnx_compare):
+        for module in (analysis, onnx_compare, draw, server):
             parser = argparse.ArgumentParser()
             module.configure_parser(parser)
-            args = parser.parse_args(["m:f", "--input-shape", "2,3", "--input-shape", "4", "--dtype", dtype])
+            args, _ = parser.parse_known_args(["m:f", "--input-shape", "2,3", "--input-shape", "4", "--dtype", dtype, "-o", "g.svg"])
             made.append(make_inputs(args))
         assert [t.dtype for t in made[0]] == [getattr(torch, dtype)] * 2
-        for a, b in zip(*made, strict=True):
-            assert torch.equal(a, b)
+        for other in made[1:]:
+            for a, b in zip(made[0], other, strict=True):
+                assert torch.equal(a, b)
         if dtype == "int64":
             assert all(int(t.min()) >= 0 and int(t.max()) < 10 for t in made[0])
         else:  # seeded normal values, as torch.randn draws them

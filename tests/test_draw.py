@@ -535,3 +535,57 @@ def test_only_calls_of_functions_alone_are_leaf_layers() -> None:
     assert {"relu", "sub", "Linear\nlin\n4→4"} <= set(labels)  # Holder stays open
     opened = dot_labels(graph.to_dot(None, open_leaf_layers=True))
     assert "mul" not in labels and "add" not in labels and opened.count("mul") == opened.count("add") == 2
+
+
+# -- `fwdtrace draw` ----------------------------------------------------------------------------------
+def _seeded_inputs(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """What the CLI's --input-shape/--dtype promise: seeded normal floats, token ids in [0, 10)."""
+    generator = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        return [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+    return [torch.randint(0, 10, s, generator=generator, dtype=dtype) for s in shapes]
+
+
+@pytest.mark.parametrize(
+    "factory, argv, model, inputs, depth",
+    [
+        ("zoo:ResNetish", ["--input-shape", "1,3,16,16", "--depth", "1"], zoo.ResNetish, ((1, 3, 16, 16),), 1),
+        ("zoo:EmbedNormGelu", ["--input-shape", "2,8", "--dtype", "int64", "--depth", "all"], zoo.EmbedNormGelu,
+         ((2, 8),), None),
+        ("zoo:ResNetish", ["--input-shape", "1,3,16,16"], zoo.ResNetish, ((1, 3, 16, 16),), "auto"),
+    ],
+)
+def test_the_draw_command_writes_what_the_api_draws(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], factory: str, argv: list[str], model: type, inputs: tuple,
+    depth: int | str | None,
+) -> None:
+    from fwdtrace.cli import main
+
+    dtype = torch.int64 if "int64" in argv else torch.float32
+    graph = fwdtrace.trace(model().eval(), *_seeded_inputs(*inputs, dtype=dtype))  # the reference: the API
+    assert main(["draw", factory, *argv, "-o", str(tmp_path / "g.svg")]) == 0
+    assert (tmp_path / "g.svg").read_text() == Path(graph.render(str(tmp_path / "ref.svg"), depth=depth)).read_text()
+    assert main(["draw", factory, *argv, "-o", str(tmp_path / "g.json")]) == 0
+    assert (tmp_path / "g.json").read_text() == graph.to_json()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"wrote {tmp_path / 'g.json'}: {len(graph.nodes)} nodes " \
+        f"({len(graph.find(kind='module'))} modules), {len(graph.edges)} edges"
+    assert main(["draw", factory, *argv, "-o", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_draw_command_refuses_what_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+
+    argv = ["draw", "zoo:ResNetish", "--input-shape", "1,3,16,16"]
+    assert main([*argv, "-o", str(tmp_path / "g.gif")]) == 2
+    assert capsys.readouterr().err.startswith("fwdtrace draw: error: draw expected -o ending in .png, .svg, .pdf, .json")
+    assert main([*argv, "--depth", "-1", "-o", str(tmp_path / "g.svg")]) == 2
+    assert "expected auto, all or an integer >= 0, got '-1'" in capsys.readouterr().err
+    assert main(["draw", "zoo:ResNetish", "--input-shape", "1,5,16,16", "-o", str(tmp_path / "g.svg")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fwdtrace draw: error: zoo:ResNetish: the forward failed on inputs float32[1, 5, 16, 16]: RuntimeError: ")
+    assert "raised in module 'stem.0.Conv2d'" in err  # the layer is named
+    assert not list(tmp_path.iterdir())
+    explorer = tmp_path / "g.model-explorer.json"
+    assert main([*argv, "-o", str(explorer)]) == 0 and explorer.exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import fwdtrace
 
-HEAVY = ("onnx", "onnxscript", "onnxruntime", "h5py", "networkx", "graphviz", "pygraphviz", "transformers")
+HEAVY = ("onnx", "onnxscript", "onnxruntime", "h5py", "networkx", "graphviz", "pygraphviz", "transformers", "tensorboard")
 
 
 def test_import_needs_only_torch() -> None:
@@ -21,6 +21,16 @@ def test_every_public_name_resolves() -> None:
     missing = [name for name in fwdtrace.__all__ if getattr(fwdtrace, name, None) is None]
     assert missing == []
     assert set(fwdtrace.__all__) <= set(dir(fwdtrace))
+
+
+def test_dir_shows_the_public_names_only() -> None:
+    shown = set(dir(fwdtrace))
+    dunders = {n for n in shown if n.startswith("__") and n.endswith("__")}
+    assert "__version__" in dunders and "__all__" in dunders
+    assert shown - dunders == set(fwdtrace.__all__)
+    for helper in ("Any", "TYPE_CHECKING", "importlib", "annotations", "_LAZY", "tracer", "keys", "errors"):
+        assert helper not in shown
+    assert all(getattr(fwdtrace, name, None) is not None for name in shown - dunders)
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:

@@ -78,10 +78,10 @@ def test_keys_and_selectors() -> None:
 @pytest.mark.parametrize(
     "selector, message",
     [
-        ("seq.1.Conv", r"^Probe expected a module key, a glob or a class of TestModel, got 'seq.1.Conv', which matches no key; closest keys: 'seq.1.Conv2d'"),
-        ("*.Conv3d", r"^Probe expected a module key, a glob or a class of TestModel, got '\*.Conv3d'"),
-        (nn.LSTM, r"^Probe expected a module key, a glob or a class of TestModel, got LSTM, of which the model has no instance"),
-        (3, r"^Probe expected a selector \(a module key, a glob"),
+        ("seq.1.Conv", r"^Probe expected a module key or path, a glob or a class of TestModel, got 'seq.1.Conv', which matches no key or path; closest keys: 'seq.1.Conv2d'"),
+        ("*.Conv3d", r"^Probe expected a module key or path, a glob or a class of TestModel, got '\*.Conv3d'"),
+        (nn.LSTM, r"^Probe expected a module key or path, a glob or a class of TestModel, got LSTM, of which the model has no instance"),
+        (3, r"^Probe expected a selector \(a module key or path, a glob"),
     ],
 )
 def test_bad_selectors_say_what_exists(selector: object, message: str) -> None:

@@ -480,8 +480,8 @@ def test_unwritable_out_dir_raises(tmp_path: Path) -> None:
 
 
 BAD_TRACKS = [
-    ({"keys": "0.Linaer"}, r"^Recorder.track\(\) expected a module key, a glob or a class of Sequential, got '0.Linaer', which matches no key; closest keys: '0.Linear'"),
-    ({"keys": nn.Conv2d}, r"^Recorder.track\(\) expected a module key, a glob or a class of Sequential, got Conv2d, of which"),
+    ({"keys": "0.Linaer"}, r"^Recorder.track\(\) expected a module key or path, a glob or a class of Sequential, got '0.Linaer', which matches no key or path; closest keys: '0.Linear'"),
+    ({"keys": nn.Conv2d}, r"^Recorder.track\(\) expected a module key or path, a glob or a class of Sequential, got Conv2d, of which"),
     ({"kind": "weights"}, r"^Recorder.track\(\) expected kind as one of forward, grad, both, got 'weights'"),
 ]
 

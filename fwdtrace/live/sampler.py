@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -108,6 +108,9 @@ class Sampler:
         self.arms: dict[tuple[str, str], Arm] = {}
         self._arms_lock = threading.Lock()
         self.quiet_thread: int | None = None  # a thread whose forwards are not sampled (the graph's trace)
+        # Called as sink(key, kind, sample) in the summariser thread after each sample is kept
+        # (fwdtrace.tensorboard.log_sampler adds one); a sink that raises sets the arm's error.
+        self.sinks: list[Callable[[str, str, dict[str, Any]], None]] = []
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=pending)
         self._progress = threading.Condition()
         self._submitted = self._summarised = 0
@@ -253,6 +256,8 @@ class Sampler:
                 sample["seq"] = arm.appended
                 arm.buffer.append((sample, raws))
                 arm.appended += 1
+        for sink in list(self.sinks):
+            sink(arm.key, arm.kind, sample)
 
     def _summarise(self, t: torch.Tensor, raw: bool, range: tuple[float, float] | None  # noqa: A002
                    ) -> tuple[dict[str, Any], RunningStats | None, torch.Tensor | None]:

@@ -70,6 +70,7 @@ class Server:
         self.sampler = Sampler(model, ring=ring, bins=bins, raw_cap=raw_cap, pending=pending)
         self.graph: Graph | None = None
         self.graph_error: str | None = None
+        self.trace_exception: BaseException | None = None  # why the graph's trace failed, for `fwdtrace serve`
         self._graph_handle: Any = None
         self._svg_cache: dict[int | None, str] = {}
         self._lock = threading.Lock()
@@ -112,6 +113,7 @@ class Server:
                 self.graph = trace(self.model, *args, **kwargs)
         except Exception as e:  # the service still samples without a graph; the page says why
             self.graph_error = f"tracing the model failed: {type(e).__name__}: {e}"
+            self.trace_exception = e
         finally:
             self.model.train(was_training)
             self.sampler.quiet_thread = None
@@ -492,19 +494,24 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
 
 # -- the `fwdtrace serve` subcommand ---------------------------------------------------------------------
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    from ..cli import add_input_arguments
+
     parser.add_argument("factory", help="a function returning the model, as 'pkg.module:function'")
-    parser.add_argument("--input-shape", required=True, help="shape of a random example input, as 1,3,224,224")
+    add_input_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
     parser.add_argument("--token", default=None, help="token required on every request (generated beyond loopback)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from ..cli import load_factory, parse_shape
+    """Run ``fwdtrace serve`` until Ctrl-C; exit 2 (naming the layer) when the example inputs do not trace."""
+    from ..cli import forward_failed, load_factory, make_inputs
 
     model = load_factory(args.factory)
-    x = torch.randn(parse_shape(args.input_shape))
-    with serve(model, example_inputs=(x,), host=args.host, port=args.port, token=args.token) as server:
+    inputs = make_inputs(args)
+    with serve(model, example_inputs=tuple(inputs), host=args.host, port=args.port, token=args.token) as server:
+        if server.trace_exception is not None:  # a page with no graph helps nobody: stop here, as the other commands do
+            raise forward_failed(args.factory, inputs, server.trace_exception) from server.trace_exception
         query = f"?token={server.token}" if server.token else ""
         print(f"serving {type(model).__name__} at {server.url}{query}  (Ctrl-C stops)", flush=True)
         try:

@@ -10,6 +10,7 @@ Graphviz's layout engine, so no ``dot`` binary is needed.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -30,7 +31,7 @@ from ..graph import Graph
 from ..node import Edge, Node, Scope
 from .fold import Folds, Item, Loop, find_folds, side_components
 
-__all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS"]
+__all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS", "configure_parser", "run_cli"]
 
 FORMATS = ("png", "svg", "pdf")
 
@@ -691,3 +692,68 @@ def _edge_text(e: Edge) -> str:
 def _cluster_id(chain: tuple[Scope, ...]) -> str:
     s = chain[-1]
     return f"{s.module_path.replace('.', '_').replace('<', '').replace('>', '').replace('@', '_')}_{s.call_index}"
+
+
+# -- the `fwdtrace draw` subcommand ----------------------------------------------------------------------
+MODEL_EXPLORER_SUFFIX = "model-explorer.json"
+
+
+def _depth_argument(text: str) -> int | str | None:
+    if text == "auto":
+        return "auto"
+    if text == "all":
+        return None
+    try:
+        depth = int(text)
+    except ValueError:
+        depth = -1
+    if depth < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, all or an integer >= 0, got {text!r}")
+    return depth
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``fwdtrace draw``."""
+    from ..cli import add_input_arguments
+
+    parser.add_argument("factory", help="'pkg.module:function' returning the model (traced in eval mode)")
+    add_input_arguments(parser)
+    parser.add_argument("--depth", type=_depth_argument, default="auto", metavar="auto|all|K",
+                        help="collapse module calls nested deeper than K; all draws every level (default auto)")
+    parser.add_argument("-o", "--output", required=True, metavar="graph.svg",
+                        help=f"the file: .svg, .png, .pdf (a picture), .json (Graph.to_json) or .{MODEL_EXPLORER_SUFFIX}")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``fwdtrace draw``: trace the factory's model on seeded inputs and write the file its suffix names."""
+    import torch
+
+    from ..cli import forward_failed, load_factory, make_inputs
+    from ..tracer import trace
+
+    output = str(args.output)
+    lower = output.lower()
+    suffixes = [f".{f}" for f in FORMATS] + [".json"]
+    if not any(lower.endswith(s) for s in suffixes):
+        raise FwdtraceError(
+            f"draw expected -o ending in {', '.join(suffixes)} or {MODEL_EXPLORER_SUFFIX}, got {output!r}"
+        )
+    explorer = lower.endswith(MODEL_EXPLORER_SUFFIX)
+    inputs = make_inputs(args)
+    model = load_factory(args.factory).eval()
+    try:
+        with torch.no_grad():
+            graph = trace(model, *inputs)
+    except FwdtraceError:
+        raise
+    except Exception as e:
+        raise forward_failed(args.factory, inputs, e) from e
+    if explorer:
+        graph.to_model_explorer(output)
+    elif lower.endswith(".json"):
+        write_bytes(output, graph.to_json().encode(), caller="draw")
+    else:
+        render(graph, output, depth=args.depth)
+    modules = sum(n.kind == "module" for n in graph.nodes)
+    print(f"wrote {output}: {len(graph.nodes)} nodes ({modules} modules), {len(graph.edges)} edges")
+    return 0
