@@ -176,11 +176,14 @@ class LayoutProcess:
         self.graph_json = graph_json
         self.timeout = timeout
         self.proc: Any = None
+        self.closed = False
         self._lock = threading.Lock()
 
     def svg(self, depth: int | None) -> str:
         """The keyed SVG drawing at ``depth`` (None: all), laid out by the child."""
         with self._lock:
+            if self.closed:  # a request still in flight when the service stopped starts no new child
+                raise FwdtraceError("the layout process is closed")
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
             try:
@@ -219,6 +222,7 @@ class LayoutProcess:
     def close(self) -> None:
         """End the child (it exits when its stdin closes; killed after 5 s)."""
         with self._lock:
+            self.closed = True
             self._stop()
 
     def __enter__(self) -> LayoutProcess:
@@ -248,7 +252,8 @@ def _read_frame(stream: Any, timeout: float | None = None) -> bytes:
 
 def _serve_layouts() -> None:
     """The child's loop: the graph's JSON, then one depth per frame; each answered "ok" + SVG or "error" + why."""
-    os.nice(10)  # a drawing never competes with training for a core
+    if hasattr(os, "nice"):
+        os.nice(10)  # a drawing never competes with training for a core
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     try:
         graph = Graph.from_json(_read_frame(stdin).decode())
