@@ -10,6 +10,10 @@
    (``since=`` the last seen) and ``/api/stats`` every ``--interval`` seconds; then the
    same time without clients. Reported: failed requests, p50/p99 latency, request count,
    and the training slowdown (steps per second without clients over with them, minus one).
+3. Page views: median step time with no one looking, while a separate process asks for
+   ``/api/graph.svg`` at depth after depth (more depths than the cache keeps: every view is a
+   fresh layout, done by the service's layout process), and, for comparison, while a thread of
+   the training process lays the graph out itself (``graph_svg``, what the service did before).
 Run: ``.venv/bin/python benchmarks/live_cost.py [--rounds 7] [--clients 12] [--seconds 10] [--threads 1] [--model resnet50]``.
 """
 
@@ -79,10 +83,15 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.1, help="seconds each client waits between polls")
     parser.add_argument("--model", choices=sorted(KEYS), default="encoder")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
+    parser.add_argument("--views", type=int, default=40, help="training steps timed in each page-view phase")
     parser.add_argument("--client-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--view-graph", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global KEY
     KEY = KEYS[args.model]
+    if args.client_port and args.view_graph:
+        view_graph(args.client_port)
+        return
     if args.client_port:
         run_clients(args.client_port, args.clients, args.seconds, args.interval)
         return
@@ -151,6 +160,62 @@ def main() -> None:
           f"slowdown {rate_alone / rate_loaded - 1:+.1%}")
     for failure in result["failures"][:5]:
         print("  failed:", failure)
+    page_views(model, x, steps, args)
+
+
+def view_graph(port: int) -> None:
+    """A page that keeps changing the depth: one drawing after another, each not yet cached, until killed."""
+    import itertools
+    import urllib.request
+
+    for depth in itertools.cycle(range(12)):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/graph.svg?depth={depth}", timeout=300).read()
+        print(depth, flush=True)
+
+
+def page_views(model: object, x: object, steps: object, args: argparse.Namespace) -> None:
+    import fwdtrace
+    from fwdtrace.live.svg import graph_svg
+
+    def step_times(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            steps(1)  # type: ignore[operator]
+            times.append(time.perf_counter() - start)
+        return times
+
+    rows = []
+    with fwdtrace.serve(model, example_inputs=x[:1], port=0) as server:  # type: ignore[arg-type, index]
+        rows.append(("no page views", step_times(args.views), 0))
+        command = [sys.executable, __file__, "--client-port", str(server.port), "--view-graph"]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        proc.stdout.readline()  # the layout process is up and the first drawing made
+        times = step_times(args.views)
+        proc.kill()
+        views = len(proc.communicate()[0].split())
+        rows.append(("views, laid out in the service's child", times, views))
+        graph = server.graph
+    stop, drawn = threading.Event(), [0]
+
+    def in_process() -> None:
+        depth = 0
+        while not stop.is_set():
+            graph_svg(graph, depth % 12)  # type: ignore[arg-type]
+            depth += 1
+            drawn[0] += 1
+
+    thread = threading.Thread(target=in_process)
+    thread.start()
+    times = step_times(args.views)
+    stop.set()
+    thread.join()
+    rows.append(("views, laid out in a training thread", times, drawn[0]))
+    print(f"page views: {args.views} training steps each, graph.svg at a new depth each view")
+    for name, times, views in rows:
+        print(f"  {name:40} median {statistics.median(times) * 1e3:6.1f} ms  max {max(times) * 1e3:6.1f} ms"
+              f"  ({views} drawings meanwhile)")
 
 
 def _steps_per_second(steps: object, seconds: float) -> float:

@@ -46,7 +46,8 @@ def _model() -> Net:
 def request(server: Any, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
             raw: bool = False) -> tuple[int, Any]:
     """One HTTP request on a fresh connection; the JSON answer decoded (bytes with ``raw``)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    # The timeout only stops a hung test: the first drawing waits for the layout process to start.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     headers = dict(headers or {})
     if body is not None and not isinstance(body, bytes):
         body = json.dumps(body).encode()
@@ -439,3 +440,298 @@ def test_raw_values_stay_under_the_cap() -> None:
         assert status == 404 and answer["error"].startswith("no tensor index=5 in sample=-1")
         status, answer = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward&format=csv")
         assert status == 400 and answer["error"].startswith("expected format=json or format=npy, got 'csv'")
+
+
+# -- hostile clients, in-place models, stop() races, layout, memory (issue 24) ------------------------------
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _wait_for(condition: Any, what: str, timeout: float = 120.0) -> None:
+    """Wait for ``condition()`` to hold; the timeout is only a backstop against a hang, never the measure."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_hundreds_of_idle_and_slow_clients_leave_training_and_the_owner_unaffected() -> None:
+    model = _model()
+    stop = threading.Event()
+    steps = [0]
+
+    def training() -> None:
+        while not stop.is_set():
+            train_steps(model, 1)
+            steps[0] += 1
+
+    with fwdtrace.serve(model, example_inputs=torch.randn(1, 8), port=0) as server:  # the defaults
+        cap = 32  # serve()'s default max_connections
+        base_threads, base_fds = threading.active_count(), _fd_count()
+        trainer = threading.Thread(target=training, daemon=True)
+        trainer.start()
+        clients: list[socket.socket] = []
+        try:
+            for i in range(400):  # 300 connect and say nothing, 100 send the start of a request and trickle
+                c = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+                clients.append(c)
+                if i % 4 == 3:
+                    try:
+                        c.sendall(b"GET /api/status HTTP/1.1\r\nHo")
+                    except OSError:
+                        pass  # closed by the server already
+            for _ in range(3):
+                for c in clients[3::4]:
+                    try:
+                        c.send(b"s")
+                    except OSError:
+                        pass  # closed by the server to make room: what it should do
+            # Every thread and descriptor the server holds is bounded by the cap, not by the clients.
+            _wait_for(lambda: threading.active_count() <= base_threads + 1 + cap, "the server's threads to stay bounded")
+            assert _fd_count() <= base_fds + len(clients) + 2 * cap
+            # The owner's page and API still answer, and the training loop still steps.
+            before = steps[0]
+            assert request(server, "GET", "/")[0] == 200
+            status, answer = request(server, "GET", "/api/status")
+            assert status == 200 and answer["step"] >= before > 0, answer
+            _wait_for(lambda: steps[0] > before + 2, "the training loop to step on")
+            assert server.httpd.replaced >= len(clients) - cap
+        finally:
+            stop.set()
+            for c in clients:
+                c.close()
+            trainer.join()
+
+
+def test_a_connection_beyond_the_cap_is_refused_at_once_when_all_are_answering() -> None:
+    with fwdtrace.serve(_model(), port=0, max_connections=1, timeout=600) as server:
+        busy = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        # A POST whose body never comes: its connection is answering a request, never closed to make room.
+        busy.sendall(b"POST /api/sample HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10\r\n\r\n" % server.port)
+        _wait_for(lambda: any(c.busy for c in list(server.httpd.connections.values())), "the POST to be read")
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        answer = extra.recv(4096)  # no request sent: the refusal comes by itself
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"too many connections (at most 1, all answering)" in answer
+        extra.close()
+        busy.sendall(b'{"key":1}\n')
+        answer = b""
+        while chunk := busy.recv(4096):  # to the end: a failed POST closes its connection, freeing the place
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        busy.close()
+        assert request(server, "GET", "/api/status")[0] == 200
+
+
+def test_a_connection_that_sends_no_whole_request_is_closed_after_the_timeout() -> None:
+    with fwdtrace.serve(_model(), port=0, timeout=0.5) as server:
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        slow.sendall(b"GET /api/status HTTP/1.1\r\n")
+        for s in (idle, slow):  # the server hangs up: the read ends with no data, well before 60 s
+            assert s.recv(4096) == b""
+            s.close()
+
+
+def test_without_the_token_nothing_more_is_read() -> None:
+    with fwdtrace.serve(_model(), port=0, token="the-owners-token") as server:
+        c = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        # A body announced but never sent: the 401 comes at once, without waiting for it.
+        c.sendall(b"POST /api/sample HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 60000\r\n\r\n" % server.port)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            chunk = c.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 401 ") and b"Connection: close" in answer
+        assert c.recv(4096) == b""  # and the connection is closed
+        c.close()
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_grad_sampling_works_beside_in_place_ops() -> None:
+    torch.manual_seed(0)
+    model = InPlace()
+    # The reference: the same weights without in-place, torch's own full backward hooks.
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    seen: dict[str, list[tuple]] = {"body.0.Linear": [], "body.1.ReLU": []}
+    for key, index in (("body.0.Linear", 0), ("body.1.ReLU", 1)):
+        reference.body[index].register_full_backward_hook(lambda m, gi, go, key=key: seen[key].append((gi, go)))
+    x = torch.randn(5, 8, requires_grad=True)
+    with fwdtrace.serve(model, port=0) as server:
+        for key in seen:
+            status, answer = request(server, "POST", "/api/sample", {"key": key, "kind": "grad"})
+            assert (status, answer["armed"]) == (200, [key])
+        for _ in range(2):
+            model(x).pow(2).mean().backward()  # raised RuntimeError from BackwardHookFunction before
+            reference(x).pow(2).mean().backward()
+        assert torch.equal(model.body[0].weight.grad, reference.body[0].weight.grad)
+        for key, refs in seen.items():
+            status, answer = request(server, "GET", f"/api/samples?key={key}&kind=grad")
+            assert (answer["taken"], answer["error"], len(answer["samples"])) == (2, None, 2)
+            for sample, (gi, go) in zip(answer["samples"], refs, strict=True):
+                by_role = {t["role"]: t for t in sample["tensors"]}
+                assert by_role["grad_output"]["mean"] == pytest.approx(float(go[0].double().mean()), rel=1e-9)
+                assert by_role["grad_output"]["std"] == pytest.approx(float(go[0].double().std(correction=0)), rel=1e-9)
+                if key == "body.0.Linear":  # its input is x, a leaf: x.grad says it, no hook is left on x
+                    assert "grad_input" not in by_role and not x._backward_hooks
+                    continue
+                assert by_role["grad_input"]["mean"] == pytest.approx(float(gi[0].double().mean()), rel=1e-9)
+
+
+def test_an_error_inside_a_sampling_hook_disarms_the_key_and_never_reaches_training() -> None:
+    model = _model()
+    before = hook_dicts(model)
+    with fwdtrace.serve(model, port=0) as server:
+        request(server, "POST", "/api/sample", {"key": "body.2.Linear", "kind": "forward"})
+        request(server, "POST", "/api/sample", {"key": "body.0.Linear", "kind": "grad"})
+
+        def broken(*args: Any) -> None:
+            raise MemoryError("no room for the copy")
+
+        server.sampler._submit = broken  # type: ignore[method-assign]
+        train_steps(model, 2)  # no exception here
+        status, answer = request(server, "GET", "/api/status")
+        arms = {a["key"]: a for a in answer["arms"]}
+        assert arms["body.2.Linear"]["armed"] is False and arms["body.0.Linear"]["armed"] is False
+        assert arms["body.2.Linear"]["error"] == "disarmed: the forward hook raised MemoryError: no room for the copy"
+        assert arms["body.0.Linear"]["error"] == "disarmed: a gradient hook raised MemoryError: no room for the copy"
+        assert hook_dicts(model) != before  # only the step counter is left
+    assert hook_dicts(model) == before
+
+
+def _arm_and_disarm(server: Any, kind: str, started: threading.Event, done: threading.Event) -> None:
+    for i in range(200):  # bounded: ends by itself when the server is gone
+        if done.is_set():
+            return
+        try:
+            if i % 3 == 2:
+                request(server, "DELETE", f"/api/sample?key=body.*&kind={kind}")
+            else:
+                request(server, "POST", "/api/sample", {"key": "body.*", "kind": kind})
+        except (OSError, http.client.HTTPException):  # the server went away mid-request
+            return
+        started.set()
+
+
+def test_stop_under_concurrent_arms_leaves_no_hook() -> None:
+    original_call = torch.nn.Module._call_impl
+    model = _model()
+    before = hook_dicts(model)
+    for _ in range(25):
+        server = fwdtrace.serve(model, port=0)
+        started, done = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=_arm_and_disarm, args=(server, k, started, done))
+                   for k in ("forward", "grad", "forward", "grad")]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        server.stop()
+        done.set()
+        for t in threads:
+            t.join()
+        assert hook_dicts(model) == before
+        assert torch.nn.Module._call_impl is original_call
+        with pytest.raises(FwdtraceError, match=r"^the live service is stopped"):
+            server.sampler.arm("body.*", "forward")
+        assert hook_dicts(model) == before
+
+
+def test_graph_layout_runs_in_a_child_process_and_the_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fwdtrace.passes import draw
+
+    def in_this_process(*args: Any) -> bytes:
+        raise AssertionError("laid out in the training process")
+
+    monkeypatch.setattr(draw, "layout_bytes", in_this_process)
+    model = _model()
+    with fwdtrace.serve(model, example_inputs=torch.randn(2, 8), port=0) as server:
+        status, svg = request(server, "GET", "/api/graph.svg?depth=1")
+        assert status == 200 and re.findall(r'class="node" data-key="([^"]+)"', svg.decode()) == ["body.Sequential"]
+        from fwdtrace.live.server import SVG_CACHE
+
+        child = server._layouts.proc
+        assert child.pid != os.getpid() and child.poll() is None
+        for depth in range(3 * SVG_CACHE):
+            assert request(server, "GET", f"/api/graph.svg?depth={depth}")[0] == 200
+        assert len(server._svg_cache) == SVG_CACHE
+        assert list(server._svg_cache) == list(range(2 * SVG_CACHE, 3 * SVG_CACHE))  # the latest kept
+    assert child.wait(60) is not None  # stop() ended it
+
+
+def test_retained_samples_stay_under_the_memory_budget() -> None:
+    budget = 40_000
+    model = _model()
+    with fwdtrace.serve(model, port=0, memory=budget) as server:
+        status, answer = request(server, "POST", "/api/sample", {"key": "*", "raw": True})
+        assert status == 200 and len(answer["armed"]) == 5
+        train_steps(model, 30)
+        status, answer = request(server, "GET", "/api/status")
+        memory = answer["memory"]
+        held = 0
+        for arm in server.sampler.arms.values():  # what the buffers really hold, counted here
+            for _, raws in arm.buffer:
+                held += sum(r.numel() * r.element_size() for r in raws if r is not None)
+        assert memory["budget"] == budget and held <= memory["retained"] <= budget
+        assert sum(a["over_budget"] for a in answer["arms"]) > 0
+        refused = []
+        for arm in answer["arms"]:
+            samples = request(server, "GET", f"/api/samples?key={arm['key']}&kind=forward")[1]["samples"]
+            refused += [(arm["key"], i - len(samples), t["index"]) for i, s in enumerate(samples)
+                        for t in s["tensors"] if not t["raw"] and "memory budget" in t.get("raw_note", "")]
+        assert refused
+        key, sample, index = refused[0]
+        status, answer = request(server, "GET", f"/api/samples?key={key}&kind=forward&format=npy&index={index}&sample={sample}")
+        assert status == 409 and "memory budget (40000 bytes)" in answer["error"]
+
+
+BAD_BODIES = [
+    ("a 5000-digit integer", b'{"key": "body.1.ReLU", "every": ' + b"9" * 5000 + b"}"),
+    ("nesting 30000 deep", b"[" * 30000 + b"]" * 30000),
+]
+
+
+@pytest.mark.parametrize("body", [b for _, b in BAD_BODIES], ids=[n for n, _ in BAD_BODIES])
+def test_hostile_json_answers_400(body: bytes) -> None:
+    with fwdtrace.serve(_model(), port=0) as server:
+        status, answer = request(server, "POST", "/api/sample", body, {"Content-Type": "application/json"})
+        assert status == 400 and answer["error"].startswith("expected a JSON object like {")
+
+
+def test_clients_that_hang_up_print_nothing(capfd: pytest.CaptureFixture[str]) -> None:
+    import struct
+
+    with fwdtrace.serve(_model(), example_inputs=torch.randn(1, 8), port=0) as server:
+        for _ in range(20):
+            c = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            c.sendall(b"GET /api/graph HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % server.port)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            c.close()
+        assert request(server, "GET", "/api/status")[0] == 200
+    assert capfd.readouterr().err == ""
+
+
+def test_port_plus_rank_beyond_65535_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fwdtrace.live import sampler
+
+    monkeypatch.setattr(sampler, "distributed_rank", lambda: (3, 4))
+    model = _model()
+    before = hook_dicts(model)
+    with pytest.raises(FwdtraceError, match=r"^serve\(\) cannot listen on port 65534 \+ rank 3 = 65537"):
+        fwdtrace.serve(model, port=65534)
+    assert hook_dicts(model) == before

@@ -49,9 +49,14 @@ def _browser() -> object:
 
 
 def _wait(condition, timeout: float = 20.0, what: str = "") -> object:  # type: ignore[no-untyped-def]
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = condition()
+        try:
+            value = condition()
+        except StaleElementReferenceException:  # the page redrew the element between find and read: look again
+            value = None
         if value:
             return value
         time.sleep(0.1)

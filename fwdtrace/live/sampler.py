@@ -7,6 +7,15 @@ it); one summariser thread computes the statistics (torch releases the GIL there
 spare core does the work) and appends them to the arm's ring buffer under a short lock.
 HTTP threads take that lock only to copy what they serve. So neither the statistics nor a
 slow client hold training up.
+
+Nor break it: every hook body runs under :meth:`Sampler._guard`, so an error inside one
+disarms its key (the API and the page show why) and never reaches the training code.
+Gradients are taken with tensor hooks on the module's inputs and outputs, not module full
+backward hooks: those wrap the output in a custom autograd function that makes any later
+in-place op on it (``ReLU(inplace=True)`` after the layer) raise in the training loop.
+Memory is bounded twice: ``ring`` samples per key and kind, and one ``memory`` budget in
+bytes for everything the sampler holds (copies waiting for the summariser, raw values,
+an estimate of the summaries), beyond which samples or their raw values are refused and counted.
 """
 
 from __future__ import annotations
@@ -25,11 +34,12 @@ from ..errors import FwdtraceError, describe
 from ..keys import key2module, select_modules
 from ..stats import RunningStats
 
-__all__ = ["Sampler", "Arm", "KINDS", "ROLES"]
+__all__ = ["Sampler", "SamplerClosed", "Arm", "KINDS", "ROLES"]
 
 KINDS = ("forward", "grad")
 ROLES = {"forward": ("input", "output"), "grad": ("grad_input", "grad_output")}
 _MARGIN = 0.25  # histogram bins span the first sample's range and a quarter of it on each side
+_SUMMARY_BYTES = 64  # a rough cost of one number of a summary kept as Python objects (a float and its slot)
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -50,11 +60,13 @@ class Arm:
         self.taken = 0  # calls sampled
         self.appended = 0  # samples ever put in the buffer; the ring keeps the newest
         self.skipped = 0  # sampled calls not summarised: the summariser's queue was full
+        self.over_budget = 0  # samples, or their raw values, refused for the sampler's memory budget
         self.buffer: deque[tuple[dict[str, Any], list[torch.Tensor | None]]] = deque(maxlen=ring)
         self.stats = {role: RunningStats(bins) for role in ROLES[kind]}
         self.handles: list[Any] = []
         self.armed = True
         self.error: str | None = None
+        self.grad_calls = threading.local()  # per thread: grad-sampled calls between pre-hook and hook
 
     @property
     def dropped(self) -> int:
@@ -65,13 +77,21 @@ class Arm:
             return {
                 "key": self.key, "kind": self.kind, "every": self.every, "count": self.count, "raw": self.raw,
                 "armed": self.armed, "calls": self.calls, "taken": self.taken, "samples": len(self.buffer),
-                "dropped": self.dropped, "skipped": self.skipped, "ring": self.buffer.maxlen, "error": self.error,
+                "dropped": self.dropped, "skipped": self.skipped, "over_budget": self.over_budget,
+                "ring": self.buffer.maxlen, "error": self.error,
             }
 
     def detach(self) -> None:
         self.armed = False
         while self.handles:
             self.handles.pop().remove()
+
+    def fail(self, where: str, error: BaseException) -> None:
+        """Disarm after an error inside one of this arm's hooks, keeping why for the API and the page."""
+        with self.lock:
+            if self.error is None:
+                self.error = f"disarmed: {where} raised {type(error).__name__}: {error}"
+        self.detach()
 
 
 class Sampler:
@@ -92,21 +112,26 @@ class Sampler:
     (``skipped`` counts them). A sampled call keeps, per tensor, its shape, dtype, statistics and a ``bins``-bin
     histogram on bins fixed by the arm's first sample (its min to max and a quarter of that
     span on each side; values outside are counted as ``underflow``/``overflow``), the same bins as the running statistics; raw
-    values only when armed with ``raw=True`` and at most ``raw_cap`` elements.
+    values only when armed with ``raw=True`` and at most ``raw_cap`` elements. All of it
+    stays under ``memory`` bytes: a sampled call whose copies do not fit is skipped, raw
+    values that do not fit first release the arm's oldest raw values, then are not kept;
+    ``over_budget`` counts both.
     """
 
     def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22,
-                 pending: int = 32) -> None:
-        for name, value in (("ring", ring), ("bins", bins), ("raw_cap", raw_cap), ("pending", pending)):
+                 pending: int = 32, memory: int = 256 << 20) -> None:
+        for name, value in (("ring", ring), ("bins", bins), ("raw_cap", raw_cap), ("pending", pending),
+                            ("memory", memory)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise FwdtraceError(f"serve() expected {name} as a positive int, got {value!r}")
         self.model = model
         self.key2module = key2module(model)
-        self.ring, self.bins, self.raw_cap = ring, bins, raw_cap
+        self.ring, self.bins, self.raw_cap, self.memory = ring, bins, raw_cap, memory
         self.rank, self.world_size = distributed_rank()
         self.step = 0  # forwards of the root model, the page's "training step"
         self.arms: dict[tuple[str, str], Arm] = {}
         self._arms_lock = threading.Lock()
+        self.closed = False
         self.quiet_thread: int | None = None  # a thread whose forwards are not sampled (the graph's trace)
         # Called as sink(key, kind, sample) in the summariser thread after each sample is kept
         # (fwdtrace.tensorboard.log_sampler adds one); a sink that raises sets the arm's error.
@@ -114,6 +139,9 @@ class Sampler:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=pending)
         self._progress = threading.Condition()
         self._submitted = self._summarised = 0
+        self._memory_lock = threading.Lock()
+        self.retained = 0  # bytes of the samples in the ring buffers (raw values and the summaries' estimate)
+        self.queued = 0  # bytes of the copies waiting for the summariser
         self._worker = threading.Thread(target=self._summarise_queued, name="fwdtrace-live-summaries", daemon=True)
         self._worker.start()
         self._step_handle = model.register_forward_pre_hook(self._count_step)
@@ -132,18 +160,26 @@ class Sampler:
         if kind not in KINDS:
             raise FwdtraceError(f"arm() expected kind 'forward' or 'grad', got {kind!r}")
         keys = self.select(selector)
-        for key in keys:
-            arm = Arm(key, kind, every, count, raw, self.ring, self.bins)
-            module = self.key2module[key]
-            if kind == "forward":
-                arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
-            else:
-                arm.handles.append(module.register_full_backward_hook(self._grad_hook(arm)))
-            with self._arms_lock:
+        # Hooks are added under the lock that close() takes: an arm racing stop() either lands
+        # before close() (which then removes it) or finds the sampler closed; never in between.
+        with self._arms_lock:
+            if self.closed:
+                raise SamplerClosed("the live service is stopped: nothing can be armed any more")
+            for key in keys:
+                arm = Arm(key, kind, every, count, raw, self.ring, self.bins)
+                module = self.key2module[key]
+                if kind == "forward":
+                    arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
+                else:
+                    arm.handles.append(module.register_forward_pre_hook(self._grad_pre_hook(arm), with_kwargs=True))
+                    arm.handles.append(module.register_forward_hook(self._grad_hook(arm), with_kwargs=True))
                 old = self.arms.get((key, kind))
                 self.arms[(key, kind)] = arm
-            if old is not None:
-                old.detach()
+                if old is not None:
+                    old.detach()
+                    with old.lock:
+                        self._release(old, len(old.buffer))
+                        old.buffer.clear()
         return keys
 
     def disarm(self, selector: str, kind: str | None = None) -> list[str]:
@@ -152,17 +188,17 @@ class Sampler:
         done = []
         with self._arms_lock:
             arms = [a for (k, kd), a in self.arms.items() if k in keys and kind in (None, kd) and a.armed]
-        for arm in arms:
-            arm.detach()
-            done.append(arm.key)
+            for arm in arms:
+                arm.detach()
+                done.append(arm.key)
         return sorted(set(done))
 
     def close(self) -> None:
-        """Take every hook of this sampler off the model."""
+        """Take every hook of this sampler off the model; later arms are refused."""
         with self._arms_lock:
-            arms = list(self.arms.values())
-        for arm in arms:
-            arm.detach()
+            self.closed = True
+            for arm in self.arms.values():
+                arm.detach()
         self._step_handle.remove()
         if self._worker.is_alive():
             self._queue.put(None)
@@ -181,6 +217,17 @@ class Sampler:
             arm.taken += 1
             return call
 
+    @staticmethod
+    def _guard(arm: Arm, where: str, body: Any) -> Any:
+        """``body`` wrapped so that an error disarms ``arm`` instead of reaching the training code."""
+        def hook(*args: Any) -> None:
+            try:
+                body(*args)
+            except Exception as e:
+                arm.fail(where, e)
+
+        return hook
+
     def _forward_hook(self, arm: Arm) -> Any:
         def hook(module: torch.nn.Module, args: tuple, *rest: Any) -> None:
             # (kwargs, output) when registered with_kwargs; (output,) if a hook dict changed mid-call.
@@ -189,27 +236,55 @@ class Sampler:
                 kwargs = rest[0] if len(rest) == 2 else {}
                 self._submit(arm, call, [("input", tensors_of((args, kwargs))), ("output", tensors_of(rest[-1]))])
 
-        return hook
+        return self._guard(arm, "the forward hook", hook)
+
+    def _grad_pre_hook(self, arm: Arm) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            # Inputs are hooked before the module runs: a module that changes its input in
+            # place (ReLU(inplace=True)) then still reports the gradient of the value it received.
+            pending = arm.grad_calls.__dict__.setdefault("stack", [])
+            call = self._take(arm) if torch.is_grad_enabled() else None
+            # Leaf inputs are left out: a hook on a leaf stays on it for good, one more each call.
+            inputs = [t for t in tensors_of((args, kwargs)) if t.requires_grad and t.grad_fn is not None] \
+                if call is not None else []
+            if len(pending) >= 8:  # forwards that raised never reached the forward hook
+                del pending[0]
+            pending.append(_GradCall(self, arm, call, inputs) if call is not None else None)
+
+        return self._guard(arm, "the gradient pre-hook", hook)
 
     def _grad_hook(self, arm: Arm) -> Any:
-        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            call = self._take(arm)
-            if call is not None:
-                self._submit(arm, call, [("grad_input", tensors_of(grad_input)), ("grad_output", tensors_of(grad_output))])
+        def hook(module: torch.nn.Module, args: tuple, *rest: Any) -> None:
+            pending = getattr(arm.grad_calls, "stack", None)
+            grad_call = pending.pop() if pending else None
+            if grad_call is not None:
+                grad_call.hook_outputs([t for t in tensors_of(rest[-1]) if t.requires_grad])
 
-        return hook
+        return self._guard(arm, "the gradient hook", hook)
 
     def _submit(self, arm: Arm, call: int, groups: list[tuple[str, Iterable[torch.Tensor]]]) -> None:
         """Copy the tensors (the model may change them in place later) and queue them, never waiting."""
+        groups = [(role, list(tensors)) for role, tensors in groups]
+        size = sum(t.numel() * t.element_size() for _, tensors in groups for t in tensors)
+        with self._memory_lock:
+            fits = self.retained + self.queued + size <= self.memory
+            if fits:
+                self.queued += size
+        if not fits:
+            with arm.lock:
+                arm.over_budget += 1
+            return
         with torch.no_grad():
             copies = [(role, [t.detach().clone() for t in tensors]) for role, tensors in groups]
         with self._progress:
             self._submitted += 1
         try:
-            self._queue.put_nowait((arm, call, self.step, time.time(), copies))
+            self._queue.put_nowait((arm, call, self.step, time.time(), copies, size))
         except queue.Full:
             with self._progress:
                 self._submitted -= 1
+            with self._memory_lock:
+                self.queued -= size
             with arm.lock:
                 arm.skipped += 1
 
@@ -218,11 +293,15 @@ class Sampler:
             item = self._queue.get()
             if item is None:
                 return
+            size = item[-1]
             try:
                 self._record(*item)
             except Exception as e:  # a bug of ours must not end the summariser; the API shows it
                 item[0].error = f"{type(e).__name__}: {e}"
             finally:
+                del item  # the copies go now, before the next item is awaited
+                with self._memory_lock:
+                    self.queued -= size
                 with self._progress:
                     self._summarised += 1
                     self._progress.notify_all()
@@ -233,7 +312,8 @@ class Sampler:
             target = self._submitted
             self._progress.wait_for(lambda: self._summarised >= target, timeout)
 
-    def _record(self, arm: Arm, call: int, step: int, when: float, groups: list[tuple[str, list[torch.Tensor]]]) -> None:
+    def _record(self, arm: Arm, call: int, step: int, when: float, groups: list[tuple[str, list[torch.Tensor]]],
+                size: int) -> None:
         summaries: list[dict[str, Any]] = []
         raws: list[torch.Tensor | None] = []
         with torch.no_grad():
@@ -253,11 +333,60 @@ class Sampler:
                                 running.update(t)
             sample = {"step": step, "call": call, "rank": self.rank, "time": when, "tensors": summaries}
             with arm.lock:
+                if self.arms.get((arm.key, arm.kind)) is not arm:  # armed again since: the old samples are gone
+                    return
+                if not self._make_room(arm, sample, raws, size):
+                    arm.over_budget += 1
+                    return
+                if len(arm.buffer) == arm.buffer.maxlen:
+                    self._release(arm, 1)
                 sample["seq"] = arm.appended
                 arm.buffer.append((sample, raws))
                 arm.appended += 1
         for sink in list(self.sinks):
             sink(arm.key, arm.kind, sample)
+
+    def _make_room(self, arm: Arm, sample: dict[str, Any], raws: list[torch.Tensor | None], size: int) -> bool:
+        """Reserve the memory ``sample`` keeps (under ``arm.lock``; its copies, ``size`` bytes, are
+        about to leave the queue): release this arm's oldest raw values, then refuse the new ones,
+        then refuse the sample. False when it does not fit."""
+        summary = _summary_bytes(sample)
+        raw = sum(_nbytes(r) for r in raws)
+        with self._memory_lock:
+            over = self.retained + self.queued - size + summary + raw - self.memory
+            if raw and over > 0:
+                for old_sample, old_raws in arm.buffer:
+                    over -= self._drop_raws(old_sample, old_raws, "released for the memory budget")
+                    if over <= 0:
+                        break
+            if raw and over > 0:
+                over -= self._drop_raws(sample, raws, "not kept: over the memory budget", count=False)
+                arm.over_budget += 1
+                raw = 0
+            if over > 0:
+                return False
+            self.retained += summary + raw
+            return True
+
+    def _drop_raws(self, sample: dict[str, Any], raws: list[torch.Tensor | None], why: str, count: bool = True) -> int:
+        """Forget a sample's raw values (under ``_memory_lock``); the bytes freed."""
+        freed = 0
+        for i, r in enumerate(raws):
+            if r is not None:
+                freed += _nbytes(r)
+                raws[i] = None
+                sample["tensors"][i]["raw"] = False
+                sample["tensors"][i]["raw_note"] = why
+        if count:
+            self.retained -= freed
+        return freed
+
+    def _release(self, arm: Arm, n: int) -> None:
+        """Give back the memory of ``arm``'s ``n`` oldest samples, about to leave its buffer."""
+        with self._memory_lock:
+            for i in range(min(n, len(arm.buffer))):
+                sample, raws = arm.buffer[i]
+                self.retained -= _summary_bytes(sample) + sum(_nbytes(r) for r in raws)
 
     def _summarise(self, t: torch.Tensor, raw: bool, range: tuple[float, float] | None  # noqa: A002
                    ) -> tuple[dict[str, Any], RunningStats | None, torch.Tensor | None]:
@@ -308,14 +437,78 @@ class Sampler:
         with arm.lock:
             return arm.stats[role].to_dict()
 
+    def memory_info(self) -> dict[str, int]:
+        with self._memory_lock:
+            return {"budget": self.memory, "retained": self.retained, "queued": self.queued}
+
     def status(self) -> dict[str, Any]:
         self.drain()
         with self._arms_lock:
             arms = list(self.arms.values())
-        return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "arms": [a.info() for a in arms]}
+        return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "memory": self.memory_info(),
+                "arms": [a.info() for a in arms]}
 
     def __repr__(self) -> str:
         return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+
+
+class SamplerClosed(FwdtraceError):
+    """An arm after :meth:`Sampler.close`."""
+
+
+class _GradCall:
+    """One grad-sampled call: tensor hooks on its inputs and outputs collect their gradients
+    during backward, and the call is submitted once every hook the backward will run has run."""
+
+    def __init__(self, sampler: Sampler, arm: Arm, call: int, inputs: list[torch.Tensor]) -> None:
+        self.sampler, self.arm, self.call = sampler, arm, call
+        self.n_inputs = len(inputs)
+        self.nodes: list[Any] = []
+        self.lock = threading.Lock()
+        self.grads: dict[int, list[torch.Tensor | None]] = {}  # per backward pass (graph task)
+        self.done: set[int] = set()
+        self._hook(inputs)
+
+    def hook_outputs(self, outputs: list[torch.Tensor]) -> None:
+        self._hook(outputs)
+
+    def _hook(self, tensors: list[torch.Tensor]) -> None:
+        # The node each tensor's gradient arrives at is taken now: an in-place op later (the
+        # module on its input, ReLU(inplace=True) after it on its output) gives the tensor a new
+        # node, but a hook registered before stays with the old one and sees the value's gradient.
+        for t in tensors:
+            self.nodes.append(torch.autograd.graph.get_gradient_edge(t).node)
+            t.register_hook(self.sampler._guard(self.arm, "a gradient hook", self._on_grad(len(self.nodes) - 1)))
+
+    def _on_grad(self, index: int) -> Any:
+        def on_grad(grad: torch.Tensor) -> None:  # returns None: the gradient is never changed
+            task = torch._C._current_graph_task_id()
+            with self.lock:
+                if task in self.done:
+                    return
+                grads = self.grads.setdefault(task, [None] * len(self.nodes))
+                grads[index] = grad.detach()
+                # Some tensors get no gradient in this backward (an unused output, inputs= given):
+                # wait only for those whose node the engine will run.
+                expected = sum(map(torch._C._will_engine_execute_node, self.nodes))
+                if sum(g is not None for g in grads) < expected:
+                    return
+                del self.grads[task]
+                self.done.add(task)
+            self.sampler._submit(self.arm, self.call, [
+                ("grad_input", [g for g in grads[:self.n_inputs] if g is not None]),
+                ("grad_output", [g for g in grads[self.n_inputs:] if g is not None]),
+            ])
+
+        return on_grad
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _summary_bytes(sample: dict[str, Any]) -> int:
+    return sum(_SUMMARY_BYTES * (24 + 2 * len(t.get("histogram", ()))) for t in sample["tensors"])
 
 
 def check_positive(name: str, value: Any, optional: bool = False) -> int | None:

@@ -1,11 +1,13 @@
 """The HTTP half of the live service: JSON endpoints and the page, in a daemon thread of the training process.
 
-stdlib only (``http.server.ThreadingHTTPServer``): each request runs in its own thread
+stdlib only (``http.server.ThreadingHTTPServer``): each connection runs in its own thread
 and reads what the :class:`~fwdtrace.live.sampler.Sampler` keeps under short locks.
-Security: loopback by default; any other bind needs a token, checked on every request;
-the ``Host`` header must name the bound address (DNS rebinding); JSON in and out, never
-pickle; request bodies are size-limited; POST needs ``Content-Type: application/json``,
-which a cross-site form cannot send without a CORS preflight this server never grants.
+Security: loopback by default; any other bind needs a token, checked on every request
+before anything else is read; the ``Host`` header must name the bound address (DNS
+rebinding); JSON in and out, never pickle; request bodies are size-limited; POST needs
+``Content-Type: application/json``, which a cross-site form cannot send without a CORS
+preflight this server never grants. Connections are bounded (:class:`_HTTPServer`): at most
+``max_connections`` open, each closed after ``timeout`` seconds without a whole request.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import io
 import json
 import math
 import secrets
+import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -29,12 +33,14 @@ import torch
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..keys import closest_keys
-from .sampler import KINDS, ROLES, Sampler, check_positive
+from .sampler import KINDS, ROLES, Sampler, SamplerClosed, check_positive
 
 __all__ = ["Server", "serve"]
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024
+SVG_CACHE = 8  # graph drawings kept, one per depth, the least recently shown dropped first
+JOIN_TIMEOUT = 10.0  # stop() waits this long in all for the request threads to finish
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _WILDCARD = ("0.0.0.0", "::", "")
 _ARM_EXAMPLE = '{"key": "0.Linear", "kind": "forward", "every": 1, "count": null, "raw": false}'
@@ -64,24 +70,32 @@ class Server:
     """A running live service; see :func:`serve`. Stop it with ``stop()`` or by leaving ``with``."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, host: str, port: int, token: str | None,
-                 ring: int, bins: int, raw_cap: int, pending: int) -> None:
+                 ring: int, bins: int, raw_cap: int, pending: int, memory: int = 256 << 20,
+                 max_connections: int = 32, timeout: float = 10.0) -> None:
         self.model = model
         self.host = host
-        self.sampler = Sampler(model, ring=ring, bins=bins, raw_cap=raw_cap, pending=pending)
+        self.sampler = Sampler(model, ring=ring, bins=bins, raw_cap=raw_cap, pending=pending, memory=memory)
         self.graph: Graph | None = None
         self.graph_error: str | None = None
         self.trace_exception: BaseException | None = None  # why the graph's trace failed, for `fwdtrace serve`
+        self._graph_json: str | None = None
         self._graph_handle: Any = None
-        self._svg_cache: dict[int | None, str] = {}
+        self._svg_cache: OrderedDict[int | None, str] = OrderedDict()
+        self._layouts: Any = None
         self._lock = threading.Lock()
+        self.closed = False
         try:
             if example_inputs is not None:
                 self._trace(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})
             else:
                 self._graph_handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
             bind_port = port + self.sampler.rank if port else 0  # under torch.distributed: rank r serves on port + r
+            if bind_port > 65535:
+                raise FwdtraceError(f"serve() cannot listen on port {port} + rank {self.sampler.rank} = {bind_port}: "
+                                    f"expected a port of at most {65535 - self.sampler.rank} for rank "
+                                    f"{self.sampler.rank} (each rank serves on port + rank), or port=0")
             try:
-                self.httpd = _HTTPServer((host, bind_port), _Handler)
+                self.httpd = _HTTPServer((host, bind_port), _Handler, max_connections, timeout)
             except OSError as e:
                 raise FwdtraceError(
                     f"serve() could not listen on {host}:{bind_port} ({e.strerror or e}); pass port=0 for a free port"
@@ -127,16 +141,35 @@ class Server:
         self._trace(args, kwargs)
 
     def graph_svg(self, depth: int | None) -> str:
-        from .svg import graph_svg
+        """The keyed drawing at ``depth``, laid out by a child process (Graphviz holds the GIL) and cached."""
+        from .svg import LayoutProcess
 
         assert self.graph is not None
         with self._lock:
+            if self.closed:
+                raise _Reply(503, "the live service is stopped")
             svg = self._svg_cache.get(depth)
-        if svg is None:
-            svg = graph_svg(self.graph, depth)
-            with self._lock:
-                self._svg_cache[depth] = svg
+            if svg is not None:
+                self._svg_cache.move_to_end(depth)
+                return svg
+            if self._layouts is None:
+                self._layouts = LayoutProcess(self.graph_json())
+            layouts = self._layouts
+        try:
+            svg = layouts.svg(depth)
+        except FwdtraceError as e:
+            raise _Reply(503, str(e)) from None
+        with self._lock:
+            self._svg_cache[depth] = svg
+            while len(self._svg_cache) > SVG_CACHE:
+                self._svg_cache.popitem(last=False)
         return svg
+
+    def graph_json(self) -> str:
+        assert self.graph is not None
+        if self._graph_json is None:  # once: the graph does not change, and the layout child reads it too
+            self._graph_json = self.graph.to_json(indent=None)
+        return self._graph_json
 
     # -- lifetime ---------------------------------------------------------------------------------
     def _unhook(self) -> None:
@@ -147,13 +180,23 @@ class Server:
         self.sampler.close()
 
     def stop(self) -> None:
-        """Stop serving, join the server thread and take every hook off the model; calling it twice is harmless."""
+        """Stop serving, join the server's threads and take every hook off the model; calling it twice is harmless.
+
+        Arms still in flight either finish before the hooks are taken off (and are taken off
+        with them) or are refused: the sampler is closed first, under the lock arms take.
+        """
+        with self._lock:
+            self.closed = True
+            layouts, self._layouts = self._layouts, None
+        self._unhook()
         if self._thread.is_alive():
             self.httpd.shutdown()
             self._thread.join()
         self.httpd.server_close()
         self.httpd.close_connections()  # a browser's keep-alive connection would outlive the server
-        self._unhook()
+        self.httpd.join_handlers(JOIN_TIMEOUT)
+        if layouts is not None:
+            layouts.close()
 
     def __enter__(self) -> Server:
         return self
@@ -167,6 +210,7 @@ class Server:
 
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, host_header: str | None, token: str | None) -> None:
+        """Refuse a request whose Host header or token is wrong; the first thing done with a request."""
         if self._hosts is not None and (host_header or "").lower() not in self._hosts:
             raise _Reply(403, f"expected the Host header to be one of {sorted(self._hosts)}, got {host_header!r}")
         if self.token is not None and not (token and hmac.compare_digest(token.encode(), self.token.encode())):
@@ -223,7 +267,7 @@ class Server:
     def arm(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         try:
             request = json.loads(body or b"")
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # also: integers over 4300 digits, nesting too deep
             raise _Reply(400, f"expected a JSON object like {_ARM_EXAMPLE}, got invalid JSON ({e})") from None
         if not isinstance(request, dict):
             raise _Reply(400, f"expected a JSON object like {_ARM_EXAMPLE}, got a JSON {type(request).__name__}")
@@ -245,6 +289,8 @@ class Server:
         key = request["key"]
         try:
             keys = self.sampler.arm(key, kind, every=every or 1, count=count, raw=raw)
+        except SamplerClosed as e:
+            raise _Reply(503, str(e)) from None
         except FwdtraceError:
             raise _Reply(404, f"{key!r} matches no module key", closest=closest_keys(key, self.sampler.key2module)) from None
         return _json({"armed": keys, "kind": kind, "every": every, "count": count, "raw": raw})
@@ -283,7 +329,9 @@ class Server:
             raise _Reply(404, f"no tensor index={index} in sample={sample} of {key!r} ({kind})") from None
         if raw is None:
             why = (f"it has {summary['numel']} elements, over the cap of {self.sampler.raw_cap}"
-                   if summary["numel"] > self.sampler.raw_cap else 'it was armed without "raw": true')
+                   if summary["numel"] > self.sampler.raw_cap else
+                   f"{summary['raw_note']} ({self.sampler.memory} bytes)" if "raw_note" in summary else
+                   'it was armed without "raw": true')
             raise _Reply(409, f"no raw values kept for tensor {index} of {key!r}: {why}")
         buffer = io.BytesIO()
         np.save(buffer, raw.numpy(), allow_pickle=False)
@@ -310,9 +358,9 @@ class Server:
         svg = histogram_svg(self.sampler.samples(key, kind), role)
         return 200, "image/svg+xml", svg.encode()
 
-    def graph_json(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
-        graph = self._ready_graph()
-        return 200, "application/json", graph.to_json(indent=None).encode()
+    def graph_text(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        self._ready_graph()
+        return 200, "application/json", self.graph_json().encode()
 
     def graph_drawing(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         self._ready_graph()
@@ -336,7 +384,7 @@ _ROUTES = {
     ("GET", "/api/samples"): Server.samples,
     ("GET", "/api/stats"): Server.stats,
     ("GET", "/api/chart.svg"): Server.chart,
-    ("GET", "/api/graph"): Server.graph_json,
+    ("GET", "/api/graph"): Server.graph_text,
     ("GET", "/api/graph.svg"): Server.graph_drawing,
 }
 
@@ -359,40 +407,140 @@ def _allowed_hosts(host: str, port: int) -> set[str]:
     return {f"{n}:{port}".lower() for n in names}
 
 
+class _Connection:
+    """One open connection: the thread serving it, and whether it is answering a request or waiting for one."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.busy = False  # answering a request; never closed to make room
+        self.since = time.monotonic()  # when it last started waiting for a request
+        self.authorized = False  # has sent a request that passed the token and Host checks
+        self.closing = False
+        self.thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """End it from another thread: its thread's read returns at once, and the thread exits."""
+        self.closing = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         b"Content-Length: %d\r\n\r\n%s")
+
+
 class _HTTPServer(ThreadingHTTPServer):
+    """Connections bounded in number and time, so idle or slow clients cannot exhaust threads or descriptors.
+
+    At most ``max_connections`` are open. A new one beyond that replaces the connection that
+    has waited longest for a request (one that never passed the token check first); when
+    every connection is answering a request, the new one is refused at once with 503, from
+    the accepting thread, without a thread of its own. A connection that goes ``timeout``
+    seconds without sending a whole request (idle keep-alive, or trickling bytes) is closed.
+    """
+
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog; at socketserver's 5, a burst of connects waits 1 s for SYN retries
     app: Server
 
-    def __init__(self, *args: Any) -> None:
-        self.connections: set[Any] = set()  # open keep-alive connections, closed by stop()
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int, timeout: float) -> None:
+        self.connections: dict[socket.socket, _Connection] = {}  # with threads alive, closing ones included
         self.connections_lock = threading.Lock()
-        super().__init__(*args)
+        self.max_connections, self.request_timeout = max_connections, timeout
+        self.refused = self.replaced = self.timed_out = 0
+        super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        connection = _Connection(request)
+        self._wait_for_closing()
         with self.connections_lock:
-            self.connections.add(request)
-        super().process_request(request, client_address)
+            open_ = [c for c in self.connections.values() if not c.closing]
+            accept = len(open_) < self.max_connections
+            if not accept:
+                waiting = [c for c in open_ if not c.busy]
+                if waiting:
+                    min(waiting, key=lambda c: (c.authorized, c.since)).close()
+                    self.replaced += 1
+                    accept = True
+                else:
+                    self.refused += 1
+            if accept:
+                self.connections[request] = connection
+                connection.thread = threading.Thread(target=self.process_request_thread,
+                                                     args=(request, client_address),
+                                                     name="fwdtrace-live-request", daemon=True)
+        if accept:
+            connection.thread.start()  # type: ignore[union-attr]
+        else:
+            self._refuse(request)
+
+    def _wait_for_closing(self, timeout: float = 5.0) -> None:
+        """Keep threads under twice the cap: connections closed to make room hold theirs until it
+        sees the close. Waits here, in the accepting thread (new connections queue in the backlog)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.connections_lock:
+                if len(self.connections) < 2 * self.max_connections:
+                    return
+                closing = [c.thread for c in self.connections.values() if c.closing and c.thread is not None]
+            if not closing or time.monotonic() > deadline:
+                return
+            closing[0].join(max(0.0, deadline - time.monotonic()))
+
+    def _refuse(self, request: socket.socket) -> None:
+        body = json.dumps({"error": f"too many connections (at most {self.max_connections}, all answering); "
+                                    "try again", "status": 503}).encode()
+        try:
+            request.setblocking(False)  # never wait on a client that does not read
+            request.send(_BUSY % (len(body), body))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def connection(self, request: Any) -> _Connection | None:
+        with self.connections_lock:
+            return self.connections.get(request)
+
+    def service_actions(self) -> None:
+        """Between accepts (every poll interval): close connections waiting too long for a whole request."""
+        now = time.monotonic()
+        with self.connections_lock:
+            late = [c for c in self.connections.values()
+                    if not c.busy and not c.closing and now - c.since > self.request_timeout]
+            for c in late:
+                c.close()
+            self.timed_out += len(late)
 
     def shutdown_request(self, request: Any) -> None:
         with self.connections_lock:
-            self.connections.discard(request)
+            self.connections.pop(request, None)
         super().shutdown_request(request)
 
-    def close_connections(self) -> None:
-        import socket
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients that hang up or time out are normal; a traceback would land in the training script's stderr.
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            print(f"fwdtrace live: a request from {client_address[0]} failed: {type(error).__name__}: {error}",
+                  file=sys.stderr, flush=True)
 
+    def close_connections(self) -> None:
         with self.connections_lock:
-            connections = list(self.connections)
+            connections = list(self.connections.values())
         for connection in connections:
-            try:
-                connection.shutdown(socket.SHUT_RDWR)  # the handler thread's read ends, and it exits
-            except OSError:
-                pass
+            connection.close()
+
+    def join_handlers(self, timeout: float) -> None:
+        """Wait, ``timeout`` seconds in all, for the threads of the connections closed by close_connections()."""
+        deadline = time.monotonic() + timeout
+        with self.connections_lock:
+            threads = [c.thread for c in self.connections.values() if c.thread is not None]
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def server_bind(self) -> None:
         if ":" in self.server_address[0]:
-            import socket
-
             self.address_family = socket.AF_INET6
             self.socket = socket.socket(self.address_family, self.socket_type)
         super().server_bind()
@@ -418,13 +566,37 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         self._serve("DELETE")
 
+    def setup(self) -> None:
+        self.connection_state = self.server.connection(self.request)
+        super().setup()
+        self.connection.settimeout(self.server.request_timeout)  # each read; the server times the whole request
+
     def _serve(self, method: str) -> None:
-        app = self.server.app
+        app, state = self.server.app, self.connection_state
+        if state is not None:
+            state.busy = True
+        try:
+            self._answer(app, method)
+        finally:
+            if state is not None:
+                state.since, state.busy = time.monotonic(), False
+
+    def _answer(self, app: Server, method: str) -> None:
         try:
             url = urlsplit(self.path)
-            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+            try:
+                query = {k: v[-1] for k, v in parse_qs(url.query, max_num_fields=64).items()}
+            except ValueError as e:
+                self.close_connection = True
+                raise _Reply(400, f"expected a URL with at most 64 query fields ({e})") from None
             auth = self.headers.get("Authorization", "")
-            app.check_request(self.headers.get("Host"), auth.removeprefix("Bearer ").strip() or query.get("token"))
+            try:
+                app.check_request(self.headers.get("Host"), auth.removeprefix("Bearer ").strip() or query.get("token"))
+            except _Reply:
+                self.close_connection = True  # nothing more is read from a client that failed the checks
+                raise
+            if self.connection_state is not None:
+                self.connection_state.authorized = True
             body = self._body() if method == "POST" else None
             status, ctype, payload = app.handle(method, url.path, query, body)
         except _Reply as e:
@@ -433,11 +605,15 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # a bug of ours answers 500 and keeps the server (and training) going
             status, ctype = 500, "application/json"
             payload = json.dumps({"error": f"{type(e).__name__}: {e}", "status": 500}).encode()
+        if method == "POST" and status >= 400:
+            self.close_connection = True  # the body may be unread: it would be taken for the next request
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(payload)))
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(payload)
 
@@ -458,7 +634,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "127.0.0.1", port: int = 8765,
           token: str | None = None, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22,
-          pending: int = 32) -> Server:
+          pending: int = 32, memory: int = 256 << 20, max_connections: int = 32, timeout: float = 10.0) -> Server:
     """Serve a live view of ``model`` over HTTP from a daemon thread: arm sampling by module key, read statistics.
 
     >>> import torch, fwdtrace, urllib.request, json
@@ -476,7 +652,12 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     (armed with ``"raw": true``) are kept for tensors of at most ``raw_cap`` elements. A
     sampled call's tensors are copied and summarised in a background thread; when
     ``pending`` calls already wait for it, the call is skipped (and counted) rather than waited for.
-    ``stop()`` (or leaving ``with``) joins the thread and takes every hook off the model.
+    Everything the sampler holds stays under ``memory`` bytes (256 MiB): beyond it samples or
+    their raw values are refused and counted (``over_budget``). At most ``max_connections``
+    connections are open (beyond, the one waiting longest for a request is closed, or the new
+    one refused with 503 when all are answering); each is closed after ``timeout`` seconds
+    without a whole request. ``stop()`` (or leaving ``with``) joins the threads and takes
+    every hook off the model.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"serve() expected a torch.nn.Module as model, got {describe(model)}")
@@ -486,10 +667,15 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
         raise FwdtraceError(f"serve() expected port as an int in 0..65535 (0 picks a free one), got {port!r}")
     if token is not None and (not isinstance(token, str) or len(token) < 8):
         raise FwdtraceError(f"serve() expected token as a str of at least 8 characters or None, got {token!r}")
+    if not isinstance(max_connections, int) or isinstance(max_connections, bool) or max_connections < 1:
+        raise FwdtraceError(f"serve() expected max_connections as a positive int, got {max_connections!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise FwdtraceError(f"serve() expected timeout as a positive number of seconds, got {timeout!r}")
     if host not in _LOOPBACK and token is None:
         token = secrets.token_urlsafe(16)
         print(f"fwdtrace live: serving {host} beyond loopback; token {token}", file=sys.stderr, flush=True)
-    return Server(model, example_inputs, host, port, token, ring, bins, raw_cap, pending)
+    return Server(model, example_inputs, host, port, token, ring, bins, raw_cap, pending, memory, max_connections,
+                  float(timeout))
 
 
 # -- the `fwdtrace serve` subcommand ---------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The SVG the live page shows: the graph drawing with module keys, and histograms over steps.
 
+Graph drawings are laid out in a child process (:class:`LayoutProcess`): Graphviz holds the GIL.
+
 Charts are drawn here, on the server, rather than by a JavaScript charting library:
 the page stays a few hundred lines of plain JS with no third-party code to pin and
 audit, it works offline, and the drawing is plain Python that the tests read.
@@ -9,12 +11,19 @@ from __future__ import annotations
 
 import html
 import math
+import os
 import re
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
 from typing import Any
 
+from ..errors import FwdtraceError
 from ..graph import Graph
 
-__all__ = ["graph_svg", "histogram_svg"]
+__all__ = ["graph_svg", "histogram_svg", "LayoutProcess"]
 
 _NODE = re.compile(r'<g id="([^"]+)" class="node">\s*<title>([^<]*)</title>')
 _CLUSTER = re.compile(r'(<g id="[^"]+" class="cluster")(>\s*<title>[^<]*</title>.*?<text[^>]*>([^<]*)</text>)', re.S)
@@ -35,7 +44,7 @@ def _unit_keys(graph: Graph, depth: int | None) -> tuple[int, dict[int, str]]:
         key: str | None
         if depth is not None and depth <= 0 and n.kind in ("module", "function"):
             unit, key = ("model",), None
-        elif depth is not None and len(n.scope) >= depth:
+        elif depth is not None and 0 < depth <= len(n.scope):
             s = n.scope[depth - 1]
             unit, key = ("g", s.module_path, s.call_index), f"{s.module_path}.{s.class_name}"
         else:
@@ -145,3 +154,120 @@ def histogram_svg(samples: list[dict[str, Any]], role: str, width: int = 440, he
         "</svg>",
     ]
     return "".join(parts)
+
+
+# -- layout in a child process ---------------------------------------------------------------------------
+class LayoutProcess:
+    """Lays graphs out in a child Python process, so Graphviz never holds the training process's GIL.
+
+    >>> import torch, fwdtrace
+    >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.ones(1, 4))
+    >>> with LayoutProcess(g.to_json(indent=None)) as layouts:
+    ...     'data-key="0.Linear"' in layouts.svg(None)
+    True
+
+    pygraphviz lays out without releasing the GIL: in a thread of the training process, one
+    drawing stretched a training step from 3.4 ms to 180-270 ms. The child is started at
+    the first drawing, is given the graph's JSON once, then answers one depth at a time
+    (``python -m fwdtrace.live.svg`` speaks length-prefixed frames on stdin and stdout);
+    it exits when its stdin closes, so a training process that dies takes it along.
+    """
+
+    def __init__(self, graph_json: str, timeout: float = 120.0) -> None:
+        self.graph_json = graph_json
+        self.timeout = timeout
+        self.proc: Any = None
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def svg(self, depth: int | None) -> str:
+        """The keyed SVG drawing at ``depth`` (None: all), laid out by the child."""
+        with self._lock:
+            if self.closed:  # a request still in flight when the service stopped starts no new child
+                raise FwdtraceError("the layout process is closed")
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            try:
+                _write_frame(self.proc.stdin, b"all" if depth is None else str(depth).encode())
+                status, _, payload = _read_frame(self.proc.stdout, self.timeout).partition(b" ")
+            except (OSError, TimeoutError, EOFError) as e:
+                self._stop()  # a child that hangs or died is replaced at the next drawing
+                raise FwdtraceError(f"laying out the graph at depth {depth} failed: {type(e).__name__}: {e}") from None
+        if status != b"ok":
+            raise FwdtraceError(f"laying out the graph at depth {depth} failed: {payload.decode(errors='replace')}")
+        return payload.decode()
+
+    def _start(self) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])  # the same fwdtrace as this process
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
+               "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "fwdtrace.live.svg"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        _write_frame(self.proc.stdin, self.graph_json.encode())
+
+    def _stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        """End the child (it exits when its stdin closes; killed after 5 s)."""
+        with self._lock:
+            self.closed = True
+            self._stop()
+
+    def __enter__(self) -> LayoutProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _write_frame(stream: Any, data: bytes) -> None:
+    stream.write(b"%d\n" % len(data) + data)
+    stream.flush()
+
+
+def _read_frame(stream: Any, timeout: float | None = None) -> bytes:
+    # Each answer is read whole, so nothing waits in the reader's buffer when select() is asked.
+    if timeout is not None and not select.select([stream], [], [], timeout)[0]:
+        raise TimeoutError(f"no answer in {timeout:g} s")
+    header = stream.readline()
+    if not header.endswith(b"\n"):
+        raise EOFError("the layout process ended")
+    data = stream.read(int(header))
+    if len(data) != int(header):
+        raise EOFError("the layout process ended mid-answer")
+    return data
+
+
+def _serve_layouts() -> None:
+    """The child's loop: the graph's JSON, then one depth per frame; each answered "ok" + SVG or "error" + why."""
+    if hasattr(os, "nice"):
+        os.nice(10)  # a drawing never competes with training for a core
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        graph = Graph.from_json(_read_frame(stdin).decode())
+        while True:
+            request = _read_frame(stdin).decode()
+            try:
+                answer = b"ok " + graph_svg(graph, None if request == "all" else int(request)).encode()
+            except Exception as e:
+                answer = f"error {type(e).__name__}: {e}".encode()
+            _write_frame(stdout, answer)
+    except (EOFError, BrokenPipeError):
+        return
+
+
+if __name__ == "__main__":
+    _serve_layouts()

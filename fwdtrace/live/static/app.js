@@ -94,7 +94,8 @@ async function refreshPanel(panel) {
     rows.push("<tr><th>" + role + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
     panel.element.querySelector(".counts").textContent =
       `every ${stats.every} · ${stats.taken} sampled of ${stats.calls} calls · ${stats.samples} kept · ${stats.dropped} dropped` +
-      (stats.armed ? "" : " · disarmed");
+      (stats.over_budget ? ` · ${stats.over_budget} over the memory budget` : "") +
+      (stats.armed ? "" : " · disarmed") + (stats.error ? " · " + stats.error : "");
   }
   panel.element.querySelector(".charts").innerHTML = charts.join("");
   panel.element.querySelector("table").innerHTML =
