@@ -508,7 +508,12 @@ def test_leaf_layers_are_one_box_and_the_empty_cache_is_folded() -> None:
     cats = [n for n in graph.nodes if n.target == "torch.cat" and n.module_path == "h.0.attn"]
     assert len(cats) == 2 and all(0 in n.inputs[0].shape and n.inputs[1].shape == n.outputs[0].shape for n in cats)
     assert "cat" not in labels and "tensor" not in labels and "cat" in dot_labels(graph.to_dot(None, fold_side=False))
-    assert sum(label == "empty cache, 2 ops\n→ h.0.attn" for label in dot_labels(folded)) == 2
+    # ... feeding the attention and the cache tensors the model returns (outputs of the trace)
+    fed = sorted(label for label in dot_labels(folded) if label.startswith("empty cache, 2 ops\n"))
+    assert fed == [f"empty cache, 2 ops\n→ h.0.attn, output: output_past_key_values_layers[0]_{kv}" for kv in ("keys", "values")]
+    # every output is a box of its own: a cache's run of outputs (two per layer) is no loop
+    outputs = {str(n.id) for n in graph.nodes if n.kind == "output"}
+    assert len(outputs) == 7 and outputs <= {str(n.attr["fwdtrace_members"]) for n in agraph.nodes()}
 
 
 def test_only_calls_of_functions_alone_are_leaf_layers() -> None:

@@ -219,7 +219,9 @@ def _loops(graph: Graph) -> tuple[dict[Item, Loop], list[Loop]]:
         key: Hashable
         if isinstance(item, int):
             n: Node = by_id[item]
-            key = ("n", n.kind, n.target, n.module_path if n.kind == "module" else "")
+            # the model's inputs and outputs are each drawn: never the body of a loop (a cache
+            # returns two tensors per layer, which would otherwise fold as a run of outputs)
+            key = ("io", n.id) if n.kind in ("input", "output") else ("n", n.kind, n.target, n.module_path if n.kind == "module" else "")
         else:
             inner = chain + (item,)
             key = ("s", item.module_path, item.class_name,
