@@ -779,6 +779,11 @@ def _live_svg(run: Run) -> None:
     module_boxes = [g for g in root.iter("{http://www.w3.org/2000/svg}g")
                     if g.get("class") == "node" and g.get("data-key")]
     assert module_boxes or not run.graph.find(kind="module"), "no layer box of the live page carries its key"
+    for g in module_boxes:  # on its own module's box: the draw pass's tooltip starts with the module path
+        a = g.find(".//{http://www.w3.org/2000/svg}a")
+        tooltip = "" if a is None else a.get("{http://www.w3.org/1999/xlink}title", "")
+        path = g.get("data-key", "").rsplit(".", 1)[0]
+        assert tooltip.startswith(path + " "), f"box keyed {g.get('data-key')!r} has the tooltip {tooltip[:80]!r}"
 
 
 def _json(run: Run) -> None:

@@ -73,12 +73,7 @@ def test_rows_follow_module_keys_with_the_shapes_and_calls_plain_hooks_see(name)
             seen.setdefault(key, ([tuple(t.shape) for t in fwdtrace._tree.tensors_of((args, kwargs))],
                                   [tuple(t.shape) for t in fwdtrace._tree.tensors_of(out)]))
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    zoo.run_hooked(model, handles, *inputs)
     result = fwdtrace.analyze(model, *inputs, warmup=1, repeats=1)
     assert [r.key for r in result.rows] == fwdtrace.module_keys(model)
     for row in result.rows:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zoo
 from torch import nn
 
 import fwdtrace
@@ -194,6 +195,129 @@ def test_keys_and_graph() -> None:
         assert re.findall(r'class="cluster" data-key="([^"]+)"', svg) == ["body.Sequential"]
         status, svg = request(server, "GET", "/api/graph.svg?depth=1")
         assert re.findall(r'class="node" data-key="([^"]+)"', svg.decode()) == ["body.Sequential"]
+
+
+class Scale(nn.Module):
+    """A layer written with functions (as transformers' ``Conv1D``): one closed box on the page."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + 0.5
+
+
+class Recur(nn.Module):
+    """The same layer called four times in one forward: the draw pass folds iterations 2 to 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            h = torch.tanh(self.cell(h))
+        return h
+
+
+class KeyNet(nn.Module):
+    """What the draw pass folds: position arithmetic (a side box), a loop, identical sibling blocks,
+    a leaf layer written with functions and called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.pos = nn.Embedding(4, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)])
+        self.recur = Recur()
+        self.scale = Scale(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos(torch.arange(x.shape[1]).unsqueeze(0))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.scale(self.scale(self.recur(h))))
+
+
+def module_calls(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], list[str]]:
+    """The module keys of the calls ``model`` makes, by plain hooks: (calls that call no other
+    module, calls that do), the root's own call left out."""
+    path2key = {m: fwdtrace.keys.module_key(path, m) for path, m in model.named_modules()}
+    stack: list[list[Any]] = []  # [key, called another module]
+    leaves: list[str] = []
+    outer: list[str] = []
+
+    def pre(m: nn.Module, args: Any) -> None:
+        if stack:
+            stack[-1][1] = True
+        stack.append([path2key[m], False])
+
+    def post(m: nn.Module, args: Any, out: Any) -> None:
+        key, parent = stack.pop()
+        if m is not model:
+            (outer if parent else leaves).append(key)
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    zoo.run_hooked(model, handles, *inputs)
+    return leaves, outer
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def svg_boxes(svg: str) -> list[tuple[str, str, str | None, str]]:
+    """Each box and cluster of a live SVG: (node or cluster, data-kind, data-key, first tooltip line)."""
+    import xml.etree.ElementTree as ET
+
+    boxes = []
+    for g in ET.fromstring(svg).iter(f"{SVG}g"):
+        if g.get("class") in ("node", "cluster"):
+            a = g.find(f".//{SVG}a")
+            tooltip = "" if a is None else a.get("{http://www.w3.org/1999/xlink}title", "")
+            boxes.append((g.get("class", ""), g.get("data-kind", ""), g.get("data-key"), tooltip.split("\n")[0]))
+    return boxes
+
+
+def test_every_box_of_a_module_carries_its_key_as_hooks_see_the_calls() -> None:
+    from fwdtrace.live.svg import graph_svg
+
+    model, x = KeyNet().eval(), torch.randn(2, 4, 8)
+    graph = fwdtrace.trace(model, x)
+    leaves, outer = module_calls(model, x)
+    boxes = svg_boxes(graph_svg(graph))
+    node_keys = [key for element, _, key, _ in boxes if element == "node" and key]
+    # One box per leaf call, but the loop's iterations 2 to 4, which share one box with no key.
+    assert leaves.count("recur.cell.Linear") == 4
+    assert sorted(node_keys) == sorted([k for k in leaves if k != "recur.cell.Linear"] + ["recur.cell.Linear"])
+    assert node_keys.count("scale.Scale") == 2  # the leaf layer drawn closed, once per call
+    assert {key for element, _, key, _ in boxes if element == "cluster"} == set(outer)
+    kinds = {kind for element, kind, key, _ in boxes if element == "node" and not key}
+    assert {"side", "loop"} <= kinds <= {"side", "loop", "input", "output", "function"}
+    for _, _, key, tooltip in boxes:  # each key sits on its own module's box
+        if key:
+            path = key.rsplit(".", 1)[0]
+            assert tooltip.startswith(path + " "), (key, tooltip)
+
+
+@pytest.mark.parametrize("depth", [None, 0, 1, 2, 3])
+def test_every_key_of_the_live_svg_is_a_module_key(depth: int | None) -> None:
+    from fwdtrace.live.svg import graph_svg
+
+    model, x = KeyNet().eval(), torch.randn(2, 4, 8)
+    graph = fwdtrace.trace(model, x)
+    boxes = svg_boxes(graph_svg(graph, depth))
+    keys = {key for _, _, key, _ in boxes if key}
+    assert keys <= set(fwdtrace.module_keys(model))
+    assert keys or depth == 0  # the whole model as one box: the graph does not know the root's class
+    groups = [key for _, kind, key, _ in boxes if kind in ("group", "layer")]
+    if depth == 0:
+        assert groups == [None]
+    else:  # each collapsed module call, and each call of the leaf layer, is one box that carries its key
+        collapsed = {n.scope[depth - 1] for n in graph.nodes if depth and len(n.scope) >= depth}
+        collapsed |= {n.scope[-1] for n in graph.nodes if n.scope and n.scope[-1].class_name == "Scale"}
+        assert sorted(groups) == sorted(f"{s.module_path}.{s.class_name}" for s in collapsed)
 
 
 BAD = [

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_live import Net, request, train_steps
+from test_live import KeyNet, Net, request, train_steps
 
 import fwdtrace
 
@@ -111,6 +111,27 @@ def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
             trainer.join()
     finally:
         stop.set()
+        driver.quit()  # type: ignore[attr-defined]
+
+
+def test_a_click_on_a_closed_leaf_layer_arms_that_layer() -> None:
+    """A layer written with functions is one box on the page; clicking it arms its module key."""
+    driver = _browser()
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    torch.manual_seed(0)
+    try:
+        with fwdtrace.serve(KeyNet(), example_inputs=torch.randn(2, 4, 8), port=0) as server:
+            driver.get(server.url + "?poll=300")  # type: ignore[attr-defined]
+            find = driver.find_elements  # type: ignore[attr-defined]
+            boxes = _wait(lambda: find(By.CSS_SELECTOR, '#graph g.node[data-key="scale.Scale"]'), what="the graph")
+            assert [b.get_attribute("data-kind") for b in boxes] == ["layer", "layer"]  # called twice, drawn closed
+            ActionChains(driver).move_to_element(boxes[0]).click().perform()  # type: ignore[arg-type]
+            _wait(lambda: [a["key"] for a in request(server, "GET", "/api/status")[1]["arms"] if a["armed"]]
+                  == ["scale.Scale"], what="the arm")
+            _wait(lambda: find(By.CSS_SELECTOR, '#graph g.node.armed[data-key="scale.Scale"]'), what="the box marked")
+    finally:
         driver.quit()  # type: ignore[attr-defined]
 
 

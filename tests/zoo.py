@@ -264,6 +264,16 @@ class DataclassOutput(nn.Module):
         return Output(logits=h * 2, hidden=h)
 
 
+def run_hooked(model: nn.Module, handles: list, *inputs: torch.Tensor) -> None:
+    """Run ``model`` once without grad, then remove the hook ``handles`` (a test's plain-hook reference)."""
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _seeded(
     factory: Callable[[], nn.Module], make_inputs: Callable[[], tuple[torch.Tensor, ...]]
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

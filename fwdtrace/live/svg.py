@@ -19,76 +19,44 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from ..errors import FwdtraceError
 from ..graph import Graph
 
 __all__ = ["graph_svg", "histogram_svg", "LayoutProcess"]
 
-_NODE = re.compile(r'<g id="([^"]+)" class="node">\s*<title>([^<]*)</title>')
-_CLUSTER = re.compile(r'(<g id="[^"]+" class="cluster")(>\s*<title>[^<]*</title>.*?<text[^>]*>([^<]*)</text>)', re.S)
-_SCOPE_LABEL = re.compile(r"^(.+) \((\w+)\)(?: call \d+)?$")
-
-
-def _unit_keys(graph: Graph, depth: int | None) -> tuple[int, dict[int, str]]:
-    """How many boxes ``to_dot(graph, depth, collapse_repeats=False, open_leaf_layers=True)`` draws,
-    and the module key of each.
-
-    The draw pass makes one box per node, or per module call deeper than ``depth``, in
-    the order the nodes come; box ``i`` is named ``u{i}`` in the DOT source.
-    """
-    unit_ids: dict[Any, int] = {}
-    keys: dict[int, str] = {}
-    for n in graph.nodes:
-        unit: tuple[Any, ...]
-        key: str | None
-        if depth is not None and depth <= 0 and n.kind in ("module", "function"):
-            unit, key = ("model",), None
-        elif depth is not None and 0 < depth <= len(n.scope):
-            s = n.scope[depth - 1]
-            unit, key = ("g", s.module_path, s.call_index), f"{s.module_path}.{s.class_name}"
-        else:
-            unit, key = ("n", n.id), (n.module_key if n.kind == "module" else None)
-        if unit not in unit_ids:
-            unit_ids[unit] = len(unit_ids)
-            if key is not None:
-                keys[unit_ids[unit]] = key
-    return len(unit_ids), keys
+# Graphviz writes each box and cluster as <g id=".." class="node|cluster <what draw.py wrote>">.
+_BOX = re.compile(r'<g id="([^"]*)" class="(node|cluster)((?: [^" ]+)*)">')
 
 
 def graph_svg(graph: Graph, depth: int | None = None) -> str:
-    """The graph drawn as SVG, each module box and cluster carrying ``data-key="<module key>"``.
+    """The graph drawn as SVG, each box and cluster of a module carrying ``data-key="<module key>"``.
 
     >>> import torch, fwdtrace
     >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.ones(1, 4))
     >>> 'data-key="0.Linear"' in graph_svg(g)
     True
 
-    Repeated blocks and leaf layers are drawn in full so every block can be clicked.
+    The keys are those the draw pass wrote into each box's ``class`` (see :func:`fwdtrace.passes.draw.to_dot`),
+    moved into ``data-key`` for the page; ``data-kind`` says what the box is (``module``,
+    ``layer``, ``group`` for a collapsed module call, ``side``, ``loop``...). Repeated blocks
+    are drawn in full so every block can be clicked; a leaf layer is one box, keyed by its layer.
     """
-    from ..passes.draw import layout_bytes, to_dot
+    from ..passes.draw import KEY_CLASS, layout_bytes, to_dot
 
-    dot = to_dot(graph, depth=depth, collapse_repeats=False, open_leaf_layers=True)
+    dot = to_dot(graph, depth=depth, collapse_repeats=False)
     svg = layout_bytes(dot.source, "svg").decode()
-    count, keys = _unit_keys(graph, depth)
-    found = _NODE.findall(svg)
-    # The box order is the draw pass's; if it ever changes, boxes lose their keys rather
-    # than get wrong ones (clusters keep theirs, read from their labels).
-    if len(found) == count and {name for _, name in found} == {f"u{i}" for i in range(count)}:
 
-        def node(m: re.Match[str]) -> str:
-            key = keys.get(int(m.group(2)[1:]))
-            attr = f' data-key="{html.escape(key)}"' if key else ""
-            return f'<g id="{m.group(1)}" class="node"{attr}>' + m.group(0).split(">", 1)[1]
+    def keyed(m: re.Match[str]) -> str:
+        element, words = m.group(2), html.unescape(m.group(3)).split()
+        key = next((unquote(w[len(KEY_CLASS):]) for w in words if w.startswith(KEY_CLASS)), None)
+        kinds = [w for w in words if not w.startswith(KEY_CLASS)]
+        attrs = f' data-key="{html.escape(key)}"' if key else ""
+        attrs += f' data-kind="{html.escape(kinds[0])}"' if kinds else ""
+        return f'<g id="{m.group(1)}" class="{element}"{attrs}>'
 
-        svg = _NODE.sub(node, svg)
-
-    def cluster(m: re.Match[str]) -> str:
-        label = _SCOPE_LABEL.match(html.unescape(m.group(3)))
-        attr = f' data-key="{html.escape(label.group(1) + "." + label.group(2))}"' if label else ""
-        return m.group(1) + attr + m.group(2)
-
-    return _CLUSTER.sub(cluster, svg)
+    return _BOX.sub(keyed, svg)
 
 
 def _number(x: float) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import graphviz
 
@@ -157,6 +158,20 @@ class _Unit:
     label: str
     members: list[int] = field(default_factory=list)
     about: str = ""  # the first line of its tooltip, for a box that holds several nodes
+    module_key: str | None = None  # the module it is (a layer node or one module call); None for folds
+
+
+def _box_key(module_path: str, class_name: str) -> str | None:
+    """The module key of a module call's box (see :func:`fwdtrace.module_keys`); None where there
+    is none: an ONNX scope may not know its class, and a module outside the traced model (the
+    tracer names it ``<Class@N>``) has no key in it."""
+    if not class_name or module_path.startswith("<"):
+        return None
+    return f"{module_path}.{class_name}" if module_path else class_name
+
+
+def _scope_key(s: Scope) -> str | None:
+    return _box_key(s.module_path, s.class_name)
 
 
 def _scope_label(s: Scope) -> str:
@@ -326,10 +341,12 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
             if depth is not None and i == depth - 1:
                 key = f"g:{s.module_path}:{s.call_index}"
                 unit = units.get(key) or units.setdefault(
-                    key, _Unit(key, n.scope[:i], "group", _scope_label(s), about=f"{_scope_label(s)}, collapsed"))
+                    key, _Unit(key, n.scope[:i], "group", _scope_label(s), about=f"{_scope_label(s)}, collapsed",
+                               module_key=_scope_key(s)))
                 break
         if unit is None:
-            unit = units[f"n:{n.id}"] = _Unit(f"n:{n.id}", n.scope, n.kind, _node_label(n, show_path))
+            unit = units[f"n:{n.id}"] = _Unit(f"n:{n.id}", n.scope, n.kind, _node_label(n, show_path),
+                                              module_key=_box_key(n.module_path, n.class_name) if n.kind == "module" else None)
         unit.members.append(n.id)
         node2unit[n.id] = unit
     if fold_side:
@@ -348,7 +365,8 @@ def _leaf_unit(key: str, s: Scope, placement: tuple[Scope, ...], show_path: bool
     call = f" (call {s.call_index + 1})" if s.call_index else ""
     if show_path and s.class_name and (last != s.class_name or call):
         lines.append(last + call)
-    return _Unit(key, placement, "layer", "\n".join(lines), about=f"{_scope_label(s)}, a layer drawn as one box")
+    return _Unit(key, placement, "layer", "\n".join(lines), about=f"{_scope_label(s)}, a layer drawn as one box",
+                 module_key=_scope_key(s))
 
 
 def _loop_unit(key: str, loop: Loop, graph: Graph, placement: tuple[Scope, ...]) -> _Unit:
@@ -555,7 +573,9 @@ def to_dot(
     (the graph keeps them either way). ``wrap`` breaks a rank of more boxes
     than that into rows. In SVG each box has a tooltip: module path, class, shapes and
     attributes, or the list of the nodes a collapsed box holds (the DOT attribute
-    ``fwdtrace_members`` lists their ids).
+    ``fwdtrace_members`` lists their ids). Each box's and cluster's ``class``, which the SVG
+    keeps, names its kind and the module key it stands for (``class="node layer key:h.0.mlp.c_fc.Conv1D"``):
+    a layer, a leaf layer or a collapsed module call carries its key; side, loop and repeat boxes none.
 
     ``highlight`` is a set of node ids drawn in red. ``name_prefix`` keeps DOT names apart
     when two graphs share a picture; ``cluster_name`` (starting with ``cluster``) makes the
@@ -659,11 +679,13 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
                 attrs.update(_HIGHLIGHT)
             attrs["tooltip"] = _tooltip(u, [graph.nodes[i] for i in u.members])
             attrs["fwdtrace_members"] = _id_ranges(u.members)
+            attrs["class"] = _svg_class(u.kind, u.module_key)
             target.node(names[u.key], label=u.label, **attrs)
         for child in children.get(chain, []):
             with target.subgraph(name=f"cluster_{name_prefix}{len(child)}_{_cluster_id(child)}") as sub:
                 sub.attr(label=_scope_label(child[-1]), style="rounded,dashed", color="#999999",
-                         fontsize="9", labeljust="l", tooltip=_scope_label(child[-1]))
+                         fontsize="9", labeljust="l", tooltip=_scope_label(child[-1]),
+                         **{"class": _svg_class("scope", _scope_key(child[-1]))})
                 emit_units(sub, child)
 
     emit_units(dot, ())
@@ -683,6 +705,15 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
         for u_key, v_key in _wrap_edges([u.key for u in units], set(pair2edges), wrap):
             dot.edge(names[u_key], names[v_key], style="invis")
     return dot
+
+
+KEY_CLASS = "key:"  # the class token that carries a box's module key into the SVG
+
+
+def _svg_class(kind: str, module_key: str | None) -> str:
+    """A box's or cluster's ``class`` attribute, which Graphviz copies into the SVG (``class="node layer
+    key:blocks.0.Conv2d"``): its kind, and the module key it stands for, URL-quoted to one token."""
+    return kind if module_key is None else f"{kind} {KEY_CLASS}{quote(module_key, safe='')}"
 
 
 def _edge_text(e: Edge) -> str:
