@@ -84,30 +84,38 @@ class SteadyBins:
             return False
         low, high = min(low, high), max(low, high)
         if self._edges is None:
-            # The smallest power-of-two width whose bins span the first range (a point gets width 2^-10 * |x| or so).
+            # The smallest power-of-two width whose bins span the first range (a point gets a narrow range around it).
             span = (high - low) or max(abs(low), 1.0) * 2.0**-10
-            self._width = 2.0 ** math.ceil(math.log2(span / self.bins))
-            start = math.floor(low / self._width)
-            while (start + self.bins) * self._width <= high:  # rounding: the top bin must end above high
-                self._width *= 2
-                start = math.floor(low / self._width)
+            width = 2.0 ** math.ceil(math.log2(span / self.bins))
+            self._width, start = self._place(low, high, width)
             self._set(start)
             return True
         first, last = float(self._edges[0]), float(self._edges[-1])
         if first <= low and high < last:
             return False
-        width, start = self._width, math.floor(first / self._width)
-        factor = 1
-        while not (start * width <= low and high < (start + self.bins) * width):
-            width, start, factor = width * 2, math.floor(start / 2), factor * 2
-            # Old bins [start0 + i] land in new bin (start0 + i) // factor - start: whole bins, merged exactly.
-        old_start = math.floor(first / self._width)
+        old_start = round(first / self._width)
+        width, start = self._place(min(low, first), max(high, last), self._width * 2)
+        # Old bin j covers [j w, (j + 1) w), inside new bin j // factor: whole bins, merged exactly.
+        factor = round(width / self._width)
         merged = np.zeros(self.bins, dtype=np.int64)
         np.add.at(merged, (old_start + np.arange(self.bins)) // factor - start, self.counts)
         self.counts, self._width = merged, width
         self._set(start)
         self.rebins += 1
         return True
+
+    def _place(self, low: float, high: float, width: float) -> tuple[float, int]:
+        """The smallest width (``width`` times a power of two) and the start index whose bins hold ``[low, high)``.
+
+        Among the starts that fit, the one that centres the range: room to drift either way.
+        """
+        while True:
+            most = math.floor(low / width)  # the last start with start * width <= low
+            least = math.floor(high / width) - self.bins + 1  # the first with high < (start + bins) * width
+            if least <= most:
+                centred = math.floor((low + high) / (2 * width) - self.bins / 2)
+                return width, min(max(centred, least), most)
+            width *= 2
 
     def _set(self, start: int) -> None:
         self._edges = (start + np.arange(self.bins + 1, dtype=np.float64)) * self._width

@@ -80,3 +80,25 @@ def test_bad_bins_raise(spec: object) -> None:
 def test_check_bins_spec_names_the_caller() -> None:
     with pytest.raises(FwdtraceError, match=r"^Recorder expected bins as"):
         check_bins_spec(0, "Recorder")
+
+
+def test_grown_bins_are_as_fine_as_the_range_allows() -> None:
+    # The notebook's convolution: -0.69..0.64 at first, then -1.02..4.64. Anchoring the new bins at
+    # the old lower edge made a 0.02 overshoot below cost a width of 2 (axis up to 118).
+    bins = SteadyBins(60)
+    bins.fit(-0.689, 0.6418)
+    bins.fit(-1.022, 4.644)
+    assert bins.range == (-2.0, 5.5)
+    rng = np.random.default_rng(3)
+    for _ in range(200):  # any drift: a re-bin is at most one doubling coarser than what must fit needs
+        bins = SteadyBins(int(rng.integers(4, 64)))
+        bins.fit(*sorted(rng.normal(0, 1, 2)))
+        for _ in range(4):
+            a, b = sorted(rng.normal(rng.normal(0, 5), rng.uniform(0.01, 10), 2))
+            first, last = bins.range
+            if bins.fit(a, b):
+                must_hold = max(b, last) - min(a, first)  # the new values and the old bins' counts
+                finest = 2.0 ** np.ceil(np.log2(must_hold / bins.bins))
+                lo, hi = bins.range
+                assert lo <= a and b < hi and lo <= first and last <= hi
+                assert (hi - lo) / bins.bins <= 2 * finest
