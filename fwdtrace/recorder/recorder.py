@@ -3,7 +3,7 @@
 The training step never waits on a worker. A hook cuts its tensor down to what the pictures
 need, copies it to CPU numpy (no CUDA tensor crosses a process), and appends it to its file's
 bounded queue in this process, dropping that file's oldest item when full (and counting it); a
-thread per worker takes the files in turn and sends their items down a pipe. A slow worker fills
+thread per worker takes the files in turn and sends their items down a socket. A slow worker fills
 its pipe, the queues drop old frames, every file keeps its share, and training goes on at full
 speed. The same thread watches its worker: one that dies is reported and restarted.
 """
