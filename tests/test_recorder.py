@@ -104,6 +104,10 @@ def test_training_loop_writes_every_frame_and_pixels_follow_activations(tmp_path
     assert same_input < 0.01 and new_input > 0.05, (same_input, new_input)
     last = imageio.imread(tmp_path / "1.Tanh.forward.png")
     assert changed(last, frames[-1]) < changed(last, frames[0]) / 4  # the PNG is the last frame, uncompressed
+    [worker] = rec.throughput()  # the worker's own count of what it drew, against the decoded files
+    assert worker["frames"] == sum(len(frames_of(tmp_path / f"{stem}.mp4")) for stem in stems)
+    assert worker["draw_s"] > 0 and worker["fps"] == worker["frames"] / worker["draw_s"]
+    assert rec.finish_s is not None and f"workers finished {rec.finish_s:.1f} s after training" in repr(rec)
 
 
 def test_a_stalled_worker_makes_the_queues_drop_not_the_step_wait(tmp_path: Path) -> None:
@@ -154,6 +158,7 @@ class HandFedWorker:
         self.credits = 0
         self.waiting = 0  # senders blocked in acquire()
         self.got: list[str] = []
+        self.items: list[tuple] = []  # every frame sent, whole
         self.stopped = False
         self.pid, self.exitcode, self.name = -1, None, "hand-fed"
 
@@ -178,6 +183,7 @@ class HandFedWorker:
                 self.stopped = True
             else:
                 self.got.append(item[0])
+                self.items.append(item)
             self.cond.notify_all()
 
     def settle(self, frames: int) -> None:
@@ -187,6 +193,9 @@ class HandFedWorker:
 
     def close(self) -> None:
         pass
+
+    def report(self, deadline: float) -> None:
+        return None
 
     def is_alive(self) -> bool:
         return not self.stopped
@@ -464,6 +473,8 @@ BAD_RECORDERS = [
     ({"timeout": 0}, r"^Recorder expected timeout as a positive number, got 0"),
     ({"views": ("heatmap", "surface")}, r"^Recorder expected views among auto, heatmap, histogram, pca, got \['heatmap', 'surface'\]"),
     ({"ranks": [-1]}, r"^Recorder expected ranks as non-negative ints"),
+    ({"bins": 0}, r"^Recorder expected bins as a positive int or a list of 2\+ increasing finite edges, got 0"),
+    ({"bins": [1.0, 0.5]}, r"^Recorder expected bins as a positive int or a list of 2\+ increasing finite edges, got \[1.0, 0.5\]"),
 ]
 
 
@@ -482,7 +493,9 @@ def test_unwritable_out_dir_raises(tmp_path: Path) -> None:
 BAD_TRACKS = [
     ({"keys": "0.Linaer"}, r"^Recorder.track\(\) expected a module key or path, a glob or a class of Sequential, got '0.Linaer', which matches no key or path; closest keys: '0.Linear'"),
     ({"keys": nn.Conv2d}, r"^Recorder.track\(\) expected a module key or path, a glob or a class of Sequential, got Conv2d, of which"),
-    ({"kind": "weights"}, r"^Recorder.track\(\) expected kind as one of forward, grad, both, got 'weights'"),
+    ({"kind": "weights"}, r"^Recorder.track\(\) expected kind as one of forward, grad, both, weight, weight_grad \(or a list of them\), got 'weights'"),
+    ({"kind": ["forward", 3]}, r"^Recorder.track\(\) expected kind as one of .*, got \['forward', 3\]"),
+    ({"kind": []}, r"^Recorder.track\(\) expected kind as one of .*, got \[\]"),
 ]
 
 
@@ -569,3 +582,111 @@ def test_video_file_round_trip(tmp_path: Path, suffix: str) -> None:
     frames = frames_of(tmp_path / f"v{suffix}")
     assert [int(np.median(f)) // 32 for f in frames] == [0, 4, 7]
     assert imageio.imread(tmp_path / "v.png").shape == (480, 640, 3)
+
+
+# -- what frames show: parameters, which gradient, steady histogram axes ------------------------------
+
+
+def test_weight_and_weight_grad_are_each_parameter_after_backward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    worker = HandFedWorker()
+    worker.give(10_000)
+    monkeypatch.setattr(fwdtrace.Recorder, "_spawn", lambda self, index: (worker, worker, worker))
+    torch.manual_seed(0)
+    model = mlp()
+    twin = mlp()  # the reference: the same model trained alongside, read after each backward by hand
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(twin.parameters(), lr=0.5)
+    expected: dict[str, list[tuple[float, float]]] = {}
+    rec = fwdtrace.Recorder(tmp_path, timeout=SLOW)
+    assert rec.track(model, "2.Linear", kind=["weight", "weight_grad", "grad"]) == ["2.Linear"]
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (twin, twin_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+        for name, p in twin[2].named_parameters():
+            p = p.detach()
+            expected.setdefault(f"2.Linear.{name}.weight", []).append((float(p.min()), float(p.max())))
+            grad = twin[2].get_parameter(name).grad
+            expected.setdefault(f"2.Linear.{name}.weight_grad", []).append((float(grad.min()), float(grad.max())))
+        opt.step()
+        twin_opt.step()
+    rec.stop()
+    assert set(rec.stats()) == {*expected, "2.Linear.grad"}
+    for stem, ranges in expected.items():
+        items = [item for item in worker.items if item[0] == stem]
+        assert [item[2]["range"] for item in items] == ranges, stem  # before each optimizer step, as the twin's
+        label = "weight_grad (.grad)" if stem.endswith("_grad") else "weight"
+        assert [item[1] for item in items] == [f"{stem.rsplit('.', 1)[0]}  {label}  step {s}" for s in range(3)]
+    grads = [item[1] for item in worker.items if item[0] == "2.Linear.grad"]
+    assert grads == [f"2.Linear  grad_output  step {s}" for s in range(3)]  # says which gradient of the layer
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # hooks removed
+
+
+def test_a_layer_with_several_outputs_says_which_one_is_drawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    worker = HandFedWorker()
+    worker.give(10_000)
+    monkeypatch.setattr(fwdtrace.Recorder, "_spawn", lambda self, index: (worker, worker, worker))
+    lstm = nn.LSTM(4, 3)
+    rec = fwdtrace.Recorder(tmp_path, timeout=SLOW)
+    rec.track(lstm, "LSTM")
+    out = lstm(torch.randn(5, 2, 4))[0].detach()
+    rec.stop()
+    [item] = worker.items
+    assert item[1] == "LSTM  output 0 of 3  step 0" and item[2]["range"] == (float(out.min()), float(out.max()))
+
+
+def histogram_limits(canvas: views.FrameCanvas, tensor: torch.Tensor) -> tuple[tuple[float, float], np.ndarray]:
+    canvas.draw("k", views.reduce(tensor, ("histogram",)), ("histogram",))
+    panel = canvas.panels["histogram"]
+    return tuple(panel.ax.get_xlim()), panel.artist.get_data().edges
+
+
+def test_histogram_axes_hold_while_a_signal_grows_inside_them_and_double_when_it_leaves() -> None:
+    torch.manual_seed(0)
+    canvas = views.FrameCanvas(bins=32)
+    base = torch.randn(2, 500)
+    first, edges = histogram_limits(canvas, base)
+    assert first[0] <= float(base.min()) and float(base.max()) < first[1]
+    for scale in (0.5, 0.8, 1.0):  # inside the first frame's bins: the axes hold still
+        limits, same = histogram_limits(canvas, base * scale)
+        assert limits == first and np.array_equal(same, edges)
+    grown = base * 3 + 2  # the drift the issue saw: -0.86..0.55, then -1.73..5.11
+    limits, new_edges = histogram_limits(canvas, grown)
+    assert limits[0] <= float(grown.min()) and float(grown.max()) < limits[1]
+    width, old_width = new_edges[1] - new_edges[0], edges[1] - edges[0]
+    assert np.log2(width / old_width) >= 1 and float(np.log2(width / old_width)).is_integer()
+    assert histogram_limits(canvas, base)[0] == limits  # back inside: stays on the grown axes
+    counts = canvas.panels["histogram"].artist.get_data().values
+    assert counts.tolist() == np.histogram(base.numpy(), bins=new_edges)[0].tolist()
+
+
+def test_fixed_bins_keep_the_axes_and_say_what_fell_outside() -> None:
+    canvas = views.FrameCanvas(bins=[-1.0, 0.0, 1.0])
+    limits, edges = histogram_limits(canvas, torch.tensor([[-0.5, 0.5, 0.7, 3.0]]))
+    assert limits == (-1.0, 1.0) and edges.tolist() == [-1.0, 0.0, 1.0]
+    assert canvas.panels["histogram"].artist.get_data().values.tolist() == [1, 2]
+    assert canvas.panels["histogram"].ax.get_title() == "4 values, 1 outside the bins"
+
+
+NO_GUARD = """
+import sys, torch, fwdtrace
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+rec = fwdtrace.Recorder(sys.argv[1], timeout=300)
+rec.track(model, "0.Linear")
+for _ in range(3):
+    model(torch.randn(2, 4))
+print(len(rec.stop()), rec.dropped)
+"""
+
+
+def test_a_script_without_a_main_guard_records_and_exits_0(tmp_path: Path) -> None:
+    # multiprocessing's spawn re-imported this script in the worker, which made a Recorder while
+    # bootstrapping and failed with RuntimeError; the worker now never imports it.
+    script = tmp_path / "train.py"
+    script.write_text(NO_GUARD)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          env=CHECKOUT_ENV, timeout=2 * SLOW)
+    assert done.returncode == 0, done.stderr
+    assert "bootstrapping" not in done.stderr
+    files, dropped = map(int, done.stdout.split())
+    assert files == 2 and len(frames_of(tmp_path / "out" / "0.Linear.forward.mp4")) == 3 - dropped

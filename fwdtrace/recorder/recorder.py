@@ -3,7 +3,7 @@
 The training step never waits on a worker. A hook cuts its tensor down to what the pictures
 need, copies it to CPU numpy (no CUDA tensor crosses a process), and appends it to its file's
 bounded queue in this process, dropping that file's oldest item when full (and counting it); a
-thread per worker takes the files in turn and sends their items down a pipe. A slow worker fills
+thread per worker takes the files in turn and sends their items down a socket. A slow worker fills
 its pipe, the queues drop old frames, every file keeps its share, and training goes on at full
 speed. The same thread watches its worker: one that dies is reported and restarted.
 """
@@ -13,16 +13,19 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import multiprocessing
+import json
+import multiprocessing.spawn
 import os
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -31,14 +34,18 @@ from urllib.parse import quote
 import torch
 
 from .._tree import tensors_of
+from ..bins import check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..keys import Selector, key2module, select_modules
+from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from . import worker as worker_module
 from .views import VIEWS, reduce
 
 __all__ = ["Recorder", "file_stem"]
 
-_KINDS = ("forward", "grad", "both")
+_KINDS = ("forward", "grad", "both", *PARAMETER_KINDS)
+# What a frame of each kind shows, in its title: a gradient says which side of the layer it is on.
+_LABELS = {"forward": "output", "grad": "grad_output", "weight": "weight", "weight_grad": "weight_grad (.grad)"}
 _STEM_MAX = 160  # characters of a file stem: room left for ".partial-xxxxxxxx.mp4" under the usual 255
 
 
@@ -128,6 +135,7 @@ class _Channel:
         self.queues: dict[str, deque[tuple]] = {}
         self.turns: deque[str] = deque()  # the files with queued items, in the order they are served
         self.deaths: list[str] = []  # how each worker of this channel died
+        self.reports: list[dict[str, Any]] = []  # what each worker that stopped cleanly did
         self.failed = False
         self.ready = threading.Condition()
         self.closing = False
@@ -207,6 +215,10 @@ class _Channel:
                 self.conn.send(worker_module.STOP)
             except (OSError, ValueError):
                 pass
+            else:  # its last frames, its files closed, then its report
+                report = self.credits.report(self.deadline + self.WATCH_S)
+                if report is not None:
+                    self.reports.append(report)
         self.conn.close()  # here, not in stop(): closing under a send in progress breaks the send
 
     def _replace_worker(self) -> bool:
@@ -228,6 +240,78 @@ class _Channel:
         return restart
 
 
+class _Credits:
+    """The parent's end of a worker's credits: one per frame the worker drew, read from its socket.
+
+    ``acquire`` takes one (waiting at most ``timeout``), as a semaphore's would; :meth:`report`
+    reads what the worker says when it stops (frames drawn, seconds drawing).
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.available = _Channel.IN_FLIGHT
+        self.last: dict[str, Any] | None = None
+
+    def _read(self, timeout: float) -> bool:
+        """Read one message if one comes within ``timeout``; False on none or a closed socket."""
+        try:
+            if not self.conn.poll(timeout):
+                return False
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            return False
+        if data == worker_module.CREDIT:
+            self.available += 1
+        else:
+            self.last = json.loads(data)
+        return True
+
+    def acquire(self, timeout: float) -> bool:
+        if not self.available:
+            self._read(timeout)
+        if not self.available:
+            return False
+        self.available -= 1
+        return True
+
+    def report(self, deadline: float) -> dict[str, Any] | None:
+        """The worker's report, read until ``deadline`` (None if it came not, as from a killed worker)."""
+        while self.last is None and self._read(max(0.0, deadline - time.monotonic())):
+            pass
+        return self.last
+
+
+def _worker_env() -> dict[str, str]:
+    """The environment of a worker: this one, with the folder this fwdtrace was imported from first on its path."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+class _WorkerProcess:
+    """A worker started with ``subprocess``, answering as a ``multiprocessing.Process`` does."""
+
+    def __init__(self, popen: subprocess.Popen, name: str) -> None:
+        self.popen, self.name, self.pid = popen, name, popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()  # negative: killed by that signal, as multiprocessing says
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+
+
 def _on_output(record: Callable[[Any], None]) -> Callable[[torch.nn.Module, Any, Any], None]:
     def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
         record(output)
@@ -238,6 +322,15 @@ def _on_output(record: Callable[[Any], None]) -> Callable[[torch.nn.Module, Any,
 def _on_grad_output(record: Callable[[Any], None]) -> Callable[[torch.nn.Module, Any, Any], None]:
     def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
         record(grad_output)
+
+    return hook
+
+
+def _on_parameter(name2record: dict[str, Callable[[Any], None]]) -> Callable[[str, torch.Tensor], None]:
+    def hook(name: str, parameter: torch.Tensor) -> None:
+        record = name2record.get(name)
+        if record is not None:
+            record(parameter)
 
     return hook
 
@@ -272,8 +365,11 @@ class Recorder:
     ``/``: every file stays inside ``out_dir``) and appear only when finished; under
     torch.distributed every rank writes its own files, ``{key}.{kind}.rank{r}.mp4``, or only the
     ranks in ``ranks``.
-    Scripts that make a Recorder need ``if __name__ == "__main__":``, as for DataLoader workers:
-    workers are spawned, and a spawned process imports the main script.
+    Workers run ``python -m fwdtrace.recorder``, never the user's script: no
+    ``if __name__ == "__main__":`` is needed (POSIX: a worker inherits its socket). ``bins``: the
+    histograms' bins, a count (edges from a running range that grows by doubling when a value
+    leaves it, so the axes hold still and a video shows drift) or the edges themselves.
+    :meth:`throughput` and ``finish_s`` say how fast the workers drew.
     """
 
     _live: ClassVar[list[Recorder]] = []
@@ -290,6 +386,7 @@ class Recorder:
         timeout: float = 30.0,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         ranks: Iterable[int] | None = None,
+        bins: int | Sequence[float] = 60,
     ) -> None:
         for name, count in (("every", every), ("workers", workers), ("queue_size", queue_size)):
             if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
@@ -301,6 +398,7 @@ class Recorder:
         unknown = [v for v in views if v not in VIEWS]
         if not views or unknown:
             raise FwdtraceError(f"Recorder expected views among {', '.join(VIEWS)}, got {list(views)!r}")
+        spec = check_bins_spec(bins, "Recorder")
         if transform is not None and not callable(transform):
             raise FwdtraceError(f"Recorder expected transform as a callable or None, got {describe(transform)}")
         rank, world = _rank()
@@ -323,6 +421,7 @@ class Recorder:
                 f"Recorder needs matplotlib, imageio and imageio-ffmpeg: pip install 'fwdtrace[recorder]' ({e})"
             ) from e
         self.every = every
+        self.bins = spec
         self.views = views
         self.fps = fps
         self.timeout = float(timeout)
@@ -338,6 +437,7 @@ class Recorder:
         self._paths: list[Path] = []
         self._queue_size = queue_size
         self._workers = workers
+        self.finish_s: float | None = None  # how long stop() waited for the workers
         Recorder._live.append(self)
 
     # -- what is recorded -------------------------------------------------------------------------
@@ -345,10 +445,10 @@ class Recorder:
         self,
         model: torch.nn.Module,
         keys: Selector | None = None,
-        kind: str = "forward",
+        kind: str | Iterable[str] = "forward",
         name: str | None = None,
     ) -> list[str]:
-        """Record the outputs (``"forward"``), output gradients (``"grad"``) or both of the selected modules.
+        """Record the outputs, output gradients, parameters or parameter gradients of the selected modules.
 
         >>> import torch, fwdtrace, tempfile
         >>> rec = fwdtrace.Recorder(tempfile.mkdtemp())
@@ -357,15 +457,24 @@ class Recorder:
         >>> _ = rec.stop()
 
         ``keys`` takes what :class:`~fwdtrace.Probe` selectors take: a module key, a glob,
-        a class or a list of them; ``None`` is every leaf module. ``name`` prefixes the file
-        names (for two models with the same keys). Returns the keys tracked.
+        a class or a list of them; ``None`` is every leaf module. ``kind`` is one of, or a list of:
+        ``"forward"`` (the module's output; its first tensor when it returns several, the title
+        says which), ``"grad"`` (the gradient of the loss with respect to that output, the
+        ``grad_output`` of a full backward hook), ``"both"`` (those two), ``"weight"`` and
+        ``"weight_grad"`` (each parameter under the module and its ``.grad``, taken once per backward,
+        after the gradient is accumulated and before the optimizer steps: one file per
+        parameter, ``{key}.{parameter}.{kind}``, e.g. ``0.Linear.bias.weight_grad``). ``name``
+        prefixes the file names (for two models with the same keys). Returns the keys tracked.
         """
         if self._stopped:
             raise FwdtraceError("Recorder.track() expected a running recorder, got one already stopped")
         if not isinstance(model, torch.nn.Module):
             raise FwdtraceError(f"Recorder.track() expected a torch.nn.Module as model, got {describe(model)}")
-        if kind not in _KINDS:
-            raise FwdtraceError(f"Recorder.track() expected kind as one of {', '.join(_KINDS)}, got {kind!r}")
+        asked = [kind] if isinstance(kind, str) else list(kind) if isinstance(kind, Iterable) else [kind]
+        if not asked or any(not isinstance(k, str) or k not in _KINDS for k in asked):
+            raise FwdtraceError(
+                f"Recorder.track() expected kind as one of {', '.join(_KINDS)} (or a list of them), got {kind!r}"
+            )
         if name is not None and (not isinstance(name, str) or not name or "/" in name):
             raise FwdtraceError(f"Recorder.track() expected name as a non-empty str without '/', or None, got {name!r}")
         k2m = key2module(model)
@@ -373,33 +482,43 @@ class Recorder:
             selected = {k: m for k, m in k2m.items() if next(m.children(), None) is None}
         else:
             selected = select_modules(k2m, keys, "Recorder.track()", type(model).__name__)
-        kinds = ("forward", "grad") if kind == "both" else (kind,)
-        plan = []
+        kinds = list(dict.fromkeys(k for a in asked for k in (("forward", "grad") if a == "both" else (a,))))
+        plan = []  # (stem, key, kind, module, parameter name or None)
+        rank = f".rank{self.rank}" if self.world_size > 1 else ""
         for key, module in selected.items():
             for k in kinds:
-                stem = file_stem(f"{name + '.' if name else ''}{key}.{k}" + (f".rank{self.rank}" if self.world_size > 1 else ""))
-                seen = self._stem2key.get(stem)
-                if seen is not None and seen[1] != id(module):
-                    raise FwdtraceError(
-                        f"Recorder.track() expected keys not yet recorded from another model, got {key!r} "
-                        f"again for {k}; pass name= to tell the models apart"
-                    )
-                if seen is None:  # tracking a module twice records it once
-                    plan.append((stem, key, k, module))
-        for stem, key, _, module in plan:
-            self._stem2key[stem] = (key, id(module))
+                # Parameter kinds: one file per parameter, the parameter's name after the module key.
+                params = [p for p, _ in module_parameters(module)] if k in PARAMETER_KINDS else [None]
+                for param in params:
+                    what = f"{key}.{param}" if param else key
+                    stem = file_stem(f"{name + '.' if name else ''}{what}.{k}{rank}")
+                    seen = self._stem2key.get(stem)
+                    if seen is not None and seen[1] != id(module):
+                        raise FwdtraceError(
+                            f"Recorder.track() expected keys not yet recorded from another model, got {key!r} "
+                            f"again for {k}; pass name= to tell the models apart"
+                        )
+                    if seen is None:  # tracking a module twice records it once
+                        plan.append((stem, key, k, module, param))
+                        self._stem2key[stem] = (key, id(module))
         if not self.active or not plan:
             return list(selected)
         if not self.processes:
             self._start_workers()
-        for i, (stem, key, k, module) in enumerate(plan, len(self._handles)):
+        name2record: dict[tuple[torch.nn.Module, str], dict[str, Callable[[Any], None]]] = {}
+        for i, (stem, key, k, module, param) in enumerate(plan, sum(len(c.stats) for c in self._channels)):
             channel = self._channels[i % len(self._channels)]
             channel.add(stem, key, k)
-            record = self._recorder_of(stem, key, k, channel)
+            record = self._recorder_of(stem, f"{key}.{param}" if param else key, k, channel)
             if k == "forward":
                 self._handles.append(module.register_forward_hook(_on_output(record)))
-            else:
+            elif k == "grad":
                 self._handles.append(module.register_full_backward_hook(_on_grad_output(record)))
+            elif param is not None:
+                name2record.setdefault((module, k), {})[param] = record
+        for (module, _), records in name2record.items():
+            named = [(n, p) for n, p in module_parameters(module) if n in records]
+            self._handles.extend(after_backward(named, _on_parameter(records)))
         return list(selected)
 
     def _start_workers(self) -> None:
@@ -410,18 +529,35 @@ class Recorder:
         atexit.register(self.stop)  # an uncaught KeyboardInterrupt outside a `with` still finalises
 
     def _spawn(self, index: int) -> tuple[Any, Any, Any]:
-        """A new worker process: (the write end of its pipe, its credits, the process)."""
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch state
-        reader, writer = ctx.Pipe(duplex=False)
-        credits = ctx.Semaphore(_Channel.IN_FLIGHT)
-        process = ctx.Process(
-            target=worker_module.run,
-            args=(reader, credits, os.getpid(), str(self.out_dir), self.suffix, self.fps, self.timeout),
-            name=f"fwdtrace-recorder-{index}",
-        )
-        process.start()
-        reader.close()  # only the worker holds the read end: it sees EOF if we die
-        return writer, credits, process
+        """A new worker process: (our end of its socket, its credits, the process).
+
+        ``python -m fwdtrace.recorder``, a fresh interpreter (no fork of a process that holds
+        torch state) that imports only fwdtrace: multiprocessing's spawn re-imports the main
+        script, which then needs ``if __name__ == "__main__":``. The interpreter is
+        multiprocessing's (``multiprocessing.set_executable`` applies). Its own session: a
+        Ctrl-C at the terminal reaches training, whose ``stop()`` ends the workers in order.
+        """
+        from multiprocessing.connection import Connection
+
+        ours, theirs = socket.socketpair()
+        config = {"parent_pid": os.getpid(), "out_dir": str(self.out_dir), "suffix": self.suffix,
+                  "fps": self.fps, "timeout": self.timeout, "bins": self.bins}
+        try:
+            popen = subprocess.Popen(
+                [multiprocessing.spawn.get_executable(), "-m", "fwdtrace.recorder", str(theirs.fileno()),
+                 json.dumps(config)],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=_worker_env(),
+                start_new_session=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # only the worker holds its end: it sees EOF if we die
+        conn = Connection(ours.detach())
+        return conn, _Credits(conn), _WorkerProcess(popen, f"fwdtrace-recorder-{index}")
 
     def _worker_died(self, channel: _Channel, pid: int, how: str, restarted: bool) -> None:
         """Called from the channel's thread, once per death: warn, naming the files that lose frames."""
@@ -436,23 +572,29 @@ class Recorder:
             print(message, file=sys.stderr)
 
     def _recorder_of(self, stem: str, key: str, kind: str, channel: _Channel) -> Callable[[Any], None]:
-        """The function a hook calls with the module's output (or output gradient) on every call."""
+        """The function a hook calls on every call: with the module's output, its output gradient, or a parameter.
+
+        The frame's title says what it shows (``_LABELS``): ``grad_output`` for a gradient, and
+        which output tensor of several (``output 0 of 3``; the first is recorded).
+        """
         calls = 0
         rank = f"  rank {self.rank}" if self.world_size > 1 else ""
+        label = _LABELS[kind]
 
         def record(value: Any) -> None:
             nonlocal calls
             step, calls = calls, calls + 1
             if step % self.every:
                 return
-            tensors = tensors_of(value)
+            tensors = [parameter_value(value, kind)] if kind in PARAMETER_KINDS else tensors_of(value)
             if not tensors or tensors[0] is None:
                 return
             tensor = tensors[0]
             if self.transform is not None:
                 tensor = self.transform(tensor)
             payload = reduce(tensor, self.views)
-            channel.put(stem, (stem, f"{key}  {kind}  step {step}{rank}", payload, self.views))
+            which = f"{label} 0 of {len(tensors)}" if len(tensors) > 1 else label
+            channel.put(stem, (stem, f"{key}  {which}  step {step}{rank}", payload, self.views))
 
         return record
 
@@ -513,6 +655,8 @@ class Recorder:
         Returns the videos and last-frame PNGs written, sorted; a second call returns the same.
         Warns (``RuntimeWarning``) when a worker had to be terminated, and names the files that
         lost frames to a worker that died during the run (:meth:`stats` has the counts).
+        How long it waited for the workers after training is ``finish_s``; :meth:`throughput`
+        has each worker's frames per second, and ``repr()`` says both.
         """
         if self._stopped:
             return self._paths
@@ -522,7 +666,8 @@ class Recorder:
         atexit.unregister(self.stop)
         while self._handles:
             self._handles.pop().remove()
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         for channel in self._channels:
             channel.close(deadline)
         for channel in self._channels:
@@ -534,6 +679,8 @@ class Recorder:
                 late.append(process)
                 process.terminate()
                 process.join(5)
+        if self._channels:
+            self.finish_s = time.monotonic() - started
         if late:
             warnings.warn(
                 f"Recorder: {len(late)} worker(s) did not finish within timeout={self.timeout}s and were "
@@ -555,6 +702,29 @@ class Recorder:
         )
         return self._paths
 
+    def throughput(self) -> list[dict[str, Any]]:
+        """What each worker did, from the reports of those that stopped cleanly (after :meth:`stop`).
+
+        >>> import torch, fwdtrace, tempfile
+        >>> model = torch.nn.Linear(2, 2)
+        >>> with fwdtrace.Recorder(tempfile.mkdtemp()) as rec:
+        ...     _ = rec.track(model, "Linear")
+        ...     _ = model(torch.randn(1, 2))
+        >>> [(w["worker"], w["frames"]) for w in rec.throughput()]
+        [('fwdtrace-recorder-0', 1)]
+
+        One entry per worker: ``frames`` drawn, ``draw_s`` seconds spent drawing and encoding
+        them (closing the files included), ``fps`` their ratio: how many frames per second one
+        worker keeps up with, whatever the training did meanwhile.
+        """
+        out = []
+        for channel in self._channels:
+            frames = sum(r["frames"] for r in channel.reports)
+            draw_s = sum(r["draw_s"] for r in channel.reports)
+            out.append({"worker": channel.name, "frames": frames, "draw_s": draw_s,
+                        "fps": frames / draw_s if draw_s > 0 else float("nan")})
+        return out
+
     def __enter__(self) -> Recorder:
         return self
 
@@ -569,4 +739,7 @@ class Recorder:
         failed = [stem for stem, stats in self.stats().items() if stats["failed"]]
         if failed:
             state += f", failed: {', '.join(failed)}"
+        if self.finish_s is not None:
+            rates = ", ".join(f"{w['fps']:.1f}" for w in self.throughput())
+            state += f", workers finished {self.finish_s:.1f} s after training ({rates} frames/s per worker)"
         return f"Recorder({str(self.out_dir)!r}, {len(self._stem2key)} files, {state}, dropped={self.dropped})"

@@ -4,13 +4,18 @@ Two halves, run in two processes: :func:`reduce` runs in the training process an
 tensor down to what the views draw (a 2D slice, a flat sample, sampled rows), as numpy
 arrays; :func:`draw_frame` runs in a worker and turns them into an RGB frame. Frames have a
 fixed size (640x480, a multiple of 16 as video encoders want) so every frame of a video matches.
+A histogram keeps its bins from frame to frame (:class:`~fwdtrace.bins.SteadyBins`, the live
+page's bins too): its x axis moves only when a value leaves the bins, so a video shows drift.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from ..bins import SteadyBins
 
 __all__ = ["VIEWS", "FRAME_SIZE", "resolve_view", "reduce", "draw_frame", "FrameCanvas"]
 
@@ -20,6 +25,7 @@ FRAME_SIZE = (640, 480)  # width, height in pixels
 # Caps on what crosses to a worker: a picture shows no more than this anyway.
 HEATMAP_MAX = 256  # rows and columns of a heatmap
 HISTOGRAM_MAX = 16384  # values sampled for a histogram of 60 bins
+HISTOGRAM_BINS = 60
 PCA_ROWS_MAX = 512  # points of a PCA scatter (the seed's PCA of every row took seconds)
 PCA_FEATURES_MAX = 1024
 
@@ -98,7 +104,7 @@ class FrameCanvas:
     a histogram outline and a scatter is a fraction of the cost of drawing a figure anew.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bins: int | Sequence[float] = HISTOGRAM_BINS) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -107,6 +113,7 @@ class FrameCanvas:
         self.canvas = FigureCanvasAgg(self.figure)
         self.title = self.figure.suptitle("", fontsize=11, y=0.975)
         self.panels: dict[str, _Panel] = {}
+        self.bins = bins
 
     def draw(self, title: str, payload: dict[str, Any], views: tuple[str, ...]) -> np.ndarray:
         """An RGB ``uint8`` frame of shape ``[480, 640, 3]``: one panel per view under a title."""
@@ -122,12 +129,13 @@ class FrameCanvas:
                 name: _Panel(
                     self.figure,
                     name,
+                    self.bins,
                     (0.02 + i * slot + 0.09, 0.11, slot - 0.09 - (0.11 if name == "heatmap" else 0.03), 0.72),
                 )
                 for i, name in enumerate(names)
             }
         for name, panel in self.panels.items():
-            panel.update(payload.get(name))
+            panel.update(payload.get(name), (lo, hi))
         self.canvas.draw()
         return np.asarray(self.canvas.buffer_rgba())[..., :3].copy()
 
@@ -135,8 +143,10 @@ class FrameCanvas:
 class _Panel:
     """The axes of one view and the artists whose data each frame replaces."""
 
-    def __init__(self, figure: Any, view: str, box: tuple[float, float, float, float]) -> None:
+    def __init__(self, figure: Any, view: str, bins: int | Sequence[float], box: tuple[float, float, float, float]) -> None:
         self.view = view
+        self.bins = SteadyBins(bins)  # the histogram's, kept across frames
+        self.peak = 1  # the histogram's highest count so far: its y axis only grows, as its x axis
         self.ax = ax = figure.add_axes(box)
         self.note = ax.text(0.5, 0.5, "", ha="center", va="center", transform=ax.transAxes)
         if view == "heatmap":
@@ -152,7 +162,7 @@ class _Panel:
         if view != "heatmap":
             ax.ticklabel_format(style="sci", scilimits=(-2, 3))
 
-    def update(self, data: np.ndarray | None) -> None:
+    def update(self, data: np.ndarray | None, value_range: tuple[float, float] = (0.0, 0.0)) -> None:
         if data is None or data.size == 0:
             self.artist.set_visible(False)
             self.note.set_text("empty tensor")
@@ -162,7 +172,7 @@ class _Panel:
         if self.view == "heatmap":
             self._heatmap(data)
         elif self.view == "histogram":
-            self._histogram(data)
+            self._histogram(data, value_range)
         else:
             self._pca(data)
 
@@ -178,19 +188,24 @@ class _Panel:
         self.ax.set_xlabel(f"column ({cols} shown)")
         self.ax.set_ylabel(f"row ({rows} shown)")
 
-    def _histogram(self, data: np.ndarray) -> None:
+    def _histogram(self, data: np.ndarray, value_range: tuple[float, float]) -> None:
         finite = data[np.isfinite(data)]
-        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-        if lo == hi:
-            lo, hi = lo - 0.5, hi + 0.5
-        counts, edges = np.histogram(finite, bins=60, range=(lo, hi))
+        if finite.size:
+            # The whole tensor's range, not only the sampled values': its extremes stay on the axis.
+            self.bins.fit(min(value_range[0], float(finite.min())), max(value_range[1], float(finite.max())))
+        if self.bins.range is None:  # nothing finite seen yet
+            self.bins.fit(0.0, 1.0)
+        counts, edges = self.bins.histogram(finite), self.bins.edges
         self.artist.set_data(counts, edges)
-        self.ax.set_xlim(lo, hi)
-        self.ax.set_ylim(0, max(1, counts.max()) * 1.05)
+        self.ax.set_xlim(edges[0], edges[-1])
+        self.peak = max(self.peak, int(counts.max()))
+        self.ax.set_ylim(0, self.peak * 1.05)
         self.ax.set_ylabel("count")
         bad = data.size - finite.size
+        outside = finite.size - int(counts.sum())  # fixed edges only: a running range holds every value
         text = f"{data.size} values" + (f", {bad} NaN/Inf left out" if bad else "")
-        self.ax.set_title(text, fontsize=9, color="tab:red" if bad else "black")
+        text += f", {outside} outside the bins" if outside else ""
+        self.ax.set_title(text, fontsize=9, color="tab:red" if bad or outside else "black")
 
     def _pca(self, rows: np.ndarray) -> None:
         rows = rows[np.isfinite(rows).all(axis=1)]

@@ -1,5 +1,11 @@
 """The recorder's worker process: draws the frames it receives and writes one video per key and kind.
 
+A worker is its own interpreter, ``python -m fwdtrace.recorder`` (see :func:`main`), started by
+the parent with one end of a socket pair: it never imports the user's main script, so a
+training script needs no ``if __name__ == "__main__":`` (multiprocessing's spawn re-imported
+it, and a script that made a Recorder at top level failed while bootstrapping). Frames come
+in as pickled messages; a credit per frame drawn goes back, and, when it stops, what it did.
+
 A worker never outlives its training process and never leaves a broken file: it ignores
 SIGINT (a Ctrl-C reaches the whole process group; the parent's ``stop()`` tells the worker
 when to finish), and like DataLoader's workers it watches its parent, so when the parent dies
@@ -10,18 +16,23 @@ a file at the final name is always whole, and a symlink planted there is replace
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 from .._files import AtomicFile, write_bytes
 
-__all__ = ["VideoFile", "video_suffix", "run"]
+__all__ = ["VideoFile", "video_suffix", "run", "main"]
 
 # The message that ends a worker's stream (any other message is a frame).
 STOP = None
+# What a worker sends back: one CREDIT per frame drawn, then a JSON report of its work when it stops.
+CREDIT = b"+"
 
 
 def video_suffix() -> str:
@@ -106,13 +117,16 @@ def _parent_alive(parent_pid: int) -> bool:
     return True
 
 
-def run(conn: Any, credits: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeout: float) -> None:
+def run(conn: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeout: float,
+        bins: int | tuple[float, ...] = 60) -> None:
     """The worker's main loop: frames in from ``conn``, videos out to ``out_dir``, until told to stop.
 
     Each message is ``(stem, title, payload, views)``; ``None`` means stop. A frame drawn
-    releases ``credits`` once, so the sender keeps only a few items in the pipe. Stops, closing every
-    file, also when the parent is gone (checked at least every ``timeout / 4`` seconds, so the
-    worker exits within ``timeout``) or the connection breaks.
+    sends a :data:`CREDIT` back, so the sender keeps only a few items in the pipe; the last
+    message back is ``{"frames": n, "draw_s": s}`` (JSON), the frames drawn and the seconds spent
+    drawing and encoding them. Stops, closing every file, also when the parent is gone (checked
+    at least every ``timeout / 4`` seconds, so the worker exits within ``timeout``) or the
+    connection breaks. ``bins``: the histograms' bins (:class:`~fwdtrace.bins.SteadyBins`).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -124,6 +138,7 @@ def run(conn: Any, credits: Any, parent_pid: int, out_dir: str, suffix: str, fps
     videos: dict[str, VideoFile] = {}
     canvases: dict[str, FrameCanvas] = {}
     poll = max(0.01, min(1.0, timeout / 4))
+    frames, busy = 0, 0.0
     try:
         while _parent_alive(parent_pid):
             if not conn.poll(poll):
@@ -135,20 +150,48 @@ def run(conn: Any, credits: Any, parent_pid: int, out_dir: str, suffix: str, fps
             if message is STOP:
                 break
             stem, title, payload, views = message
+            start = time.perf_counter()
             try:
-                canvas = canvases.get(stem) or canvases.setdefault(stem, FrameCanvas())
+                canvas = canvases.get(stem) or canvases.setdefault(stem, FrameCanvas(bins))
                 frame = canvas.draw(title, payload, views)
                 if stem not in videos:
                     videos[stem] = VideoFile(Path(out_dir) / f"{stem}{suffix}", fps)
                 videos[stem].append(frame)
+                frames += 1
             except Exception:  # one frame that cannot be drawn must not end the other videos
                 traceback.print_exc()
             finally:
-                credits.release()
+                busy += time.perf_counter() - start
+                _send(conn, CREDIT)
     finally:
+        start = time.perf_counter()
         for video in videos.values():
             try:
                 video.close()
             except Exception:  # one file that cannot be finished must not leave the others unfinished
                 traceback.print_exc()
+        busy += time.perf_counter() - start
+        _send(conn, json.dumps({"frames": frames, "draw_s": busy}).encode())
         conn.close()
+
+
+def _send(conn: Any, data: bytes) -> None:
+    try:
+        conn.send_bytes(data)
+    except OSError:  # the parent is gone: the watchdog ends the loop
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m fwdtrace.recorder FD CONFIG``: run on the inherited socket ``FD``.
+
+    ``CONFIG`` is JSON with ``parent_pid``, ``out_dir``, ``suffix``, ``fps``, ``timeout`` and
+    ``bins``, the arguments of :func:`run`. (POSIX only: the socket is passed as a file descriptor.)
+    """
+    from multiprocessing.connection import Connection
+
+    fd, config = (sys.argv[1:] if argv is None else argv)
+    settings = json.loads(config)
+    if isinstance(settings.get("bins"), list):
+        settings["bins"] = tuple(settings["bins"])
+    run(Connection(int(fd)), **settings)

@@ -1,0 +1,148 @@
+"""Histogram edges that stay put over training: the same bins on the live page and in recorder videos.
+
+A chart of a tensor over steps is only readable if its bins do not move. :class:`SteadyBins`
+starts from the first sample's range and keeps its edges while later samples fall inside; a
+sample that leaves them doubles the bin width until it fits. The width is a power of two and
+every edge a multiple of it, so each new bin is exactly two old ones and counts kept so far
+merge by addition (no value is ever re-assigned). Edges the user sets are kept as given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import FwdtraceError
+
+__all__ = ["SteadyBins", "check_bins_spec"]
+
+
+def check_bins_spec(bins: Any, caller: str) -> int | tuple[float, ...]:
+    """``bins`` as a positive int (a running range) or a tuple of 2+ increasing finite edges, else a FwdtraceError.
+
+    >>> check_bins_spec(32, "f"), check_bins_spec([0, 0.5, 1], "f")
+    (32, (0.0, 0.5, 1.0))
+    """
+    if isinstance(bins, int) and not isinstance(bins, bool):
+        if bins >= 1:
+            return bins
+    elif isinstance(bins, Sequence) and not isinstance(bins, str):
+        try:
+            edges = tuple(float(e) for e in bins)
+        except (TypeError, ValueError):
+            edges = ()
+        increasing = all(a < b for a, b in zip(edges, edges[1:], strict=False))
+        if len(edges) >= 2 and all(math.isfinite(e) for e in edges) and increasing:
+            return edges
+    raise FwdtraceError(
+        f"{caller} expected bins as a positive int or a list of 2+ increasing finite edges, got {bins!r}"
+    )
+
+
+class SteadyBins:
+    """Bin edges that grow (by whole doublings) only when a sample leaves them, and the counts kept on them.
+
+    >>> import numpy as np
+    >>> b = SteadyBins(4)
+    >>> b.add(np.array([0.0, 0.15, 0.3, 0.45]))
+    >>> b.edges.tolist(), b.counts.tolist()
+    ([0.0, 0.125, 0.25, 0.375, 0.5], [1, 1, 1, 1])
+    >>> b.add(np.array([0.9])); b.edges.tolist(), b.counts.tolist()  # left the bins: the width doubled
+    ([0.0, 0.25, 0.5, 0.75, 1.0], [2, 2, 0, 1])
+
+    ``bins`` is the number of bins (edges from a running range) or the edges themselves (kept
+    as given; values outside count as ``underflow``/``overflow``). Bins are half-open,
+    ``[a, b)``: a running range always ends above the largest value seen, so each sample's
+    counts equal ``numpy.histogram`` on the same edges. NaN and Inf are left out (``nonfinite``).
+    """
+
+    def __init__(self, bins: int | Sequence[float] = 60) -> None:
+        spec = check_bins_spec(bins, "SteadyBins")
+        self.fixed = not isinstance(spec, int)
+        self.bins = spec if isinstance(spec, int) else len(spec) - 1
+        self._edges: np.ndarray | None = None if isinstance(spec, int) else np.asarray(spec, dtype=np.float64)
+        self._width = 0.0  # a power of two; edges are low + i * width with low a multiple of width
+        self.counts = np.zeros(self.bins, dtype=np.int64)
+        self.underflow = self.overflow = self.nonfinite = 0
+        self.rebins = 0  # how many times the edges grew
+
+    @property
+    def edges(self) -> np.ndarray:
+        """The ``bins + 1`` edges now in use (empty before the first finite value of a running range)."""
+        return np.empty(0) if self._edges is None else self._edges.copy()
+
+    @property
+    def range(self) -> tuple[float, float] | None:
+        return None if self._edges is None else (float(self._edges[0]), float(self._edges[-1]))
+
+    def fit(self, low: float, high: float) -> bool:
+        """Grow the edges so that ``[low, high]`` lies inside; True when they changed (fixed edges never do)."""
+        if self.fixed or not (math.isfinite(low) and math.isfinite(high)):
+            return False
+        low, high = min(low, high), max(low, high)
+        if self._edges is None:
+            # The smallest power-of-two width whose bins span the first range (a point gets a narrow range around it).
+            span = (high - low) or max(abs(low), 1.0) * 2.0**-10
+            width = 2.0 ** math.ceil(math.log2(span / self.bins))
+            self._width, start = self._place(low, high, width)
+            self._set(start)
+            return True
+        first, last = float(self._edges[0]), float(self._edges[-1])
+        if first <= low and high < last:
+            return False
+        old_start = round(first / self._width)
+        width, start = self._place(min(low, first), max(high, last), self._width * 2)
+        # Old bin j covers [j w, (j + 1) w), inside new bin j // factor: whole bins, merged exactly.
+        factor = round(width / self._width)
+        merged = np.zeros(self.bins, dtype=np.int64)
+        np.add.at(merged, (old_start + np.arange(self.bins)) // factor - start, self.counts)
+        self.counts, self._width = merged, width
+        self._set(start)
+        self.rebins += 1
+        return True
+
+    def _place(self, low: float, high: float, width: float) -> tuple[float, int]:
+        """The smallest width (``width`` times a power of two) and the start index whose bins hold ``[low, high)``.
+
+        Among the starts that fit, the one that centres the range: room to drift either way.
+        """
+        while True:
+            most = math.floor(low / width)  # the last start with start * width <= low
+            least = math.floor(high / width) - self.bins + 1  # the first with high < (start + bins) * width
+            if least <= most:
+                centred = math.floor((low + high) / (2 * width) - self.bins / 2)
+                return width, min(max(centred, least), most)
+            width *= 2
+
+    def _set(self, start: int) -> None:
+        self._edges = (start + np.arange(self.bins + 1, dtype=np.float64)) * self._width
+
+    def histogram(self, values: Any) -> np.ndarray:
+        """Counts of ``values`` on the current edges (finite values only, those outside left out); nothing kept."""
+        finite = _finite(values)
+        if self._edges is None or finite.size == 0:
+            return np.zeros(self.bins, dtype=np.int64)
+        inside = finite[(finite >= self._edges[0]) & (finite < self._edges[-1])] if self.fixed else finite
+        # searchsorted on the edges themselves: the same bin numpy.histogram gives, [a, b) everywhere.
+        index = np.searchsorted(self._edges, inside, side="right") - 1
+        return np.bincount(index, minlength=self.bins).astype(np.int64)[: self.bins]
+
+    def add(self, values: Any) -> None:
+        """Grow the edges to fit ``values`` if needed, then add their counts to :attr:`counts`."""
+        finite = _finite(values)
+        self.nonfinite += int(np.size(values)) - finite.size
+        if finite.size == 0:
+            return
+        self.fit(float(finite.min()), float(finite.max()))
+        if self.fixed and self._edges is not None:
+            self.underflow += int((finite < self._edges[0]).sum())
+            self.overflow += int((finite >= self._edges[-1]).sum())
+        self.counts += self.histogram(finite)
+
+
+def _finite(values: Any) -> np.ndarray:
+    flat = np.asarray(values, dtype=np.float64).reshape(-1)
+    return flat[np.isfinite(flat)]
