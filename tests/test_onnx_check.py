@@ -279,3 +279,42 @@ def test_a_failed_export_prints_only_fwdtraces_error(capfd, caplog) -> None:
     out, err = capfd.readouterr()
     assert "Torch IR graph at exception" not in out + err  # torch's C++ dump of the failed first try
     assert "Torch IR graph at exception" in caplog.text  # ... kept in the DEBUG log
+
+
+# -- recurrent layers: a multi-layer LSTM's final states, an LSTMCell written out -----------------
+def _decoder_starts_from_the_context(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The decoder's first hidden state is the encoder's mean output, not the LSTM's last h."""
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    made_by = {o: n for n in p.graph.node for o in n.output}
+    states = [n for n in p.graph.node if n.op_type == "Concat" and all(made_by.get(i) is not None and made_by[i].op_type == "LSTM" for i in n.input)]
+    h = next(n for n in p.graph.node if n.input and n.input[0] == states[0].output[0])  # h_n[-1]
+    mean = next(n for n in p.graph.node if n.op_type == "ReduceMean")
+    for n in p.graph.node:
+        n.input[:] = [mean.output[0] if i == h.output[0] else i for i in n.input]
+    return p
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript", "fwdtrace"])
+def test_an_lstm_encoder_and_lstmcell_decoder_match_and_a_rewired_state_is_caught(exporter: str) -> None:
+    # the 2-layer LSTM's h and c are ONNX Concats of each layer's Y_h and Y_c; the cell is written out
+    from corpus import Seq2Seq
+
+    torch.manual_seed(0)
+    model, src = Seq2Seq(vocab=50, d=16, steps=2).eval(), torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        proto = _export(model, src, exporter)
+        np.testing.assert_allclose(run_ort(proto, src)[0], model(src).numpy(), rtol=1e-4, atol=1e-5)
+        report = fwdtrace.check_onnx(model, src, onnx=proto)
+        assert report.ok, report.text
+        encoder = dict(report.matched)["encoder (LSTM)"]
+        assert sorted(onnx_op(proto, name) for name in encoder) == ["Concat", "Concat", "LSTM", "LSTM"]
+        tampered = _decoder_starts_from_the_context(proto)
+        assert np.abs(run_ort(tampered, src)[0] - model(src).numpy()).max() > 1e-3  # the tampering is real
+        caught = fwdtrace.check_onnx(model, src, onnx=tampered)
+    assert caught.status == "mismatch", caught.text
+    assert any("mean" in edge and "cell" in edge for edge in caught.rewired), caught.text
+
+
+def onnx_op(proto: onnx.ModelProto, name: str) -> str:
+    return next(n.op_type for n in proto.graph.node if n.name == name)

@@ -367,3 +367,48 @@ def test_a_large_export_into_a_missing_folder_is_refused(tmp_path, every_model_i
     with pytest.raises(FwdtraceError, match=r"^export_onnx\(\) expected path in an existing folder, got '.*nowhere"):
         fwdtrace.export_onnx(model, x, exporter="torchscript", path=tmp_path / "nowhere" / "m.onnx")
     assert os.listdir(tmp_path) == []
+
+
+class _SetsStateWhileTraced(torch.nn.Module):
+    """transformers' Swin pattern: forward stores a tensor in a plain attribute when torch.jit traces it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window = 8
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if min(x.shape) <= self.window:
+            self.window = torch.min(torch.tensor(x.shape)) if torch.jit.is_tracing() else min(x.shape)
+        if torch.jit.is_tracing():
+            self.linear.traced = x  # a new attribute on a child, holding a traced tensor
+        return self.linear(x) * self.window
+
+
+def _corpus_model(name: str) -> tuple[torch.nn.Module, tuple, dict]:
+    import corpus
+
+    torch.manual_seed(0)
+    return {case.name: case for case in corpus.CORPUS}[name].build()
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("name", ["sets_state_while_traced", "swin", "gpt2", "seq2seq"])
+def test_an_export_leaves_the_model_as_it_found_it(name: str, exporter: str) -> None:
+    # a later trace of the model is the trace before the export: nothing the exporter's run set remains
+    if name == "sets_state_while_traced":
+        model, args, kwargs = _SetsStateWhileTraced().eval(), (torch.randn(2, 4),), {}
+        model(*args)  # eager's own caching happens before the snapshot, as a user's first call would
+    else:
+        model, args, kwargs = _corpus_model(name)
+    with torch.no_grad():
+        before = fwdtrace.trace(model, *args, **kwargs).to_json()
+        state = {path: dict(vars(m)) for path, m in model.named_modules()}
+        fwdtrace.export_onnx(model, *args, exporter=exporter, **kwargs)
+        after = {path: dict(vars(m)) for path, m in model.named_modules()}
+        assert after.keys() == state.keys()
+        for path, attrs in state.items():
+            assert after[path].keys() == attrs.keys(), path
+            changed = [k for k, v in attrs.items() if after[path][k] is not v]
+            assert not changed, f"{path or 'model'}: {changed}"
+        assert fwdtrace.trace(model, *args, **kwargs).to_json() == before

@@ -585,6 +585,8 @@ class _Matcher:
             found = self._find(tn, eq, reqs, max_skipped=skipped, anchored=simpler is None) if eq.patterns else None
             if found is not None:
                 key, region = found
+                if self.op(key) in _RECURRENT_OPS:
+                    region |= self._final_states(region)
                 self._new_group(tn.id, region, key)
                 tn_out = frozenset({tn.id})
             elif simpler is not None:
@@ -617,6 +619,24 @@ class _Matcher:
         if through_unopened and tn.id not in self.groups:  # passed on, still behind the unknown ops
             self.unopened_values.update(r.obj_id for r in tn.outputs)
         self.calls.setdefault(call_key, []).append(tn.id)
+
+    def _final_states(self, region: set[int]) -> set[int]:
+        """The Concats that stack a multi-layer recurrent call's per-layer final states (its h_n, c_n).
+
+        They read the layers' Y_h and Y_c, downstream of the last layer (the region's key),
+        so the walk up from the key does not reach them.
+        """
+        layers = {oid for oid in region if self.op(oid) in _RECURRENT_OPS}
+        if len(layers) < 2:
+            return set()
+        found: set[int] = set()
+        for oid in layers:
+            for r in self.onodes[oid].outputs:
+                for c in self.consumers.get(r.obj_id, ()):
+                    feeders = {self.producer[v] for v in self._data_inputs(self.onodes[c])}
+                    if self.op(c) == "Concat" and c not in self.matched and feeders == layers:
+                        found.add(c)
+        return found
 
     def _fresh_value(self) -> int:
         self.n_values += 1

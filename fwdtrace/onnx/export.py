@@ -157,7 +157,7 @@ def _run_exporter(
     and a warning says so; the comparison leaves out outputs an export does not return.
     """
     # the TorchScript exporter writes its "Torch IR graph at exception" dump from C++
-    with quiet(f"the {exporter} exporter", verbose, fds=exporter == "torchscript"):
+    with quiet(f"the {exporter} exporter", verbose, fds=exporter == "torchscript"), _state_kept(model):
         try:
             return _run_exporter_once(model, args, kwargs, exporter, opset_version, file, True)
         except _CacheNotExported as e:
@@ -168,6 +168,40 @@ def _run_exporter(
         "the ONNX model returns the other outputs only", FwdtraceWarning, stacklevel=user_stacklevel(),
     )
     return proto
+
+
+_KEPT_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+@contextlib.contextmanager
+def _state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """While active, what the exporter's runs of ``model`` set on its modules is undone when it ends.
+
+    A model's forward may store what it computed in its attributes, and while torch.jit traces
+    it that is a traced tensor: transformers' Swin sets ``window_size`` to
+    ``torch.min(torch.tensor(...))`` under ``torch.jit.is_tracing()``, so every later call (and
+    fwdtrace's next trace) reads a tensor made outside torch functions where it read an int;
+    the dynamo exporter resets an LSTM's flat weights and a transformers model's parallelism
+    plans. Each module's attributes (and its parameters, buffers and children) go back to the
+    objects they were: a tensor changed in place is not undone (eval mode writes none).
+    """
+    modules = {id(m): m for m in model.modules()}.values()
+    saved = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in _KEPT_DICTS if k in vars(m)}) for m in modules]
+    try:
+        yield
+    finally:
+        for module, attrs, kept in saved:
+            now = vars(module)
+            for key in [k for k in now if k not in attrs]:
+                del now[key]
+            for key, value in attrs.items():
+                if now.get(key, _UNSET) is not value:
+                    now[key] = value
+            for key, entries in kept.items():  # the same dict objects, with their entries as they were
+                current = attrs[key]
+                if current.keys() != entries.keys() or any(current[k] is not v for k, v in entries.items()):
+                    current.clear()
+                    current.update(entries)
 
 
 class _CacheNotExported(Exception):
