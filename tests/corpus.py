@@ -415,7 +415,8 @@ def vary_constant_weights(model: nn.Module) -> None:
 
 # -- independent references ----------------------------------------------------------------------------------
 def leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors a user sees in inputs and outputs: inside tuples, lists, dicts (ModelOutput) and dataclasses."""
+    """The tensors a user sees in inputs and outputs: inside tuples, lists, dicts (ModelOutput), dataclasses
+    and transformers' KV caches (``past_key_values``), which the trace returns too."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Mapping):
@@ -427,6 +428,9 @@ def leaves(obj: Any) -> Iterator[torch.Tensor]:
     elif is_dataclass(obj) and not isinstance(obj, type):
         for f in fields(obj):
             yield from leaves(getattr(obj, f.name))
+    elif type(obj).__module__ == "transformers.cache_utils":  # a returned KV cache: its layers' tensors
+        for v in vars(obj).values():
+            yield from leaves(v)
 
 
 def hook_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, dict[str, list[list[int]]]]:
