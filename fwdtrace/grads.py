@@ -81,7 +81,7 @@ class GradCall:
         self.nodes: list[Any] = []
         self.leaf_handles: list[Any] = []
         self.lock = threading.Lock()
-        self.grads: dict[int, Grads] = {}  # per backward pass (graph task)
+        self.grads: dict[int, tuple[Grads, set[int]]] = {}  # per backward pass (graph task): grads, indices arrived
         self.done: set[int] = set()
         self.replaced: set[int] = set()  # backward passes where replace() ran (it called the user's hook)
         self.active = True
@@ -137,13 +137,14 @@ class GradCall:
         with self.lock:
             if task in self.done:
                 return None
-            grads = self.grads.setdefault(task, [None] * (self.n_inputs + self.n_outputs))
+            grads, arrived = self.grads.setdefault(task, ([None] * (self.n_inputs + self.n_outputs), set()))
             position = self.slots[index]
-            grads[position] = grad.detach()
+            # None arrives where autograd has an undefined gradient (torch's BackwardHook passes them on)
+            grads[position] = None if grad is None else grad.detach()
+            arrived.add(index)
             # Some tensors get no gradient in this backward (an unused output, inputs= given):
             # wait only for those whose node the engine will run.
-            expected = sum(map(_will_run, self.nodes))
-            complete = sum(g is not None for g in grads) >= expected
+            complete = len(arrived) >= sum(map(_will_run, self.nodes))
             if complete:
                 del self.grads[task]
                 self.done.add(task)
@@ -189,7 +190,7 @@ class GradHandle:
 
     def pending(self) -> list[Any]:
         stack = self.local.__dict__.setdefault("stack", [])
-        return stack  # type: ignore[no-any-return]
+        return stack
 
 
 def register_grad_hook(owner: Any, hook: Callable[[Any, tuple, tuple], Any], replace: bool = False,
@@ -275,6 +276,6 @@ def _replacer(module: Any, hook: Callable[[Any, tuple, tuple], Any]) -> Callable
             new = (new,)
         if len(new) != len(grad_input):
             raise FwdtraceError(f"expected {len(grad_input)} gradient(s), got {len(new)}")
-        return new[position]  # type: ignore[no-any-return]
+        return new[position]
 
     return replace

@@ -32,6 +32,7 @@ import torch
 
 from .._tree import tensors_of
 from ..errors import FwdtraceError, describe
+from ..grads import register_grad_hook
 from ..keys import Selector, key2module, select_modules
 from . import worker as worker_module
 from .views import VIEWS, reduce
@@ -399,7 +400,7 @@ class Recorder:
             if k == "forward":
                 self._handles.append(module.register_forward_hook(_on_output(record)))
             else:
-                self._handles.append(module.register_full_backward_hook(_on_grad_output(record)))
+                self._handles.append(register_grad_hook(module, _on_grad_output(record)))
         return list(selected)
 
     def _start_workers(self) -> None:
