@@ -6,7 +6,8 @@ runs inside some module's forward. Its key is that module's path and the functio
 (the root's own calls are keyed by the name alone). A :class:`FunctionSite` is one such key. It takes
 the hooks a module takes (``register_forward_pre_hook``, ``register_forward_hook``,
 ``register_full_backward_hook``) and runs them on the calls made there, as ``nn.Module._call_impl``
-runs a module's, so probes and dumps hook a function key with the code they hook a module with.
+runs a module's, so probes and dumps hook a function key with the code they hook a module with
+(gradients through :func:`fwdtrace.grads.register_grad_hook`, as for modules).
 
 No patcher of its own: :class:`ModelCalls` puts one handler on the module-call dispatch point (which
 of the model's modules is running, per thread) and one on each hooked function's dispatch point
@@ -23,10 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.hooks import BackwardHook
 
 from . import registry as _registry
 from .errors import FwdtraceError, describe
+from .grads import GradHandle, register_grad_hook
 from .keys import function_key, key2module, key_path
 from .patching import add_call_handler, critical, remove_call_handler
 from .registry import FunctionTarget
@@ -57,8 +58,9 @@ class FunctionSite:
     function's positional arguments as ``inputs`` (``self`` first for a method):
     ``hook(module, inputs, output)``. A non-None return replaces the inputs (pre-hooks) or the
     output, as for modules. Full backward hooks get ``(module, grad_input, grad_output)`` for
-    the positional tensor arguments and the tensor outputs, through torch's own
-    ``BackwardHook``, the machinery of ``register_full_backward_hook``.
+    the positional arguments and the tensor outputs, from tensor hooks
+    (:func:`fwdtrace.grads.register_grad_hook`: safe beside in-place ops, its notes say what
+    ``grad_input`` holds).
     """
 
     def __init__(self, calls: ModelCalls, target: FunctionTarget, module_path: str) -> None:
@@ -69,7 +71,6 @@ class FunctionSite:
         # hook id -> (hook, with_kwargs, always_call); dicts copied on change, read without a lock
         self._pre_hooks: dict[int, tuple[Callable[..., Any], bool, bool]] = {}
         self._hooks: dict[int, tuple[Callable[..., Any], bool, bool]] = {}
-        self._backward_hooks: dict[int, tuple[Callable[..., Any], bool, bool]] = {}
 
     def register_forward_pre_hook(self, hook: Callable[..., Any], *, with_kwargs: bool = False) -> _SiteHandle:
         return self._add("_pre_hooks", hook, with_kwargs, False)
@@ -79,8 +80,8 @@ class FunctionSite:
     ) -> _SiteHandle:
         return self._add("_hooks", hook, with_kwargs, always_call)
 
-    def register_full_backward_hook(self, hook: Callable[..., Any]) -> _SiteHandle:
-        return self._add("_backward_hooks", hook, False, False)
+    def register_full_backward_hook(self, hook: Callable[..., Any]) -> GradHandle:
+        return register_grad_hook(self, hook)
 
     def _add(self, kind: str, hook: Callable[..., Any], with_kwargs: bool, always_call: bool) -> _SiteHandle:
         if not callable(hook):
@@ -93,7 +94,7 @@ class FunctionSite:
 
     def _remove(self, hook_id: int) -> None:
         with critical():
-            for kind in ("_pre_hooks", "_hooks", "_backward_hooks"):
+            for kind in ("_pre_hooks", "_hooks"):
                 hooks = getattr(self, kind)
                 if hook_id in hooks:
                     setattr(self, kind, {k: v for k, v in hooks.items() if k != hook_id})
@@ -101,7 +102,7 @@ class FunctionSite:
                     return
 
     def _has_hooks(self) -> bool:
-        return bool(self._pre_hooks or self._hooks or self._backward_hooks)
+        return bool(self._pre_hooks or self._hooks)
 
     def _call(self, module: torch.nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """One call with this site's hooks, in ``nn.Module._call_impl``'s order."""
@@ -114,10 +115,6 @@ class FunctionSite:
                 new = hook(module, args)
                 if new is not None:
                     args = new if isinstance(new, tuple) else (new,)
-        backward = None
-        if self._backward_hooks and torch.is_grad_enabled():
-            backward = BackwardHook(module, [h for h, _, _ in self._backward_hooks.values()], [])
-            args = backward.setup_input_hook(args)
         hooks = self._hooks
         try:
             result = call(*args, **kwargs)
@@ -133,8 +130,6 @@ class FunctionSite:
             new = hook(module, args, kwargs, result) if with_kwargs else hook(module, args, result)
             if new is not None:
                 result = new
-        if backward is not None:
-            result = backward.setup_output_hook(result)
         return result
 
     def __repr__(self) -> str:

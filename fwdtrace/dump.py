@@ -35,6 +35,7 @@ from ._files import AtomicFile, not_a_regular_file
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
+from .grads import GradCall
 from .keys import key2module, key_path
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
@@ -90,9 +91,7 @@ class _Call:
 
     name: str
     group: Any
-    # positional argument -> N of its dataset inputN: grad_inputN is named to match it, also
-    # where a non-tensor argument comes first (a hooked function's module, a flag)
-    input_numbers: dict[int, int] = field(default_factory=dict)
+    grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
 
 
 class _Recording:
@@ -129,12 +128,12 @@ class _Recording:
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.key2calls: dict[str, int] = {}
-        # per id() of a module or a function site: the calls not yet through backward, and those running
-        self.module2calls: dict[int, list[_Call]] = {}
+        # per id() of a module or a function site: its calls running
         self.open_calls: dict[int, list[_Call]] = {}
         self.skipped: list[str] = []
         self.forward_handles: list[Any] = []
-        self.backward_handles: list[Any] = []
+        self.grad_calls: list[GradCall] = []  # of the calls recorded, to take their leaf hooks off at the end
+        self.root_calls_in_backward = 0  # root calls whose gradients have not all been written
         self.root_depth = 0  # > 0 while the root module's forward runs
         self.forward_done = False
         self.failed: str | None = None  # why the last root forward did not finish
@@ -168,18 +167,20 @@ class _Recording:
             self.forward_handles.append(
                 owner.register_forward_hook(self._post_hook(id(owner), is_root), with_kwargs=True, always_call=True)
             )
-            if grads:
-                self.backward_handles.append(owner.register_full_backward_hook(self._grad_hook(id(owner), is_root)))
 
     def _remove_hooks(self) -> None:
-        for h in self.forward_handles + self.backward_handles:
+        for h in self.forward_handles:
             h.remove()
         self.forward_handles.clear()
-        self.backward_handles.clear()
+
+    def _cancel_grads(self) -> None:
+        while self.grad_calls:
+            self.grad_calls.pop().cancel()
 
     def _fail(self, exc: BaseException, where: str) -> FwdtraceError:
         """A write failed (disk full...): remove every hook, drop the file, say which file."""
         self._remove_hooks()
+        self._cancel_grads()
         self.closed = True
         try:
             self.file.close()
@@ -233,8 +234,9 @@ class _Recording:
         self.order.clear()
         self.calls = 0
         self.key2calls.clear()
-        self.module2calls.clear()
         self.open_calls.clear()
+        self._cancel_grads()
+        self.root_calls_in_backward = 0
         self.skipped.clear()
         self.discarded += 1
         self.failed = None
@@ -263,12 +265,13 @@ class _Recording:
             except Exception as e:
                 raise self._fail(e, name) from e
             self.calls += 1
-            self._write_all(call, "input", (args, kwargs) if kwargs else args)
-            number = 0
-            for position, arg in enumerate(args):
-                if isinstance(arg, torch.Tensor):
-                    call.input_numbers[position] = number
-                number += len(tensors_of(arg))
+            inputs = (args, kwargs) if kwargs else args
+            self._write_all(call, "input", inputs)
+            if self.grads and torch.is_grad_enabled():
+                # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.grads);
+                # grad_inputN is the gradient of inputN, grad_outputN of outputN.
+                call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
+                self.grad_calls.append(call.grads)
             self.open_calls.setdefault(owner, []).append(call)
 
         return hook
@@ -282,6 +285,8 @@ class _Recording:
             exc = sys.exc_info()[1]
             if exc is not None and result is None:
                 # torch runs always_call hooks while the forward's exception propagates
+                if call.grads is not None:
+                    call.grads.cancel()
                 if self.failed is None:
                     self.failed = f"the forward raised in {call.name}: {one_line(exc)}"
                 if is_root:
@@ -289,11 +294,15 @@ class _Recording:
                 return
             self._write_all(call, "output", result)
             self._note_skipped(call, result)
-            self.module2calls.setdefault(owner, []).append(call)
+            if call.grads is not None:
+                # Every tensor of the result, a ModelOutput's or a dict's too (torch's module
+                # backward hook sees only a tensor or a tuple's tensors).
+                call.grads.hook_outputs(tensors_of(result))
+                self.root_calls_in_backward += is_root
             if is_root:
                 self.root_depth -= 1
                 if self.root_depth == 0:
-                    # The step's forward is over. The backward hooks of the calls recorded stay
+                    # The step's forward is over. The gradient hooks of the calls recorded stay
                     # attached to their autograd graph; later forwards get none.
                     self.forward_done = True
                     self.backward_expected = self.grads and any(t.requires_grad for t in tensors_of(result))
@@ -301,22 +310,19 @@ class _Recording:
 
         return hook
 
-    def _grad_hook(self, owner: int, is_root: bool) -> Any:
-        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            calls = self.module2calls.get(owner)
-            if not calls or self.closed:
+    def _grad_writer(self, call: _Call, is_root: bool) -> Any:
+        def write(grad_input: list[torch.Tensor | None], grad_output: list[torch.Tensor | None]) -> None:
+            if self.closed:
                 return
-            call = calls.pop()  # backward visits a module's calls last first
-            for g_index, g in enumerate(grad_output):
-                if isinstance(g, torch.Tensor):
-                    self._write(call, f"grad_output{g_index}", g)
-            for position, g in enumerate(grad_input):
-                if isinstance(g, torch.Tensor):
-                    self._write(call, f"grad_input{call.input_numbers.get(position, position)}", g)
-            if is_root and not calls:
-                self.backward_done = True
+            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)):
+                for index, g in enumerate(grads):
+                    if g is not None:
+                        self._write(call, f"{prefix}{index}", g)
+            if is_root:
+                self.root_calls_in_backward -= 1
+                self.backward_done = self.root_calls_in_backward == 0
 
-        return hook
+        return write
 
     def _status(self, exc: BaseException | None) -> tuple[bool, str]:
         """Whether the step is complete, and if not, why."""
@@ -334,6 +340,7 @@ class _Recording:
     def close(self, exc: BaseException | None = None) -> Path | None:
         """Record the completeness, close the file and rename it; None when it was dropped."""
         self._remove_hooks()
+        self._cancel_grads()
         if self.closed:
             return None
         self.closed = True
@@ -402,9 +409,10 @@ class Dumper:
         """Hook ``model`` so its next forward and backward are written to this step's file.
 
         ``epoch`` and ``step`` are non-negative ints (they name the file).
-        Gradients come from ``register_full_backward_hook``, which torch refuses for a module
-        whose output a later module changes in place (``ReLU(inplace=True)``); dump such a
-        model with ``grads=False`` (inputs and outputs only).
+        Gradients come from tensor hooks on each call's inputs and outputs
+        (:mod:`fwdtrace.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
+        ``ModelOutput`` or a dict are fine: ``grad_outputN`` is the gradient of ``outputN``,
+        ``grad_inputN`` of ``inputN`` (over all its uses, where that tensor also feeds another branch).
         """
         if not isinstance(model, torch.nn.Module):
             raise FwdtraceError(f"Dumper.register() expected a torch.nn.Module, got {describe(model)}")

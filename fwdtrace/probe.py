@@ -25,6 +25,7 @@ from ._tree import tensors_of
 from .calls import FunctionSite, ModelCalls
 from .chaos import Chaos
 from .errors import FwdtraceError, describe
+from .grads import register_grad_hook
 from .keys import Selector, key2module, select_keys
 from .registry import FunctionTarget, resolve_any
 from .stats import RunningStats, check_bins, check_range, summary_text
@@ -366,7 +367,9 @@ class Probe:
           grad_input0  float32[1, 2] ...
           grad_output0 float32[1, 1] mean=1 std=0 min=1 max=1
 
-        Uses ``register_full_backward_hook``; a ``None`` gradient (an input that needs none) prints as None.
+        Gradients come from tensor hooks (:func:`fwdtrace.grads.register_grad_hook`), safe beside
+        in-place ops; ``grad_input`` is each positional argument's (its gradient over all its uses),
+        ``grad_output`` each tensor of the output. A ``None`` gradient (an input that needs none) prints as None.
         """
         _check_bool(values, "values", "print_grads()")
         _check_file(file, "print_grads()")
@@ -382,7 +385,7 @@ class Probe:
                 lines += [f"  grad_output{i} {summary_text(t, values)}" for i, t in enumerate(grad_output)]
                 print("\n".join(lines), file=file or sys.stdout)
 
-            return module.register_full_backward_hook(hook)
+            return register_grad_hook(module, hook)
 
         return self._add(Hooks(self, []), register, selector)
 
@@ -443,7 +446,12 @@ class Probe:
         tensor([1., 1.])
 
         ``fn`` returns the new grad_input (a tuple like grad_input, or one tensor), or None
-        to keep it: a custom gradient without writing an autograd.Function.
+        to keep it: a custom gradient without writing an autograd.Function. With one input
+        needing a gradient (the usual layer) the replacement is made by a tensor hook on that
+        input, safe beside in-place ops; it replaces the gradient flowing on from the input, so
+        where that input also feeds another branch, that branch's share is replaced too. With
+        several such inputs their gradients arrive at different times, so that call goes through
+        torch's own ``BackwardHook`` (exact, but an in-place op on those inputs or outputs then raises, as torch's does).
         """
         _check_fn(fn, "replace_grad()", "(module, grad_input, grad_output)")
 
@@ -461,7 +469,7 @@ class Probe:
                     )
                 return tuple(new) if new is not None else None
 
-            return module.register_full_backward_hook(hook)
+            return register_grad_hook(module, hook, replace=True)
 
         return self._add(Hooks(self, []), register, selector)
 
@@ -649,7 +657,7 @@ class Probe:
                 if self.enabled:
                     add(key, grad_input if of == "grad_input" else grad_output)
 
-            return module.register_full_backward_hook(grad_hook)
+            return register_grad_hook(module, grad_hook)
 
         return self._add(handle, register, selector)
 

@@ -720,3 +720,82 @@ def test_a_real_write_failure_past_a_file_size_limit(tmp_path: Path) -> None:
     assert re.match(r"^Dumper could not write '.*0-epoch_0-step_dump.hdf5' \(\d{3}_Linear/\w+\): File too large; "
                     r"the dump was dropped and its hooks removed$", message), message
     assert hooks == "0" and os.listdir(tmp_path) == []
+
+
+# -- gradients beside in-place ops, and of models returning a ModelOutput ------------------------------
+
+
+def _groups_by_key(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    with h5py.File(path) as f:
+        assert f.attrs["complete"], f.attrs["status"]
+        return {f[n].attrs["module_key"]: {d: torch.from_numpy(f[n][d][()]) for d in f[n]} for n in _group_names(f)}
+
+
+def _sgd_step(model: nn.Module, loss: torch.Tensor) -> None:
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the reference's, as expected
+def test_backward_dumps_work_beside_in_place_relu_and_match_torch_full_backward_hooks(tmp_path: Path) -> None:
+    model, reference = zoo.inplace_mlp()
+    seen, _ = zoo.full_backward_grads(reference)
+    for step, x in enumerate(zoo.inplace_batches()):
+        dumper = fwdtrace.Dumper(tmp_path)
+        dumper.register(model, step=step)
+        _sgd_step(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
+        (path,) = dumper.remove()
+        _sgd_step(reference, reference(x).square().mean())
+        groups = _groups_by_key(path)
+        for key in zoo.INPLACE_KEYS:
+            grad_input, grad_output = seen[key][step]
+            torch.testing.assert_close(groups[key]["grad_output0"], grad_output[0], rtol=0, atol=0)
+            if grad_input[0] is None:  # 0.Linear's input is the batch: it needs no gradient
+                assert "grad_input0" not in groups[key]
+            else:
+                torch.testing.assert_close(groups[key]["grad_input0"], grad_input[0], rtol=0, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_transformers_model_returning_a_model_output_gets_its_backward(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
+    config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0))
+    # The reference: plain tensor hooks keep the gradient of the root's logits and of the last block's output
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            t = output.logits if name == "root" else output[0] if isinstance(output, tuple) else output
+            t.register_hook(lambda g: kept.__setitem__(name, g.clone()))
+
+        return hook
+
+    handles = [model.register_forward_hook(keep("root")), model.lm_head.register_forward_hook(keep("lm_head")),
+               model.transformer.ln_f.register_forward_hook(keep("ln_f"))]
+    dumper = fwdtrace.Dumper(tmp_path)
+    dumper.register(model)
+    model(ids).logits.sum().backward()
+    (path,) = dumper.remove()
+    for h in handles:
+        h.remove()
+    with h5py.File(path) as f:
+        assert (bool(f.attrs["complete"]), f.attrs["status"], bool(f.attrs["backward_finished"])) == (
+            True, "complete", True)  # read "incomplete: the backward did not run" before
+    groups = _groups_by_key(path)
+    root = groups["GPT2LMHeadModel"]
+    torch.testing.assert_close(root["grad_output0"], kept["root"], rtol=0, atol=0)  # output0 is the logits
+    torch.testing.assert_close(root["output0"], model(ids).logits.detach())
+    lm_head = next(v for k, v in groups.items() if k.startswith("lm_head."))
+    torch.testing.assert_close(lm_head["grad_output0"], kept["lm_head"], rtol=0, atol=0)
+    ln_f = next(v for k, v in groups.items() if k.startswith("transformer.ln_f."))
+    torch.testing.assert_close(ln_f["grad_output0"], kept["ln_f"], rtol=0, atol=0)
+    torch.testing.assert_close(lm_head["grad_input0"], kept["ln_f"], rtol=0, atol=0)  # ln_f's output feeds only lm_head

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo
 from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError
+from fwdtrace.stats import RunningStats, summary_text
 
 
 class TestModel(nn.Module):
@@ -328,3 +331,69 @@ def test_running_stats_from_several_threads_equal_the_whole_data() -> None:
         if range_ is not None:
             inside = everything[(everything >= 0) & (everything <= 4)]
             assert s.histogram == [int(v) for v in torch.histc(inside, bins=8, min=0, max=4).tolist()]
+
+
+# -- gradients beside in-place ops: compared with torch's full backward hooks on an inplace=False copy ---
+
+
+def _sgd(model: nn.Module, loss: torch.Tensor) -> None:
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the reference's, as expected
+def test_print_grads_and_grad_stats_work_beside_in_place_relu_and_match_torch() -> None:
+    model, reference = zoo.inplace_mlp()
+    seen, _ = zoo.full_backward_grads(reference)
+    buf = io.StringIO()
+    with fwdtrace.Probe(model) as probe:
+        probe.print_grads(list(zoo.INPLACE_KEYS), file=buf, values=True)
+        stats = {of: probe.running_stats("1.ReLU", of=of, bins=8, range=(-1.0, 1.0)) for of in ("grad_input", "grad_output")}
+        for x in zoo.inplace_batches():
+            _sgd(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
+            _sgd(reference, reference(x).square().mean())
+    want = []
+    for step in range(len(zoo.inplace_batches())):
+        for key in zoo.INPLACE_KEYS:
+            grad_input, grad_output = seen[key][step]
+            lines = [f"{key} backward call {step}"]
+            lines += [f"  grad_input{i}  {summary_text(t, True)}" for i, t in enumerate(grad_input)]
+            lines += [f"  grad_output{i} {summary_text(t, True)}" for i, t in enumerate(grad_output)]
+            want.append("\n".join(lines))
+    # One block per call; the two keys' gradients are ready at one autograd node, in no set order.
+    got = list(re.split(r"\n(?=\S+ backward call \d+\n)", buf.getvalue().strip()))
+    assert sorted(got) == sorted(want)
+    for of, position in (("grad_input", 0), ("grad_output", 1)):
+        reference_stats = RunningStats(8, (-1.0, 1.0))
+        for grads in seen["1.ReLU"]:
+            reference_stats.update(grads[position][0])
+        assert stats[of].summary()["1.ReLU"] == reference_stats.to_dict()
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the reference's, as expected
+def test_replace_grad_on_an_in_place_relu_matches_torch_full_backward_hook() -> None:
+    model, reference = zoo.inplace_mlp()
+    captured: list[tuple] = []
+
+    def straight_through(m: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+        captured.append((grad_input, grad_output))
+        return grad_output
+
+    reference[1].register_full_backward_hook(straight_through)
+    want = captured
+    with fwdtrace.Probe(model) as probe:
+        got: list[tuple] = []
+        probe.replace_grad("1.ReLU", lambda m, gin, gout: got.append((gin, gout)) or gout)
+        for x in zoo.inplace_batches():
+            _sgd(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
+            _sgd(reference, reference(x).square().mean())
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad)  # the replaced gradient flowed on as torch's does
+    assert len(got) == len(want) == 3
+    for (gin, gout), (rin, rout) in zip(got, want, strict=True):
+        torch.testing.assert_close(gin[0], rin[0], rtol=0, atol=0)
+        torch.testing.assert_close(gout[0], rout[0], rtol=0, atol=0)
+    torch.testing.assert_close(model[0].weight, reference[0].weight, rtol=0, atol=0)

@@ -23,6 +23,7 @@ import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
+import zoo
 from torch import nn
 
 import fwdtrace
@@ -108,6 +109,32 @@ def test_training_loop_writes_every_frame_and_pixels_follow_activations(tmp_path
     assert worker["frames"] == sum(len(frames_of(tmp_path / f"{stem}.mp4")) for stem in stems)
     assert worker["draw_s"] > 0 and worker["fps"] == worker["frames"] / worker["draw_s"]
     assert rec.finish_s is not None and f"workers finished {rec.finish_s:.1f} s after training" in repr(rec)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the reference's, as expected
+def test_grad_recording_works_beside_in_place_relu_and_sees_torch_full_backward_grads(tmp_path: Path) -> None:
+    model, reference = zoo.inplace_mlp()
+    seen, _ = zoo.full_backward_grads(reference)
+    recorded: list[torch.Tensor] = []  # what the recorder hands its views, in the training thread
+    batches = zoo.inplace_batches()
+    with fwdtrace.Recorder(tmp_path, transform=lambda t: recorded.append(t.clone()) or t, timeout=SLOW) as rec:
+        assert rec.track(model, list(zoo.INPLACE_KEYS), kind="grad") == list(zoo.INPLACE_KEYS)
+        for x in batches:
+            for m in (model, reference):
+                m.zero_grad()
+                m(x).square().mean().backward()  # raised RuntimeError from BackwardHookFunction before
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p -= 0.1 * p.grad
+    rec.stop()
+    want = [seen[key][step][1][0] for step in range(len(batches)) for key in zoo.INPLACE_KEYS]
+    # the two keys' gradients are ready at one autograd node, in no set order: match them as a set
+    assert len(recorded) == len(want)
+    for w in want:
+        match = next(i for i, got in enumerate(recorded) if torch.equal(got, w))
+        del recorded[match]
+    for key in zoo.INPLACE_KEYS:
+        assert len(frames_of(tmp_path / f"{key}.grad.mp4")) == len(batches) - rec.dropped_by[f"{key}.grad"]
 
 
 def test_a_stalled_worker_makes_the_queues_drop_not_the_step_wait(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ seeded weights, small enough that a forward takes milliseconds on a laptop CPU.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -336,3 +337,38 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
     "gru_net": gru_net,
     "shared_weights": shared_weights,
 }
+
+
+# -- gradients beside in-place ops (fwdtrace.grads) ---------------------------------------------------
+INPLACE_KEYS = ("0.Linear", "1.ReLU")  # a layer followed by ReLU(inplace=True), and that ReLU itself
+
+
+def inplace_mlp() -> tuple[nn.Module, nn.Module]:
+    """A Linear followed by ``ReLU(inplace=True)``, and the reference: a deep copy with ``inplace=False``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
+                          nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    for m in reference.modules():
+        if isinstance(m, nn.ReLU):
+            m.inplace = False
+    return model, reference
+
+
+def inplace_batches(steps: int = 3) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(5, 6, generator=generator) for _ in range(steps)]
+
+
+def full_backward_grads(reference: nn.Module, keys: tuple[str, ...] = INPLACE_KEYS) -> tuple[dict[str, list], list]:
+    """``{key: [(grad_input, grad_output), ...]}`` filled by torch's own full backward hooks on ``reference``."""
+    seen: dict[str, list] = {key: [] for key in keys}
+    handles = []
+    for key in keys:
+        module = reference.get_submodule(key.split(".")[0])
+
+        def hook(m: nn.Module, gin: tuple, gout: tuple, key: str = key) -> None:
+            seen[key].append((tuple(None if g is None else g.clone() for g in gin), tuple(g.clone() for g in gout)))
+
+        handles.append(module.register_full_backward_hook(hook))
+    return seen, handles

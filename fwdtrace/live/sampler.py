@@ -8,11 +8,11 @@ spare core does the work) and appends them to the arm's ring buffer under a shor
 HTTP threads take that lock only to copy what they serve. So neither the statistics nor a
 slow client hold training up.
 
-Nor break it: every hook body runs under :meth:`Sampler._guard`, so an error inside one
+Nor break it: every hook body runs guarded (:meth:`Sampler._guard`, ``on_error``), so an error inside one
 disarms its key (the API and the page show why) and never reaches the training code.
-Gradients are taken with tensor hooks on the module's inputs and outputs, not module full
-backward hooks: those wrap the output in a custom autograd function that makes any later
-in-place op on it (``ReLU(inplace=True)`` after the layer) raise in the training loop.
+Gradients are taken with tensor hooks on the module's inputs and outputs (:mod:`fwdtrace.grads`),
+not module full backward hooks: those wrap the output in a custom autograd function that makes
+any later in-place op on it (``ReLU(inplace=True)`` after the layer) raise in the training loop.
 Memory is bounded twice: ``ring`` samples per key and kind, and one ``memory`` budget in
 bytes for everything the sampler holds (copies waiting for the summariser, raw values,
 an estimate of the summaries), beyond which samples or their raw values are refused and counted.
@@ -31,6 +31,7 @@ import torch
 
 from .._tree import dtype_name, tensors_of
 from ..errors import FwdtraceError, describe
+from ..grads import register_grad_hook
 from ..keys import key2module, select_modules
 from ..stats import RunningStats
 
@@ -66,7 +67,6 @@ class Arm:
         self.handles: list[Any] = []
         self.armed = True
         self.error: str | None = None
-        self.grad_calls = threading.local()  # per thread: grad-sampled calls between pre-hook and hook
 
     @property
     def dropped(self) -> int:
@@ -171,8 +171,7 @@ class Sampler:
                 if kind == "forward":
                     arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
                 else:
-                    arm.handles.append(module.register_forward_pre_hook(self._grad_pre_hook(arm), with_kwargs=True))
-                    arm.handles.append(module.register_forward_hook(self._grad_hook(arm), with_kwargs=True))
+                    arm.handles.append(self._grad_hooks(arm, module))
                 old = self.arms.get((key, kind))
                 self.arms[(key, kind)] = arm
                 if old is not None:
@@ -238,29 +237,13 @@ class Sampler:
 
         return self._guard(arm, "the forward hook", hook)
 
-    def _grad_pre_hook(self, arm: Arm) -> Any:
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            # Inputs are hooked before the module runs: a module that changes its input in
-            # place (ReLU(inplace=True)) then still reports the gradient of the value it received.
-            pending = arm.grad_calls.__dict__.setdefault("stack", [])
-            call = self._take(arm) if torch.is_grad_enabled() else None
-            # Leaf inputs are left out: a hook on a leaf stays on it for good, one more each call.
-            inputs = [t for t in tensors_of((args, kwargs)) if t.requires_grad and t.grad_fn is not None] \
-                if call is not None else []
-            if len(pending) >= 8:  # forwards that raised never reached the forward hook
-                del pending[0]
-            pending.append(_GradCall(self, arm, call, inputs) if call is not None else None)
+    def _grad_hooks(self, arm: Arm, module: torch.nn.Module) -> Any:
+        def on_grads(call: int, grad_input: tuple, grad_output: tuple) -> None:
+            self._submit(arm, call, [("grad_input", [g for g in grad_input if g is not None]),
+                                     ("grad_output", [g for g in grad_output if g is not None])])
 
-        return self._guard(arm, "the gradient pre-hook", hook)
-
-    def _grad_hook(self, arm: Arm) -> Any:
-        def hook(module: torch.nn.Module, args: tuple, *rest: Any) -> None:
-            pending = getattr(arm.grad_calls, "stack", None)
-            grad_call = pending.pop() if pending else None
-            if grad_call is not None:
-                grad_call.hook_outputs([t for t in tensors_of(rest[-1]) if t.requires_grad])
-
-        return self._guard(arm, "the gradient hook", hook)
+        return register_grad_hook(module, on_grads, begin=lambda m: self._take(arm),
+                                  on_error=lambda e: arm.fail("a gradient hook", e))
 
     def _submit(self, arm: Arm, call: int, groups: list[tuple[str, Iterable[torch.Tensor]]]) -> None:
         """Copy the tensors (the model may change them in place later) and queue them, never waiting."""
@@ -454,53 +437,6 @@ class Sampler:
 
 class SamplerClosed(FwdtraceError):
     """An arm after :meth:`Sampler.close`."""
-
-
-class _GradCall:
-    """One grad-sampled call: tensor hooks on its inputs and outputs collect their gradients
-    during backward, and the call is submitted once every hook the backward will run has run."""
-
-    def __init__(self, sampler: Sampler, arm: Arm, call: int, inputs: list[torch.Tensor]) -> None:
-        self.sampler, self.arm, self.call = sampler, arm, call
-        self.n_inputs = len(inputs)
-        self.nodes: list[Any] = []
-        self.lock = threading.Lock()
-        self.grads: dict[int, list[torch.Tensor | None]] = {}  # per backward pass (graph task)
-        self.done: set[int] = set()
-        self._hook(inputs)
-
-    def hook_outputs(self, outputs: list[torch.Tensor]) -> None:
-        self._hook(outputs)
-
-    def _hook(self, tensors: list[torch.Tensor]) -> None:
-        # The node each tensor's gradient arrives at is taken now: an in-place op later (the
-        # module on its input, ReLU(inplace=True) after it on its output) gives the tensor a new
-        # node, but a hook registered before stays with the old one and sees the value's gradient.
-        for t in tensors:
-            self.nodes.append(torch.autograd.graph.get_gradient_edge(t).node)
-            t.register_hook(self.sampler._guard(self.arm, "a gradient hook", self._on_grad(len(self.nodes) - 1)))
-
-    def _on_grad(self, index: int) -> Any:
-        def on_grad(grad: torch.Tensor) -> None:  # returns None: the gradient is never changed
-            task = torch._C._current_graph_task_id()
-            with self.lock:
-                if task in self.done:
-                    return
-                grads = self.grads.setdefault(task, [None] * len(self.nodes))
-                grads[index] = grad.detach()
-                # Some tensors get no gradient in this backward (an unused output, inputs= given):
-                # wait only for those whose node the engine will run.
-                expected = sum(map(torch._C._will_engine_execute_node, self.nodes))
-                if sum(g is not None for g in grads) < expected:
-                    return
-                del self.grads[task]
-                self.done.add(task)
-            self.sampler._submit(self.arm, self.call, [
-                ("grad_input", [g for g in grads[:self.n_inputs] if g is not None]),
-                ("grad_output", [g for g in grads[self.n_inputs:] if g is not None]),
-            ])
-
-        return on_grad
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -36,6 +36,7 @@ import torch
 from .._tree import tensors_of
 from ..bins import check_bins_spec
 from ..errors import FwdtraceError, describe
+from ..grads import register_grad_hook
 from ..keys import Selector, key2module, select_modules
 from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from . import worker as worker_module
@@ -513,7 +514,7 @@ class Recorder:
             if k == "forward":
                 self._handles.append(module.register_forward_hook(_on_output(record)))
             elif k == "grad":
-                self._handles.append(module.register_full_backward_hook(_on_grad_output(record)))
+                self._handles.append(register_grad_hook(module, _on_grad_output(record)))
             elif param is not None:
                 name2record.setdefault((module, k), {})[param] = record
         for (module, _), records in name2record.items():

@@ -1,0 +1,281 @@
+"""Gradients of one module call, safe beside in-place ops: tensor hooks, not module backward hooks.
+
+torch's ``register_full_backward_hook`` wraps a module's inputs and outputs in a custom autograd
+function (``BackwardHookFunction``); any in-place op on them afterwards (``ReLU(inplace=True)``
+after the layer, or as the layer) then raises in the training loop's forward. So every
+gradient fwdtrace takes (dumps, probes, function keys, the recorder, the live sampler) comes
+from here instead: a :class:`GradCall` puts plain tensor hooks on a call's inputs (before the
+module runs) and outputs (after), and reports both once per backward.
+
+What the hooks see:
+
+- ``grad_output``: the gradient of each output, as torch's full backward hook gives it (a
+  hook registered before an in-place op keeps the value's gradient, not the modified one's).
+  Outputs are every tensor leaf of the result (:func:`fwdtrace._tree.tensors_of`), so a
+  ``ModelOutput``, a dict or nested tuples are hooked too, where torch hooks none.
+- ``grad_input``: the gradient of each input *value*, all its uses summed. It equals
+  torch's ``grad_input`` when the input feeds only this module (a chain of layers); where
+  the same tensor also feeds another branch (a residual ``x + f(x)``) it includes that too.
+- Replacing: ``grad_output`` cannot be replaced from here (the module's backward has already
+  used it when it is known); :func:`register_grad_hook` with ``replace=True`` replaces the
+  ``grad_input`` of a call with one input that needs a gradient through that input's hook
+  (the gradient flowing on from it). A call with several such inputs cannot be replaced tensor by
+  tensor (each gradient arrives at its own time), so it falls back to torch's own
+  ``BackwardHook`` for that call, with torch's limits beside in-place ops.
+
+A leaf input (a tensor created with ``requires_grad=True``) keeps a tensor hook for good, so
+its hook is removed once it has fired, or when the call's autograd graph is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.hooks import BackwardHook
+
+from ._tree import tensors_of
+from .errors import FwdtraceError
+
+__all__ = ["GradCall", "GradHandle", "register_grad_hook"]
+
+Grads = list[torch.Tensor | None]
+_MAX_PENDING = 8  # forwards that raised never reach the forward hook: older pending calls are dropped
+
+
+def _will_run(node: Any) -> bool:
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf's node under autograd.grad(): torch cannot say, and it gets no hook call
+        return False
+
+
+class GradCall:
+    """The gradients of one call: ``on_grads(grad_input, grad_output)`` once per backward.
+
+    >>> import torch
+    >>> from fwdtrace.grads import GradCall
+    >>> x = torch.ones(2, requires_grad=True) * 1  # a non-leaf input
+    >>> seen = []
+    >>> call = GradCall([x], lambda gin, gout: seen.append((gin, gout)))
+    >>> y = x * 3; call.hook_outputs([y]); y.sum().backward()
+    >>> seen[0][0][0].tolist(), seen[0][1][0].tolist()
+    ([3.0, 3.0], [1.0, 1.0])
+
+    ``inputs`` may hold None (a non-tensor argument): it keeps its place, with a None
+    gradient, as does a tensor that needs none or gets none in this backward. ``on_grads`` runs
+    when every hooked tensor the engine will reach has its gradient. ``replace(index,
+    grad_input, grad_output)`` (optional) is called in the hook of input ``index`` and returns
+    its new gradient or None. ``on_error(exc)`` (optional) gets what a hook raised instead of the backward.
+    """
+
+    def __init__(self, inputs: Sequence[torch.Tensor | None], on_grads: Callable[[Grads, Grads], Any],
+                 replace: Callable[[int, Grads, Grads], torch.Tensor | None] | None = None,
+                 on_error: Callable[[BaseException], Any] | None = None) -> None:
+        self.on_grads, self.replace, self.on_error = on_grads, replace, on_error
+        self.n_inputs = len(inputs)
+        self.slots: list[int] = []  # position (inputs first, then outputs) of each hooked tensor
+        self.nodes: list[Any] = []
+        self.leaf_handles: list[Any] = []
+        self.lock = threading.Lock()
+        self.grads: dict[int, tuple[Grads, set[int]]] = {}  # per backward pass (graph task): grads, indices arrived
+        self.done: set[int] = set()
+        self.replaced: set[int] = set()  # backward passes where replace() ran (it called the user's hook)
+        self.active = True
+        self.n_outputs = 0
+        self._hook(list(inputs), 0)
+
+    def hook_outputs(self, outputs: Sequence[torch.Tensor | None]) -> None:
+        """Hook the call's outputs (after the module ran: ``tensors_of(result)``)."""
+        self.n_outputs = len(outputs)
+        self._hook(list(outputs), self.n_inputs)
+
+    def cancel(self) -> None:
+        """Report nothing more; take off the hooks left on leaves."""
+        self.active = False
+        while self.leaf_handles:
+            self.leaf_handles.pop().remove()
+
+    def _hook(self, tensors: list[torch.Tensor | None], first: int) -> None:
+        # The node a tensor's gradient arrives at is taken now: an in-place op later gives the
+        # tensor a new node, but a hook registered before stays with the old one.
+        ref = weakref.ref(self)
+        for position, t in enumerate(tensors, first):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                continue
+            self.slots.append(position)
+            self.nodes.append(torch.autograd.graph.get_gradient_edge(t).node)
+            if t.grad_fn is None:  # a leaf: the hook lives on the tensor, not on the graph
+                hook = _weak_hook(ref, len(self.nodes) - 1)
+                self.leaf_handles.append(t.register_hook(hook))
+                # Nothing else keeps this call alive but its non-leaf hooks (the graph): once
+                # the graph is freed no backward can come, and the leaf's hook goes with it.
+                weakref.finalize(self, self.leaf_handles[-1].remove)
+            else:
+                t.register_hook(self._on_grad(len(self.nodes) - 1))
+
+    def _on_grad(self, index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        def on_grad(grad: torch.Tensor) -> torch.Tensor | None:
+            try:
+                return self._arrived(index, grad)
+            except Exception as e:
+                if self.on_error is None:
+                    raise
+                self.cancel()
+                self.on_error(e)
+                return None
+
+        return on_grad
+
+    def _arrived(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
+        if not self.active:
+            return None
+        task = torch._C._current_graph_task_id()
+        with self.lock:
+            if task in self.done:
+                return None
+            grads, arrived = self.grads.setdefault(task, ([None] * (self.n_inputs + self.n_outputs), set()))
+            position = self.slots[index]
+            # None arrives where autograd has an undefined gradient (torch's BackwardHook passes them on)
+            grads[position] = None if grad is None else grad.detach()
+            arrived.add(index)
+            # Some tensors get no gradient in this backward (an unused output, inputs= given):
+            # wait only for those whose node the engine will run.
+            complete = len(arrived) >= sum(map(_will_run, self.nodes))
+            if complete:
+                del self.grads[task]
+                self.done.add(task)
+            replacing = self.replace is not None and position < self.n_inputs
+            if replacing:
+                self.replaced.add(task)
+        new = None
+        if replacing:
+            assert self.replace is not None
+            new = self.replace(position, grads[:self.n_inputs], grads[self.n_inputs:])
+            if new is not None:
+                grads[position] = new.detach()
+        if complete:
+            while self.leaf_handles:
+                self.leaf_handles.pop().remove()
+            if task not in self.replaced:
+                self.on_grads(grads[:self.n_inputs], grads[self.n_inputs:])
+            self.replaced.discard(task)
+        return new
+
+
+def _weak_hook(ref: weakref.ref[GradCall], index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    def hook(grad: torch.Tensor) -> torch.Tensor | None:
+        call = ref()
+        return None if call is None else call._on_grad(index)(grad)
+
+    return hook
+
+
+class GradHandle:
+    """What :func:`register_grad_hook` returns: ``remove()`` takes its hooks off; pending calls report nothing more."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.calls: weakref.WeakSet[GradCall] = weakref.WeakSet()
+        self.local = threading.local()
+
+    def remove(self) -> None:
+        while self.handles:
+            self.handles.pop().remove()
+        for call in list(self.calls):
+            call.cancel()
+
+    def pending(self) -> list[Any]:
+        stack = self.local.__dict__.setdefault("stack", [])
+        return stack
+
+
+def register_grad_hook(owner: Any, hook: Callable[[Any, tuple, tuple], Any], replace: bool = False,
+                       begin: Callable[[Any], Any] | None = None,
+                       on_error: Callable[[BaseException], Any] | None = None) -> GradHandle:
+    """``hook(module, grad_input, grad_output)`` on every backward of ``owner``'s calls, like
+    ``register_full_backward_hook`` but safe beside in-place ops (see the module's notes).
+
+    >>> import torch
+    >>> from fwdtrace.grads import register_grad_hook
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True))
+    >>> handle = register_grad_hook(model[0], lambda m, gin, gout: print(gout[0].shape))
+    >>> model(torch.ones(1, 2)).sum().backward()
+    torch.Size([1, 2])
+    >>> handle.remove()
+
+    ``owner`` is a module or a :class:`fwdtrace.calls.FunctionSite` (whose hooks get the calling
+    module). ``grad_input`` has one entry per positional argument, as torch's, None where it is no
+    tensor or gets no gradient; ``grad_output`` one per tensor leaf of the result (a
+    ``ModelOutput`` or dict too). ``replace=True``: a non-None return is the new ``grad_input``
+    (a tuple like it, or one tensor). ``begin(module)`` (optional) runs in the forward: None skips
+    the call, anything else is what the hook gets in the module's place; ``on_error`` gets what a hook raised instead of the backward.
+    """
+    handle = GradHandle()
+
+    def pre_hook(module: Any, args: tuple) -> Any:
+        pending = handle.pending()
+        if len(pending) >= _MAX_PENDING:
+            del pending[0]
+        token = module if begin is None or not torch.is_grad_enabled() else begin(module)
+        if not torch.is_grad_enabled() or token is None:
+            pending.append(None)
+            return None
+        needing = sum(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if replace and needing > 1:
+            # Each input's gradient arrives at its own time: only torch's hook sees them together.
+            backward = BackwardHook(module, [lambda m, gin, gout: hook(token, gin, gout)], [])
+            pending.append(backward)
+            return backward.setup_input_hook(args)
+        call = GradCall(list(args), lambda gin, gout: hook(token, tuple(gin), tuple(gout)),
+                        _replacer(token, hook) if replace else None, on_error)
+        handle.calls.add(call)
+        pending.append(call)
+        return None
+
+    def post_hook(module: Any, args: tuple, result: Any) -> Any:
+        pending = handle.pending()
+        call = pending.pop() if pending else None
+        if isinstance(call, GradCall):
+            if result is None:
+                call.cancel()  # the forward raised (always_call hooks run then) or returned nothing
+            else:
+                call.hook_outputs(tensors_of(result))
+        elif isinstance(call, BackwardHook) and result is not None:
+            return call.setup_output_hook(result)
+        return None
+
+    def guarded(body: Callable[..., Any]) -> Callable[..., Any]:
+        if on_error is None:
+            return body
+
+        def run(*args: Any) -> Any:
+            try:
+                return body(*args)
+            except Exception as e:
+                on_error(e)
+                return None
+
+        return run
+
+    handle.handles.append(owner.register_forward_pre_hook(guarded(pre_hook)))
+    handle.handles.append(owner.register_forward_hook(guarded(post_hook), always_call=True))
+    return handle
+
+
+def _replacer(module: Any, hook: Callable[[Any, tuple, tuple], Any]) -> Callable[[int, Grads, Grads], Any]:
+    """The replacement of the one input needing a gradient: ``hook``'s return at that input's place."""
+    def replace(position: int, grad_input: Grads, grad_output: Grads) -> torch.Tensor | None:
+        new = hook(module, tuple(grad_input), tuple(grad_output))
+        if new is None:
+            return None
+        if isinstance(new, torch.Tensor):
+            new = (new,)
+        if len(new) != len(grad_input):
+            raise FwdtraceError(f"expected {len(grad_input)} gradient(s), got {len(new)}")
+        return new[position]
+
+    return replace
