@@ -246,3 +246,77 @@ def test_save_repro_needs_a_divergence(tmp_path: object) -> None:
     report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
     with pytest.raises(FwdtraceError, match=r"^save_repro\(\) expected a report with a divergence"):
         report.save_repro(str(tmp_path))
+
+
+class _Wrapped(torch.nn.Module):
+    """TorchScript drops ``row = y[2]; row[4:] = 1.0`` inside ``block``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from test_onnx_compare import WritesThroughViews
+
+        self.block = WritesThroughViews()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_a_write_the_exporter_drops_is_a_divergence_at_its_module() -> None:
+    torch.manual_seed(0)
+    model, x = _Wrapped().eval(), torch.randn(3, 8)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    with torch.no_grad():
+        want = model(x).numpy()
+    # reference: onnxruntime computes something else than torch
+    assert np.abs(_run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [proto.graph.output[0].name])[0]
+                  - want).max() > 0.01
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert report.missing == ["setitem_1 = torch.Tensor.__setitem__ in block"]
+    first = report.first_divergence
+    assert first is not None and first.kind == "missing", str(report)
+    assert first.module_path == "block" and first.target == "torch.Tensor.__setitem__"
+    assert first.max_rel > 0.01 and first.onnx_value == "block.out (Linear)"
+    assert report.status == "diverges" and not report.ok
+    assert str(report).startswith("first divergence: block, setitem_1 = torch.Tensor.__setitem__ in block is not "
+                                  "in the ONNX model, and block.out (Linear) after it differs")
+    assert report.to_dict()["numeric"]["mismatches"][0]["ok"] is False
+
+
+def _insert_after_first(proto: onnx.ModelProto, op_type: str, new_op: str) -> onnx.ModelProto:
+    """A copy of ``proto`` with a ``new_op`` node reading the first ``op_type`` node's output, in its place."""
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    nodes = list(p.graph.node)
+    i, anchor = next((i, n) for i, n in enumerate(nodes) if n.op_type == op_type)
+    old, new = anchor.output[0], anchor.output[0] + "_after"
+    for n in nodes:
+        for k, v in enumerate(n.input):
+            if v == old:
+                n.input[k] = new
+    p.graph.node.insert(i + 1, onnx.helper.make_node(new_op, [old], [new], name=f"/inserted/{new_op}"))
+    return p
+
+
+def test_an_extra_node_that_computes_the_same_is_a_rewrite_and_one_that_does_not_diverges() -> None:
+    model, (x,) = zoo.resnetish()
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    feeds, out = {proto.graph.input[0].name: x.numpy()}, proto.graph.output[0].name
+    (honest,) = _run_ort(proto, feeds, [out])
+    same = _insert_after_first(proto, "Relu", "Abs")  # abs(relu(x)) == relu(x)
+    other = _insert_after_first(proto, "Relu", "Neg")
+    # reference: onnxruntime gives the honest file's output for one, another output for the other
+    np.testing.assert_array_equal(_run_ort(same, feeds, [out])[0], honest)
+    assert np.abs(_run_ort(other, feeds, [out])[0] - honest).max() > 0.1
+    structural = fwdtrace.check_onnx(model, x, onnx=same)
+    assert structural.extra == ["/inserted/Abs"] and structural.status == "mismatch" and not structural.ok
+    report = fwdtrace.check_onnx(model, x, onnx=same, numeric=True)
+    assert report.status == "rewritten" and report.ok and report.first_divergence is None, str(report)
+    assert report.numeric is not None
+    (m,) = report.numeric.mismatches
+    assert m.kind == "extra" and m.call == "/inserted/Abs" and m.compared and m.ok
+    assert "the exporter rewrote those parts and they compute the same" in str(report).splitlines()[0]
+    report = fwdtrace.check_onnx(model, x, onnx=other, numeric=True)
+    first = report.first_divergence
+    assert report.status == "diverges" and not report.ok
+    assert first is not None and first.kind == "extra" and first.call == "/inserted/Neg", str(report)

@@ -115,7 +115,11 @@ class TopologyReport:
     inputs and their readers are theirs, unchecked. ``status`` is ``'ok'``, ``'mismatch'``
     (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened: neither
     ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` opens them); ``ok`` is
-    ``status == 'ok'``. ``str(report)`` is ``report.text``.
+    ``status == 'ok'``. With ``numeric=True`` the numbers settle what the structure cannot:
+    ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
+    structure differs but the values after every difference agree; ``ok`` is then
+    ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
+    answer with ``numeric=True``).
     """
 
     ok: bool
@@ -163,9 +167,19 @@ class TopologyReport:
 
     @property
     def status(self) -> str:
-        """``'ok'``, ``'mismatch'`` or ``'incomplete'`` (layers a graph alone cannot open)."""
+        """``'ok'``, ``'mismatch'`` or ``'incomplete'`` (layers a graph alone cannot open); with numbers
+        (``numeric=True``) also ``'diverges'`` and ``'rewritten'``.
+
+        ``'diverges'``: a value is out of tolerance, or a structural mismatch has a value
+        after it that differs. ``'rewritten'``: the structure differs, and after every
+        mismatch the values agree: the exporter rewrote those parts and they compute the same.
+        A mismatch with no compared value after it stays ``'mismatch'``.
+        """
+        numbers = self.numeric.status if self.numeric is not None else None
+        if numbers == "diverges":
+            return "diverges"
         if self.missing or self.extra or self.rewired:
-            return "mismatch"
+            return "rewritten" if numbers == "rewritten" else "mismatch"
         return "incomplete" if self.not_opened else "ok"
 
     def to_dict(self) -> dict[str, Any]:
@@ -1444,7 +1458,7 @@ def check_onnx(
         report = _build_report(graph, og, result, None, opened, source=source)
         if numeric:
             folder = os.path.dirname(os.path.abspath(onnx)) if isinstance(onnx, (str, os.PathLike)) else None
-            report.numeric = _numbers(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+            _add_numbers(report, model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
         return report
     exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
@@ -1459,15 +1473,18 @@ def check_onnx(
     og, result = _compare(graph, proto, model=model)
     report = _build_report(graph, og, result, exporter, opened)
     if numeric:
-        report.numeric = _numbers(model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
+        _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
     return report
 
 
-def _numbers(model: Any, args: tuple, kwargs: dict, graph: Graph, og: Graph, result: _Result, proto: Any,
-             folder: str | None, opened: list[str], inputs: Any, tolerances: Any) -> NumericResult:
+def _add_numbers(report: TopologyReport, model: Any, args: tuple, kwargs: dict, graph: Graph, og: Graph,
+                 result: _Result, proto: Any, folder: str | None, opened: list[str], inputs: Any,
+                 tolerances: Any) -> None:
+    """Compare the values too; the numbers then say whether the report is ok (see ``TopologyReport.status``)."""
     from .numeric import compare_values
 
-    return compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+    report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+    report.ok = report.status in ("ok", "rewritten")
 
 
 def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tuple[Graph, list[str]]:
@@ -1540,26 +1557,36 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
     add_input_arguments(parser)
-    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default="dynamo",
+    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default=None,
                         help="torch's ONNX exporter, or fwdtrace's own emission (to_onnx) (default dynamo)")
+    parser.add_argument("--onnx", default=None, metavar="model.onnx",
+                        help="check this ONNX file (made for these input shapes) instead of exporting the model")
+    parser.add_argument("--numeric", action="store_true",
+                        help="compare numbers too: run the model eagerly and the ONNX model in onnxruntime, "
+                             "and name the first call whose value differs (exit 1 if one does)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace check-onnx``: 0 when the export agrees with the trace, 1 when it does not.
 
-    The model is put in eval mode and fed the seeded inputs of ``--input-shape``/``--dtype``,
-    made as ``fwdtrace analyze`` makes them.
+    With ``--numeric``, 1 when a value diverges (``report.ok``: a structural difference whose
+    values agree is a rewrite, 0). The model is put in eval mode and fed the seeded inputs of
+    ``--input-shape``/``--dtype``, made as ``fwdtrace analyze`` makes them.
     """
     from ..cli import forward_failed, load_factory, make_inputs
 
+    if args.onnx is not None and args.exporter is not None:
+        raise FwdtraceError(f"check-onnx expected --exporter (export the model) or --onnx (check a given file), "
+                            f"not both: got --exporter {args.exporter} and --onnx {args.onnx}")
+    source = {"onnx": args.onnx} if args.onnx is not None else {"exporter": args.exporter or "dynamo"}
     inputs = make_inputs(args)
     model = load_factory(args.factory).eval()
     try:
-        report = check_onnx(model, *inputs, exporter=args.exporter)
+        report = check_onnx(model, *inputs, numeric=args.numeric, **source)
     except FwdtraceError:
         raise
     except Exception as e:
         raise forward_failed(args.factory, inputs, e) from e
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report.text)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else str(report))
     return 0 if report.ok else 1
