@@ -320,3 +320,43 @@ def test_an_extra_node_that_computes_the_same_is_a_rewrite_and_one_that_does_not
     first = report.first_divergence
     assert report.status == "diverges" and not report.ok
     assert first is not None and first.kind == "extra" and first.call == "/inserted/Neg", str(report)
+
+
+def _simplified(proto: onnx.ModelProto, simplifier: str) -> onnx.ModelProto:
+    if simplifier == "onnxsim":
+        onnxsim = pytest.importorskip("onnxsim")
+        simple, valid = onnxsim.simplify(proto)
+        assert valid
+        return simple
+    return pytest.importorskip("onnxslim").slim(proto)
+
+
+@pytest.mark.parametrize("simplifier", ["onnxsim", "onnxslim"])
+def test_simplified_files_check_without_false_alarms(simplifier: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cnn, (x,) = zoo.resnetish()
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=16)).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    for model, args, kwargs in ((cnn, (x,), {}), (bert, (), {"input_ids": ids})):
+        proto = fwdtrace.export_onnx(model, *args, exporter="torchscript", **kwargs)
+        simple = _simplified(proto, simplifier)
+        assert len(simple.graph.node) < len(proto.graph.node)  # the simplifier did fold something
+        # reference: onnxruntime gives the simplified file's outputs as torch's
+        feeds = {i.name: t.numpy() for i, t in zip(simple.graph.input, [*args, *kwargs.values()], strict=True)}
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+        want = (out if isinstance(out, torch.Tensor) else out.last_hidden_state).numpy()
+        (got,) = _run_ort(simple, feeds, [simple.graph.output[0].name])
+        assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+        report = fwdtrace.check_onnx(model, *args, onnx=simple, numeric=True, **kwargs)
+        assert report.ok and report.status == "ok" and report.first_divergence is None, str(report)
+        assert report.numeric is not None and sum(r.compared for r in report.numeric.rows) >= len(report.matched) // 2
+    # and a tampered simplified file is still caught, at the Conv tampered with
+    simple = _simplified(fwdtrace.export_onnx(cnn, x, exporter="torchscript"), simplifier)
+    conv = [n for n in simple.graph.node if n.op_type == "Conv"][2]
+    report = fwdtrace.check_onnx(cnn, x, onnx=_scale_conv_weight(simple, conv.name, 1.01), numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.onnx_node == conv.name and not report.ok, str(report)
