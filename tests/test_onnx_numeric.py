@@ -164,6 +164,51 @@ def test_float16_conversion_diverges_first_at_the_softmax_fed_large_logits(tmp_p
     assert "(float16)" in str(report).splitlines()[0]
 
 
+class LargeLogits(torch.nn.Module):
+    """Logits near 1000 (a Linear with large biases) into an nn.Softmax: float16 holds them only to 0.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+        self.softmax = torch.nn.Softmax(-1)
+        self.out = torch.nn.Linear(16, 4)
+        with torch.no_grad():
+            self.proj.bias.add_(1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.softmax(self.proj(x)))
+
+
+def test_float16_conversion_diverges_first_at_an_nn_softmax_fed_large_logits() -> None:
+    """A softmax reads differences of logits: large ones rounded to float16 (relative error 5e-4) move it by 1e-1.
+
+    onnxruntime's CPU provider runs a float16 file's ops in float32 (it casts the float16
+    weights up), and its Softmax subtracts the max: nothing overflows inside the softmax.
+    What float16 changes is the weights and biases, rounded to 11 bits: the Linear's output
+    stays within float16's tolerance, the softmax of it does not.
+    """
+    float16 = pytest.importorskip("onnxconverter_common.float16")
+    torch.manual_seed(0)
+    model, x = LargeLogits().eval(), torch.randn(4, 8)
+    half = float16.convert_float_to_float16(fwdtrace.export_onnx(model, x, exporter="torchscript"), keep_io_types=True)
+    # reference: torch, with the weights rounded to float16 as the file holds them
+    with torch.no_grad():
+        logits = model.proj(x).double()
+        rounded = torch.nn.functional.linear(x.double(), model.proj.weight.half().double(), model.proj.bias.half().double())
+        probs, rounded_probs = logits.softmax(-1), rounded.softmax(-1)
+    assert (rounded - logits).abs().max() < 1e-3 * logits.abs().max()  # within float16's tolerance
+    assert (rounded_probs - probs).abs().max() > 1e-2 * probs.abs().max()  # out of it
+    (onnx_probs,) = _run_ort(half, {half.graph.input[0].name: x.numpy()}, ["/softmax/Softmax_output_0"])
+    assert np.abs(onnx_probs - probs.numpy()).max() > 1e-2 * float(probs.abs().max())
+    report = fwdtrace.check_onnx(model, x, onnx=half, numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.module_path == "softmax" and first.target == "Softmax", str(report)
+    assert first.dtype == "float16" and first.max_rel > 1e-2
+    assert first.inputs_rel is not None and first.inputs_rel < 1e-3
+    assert first.max_abs == pytest.approx(float(np.abs(onnx_probs - probs.numpy()).max()), rel=1e-3)
+    assert str(report).startswith("first divergence: softmax, max rel err ")
+
+
 def test_dynamic_quantization_gives_rows_with_their_error(tmp_path: object) -> None:
     quantization = pytest.importorskip("onnxruntime.quantization")
     torch.manual_seed(0)
