@@ -405,3 +405,55 @@ def test_simplified_files_check_without_false_alarms(simplifier: str) -> None:
     report = fwdtrace.check_onnx(cnn, x, onnx=_scale_conv_weight(simple, conv.name, 1.01), numeric=True)
     first = report.first_divergence
     assert first is not None and first.onnx_node == conv.name and not report.ok, str(report)
+
+
+def _svg_boxes(path: str) -> list[tuple[str, str]]:
+    """(tooltip, fill) of each box of an SVG Graphviz drew."""
+    import xml.etree.ElementTree as ET
+
+    ns = {"svg": "http://www.w3.org/2000/svg", "xlink": "http://www.w3.org/1999/xlink"}
+    boxes = []
+    for g in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}g"):
+        if g.get("class") != "node":
+            continue
+        a = g.find(".//svg:a", ns)
+        shape = g.find(".//svg:polygon", ns)
+        if shape is None:
+            shape = g.find(".//svg:ellipse", ns)
+        if a is not None and shape is not None:
+            boxes.append((a.get("{http://www.w3.org/1999/xlink}title") or "", shape.get("fill") or ""))
+    return boxes
+
+
+def test_side_by_side_colours_matched_boxes_by_the_reports_relative_error(tmp_path: object) -> None:
+    from fwdtrace.onnx.compare import ERROR_COLORS
+
+    model, (x,) = zoo.resnetish()
+    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
+                                  1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
+    assert report.numeric is not None
+    path = fwdtrace.render_side_by_side(fwdtrace.trace(model, x), tampered, os.path.join(str(tmp_path), "both.svg"),
+                                        report=report)
+    boxes = _svg_boxes(path)
+    by_fill: dict[str, list[str]] = {}
+    for tooltip, fill in boxes:
+        by_fill.setdefault(fill, []).append(tooltip)
+    diverging = by_fill.get(ERROR_COLORS["diverges"], [])
+    # the diverging Conv, on both sides, with the report's error in its tooltip
+    first = report.first_divergence
+    assert first is not None
+    note = f"max rel err {first.max_rel:.1e} (float32), out of tolerance"
+    assert any("blocks.0.c2" in t and note in t for t in diverging), diverging
+    assert any(t.startswith("blocks.0.c2, a layer drawn as one box\nblocks.0.c2: Conv (") and note in t
+               for t in diverging), diverging
+    # every call before it agrees, and its box says so
+    before = [r for r in report.numeric.rows if r.order < first.order and r.compared and r.kind == "module"]
+    assert before
+    for r in before:
+        (fill,) = {f for t, f in boxes if t.split("\n")[0] == f"{r.module_path} · torch.nn.{r.target}"}
+        assert fill in (ERROR_COLORS["exact"], ERROR_COLORS["within"]), (r.call, fill)
+    structure_only = fwdtrace.check_onnx(model, x, onnx=tampered)
+    with pytest.raises(FwdtraceError, match=r"^render_side_by_side\(\) expected report= from check_onnx"):
+        fwdtrace.render_side_by_side(fwdtrace.trace(model, x), tampered, os.path.join(str(tmp_path), "x.svg"),
+                                     report=structure_only)

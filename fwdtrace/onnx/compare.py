@@ -1516,7 +1516,8 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
 
 
 def render_side_by_side(
-    graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str], path: str | os.PathLike[str], depth: int | None = None
+    graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str], path: str | os.PathLike[str], depth: int | None = None,
+    report: TopologyReport | None = None,
 ) -> str:
     """Draw the trace and the ONNX graph in one picture (PNG, SVG or PDF by suffix), differences in red.
 
@@ -1531,7 +1532,9 @@ def render_side_by_side(
     True
 
     Missing trace calls, extra ONNX nodes and both ends of rewired edges are highlighted.
-    Returns the path written.
+    With ``report`` from ``check_onnx(..., numeric=True)`` on the same model and file, matched
+    boxes on both sides are coloured by their relative error (:data:`ERROR_COLORS`, from
+    the report's numbers, not computed again) and their tooltips give it. Returns the path written.
     """
     from ..passes.draw import Digraph, render_digraph, to_dot
 
@@ -1541,13 +1544,46 @@ def render_side_by_side(
     onnx_hl = set(result.extra) | {
         k for g in bad_groups if g in result.groups and (k := result.groups[g].key) is not None
     }
+    t_fills: dict[int, str] = {}
+    o_fills: dict[int, str] = {}
+    t_notes: dict[int, str] = {}
+    o_notes: dict[int, str] = {}
+    if report is not None:
+        if report.numeric is None:
+            raise FwdtraceError("render_side_by_side() expected report= from check_onnx(..., numeric=True), "
+                                "got a report of the structure only")
+        label2node = {_trace_label(n): n.id for n in graph.nodes}
+        name2onode = {_onnx_name(n): n.id for n in og.nodes}
+        for row in report.numeric.worst:  # worst first: a box holding several takes the worst colour
+            color = error_color(row.max_rel, report.numeric.tolerances.get(row.dtype, (0.0, 0.0))[0], row.ok)
+            note = f"max rel err {row.max_rel:.1e} ({row.dtype}){'' if row.ok else ', out of tolerance'}"
+            for label in row.call.split(" + "):
+                if label in label2node:
+                    t_fills[label2node[label]], t_notes[label2node[label]] = color, note
+            if row.onnx_node in name2onode:
+                o_fills[name2onode[row.onnx_node]], o_notes[name2onode[row.onnx_node]] = color, note
     outer = Digraph(name="side_by_side")
     outer.attr(rankdir="TB", compound="true")
     outer.subgraph(to_dot(graph, depth, highlight=trace_hl, name_prefix="t_", cluster_name="cluster_trace",
-                          title="traced (PyTorch eager)"))
+                          title="traced (PyTorch eager)", fills=t_fills, notes=t_notes))
     outer.subgraph(to_dot(og, depth, highlight=onnx_hl, name_prefix="o_", cluster_name="cluster_onnx",
-                          title="exported (ONNX)"))
+                          title="exported (ONNX)", fills=o_fills, notes=o_notes))
     return render_digraph(outer, path)
+
+
+# Fill colours by relative error: within 1% of the tolerance, within it, and out of it.
+ERROR_COLORS = {"exact": "#cfe8cf", "within": "#f7e7a1", "diverges": "#f3a683"}
+
+
+def error_color(max_rel: float, rtol: float, ok: bool) -> str:
+    """The fill of a box whose value has relative error ``max_rel`` under tolerance ``rtol`` (:data:`ERROR_COLORS`).
+
+    >>> error_color(1e-7, 1e-4, True), error_color(1e-5, 1e-4, True), error_color(1e-2, 1e-4, False)
+    ('#cfe8cf', '#f7e7a1', '#f3a683')
+    """
+    if not ok:
+        return ERROR_COLORS["diverges"]
+    return ERROR_COLORS["exact"] if max_rel <= rtol / 100 else ERROR_COLORS["within"]
 
 
 # -- command line ---------------------------------------------------------------------------------
