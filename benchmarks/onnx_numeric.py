@@ -108,16 +108,17 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, repeats: int, intermedi
             times.setdefault("eager", []).append(timed(lambda: model(*args, **kwargs))[0])
         names = [i.name for i in proto.graph.input]
         feeds = {n: v.numpy() for n, v in zip(names, [*args, *kwargs.values()], strict=True)}
-        times.setdefault("ort", []).append(timed(lambda: ort_once(proto, feeds))[0])
-        t, infos = timed(lambda: verify_onnx_program(program, compare_intermediates=intermediates))
+        times.setdefault("ort", []).append(timed(lambda p=proto, f=feeds: ort_once(p, f))[0])
+        t, infos = timed(lambda p=program: verify_onnx_program(p, compare_intermediates=intermediates))
         times.setdefault("verify", []).append(t)
-        seen["verify"] = infos
-        t, report = timed(lambda: fwdtrace.check_onnx(model, *args, onnx=proto, numeric=True, **kwargs))
+        seen["verify result"] = infos
+        t, report = timed(lambda p=proto: fwdtrace.check_onnx(model, *args, onnx=p, numeric=True, **kwargs))
         times.setdefault("check file", []).append(t)
-        seen["check file"] = report
+        seen["check file report"] = report
         t, report = timed(lambda: fwdtrace.check_onnx(model, *args, exporter="dynamo", numeric=True, **kwargs))
         times.setdefault("check", []).append(t)
-        seen["check"] = report
+        seen["check report"] = report
+        print("  " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), file=sys.stderr, flush=True)
     out: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     out["baseline"] = out["export"] + out["eager"] + out["ort"]
     out.update(seen)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(model, margs, mkwargs, args.repeats, args.intermediates)
         ratio = r["check"] / r["baseline"]
         met &= ratio <= TARGET
-        report = r["check"]
+        report = r["check report"]
         honest &= report.numeric is not None and report.numeric.first_divergence is None
         print(f"{label:32s} {r['export']:9.2f} {r['eager']:8.3f} {r['ort']:6.2f} {r['baseline']:11.2f} "
               f"{r['verify']:9.2f} {r['check file']:13.2f} {r['check']:8.2f} {ratio:14.2f}x")
@@ -152,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("what each reports:")
     for label, r in reports:
-        infos = r["verify"]
+        infos = r["verify result"]
         worst = max(infos, key=lambda i: i.max_rel_diff) if infos else None
-        numeric = r["check"].numeric
+        numeric = r["check report"].numeric
         compared = sum(1 for row in numeric.rows if row.compared) if numeric is not None else 0
         named = sum(1 for row in numeric.rows if row.compared and row.module_path) if numeric is not None else 0
         print(f"  {label}:")
         print(f"    verify_onnx_program: {len(infos)} values by FX name (worst {worst.name if worst else '-'}, "
               f"max rel {worst.max_rel_diff if worst else 0:.1e}); no module path, no first divergence")
         print(f"    check_onnx(numeric=True): {compared} values compared, {named} named by module path; "
-              f"{r['check'].numeric.lead() if numeric is not None else ''}")
+              f"{numeric.lead() if numeric is not None else ''}")
     print(f"check within {TARGET:.0f}x of export + eager + onnxruntime everywhere: {'yes' if met else 'NO'}")
     if not honest:
         print("an honest export was reported as diverging")
