@@ -11,7 +11,7 @@ the repeats of:
 - ``verify``: ``torch.onnx.verification.verify_onnx_program`` on that export: the outputs
   of the ExportedProgram against onnxruntime's. ``--intermediates`` passes
   ``compare_intermediates=True`` (every FX value; it runs onnxruntime once per value: on
-  ResNet-50 it had not finished after 7 minutes on two loaded cores).
+  ResNet-50 it had not finished after 9 minutes on two loaded cores).
 - ``check file``: ``fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)`` on that export's
   model: trace, structural comparison, one eager run and one onnxruntime run with the
   matched values as extra outputs.
@@ -142,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.model or ["resnet50", "bert", "gpt2"]:
         label, factory = MODELS[key]
         model, margs, mkwargs = factory()
-        r = measure(model, margs, mkwargs, args.repeats, args.intermediates)
+        try:
+            r = measure(model, margs, mkwargs, args.repeats, args.intermediates)
+        except Exception as e:  # torch's exporter failing on a model is a row, not the end of the run
+            lines = str(e).strip().splitlines()
+            print(f"{label:32s} dynamo export failed: {type(e).__name__}: {lines[-1][:120] if lines else ''}")
+            continue
         ratio = r["check"] / r["baseline"]
         met &= ratio <= TARGET
         report = r["check report"]
