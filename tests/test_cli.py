@@ -268,3 +268,33 @@ def test_export_onnx_writes_a_model_that_runs_like_torch(job_dir: Path, monkeypa
     (got,) = session.run(None, {"x": x.numpy()})
     np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-4, atol=1e-6)
     assert not (job_dir / "custom.onnx").exists() and not (job_dir / "bad.onnx").exists()
+
+
+def test_check_onnx_numeric_exits_1_on_a_divergence(job_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``--onnx FILE --numeric``: 0 for an honest file, 1 for one whose Linear weight was scaled by 1.01."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    monkeypatch.chdir(job_dir)
+    assert main(["export-onnx", OK, "--input-shape", "2,4", "-o", "honest.onnx"]) == 0
+    proto = onnx.load("honest.onnx")
+    (w,) = [i for i in proto.graph.initializer if len(i.dims) == 2]  # the Linear's weight
+    w.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(w) * np.float32(1.01), w.name))
+    onnx.save(proto, "tampered.onnx")
+    # reference: onnxruntime's outputs of the two files differ
+    x = make_inputs(argparse.Namespace(input_shape=["2,4"], dtype="float32"))[0].numpy()
+    outs = [ort.InferenceSession(f, providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+            for f in ("honest.onnx", "tampered.onnx")]
+    assert np.abs(outs[0] - outs[1]).max() > 1e-3
+    capsys.readouterr()
+    assert main(["check-onnx", OK, "--input-shape", "2,4", "--onnx", "honest.onnx", "--numeric"]) == 0
+    assert capsys.readouterr().out.startswith("no divergence: ")
+    assert main(["check-onnx", OK, "--input-shape", "2,4", "--onnx", "tampered.onnx"]) == 0  # the structure agrees
+    capsys.readouterr()
+    assert main(["check-onnx", OK, "--input-shape", "2,4", "--onnx", "tampered.onnx", "--numeric"]) == 1
+    assert capsys.readouterr().out.startswith("first divergence: 0, max rel err ")
+    assert main(["check-onnx", OK, "--input-shape", "2,4", "--onnx", "tampered.onnx", "--exporter", "dynamo"]) == 2
+    assert "check-onnx expected --exporter (export the model) or --onnx (check a given file), not both" \
+        in capsys.readouterr().err

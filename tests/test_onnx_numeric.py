@@ -164,6 +164,51 @@ def test_float16_conversion_diverges_first_at_the_softmax_fed_large_logits(tmp_p
     assert "(float16)" in str(report).splitlines()[0]
 
 
+class LargeLogits(torch.nn.Module):
+    """Logits near 1000 (a Linear with large biases) into an nn.Softmax: float16 holds them only to 0.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+        self.softmax = torch.nn.Softmax(-1)
+        self.out = torch.nn.Linear(16, 4)
+        with torch.no_grad():
+            self.proj.bias.add_(1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.softmax(self.proj(x)))
+
+
+def test_float16_conversion_diverges_first_at_an_nn_softmax_fed_large_logits() -> None:
+    """A softmax reads differences of logits: large ones rounded to float16 (relative error 5e-4) move it by 1e-1.
+
+    onnxruntime's CPU provider runs a float16 file's ops in float32 (it casts the float16
+    weights up), and its Softmax subtracts the max: nothing overflows inside the softmax.
+    What float16 changes is the weights and biases, rounded to 11 bits: the Linear's output
+    stays within float16's tolerance, the softmax of it does not.
+    """
+    float16 = pytest.importorskip("onnxconverter_common.float16")
+    torch.manual_seed(0)
+    model, x = LargeLogits().eval(), torch.randn(4, 8)
+    half = float16.convert_float_to_float16(fwdtrace.export_onnx(model, x, exporter="torchscript"), keep_io_types=True)
+    # reference: torch, with the weights rounded to float16 as the file holds them
+    with torch.no_grad():
+        logits = model.proj(x).double()
+        rounded = torch.nn.functional.linear(x.double(), model.proj.weight.half().double(), model.proj.bias.half().double())
+        probs, rounded_probs = logits.softmax(-1), rounded.softmax(-1)
+    assert (rounded - logits).abs().max() < 1e-3 * logits.abs().max()  # within float16's tolerance
+    assert (rounded_probs - probs).abs().max() > 1e-2 * probs.abs().max()  # out of it
+    (onnx_probs,) = _run_ort(half, {half.graph.input[0].name: x.numpy()}, ["/softmax/Softmax_output_0"])
+    assert np.abs(onnx_probs - probs.numpy()).max() > 1e-2 * float(probs.abs().max())
+    report = fwdtrace.check_onnx(model, x, onnx=half, numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.module_path == "softmax" and first.target == "Softmax", str(report)
+    assert first.dtype == "float16" and first.max_rel > 1e-2
+    assert first.inputs_rel is not None and first.inputs_rel < 1e-3
+    assert first.max_abs == pytest.approx(float(np.abs(onnx_probs - probs.numpy()).max()), rel=1e-3)
+    assert str(report).startswith("first divergence: softmax, max rel err ")
+
+
 def test_dynamic_quantization_gives_rows_with_their_error(tmp_path: object) -> None:
     quantization = pytest.importorskip("onnxruntime.quantization")
     torch.manual_seed(0)
@@ -246,3 +291,169 @@ def test_save_repro_needs_a_divergence(tmp_path: object) -> None:
     report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
     with pytest.raises(FwdtraceError, match=r"^save_repro\(\) expected a report with a divergence"):
         report.save_repro(str(tmp_path))
+
+
+class _Wrapped(torch.nn.Module):
+    """TorchScript drops ``row = y[2]; row[4:] = 1.0`` inside ``block``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from test_onnx_compare import WritesThroughViews
+
+        self.block = WritesThroughViews()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_a_write_the_exporter_drops_is_a_divergence_at_its_module() -> None:
+    torch.manual_seed(0)
+    model, x = _Wrapped().eval(), torch.randn(3, 8)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    with torch.no_grad():
+        want = model(x).numpy()
+    # reference: onnxruntime computes something else than torch
+    assert np.abs(_run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [proto.graph.output[0].name])[0]
+                  - want).max() > 0.01
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert report.missing == ["setitem_1 = torch.Tensor.__setitem__ in block"]
+    first = report.first_divergence
+    assert first is not None and first.kind == "missing", str(report)
+    assert first.module_path == "block" and first.target == "torch.Tensor.__setitem__"
+    assert first.max_rel > 0.01 and first.onnx_value == "block.out (Linear)"
+    assert report.status == "diverges" and not report.ok
+    assert str(report).startswith("first divergence: block, setitem_1 = torch.Tensor.__setitem__ in block is not "
+                                  "in the ONNX model, and block.out (Linear) after it differs")
+    assert report.to_dict()["numeric"]["mismatches"][0]["ok"] is False
+
+
+def _insert_after_first(proto: onnx.ModelProto, op_type: str, new_op: str) -> onnx.ModelProto:
+    """A copy of ``proto`` with a ``new_op`` node reading the first ``op_type`` node's output, in its place."""
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    nodes = list(p.graph.node)
+    i, anchor = next((i, n) for i, n in enumerate(nodes) if n.op_type == op_type)
+    old, new = anchor.output[0], anchor.output[0] + "_after"
+    for n in nodes:
+        for k, v in enumerate(n.input):
+            if v == old:
+                n.input[k] = new
+    p.graph.node.insert(i + 1, onnx.helper.make_node(new_op, [old], [new], name=f"/inserted/{new_op}"))
+    return p
+
+
+def test_an_extra_node_that_computes_the_same_is_a_rewrite_and_one_that_does_not_diverges() -> None:
+    model, (x,) = zoo.resnetish()
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    feeds, out = {proto.graph.input[0].name: x.numpy()}, proto.graph.output[0].name
+    (honest,) = _run_ort(proto, feeds, [out])
+    same = _insert_after_first(proto, "Relu", "Abs")  # abs(relu(x)) == relu(x)
+    other = _insert_after_first(proto, "Relu", "Neg")
+    # reference: onnxruntime gives the honest file's output for one, another output for the other
+    np.testing.assert_array_equal(_run_ort(same, feeds, [out])[0], honest)
+    assert np.abs(_run_ort(other, feeds, [out])[0] - honest).max() > 1e-3  # honest exports differ by 1e-7
+    structural = fwdtrace.check_onnx(model, x, onnx=same)
+    assert structural.extra == ["/inserted/Abs"] and structural.status == "mismatch" and not structural.ok
+    report = fwdtrace.check_onnx(model, x, onnx=same, numeric=True)
+    assert report.status == "rewritten" and report.ok and report.first_divergence is None, str(report)
+    assert report.numeric is not None
+    (m,) = report.numeric.mismatches
+    assert m.kind == "extra" and m.call == "/inserted/Abs" and m.compared and m.ok
+    assert "the exporter rewrote those parts and they compute the same" in str(report).splitlines()[0]
+    report = fwdtrace.check_onnx(model, x, onnx=other, numeric=True)
+    first = report.first_divergence
+    assert report.status == "diverges" and not report.ok
+    assert first is not None and first.kind == "extra" and first.call == "/inserted/Neg", str(report)
+
+
+def _simplified(proto: onnx.ModelProto, simplifier: str) -> onnx.ModelProto:
+    if simplifier == "onnxsim":
+        onnxsim = pytest.importorskip("onnxsim")
+        simple, valid = onnxsim.simplify(proto)
+        assert valid
+        return simple
+    return pytest.importorskip("onnxslim").slim(proto)
+
+
+@pytest.mark.parametrize("simplifier", ["onnxsim", "onnxslim"])
+def test_simplified_files_check_without_false_alarms(simplifier: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cnn, (x,) = zoo.resnetish()
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=16)).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    for model, args, kwargs in ((cnn, (x,), {}), (bert, (), {"input_ids": ids})):
+        proto = fwdtrace.export_onnx(model, *args, exporter="torchscript", **kwargs)
+        simple = _simplified(proto, simplifier)
+        assert len(simple.graph.node) < len(proto.graph.node)  # the simplifier did fold something
+        # reference: onnxruntime gives the simplified file's outputs as torch's
+        feeds = {i.name: t.numpy() for i, t in zip(simple.graph.input, [*args, *kwargs.values()], strict=True)}
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+        want = (out if isinstance(out, torch.Tensor) else out.last_hidden_state).numpy()
+        (got,) = _run_ort(simple, feeds, [simple.graph.output[0].name])
+        assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+        report = fwdtrace.check_onnx(model, *args, onnx=simple, numeric=True, **kwargs)
+        assert report.ok and report.status == "ok" and report.first_divergence is None, str(report)
+        assert report.numeric is not None and sum(r.compared for r in report.numeric.rows) >= len(report.matched) // 2
+    # and a tampered simplified file is still caught, at the Conv tampered with
+    simple = _simplified(fwdtrace.export_onnx(cnn, x, exporter="torchscript"), simplifier)
+    conv = [n for n in simple.graph.node if n.op_type == "Conv"][2]
+    report = fwdtrace.check_onnx(cnn, x, onnx=_scale_conv_weight(simple, conv.name, 1.01), numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.onnx_node == conv.name and not report.ok, str(report)
+
+
+def _svg_boxes(path: str) -> list[tuple[str, str]]:
+    """(tooltip, fill) of each box of an SVG Graphviz drew."""
+    import xml.etree.ElementTree as ET
+
+    ns = {"svg": "http://www.w3.org/2000/svg", "xlink": "http://www.w3.org/1999/xlink"}
+    boxes = []
+    for g in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}g"):
+        if g.get("class") != "node":
+            continue
+        a = g.find(".//svg:a", ns)
+        shape = g.find(".//svg:polygon", ns)
+        if shape is None:
+            shape = g.find(".//svg:ellipse", ns)
+        if a is not None and shape is not None:
+            boxes.append((a.get("{http://www.w3.org/1999/xlink}title") or "", shape.get("fill") or ""))
+    return boxes
+
+
+def test_side_by_side_colours_matched_boxes_by_the_reports_relative_error(tmp_path: object) -> None:
+    from fwdtrace.onnx.compare import ERROR_COLORS
+
+    model, (x,) = zoo.resnetish()
+    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
+                                  1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
+    assert report.numeric is not None
+    path = fwdtrace.render_side_by_side(fwdtrace.trace(model, x), tampered, os.path.join(str(tmp_path), "both.svg"),
+                                        report=report)
+    boxes = _svg_boxes(path)
+    by_fill: dict[str, list[str]] = {}
+    for tooltip, fill in boxes:
+        by_fill.setdefault(fill, []).append(tooltip)
+    diverging = by_fill.get(ERROR_COLORS["diverges"], [])
+    # the diverging Conv, on both sides, with the report's error in its tooltip
+    first = report.first_divergence
+    assert first is not None
+    note = f"max rel err {first.max_rel:.1e} (float32), out of tolerance"
+    assert any("blocks.0.c2" in t and note in t for t in diverging), diverging
+    assert any(t.startswith("blocks.0.c2, a layer drawn as one box\nblocks.0.c2: Conv (") and note in t
+               for t in diverging), diverging
+    # every call before it agrees, and its box says so
+    before = [r for r in report.numeric.rows if r.order < first.order and r.compared and r.kind == "module"]
+    assert before
+    for r in before:
+        (fill,) = {f for t, f in boxes if t.split("\n")[0] == f"{r.module_path} · torch.nn.{r.target}"}
+        assert fill in (ERROR_COLORS["exact"], ERROR_COLORS["within"]), (r.call, fill)
+    structure_only = fwdtrace.check_onnx(model, x, onnx=tampered)
+    with pytest.raises(FwdtraceError, match=r"^render_side_by_side\(\) expected report= from check_onnx"):
+        fwdtrace.render_side_by_side(fwdtrace.trace(model, x), tampered, os.path.join(str(tmp_path), "x.svg"),
+                                     report=structure_only)

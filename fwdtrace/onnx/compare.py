@@ -125,7 +125,11 @@ class TopologyReport:
     inputs and their readers are theirs, unchecked. ``status`` is ``'ok'``, ``'mismatch'``
     (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened: neither
     ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` opens them); ``ok`` is
-    ``status == 'ok'``. ``str(report)`` is ``report.text``.
+    ``status == 'ok'``. With ``numeric=True`` the numbers settle what the structure cannot:
+    ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
+    structure differs but the values after every difference agree; ``ok`` is then
+    ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
+    answer with ``numeric=True``).
     """
 
     ok: bool
@@ -186,9 +190,19 @@ class TopologyReport:
 
     @property
     def status(self) -> str:
-        """``'ok'``, ``'mismatch'`` or ``'incomplete'`` (layers a graph alone cannot open)."""
+        """``'ok'``, ``'mismatch'`` or ``'incomplete'`` (layers a graph alone cannot open); with numbers
+        (``numeric=True``) also ``'diverges'`` and ``'rewritten'``.
+
+        ``'diverges'``: a value is out of tolerance, or a structural mismatch has a value
+        after it that differs. ``'rewritten'``: the structure differs, and after every
+        mismatch the values agree: the exporter rewrote those parts and they compute the same.
+        A mismatch with no compared value after it stays ``'mismatch'``.
+        """
+        numbers = self.numeric.status if self.numeric is not None else None
+        if numbers == "diverges":
+            return "diverges"
         if self.missing or self.extra or self.rewired:
-            return "mismatch"
+            return "rewritten" if numbers == "rewritten" else "mismatch"
         return "incomplete" if self.not_opened else "ok"
 
     def to_dict(self) -> dict[str, Any]:
@@ -1490,7 +1504,7 @@ def check_onnx(
         report = _build_report(graph, og, result, None, opened, source=source)
         if numeric:
             folder = os.path.dirname(os.path.abspath(onnx)) if isinstance(onnx, (str, os.PathLike)) else None
-            report.numeric = _numbers(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+            _add_numbers(report, model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
         return report
     exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
@@ -1505,15 +1519,18 @@ def check_onnx(
     og, result = _compare(graph, proto, model=model)
     report = _build_report(graph, og, result, exporter, opened)
     if numeric:
-        report.numeric = _numbers(model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
+        _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
     return report
 
 
-def _numbers(model: Any, args: tuple, kwargs: dict, graph: Graph, og: Graph, result: _Result, proto: Any,
-             folder: str | None, opened: list[str], inputs: Any, tolerances: Any) -> NumericResult:
+def _add_numbers(report: TopologyReport, model: Any, args: tuple, kwargs: dict, graph: Graph, og: Graph,
+                 result: _Result, proto: Any, folder: str | None, opened: list[str], inputs: Any,
+                 tolerances: Any) -> None:
+    """Compare the values too; the numbers then say whether the report is ok (see ``TopologyReport.status``)."""
     from .numeric import compare_values
 
-    return compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+    report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+    report.ok = report.status in ("ok", "rewritten")
 
 
 def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tuple[Graph, list[str]]:
@@ -1545,7 +1562,8 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
 
 
 def render_side_by_side(
-    graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str], path: str | os.PathLike[str], depth: int | None = None
+    graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str], path: str | os.PathLike[str], depth: int | None = None,
+    report: TopologyReport | None = None,
 ) -> str:
     """Draw the trace and the ONNX graph in one picture (PNG, SVG or PDF by suffix), differences in red.
 
@@ -1560,7 +1578,9 @@ def render_side_by_side(
     True
 
     Missing trace calls, extra ONNX nodes and both ends of rewired edges are highlighted.
-    Returns the path written.
+    With ``report`` from ``check_onnx(..., numeric=True)`` on the same model and file, matched
+    boxes on both sides are coloured by their relative error (:data:`ERROR_COLORS`, from
+    the report's numbers, not computed again) and their tooltips give it. Returns the path written.
     """
     from ..passes.draw import Digraph, render_digraph, to_dot
 
@@ -1570,13 +1590,46 @@ def render_side_by_side(
     onnx_hl = set(result.extra) | {
         k for g in bad_groups if g in result.groups and (k := result.groups[g].key) is not None
     }
+    t_fills: dict[int, str] = {}
+    o_fills: dict[int, str] = {}
+    t_notes: dict[int, str] = {}
+    o_notes: dict[int, str] = {}
+    if report is not None:
+        if report.numeric is None:
+            raise FwdtraceError("render_side_by_side() expected report= from check_onnx(..., numeric=True), "
+                                "got a report of the structure only")
+        label2node = {_trace_label(n): n.id for n in graph.nodes}
+        name2onode = {_onnx_name(n): n.id for n in og.nodes}
+        for row in report.numeric.worst:  # worst first: a box holding several takes the worst colour
+            color = error_color(row.max_rel, report.numeric.tolerances.get(row.dtype, (0.0, 0.0))[0], row.ok)
+            note = f"max rel err {row.max_rel:.1e} ({row.dtype}){'' if row.ok else ', out of tolerance'}"
+            for label in row.call.split(" + "):
+                if label in label2node:
+                    t_fills[label2node[label]], t_notes[label2node[label]] = color, note
+            if row.onnx_node in name2onode:
+                o_fills[name2onode[row.onnx_node]], o_notes[name2onode[row.onnx_node]] = color, note
     outer = Digraph(name="side_by_side")
     outer.attr(rankdir="TB", compound="true")
     outer.subgraph(to_dot(graph, depth, highlight=trace_hl, name_prefix="t_", cluster_name="cluster_trace",
-                          title="traced (PyTorch eager)"))
+                          title="traced (PyTorch eager)", fills=t_fills, notes=t_notes))
     outer.subgraph(to_dot(og, depth, highlight=onnx_hl, name_prefix="o_", cluster_name="cluster_onnx",
-                          title="exported (ONNX)"))
+                          title="exported (ONNX)", fills=o_fills, notes=o_notes))
     return render_digraph(outer, path)
+
+
+# Fill colours by relative error: within 1% of the tolerance, within it, and out of it.
+ERROR_COLORS = {"exact": "#cfe8cf", "within": "#f7e7a1", "diverges": "#f3a683"}
+
+
+def error_color(max_rel: float, rtol: float, ok: bool) -> str:
+    """The fill of a box whose value has relative error ``max_rel`` under tolerance ``rtol`` (:data:`ERROR_COLORS`).
+
+    >>> error_color(1e-7, 1e-4, True), error_color(1e-5, 1e-4, True), error_color(1e-2, 1e-4, False)
+    ('#cfe8cf', '#f7e7a1', '#f3a683')
+    """
+    if not ok:
+        return ERROR_COLORS["diverges"]
+    return ERROR_COLORS["exact"] if max_rel <= rtol / 100 else ERROR_COLORS["within"]
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -1586,26 +1639,36 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
     add_input_arguments(parser)
-    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default="dynamo",
+    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default=None,
                         help="torch's ONNX exporter, or fwdtrace's own emission (to_onnx) (default dynamo)")
+    parser.add_argument("--onnx", default=None, metavar="model.onnx",
+                        help="check this ONNX file (made for these input shapes) instead of exporting the model")
+    parser.add_argument("--numeric", action="store_true",
+                        help="compare numbers too: run the model eagerly and the ONNX model in onnxruntime, "
+                             "and name the first call whose value differs (exit 1 if one does)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace check-onnx``: 0 when the export agrees with the trace, 1 when it does not.
 
-    The model is put in eval mode and fed the seeded inputs of ``--input-shape``/``--dtype``,
-    made as ``fwdtrace analyze`` makes them.
+    With ``--numeric``, 1 when a value diverges (``report.ok``: a structural difference whose
+    values agree is a rewrite, 0). The model is put in eval mode and fed the seeded inputs of
+    ``--input-shape``/``--dtype``, made as ``fwdtrace analyze`` makes them.
     """
     from ..cli import forward_failed, load_factory, make_inputs
 
+    if args.onnx is not None and args.exporter is not None:
+        raise FwdtraceError(f"check-onnx expected --exporter (export the model) or --onnx (check a given file), "
+                            f"not both: got --exporter {args.exporter} and --onnx {args.onnx}")
+    source = {"onnx": args.onnx} if args.onnx is not None else {"exporter": args.exporter or "dynamo"}
     inputs = make_inputs(args)
     model = load_factory(args.factory).eval()
     try:
-        report = check_onnx(model, *inputs, exporter=args.exporter)
+        report = check_onnx(model, *inputs, numeric=args.numeric, **source)
     except FwdtraceError:
         raise
     except Exception as e:
         raise forward_failed(args.factory, inputs, e) from e
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report.text)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else str(report))
     return 0 if report.ok else 1

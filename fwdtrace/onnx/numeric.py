@@ -46,6 +46,7 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (5e-2, 1e-2),
 }
 _EXACT = (0.0, 0.0)
+_MISMATCH_KINDS = ("missing", "extra", "rewired")
 # lower precision first: the tolerance of a pair is that of its least precise side
 _PRECISION = ("bfloat16", "float16", "float32", "float64")
 _ORT2DTYPE = {
@@ -82,7 +83,9 @@ class ValueRow:
     compared: bool = True
     inputs_rel: float | None = None
     note: str = ""
-    kind: str = "module"  # the trace node's: "module", "function", or "output" for the model's outputs
+    # the trace node's: "module", "function", "output" for the model's outputs; for a structural
+    # mismatch (NumericResult.mismatches) "missing", "extra" or "rewired"
+    kind: str = "module"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,20 +113,43 @@ class NumericResult:
     eager: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     # ONNX node name -> the data values it reads from outside, for the repro's subgraph
     region_inputs: dict[int, list[str]] = field(default_factory=dict, repr=False)
-    structure_differs: bool = False
+    # one row per structural mismatch (kind "missing", "extra" or "rewired"), judged by the
+    # compared values right after it: ok when they agree (the exporter rewrote that part and it
+    # computes the same), not ok when they differ, not compared when none after it was
+    mismatches: list[ValueRow] = field(default_factory=list)
+
+    @property
+    def rewritten(self) -> list[ValueRow]:
+        """Structural mismatches whose values downstream agree: rewritten by the exporter, computing the same."""
+        return [m for m in self.mismatches if m.compared and m.ok]
 
     @property
     def divergent(self) -> list[ValueRow]:
-        return [r for r in self.rows if r.compared and not r.ok]
+        """Rows out of tolerance, and structural mismatches whose downstream values differ."""
+        return [r for r in self.rows + self.mismatches if r.compared and not r.ok]
 
     @property
     def first_divergence(self) -> ValueRow | None:
-        """The earliest call out of tolerance whose inputs still agree (else the earliest out of tolerance)."""
+        """The earliest call out of tolerance whose inputs still agree (else the earliest out of tolerance).
+
+        A structural mismatch whose downstream values differ counts at its place in the
+        trace, before the calls it feeds: a call the export dropped is where it went wrong.
+        """
         bad = self.divergent
         if not bad:
             return None
         clean = [r for r in bad if r.inputs_rel is not None and _within_inputs(r, self)]
-        return min(clean or bad, key=lambda r: r.order)
+        return min(clean or bad, key=lambda r: (r.order, r.kind not in _MISMATCH_KINDS))
+
+    @property
+    def status(self) -> str:
+        """``'diverges'`` (a value out of tolerance), ``'rewritten'`` (every structural mismatch computes
+        the same), ``'unchecked'`` (a mismatch with no compared value after it), else ``'ok'``."""
+        if self.divergent:
+            return "diverges"
+        if any(not m.compared for m in self.mismatches):
+            return "unchecked"
+        return "rewritten" if self.mismatches else "ok"
 
     @property
     def worst(self) -> list[ValueRow]:
@@ -138,8 +164,10 @@ class NumericResult:
         if first is None:
             worst = self.worst
             at = f"; largest max rel err {_num(worst[0].max_rel)} at {worst[0].call}" if worst else ""
-            rewrote = (" (where the structure differs, the exporter rewrote that part and it computes the same)"
-                       if self.structure_differs else "")
+            rewrote = (f"; the structure differs in {len(self.mismatches)} place"
+                       f"{'s' if len(self.mismatches) > 1 else ''}: "
+                       + ("the exporter rewrote those parts and they compute the same" if self.status == "rewritten"
+                          else "not every one has a compared value after it") if self.mismatches else "")
             return f"no divergence: {compared} matched values agree with eager{batches}{at}{rewrote}"
         inputs = (
             "at the model's inputs" if first.inputs_rel == 0.0
@@ -147,6 +175,9 @@ class NumericResult:
             else f"inputs already off by {_num(first.inputs_rel)}" if first.inputs_rel is not None
             else "inputs not compared"
         )
+        if first.kind in _MISMATCH_KINDS:
+            return (f"first divergence: {first.module_path or '<root>'}, {first.note}: max rel err "
+                    f"{_num(first.max_rel)} ({first.dtype}), {inputs}{batches}")
         where = first.module_path if first.kind == "module" and first.module_path else first.call
         return (f"first divergence: {where}, max rel err {_num(first.max_rel)} "
                 f"({first.dtype}), {inputs}{batches}")
@@ -155,7 +186,7 @@ class NumericResult:
         """The worst rows, with the first divergence, as aligned lines."""
         first = self.first_divergence
         shown = self.worst[:limit]
-        if first is not None and first not in shown:
+        if first is not None and first not in shown and first.kind not in _MISMATCH_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
         lines = []
@@ -171,6 +202,12 @@ class NumericResult:
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+        for m in self.mismatches:
+            verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
+                       else "DIVERGES" + (" (first)" if m is first else "") if m.compared
+                       else "no compared value after it")
+            lines.append(f"  structure: {m.kind} {m.call}: {verdict}"
+                         + (f" (max rel err {_num(m.max_rel)} at {m.onnx_value})" if m.compared else ""))
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,8 +217,10 @@ class NumericResult:
             "batches": self.batches,
             "tolerances": {k: list(v) for k, v in self.tolerances.items()},
             "first_divergence": None if first is None else first.to_dict(),
+            "status": self.status,
             "worst": [r.call for r in self.worst[:10]],
             "values": [r.to_dict() for r in self.rows],
+            "mismatches": [r.to_dict() for r in self.mismatches],
         }
 
 
@@ -342,8 +381,7 @@ def compare_values(
                             f"no traced input pairs with them (traced inputs: "
                             f"{', '.join(n.name for n in input_nodes) or 'none'})")
     wanted = {t for _, t, _, _ in pairs}
-    numeric = NumericResult(list(rows.values()), len(batches), tols, proto=proto, folder=folder,
-                            structure_differs=bool(result.missing or result.extra or result.rewired))
+    numeric = NumericResult(list(rows.values()), len(batches), tols, proto=proto, folder=folder)
     out_rows: list[ValueRow] = []
     for b, (bargs, bkwargs) in enumerate(batches):
         tracer = _ValueTracer(wanted, through)
@@ -402,8 +440,121 @@ def compare_values(
                     rels.append(0.0)
         row.inputs_rel = max(rels, key=_sortable) if rels else None
     numeric.rows = sorted(rows.values(), key=lambda r: r.order) + out_rows
+    out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
+    numeric.mismatches = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
     return numeric
+
+
+def _judge_mismatches(
+    trace: Graph, og: Graph, result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
+    readers: dict[int, list[int]], tols: dict[str, tuple[float, float]],
+) -> list[ValueRow]:
+    """A row per structural mismatch, judged by the nearest compared values after it.
+
+    Where the trace and the ONNX graph differ in structure, the values that flow out of the
+    difference settle it: when every nearest compared value downstream agrees, the exporter
+    rewrote that part and it computes the same; when one differs, the difference is a real
+    divergence, placed where the mismatch is (a call the export dropped, before the call that
+    reads its result). Nearest: a path stops at its first compared value, so a divergence
+    further on, with causes of its own, is not charged to this mismatch.
+    """
+    from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label
+
+    node2row: dict[int, ValueRow] = {t: rows[g] for g in rows for t in result.groups[g].trace_ids if rows[g].compared}
+    node2row.update({t: r for t, r in out_by_node.items() if r.compared})
+    onode2row = {o: rows[g] for g in rows if rows[g].compared for o in result.groups[g].onodes}
+    name2out = {r.onnx_value: r for r in out_by_node.values() if r.compared}
+    succ: dict[int, list[int]] = {}
+    for e in trace.edges:
+        succ.setdefault(e.src, []).append(e.dst)
+
+    def after_in_trace(starts: list[int]) -> list[ValueRow]:
+        found: dict[int, ValueRow] = {}
+        seen, stack = set(starts), list(starts)
+        while stack:
+            for d in succ.get(stack.pop(), ()):
+                if d in seen:
+                    continue
+                seen.add(d)
+                if d in node2row:
+                    found[id(node2row[d])] = node2row[d]
+                else:
+                    stack.append(d)
+        return list(found.values())
+
+    def after_in_onnx(start: int) -> list[ValueRow]:
+        found: dict[int, ValueRow] = {}
+        seen, stack = {start}, [start]
+        while stack:
+            n = og.nodes[stack.pop()]
+            for name in n.meta.get("output_names", []):
+                if name in name2out:  # a graph output: the model's output row measures it
+                    found[id(name2out[name])] = name2out[name]
+            for ref in n.outputs:
+                for c in readers.get(ref.obj_id, ()):
+                    if c in seen:
+                        continue
+                    seen.add(c)
+                    if c in onode2row:
+                        found[id(onode2row[c])] = onode2row[c]
+                    else:
+                        stack.append(c)
+        return list(found.values())
+
+    def inputs_of(gid: int) -> float | None:
+        rels = [rows[f].max_rel if f in rows and rows[f].compared else 0.0
+                for req in result.reqs.get(gid, []) for f in req
+                if (f in rows and rows[f].compared) or (f >= 0 and trace.nodes[f].kind == "input")]
+        return max(rels, key=_sortable) if rels else None
+
+    out: list[ValueRow] = []
+
+    def judge(row: ValueRow, after: list[ValueRow], what: str) -> None:
+        if not after:
+            row.compared, row.note = False, f"{what}: no compared value after it"
+            out.append(row)
+            return
+        worst = max(after, key=lambda r: (_sortable(r.max_rel), -r.order))
+        row.max_abs, row.max_rel, row.dtype = worst.max_abs, worst.max_rel, worst.dtype
+        row.shape, row.onnx_value = worst.shape, worst.call
+        row.ok = all(r.ok for r in after)
+        names = ", ".join(r.call for r in sorted(after, key=lambda r: r.order)[:3])
+        row.note = (f"{what}: the exporter rewrote it and {names} after it agree" if row.ok
+                    else f"{what}, and {worst.call} after it differs")
+        out.append(row)
+
+    for m in result.missing:
+        tn = trace.nodes[m]
+        row = ValueRow(m, _trace_label(tn), tn.module_path, tn.class_name if tn.kind == "module" else tn.target,
+                       "", "", (), "", kind="missing", inputs_rel=inputs_of(m))
+        judge(row, after_in_trace([m]), f"{_trace_label(tn)} is not in the ONNX model")
+    for o in result.extra:
+        on = og.nodes[o]
+        after = after_in_onnx(o)
+        first = min(after, key=lambda r: r.order) if after else None
+        row = ValueRow(first.order if first else len(trace.nodes), _onnx_name(on),
+                       first.module_path if first else "", str(on.target), _onnx_name(on), "", (), "",
+                       kind="extra", inputs_rel=first.inputs_rel if first else None)
+        judge(row, after, f"ONNX node {_onnx_name(on)} is not in the trace")
+    for side, src, dst in result.rewired:
+        def label(g: int) -> str:
+            return "output" if g == _OUTPUT_GROUP else _trace_label(trace.nodes[g])
+
+        edge = f"{label(src)} -> {label(dst)}"
+        if dst == _OUTPUT_GROUP:
+            after = list(name2out.values())
+        elif dst in rows and rows[dst].compared:
+            after = [rows[dst]]
+        else:
+            after = after_in_trace(result.groups[dst].trace_ids if dst in result.groups else [dst])
+        first = min(after, key=lambda r: r.order) if after else None
+        where = trace.nodes[dst].module_path if dst >= 0 else ""
+        row = ValueRow(first.order if first else len(trace.nodes), edge, where, "rewired", "", "", (), "",
+                       kind="rewired", inputs_rel=inputs_of(dst) if dst >= 0 else None)
+        on_side = {"trace": "in the trace only", "onnx": "in ONNX only"}.get(side, "inputs taken in another order")
+        judge(row, after, f"edge {edge} ({on_side})")
+    return sorted(out, key=lambda r: r.order)
 
 
 def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -551,6 +551,8 @@ def to_dot(
     title: str | None = None,
     name_prefix: str = "",
     cluster_name: str | None = None,
+    fills: Mapping[int, str] | None = None,
+    notes: Mapping[int, str] | None = None,
 ) -> Digraph:
     """A ``graphviz.Digraph`` of ``graph``: modules as nested clusters, edges labelled with shapes.
 
@@ -583,7 +585,10 @@ def to_dot(
     keeps, names its kind and the module key it stands for (``class="node layer key:h.0.mlp.c_fc.Conv1D"``):
     a layer, a leaf layer or a collapsed module call carries its key; side, loop and repeat boxes none.
 
-    ``highlight`` is a set of node ids drawn in red. ``name_prefix`` keeps DOT names apart
+    ``highlight`` is a set of node ids drawn in red. ``fills`` colours boxes by node id (a
+    box holding several coloured nodes takes the colour listed first: list the most telling
+    first), ``notes`` adds a line per node id to its box's tooltip; both are drawn as given
+    (:func:`fwdtrace.render_side_by_side` colours by relative error this way). ``name_prefix`` keeps DOT names apart
     when two graphs share a picture; ``cluster_name`` (starting with ``cluster``) makes the
     result embeddable with ``outer.subgraph(...)``, boxed and titled ``title``.
     """
@@ -598,7 +603,8 @@ def to_dot(
                    open_leaf_layers=open_leaf_layers)
     draw = lambda d, caption, wrap: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
                                          show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
-                                         title=title, name_prefix=name_prefix, cluster_name=cluster_name)
+                                         title=title, name_prefix=name_prefix, cluster_name=cluster_name,
+                                         fills=dict(fills or {}), notes=dict(notes or {}))
     if depth != "auto":
         return draw(depth, None, wrap)
     return _auto_depth(graph, folds, options, target_nodes, wrap, draw)
@@ -648,7 +654,8 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nod
 
 
 def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, show_shapes: bool,
-         highlight: set[int], rankdir: str, title: str | None, name_prefix: str, cluster_name: str | None) -> Digraph:
+         highlight: set[int], rankdir: str, title: str | None, name_prefix: str, cluster_name: str | None,
+         fills: dict[int, str], notes: dict[int, str]) -> Digraph:
     node2unit, units = picture.node2unit, picture.units
     names = {u.key: f"{name_prefix}u{i}" for i, u in enumerate(units)}
 
@@ -681,9 +688,14 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
                 attrs["style"] = "filled,rounded"
             if u.kind == "side":
                 attrs["style"] = "filled,dashed"
+            inside = set(u.members)
+            fill = next((c for i, c in fills.items() if i in inside), None)
+            if fill is not None:
+                attrs["fillcolor"] = fill
             if highlight.intersection(u.members):
                 attrs.update(_HIGHLIGHT)
             attrs["tooltip"] = _tooltip(u, [graph.nodes[i] for i in u.members])
+            attrs["tooltip"] += "".join(f"\n{notes[i]}" for i in u.members if i in notes)
             attrs["fwdtrace_members"] = _id_ranges(u.members)
             attrs["class"] = _svg_class(u.kind, u.module_key)
             target.node(names[u.key], label=u.label, **attrs)
