@@ -139,6 +139,13 @@ def test_api_end_to_end_during_training() -> None:
         status, answer = request(server, "GET", "/api/stats?key=body.0.Linear&which=grad_output")
         assert answer["stats"]["count"] == 2 * 5 * 16
 
+        # The module path people see in the graph and in named_modules() reads the same samples as the key.
+        by_path = request(server, "GET", "/api/samples?key=body.2&kind=forward")
+        assert by_path == request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward")
+        assert dict(model.named_modules())["body.2"] is server.sampler.key2module["body.2.Linear"]
+        status, answer = request(server, "GET", "/api/samples?key=body.3&kind=forward")
+        assert status == 404 and {"body.2", "body.2.Linear"} & set(answer["closest"])
+
         status, answer = request(server, "DELETE", "/api/sample?key=body.2.Linear&kind=forward")
         assert (status, answer["disarmed"]) == (200, ["body.2.Linear"])
         train_steps(model, 2)
@@ -321,9 +328,9 @@ def test_every_key_of_the_live_svg_is_a_module_key(depth: int | None) -> None:
 
 
 BAD = [
-    ("GET", "/api/samples?key=body.2.Linea&kind=forward", None, {}, 404, r"^unknown module key 'body.2.Linea'"),
+    ("GET", "/api/samples?key=body.2.Linea&kind=forward", None, {}, 404, r"^unknown module key or path 'body.2.Linea'"),
     ("GET", "/api/samples?key=body.1.ReLU&kind=forward", None, {}, 404, r"^'body.1.ReLU' was never armed for forward"),
-    ("GET", "/api/samples?kind=forward", None, {}, 400, r"^expected a module key as \?key=KEY"),
+    ("GET", "/api/samples?kind=forward", None, {}, 400, r"^expected a module key or path as \?key=KEY"),
     ("GET", "/api/samples?key=body.1.ReLU&kind=both", None, {}, 400, r"^expected kind=forward or kind=grad, got 'both'"),
     ("GET", "/api/stats?key=body.1.ReLU&which=output", None, {}, 400, r"^expected which= one of forward_input, "),
     ("GET", "/api/nothing", None, {}, 404, r"^no such path '/api/nothing'"),

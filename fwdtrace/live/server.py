@@ -32,7 +32,7 @@ import torch
 
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
-from ..keys import closest_keys
+from ..keys import closest_keys, key_path
 from .sampler import KINDS, ROLES, Sampler, SamplerClosed, check_positive
 
 __all__ = ["Server", "serve"]
@@ -216,12 +216,23 @@ class Server:
         if self.token is not None and not (token and hmac.compare_digest(token.encode(), self.token.encode())):
             raise _Reply(401, "expected the token as 'Authorization: Bearer TOKEN' or ?token=TOKEN")
 
+    def _closest(self, name: str) -> list[str]:
+        """The module keys and paths most like an unknown ``name``, best first."""
+        return closest_keys(name, [*self.sampler.key2module, *self._path2key()])
+
+    def _path2key(self) -> dict[str, str]:
+        """Each module's path (``res.c1``, as in the graph and ``named_modules()``) to its key."""
+        key2module = self.sampler.key2module
+        return {key_path(k, m) or k: k for k, m in key2module.items()}
+
     def _key(self, query: dict[str, str], armed_kind: str | None = None) -> str:
         key = query.get("key")
         if not key:
-            raise _Reply(400, "expected a module key as ?key=KEY (GET /api/keys lists them)")
+            raise _Reply(400, "expected a module key or path as ?key=KEY (GET /api/keys lists them)")
         if key not in self.sampler.key2module:
-            raise _Reply(404, f"unknown module key {key!r}", closest=closest_keys(key, self.sampler.key2module))
+            key = self._path2key().get(key, key)
+        if key not in self.sampler.key2module:
+            raise _Reply(404, f"unknown module key or path {key!r}", closest=self._closest(key))
         if armed_kind is not None and (key, armed_kind) not in self.sampler.arms:
             armed = sorted(k for k, kd in self.sampler.arms if kd == armed_kind)
             raise _Reply(404, f"{key!r} was never armed for {armed_kind} sampling; POST /api/sample first",
@@ -292,7 +303,7 @@ class Server:
         except SamplerClosed as e:
             raise _Reply(503, str(e)) from None
         except FwdtraceError:
-            raise _Reply(404, f"{key!r} matches no module key", closest=closest_keys(key, self.sampler.key2module)) from None
+            raise _Reply(404, f"{key!r} matches no module key or path", closest=self._closest(key)) from None
         return _json({"armed": keys, "kind": kind, "every": every, "count": count, "raw": raw})
 
     def disarm(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
@@ -305,7 +316,7 @@ class Server:
         try:
             keys = self.sampler.disarm(key, kind)
         except FwdtraceError:
-            raise _Reply(404, f"{key!r} matches no module key", closest=closest_keys(key, self.sampler.key2module)) from None
+            raise _Reply(404, f"{key!r} matches no module key or path", closest=self._closest(key)) from None
         return _json({"disarmed": keys, "kind": kind})
 
     def samples(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
