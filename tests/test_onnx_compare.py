@@ -1553,3 +1553,43 @@ def test_check_onnx_names_its_three_exporters() -> None:
     model, (x,) = zoo.mobilenetish()
     with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got 'onnx'"):
         fwdtrace.check_onnx(model, x, exporter="onnx")
+
+
+# -- files quantized after export ---------------------------------------------------------------
+def _quantized_mlp(tmp_path: Path) -> tuple[torch.nn.Module, torch.Tensor, onnx.ModelProto]:
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    src, dst = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    fwdtrace.export_onnx(model, x, exporter="torchscript", path=str(src))
+    quantization.quantize_dynamic(str(src), str(dst), weight_type=quantization.QuantType.QInt8)
+    return model, x, onnx.load(str(dst))
+
+
+def test_a_dynamically_quantized_linear_is_its_integer_matmul(tmp_path: Path) -> None:
+    model, x, proto = _quantized_mlp(tmp_path)
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["MatMulInteger"] == 2 and ops["DynamicQuantizeLinear"] == 2 and ops["Mul"] == 4
+    eager = model(x).detach().numpy()
+    assert np.abs(run_ort(proto, x)[0] - eager).max() < 0.25 * np.abs(eager).max()  # int8 rounding, not another model
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.ok, report.text
+    matmuls = {n.name for n in proto.graph.node if n.op_type == "MatMulInteger"}
+    matched = dict(report.matched)
+    assert {matched["0 (Linear)"], matched["2 (Linear)"]} == {
+        (m, m.replace("_MatMul_quant", "_Add")) for m in matmuls
+    }
+
+
+def test_a_mul_on_a_quantized_files_data_path_is_extra(tmp_path: Path) -> None:
+    model, x, proto = _quantized_mlp(tmp_path)
+    tampered = _insert_after(proto, "Relu", "/1/", "Neg")
+    p = copy.deepcopy(tampered)
+    neg = next(n for n in p.graph.node if n.name == "tampered_op")
+    p.graph.initializer.append(onnx.numpy_helper.from_array(np.array(2.0, dtype=np.float32), "tampered_two"))
+    neg.CopyFrom(helper.make_node("Mul", [neg.input[0], "tampered_two"], ["tampered"], name="tampered_op"))
+    assert not np.allclose(run_ort(p, x)[0], run_ort(proto, x)[0], atol=1e-2)
+    report = fwdtrace.check_onnx(model, x, onnx=p)
+    assert not report.ok and report.missing == [] and report.extra == ["tampered_op"], report.text
+

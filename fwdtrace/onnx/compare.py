@@ -41,6 +41,7 @@ from .ops import (
     ONNX_WIRING_OPS,
     OVERWRITE_FUNCTIONS,
     PAD_FUNCTIONS,
+    QUANTIZED_OPS,
     SHAPE_ONLY_AFTER_FIRST,
     Equivalence,
     canonical_target,
@@ -256,6 +257,7 @@ class _Matcher:
         self.tnodes = trace.nodes
         self.onodes = og.nodes
         self.op_types = [str(n.meta.get("op_type", n.target.rsplit(".", 1)[-1])) for n in og.nodes]
+        self.op_types = [QUANTIZED_OPS.get(op, op) for op in self.op_types]  # MatMulInteger is a MatMul
         # ONNX side: og is pruned, so every node is data; a value with a producer is data
         self.producer: dict[int, int] = {}
         self.consumers: dict[int, list[int]] = {}
@@ -280,7 +282,7 @@ class _Matcher:
                 if r.obj_id in self.producer:
                     self.consumers.setdefault(r.obj_id, []).append(n.id)
         self.wiring = {n.id for n in og.nodes if n.kind == "function" and self._is_wiring(n)}
-        self.wiring |= self._index_arithmetic()
+        self.wiring |= self._index_arithmetic() | self._quantization_scaling()
         for oid in self.wiring:
             og.nodes[oid].meta["wiring"] = True  # for the report and the picture
         self.matched: dict[int, int] = {}  # ONNX node id -> gid
@@ -343,6 +345,32 @@ class _Matcher:
                 for out in n.outputs for c in self.consumers.get(out.obj_id, ())
             ]
             if readers and all(c in found or (self.op(c) in _GATHERS and k >= 1) for c, k in readers):
+                found.add(n.id)
+        return found
+
+    def _quantization_scaling(self) -> set[int]:
+        """The arithmetic of quantization's scales: their products, and the Muls that rescale an integer result.
+
+        quantize_dynamic writes a Linear as DynamicQuantizeLinear (the input's int8 data, scale
+        and zero point), MatMulInteger, Cast, a Mul of the two scales and a Mul of the result by
+        it. Like the quantizing ops, the scale arithmetic retypes data; it is not a computation
+        of the model's, so it is wiring. A Mul with no scale among its inputs stays what it is.
+        """
+        scales: set[int] = set()  # value ids computed from scales alone
+        found: set[int] = set()
+        for n in self.onodes:  # ONNX node order is topological
+            if n.kind != "function":
+                continue
+            if self.op(n.id) == "DynamicQuantizeLinear":
+                scales.update(r.obj_id for r in n.outputs[1:])
+                continue
+            data = self._data_inputs(n)
+            if not data or not any(v in scales for v in data):
+                continue
+            if all(v in scales for v in data):
+                found.add(n.id)
+                scales.update(r.obj_id for r in n.outputs)
+            elif self.op(n.id) == "Mul":
                 found.add(n.id)
         return found
 
