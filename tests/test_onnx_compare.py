@@ -1151,7 +1151,6 @@ EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace"), ("ragged_adaptive_po
 DISHONEST = {("writes_through_views", "torchscript")}
 # fwdtrace's emission where it does not yet agree (issue 12's open points, in the README)
 EMIT_DIFFERS = {
-    "pool_at_argmax": "torchlib's indexing computes a broadcast shape as Shape(Max(arange, argmax)): a Max taken for data",
     "ragged_adaptive_pool": "the emitted decomposition divides a float by an int64 count: onnxruntime refuses the model",
 }
 
@@ -1593,3 +1592,24 @@ def test_a_mul_on_a_quantized_files_data_path_is_extra(tmp_path: Path) -> None:
     report = fwdtrace.check_onnx(model, x, onnx=p)
     assert not report.ok and report.missing == [] and report.extra == ["tampered_op"], report.text
 
+
+# -- ops that only compute a shape -------------------------------------------------------------
+def test_an_op_read_only_as_a_shape_is_shape_arithmetic(exported_patterns) -> None:
+    _, _, graph, proto, _ = exported_patterns("pool_at_argmax", "fwdtrace")
+    (mx,) = [n for n in proto.graph.node if n.op_type == "Max"]  # torchlib's broadcast shape of the two indices
+    assert [n.op_type for n in proto.graph.node if mx.output[0] in n.input] == ["Shape"]
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+    (node,) = [n for n in fwdtrace.onnx_graph(proto).nodes if n.meta.get("onnx_name") == mx.name]
+    shape = next(n.name for n in proto.graph.node if n.op_type == "Shape" and mx.output[0] in n.input)
+    assert node.meta["shape_only"] == f"shape arithmetic: its result is read only as a shape, by {shape}"
+
+
+def test_a_max_on_the_data_path_is_extra(exported_patterns) -> None:
+    model, inputs, graph, proto, _ = exported_patterns("pool_at_argmax", "fwdtrace")
+    p = _insert_after(proto, "Gemm", "", "Max")
+    p.graph.initializer.append(onnx.numpy_helper.from_array(np.array(0.0, dtype=np.float32), "tampered_zero"))
+    next(n for n in p.graph.node if n.name == "tampered_op").input.append("tampered_zero")  # relu by Max
+    assert not np.allclose(run_ort(p, *inputs)[0], model(*inputs).detach().numpy(), atol=1e-4)
+    report = fwdtrace.compare_onnx(graph, p)
+    assert not report.ok and report.missing == [] and report.extra == ["tampered_op"], report.text

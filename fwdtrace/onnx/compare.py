@@ -321,7 +321,7 @@ class _Matcher:
 
     def _is_wiring(self, n: Node) -> bool:
         op = str(n.meta.get("op_type", ""))
-        if op in ONNX_WIRING_OPS:
+        if op in ONNX_WIRING_OPS or n.meta.get("shape_only"):  # shape arithmetic computes no value of the model's
             return True
         data = self._data_inputs(n)
         if op in ("Gather", "GatherND"):  # select/index on data is wiring; Gather from a weight is an Embedding
@@ -1608,7 +1608,9 @@ def render_side_by_side(
     Missing trace calls, extra ONNX nodes and both ends of rewired edges are highlighted.
     With ``report`` from ``check_onnx(..., numeric=True)`` on the same model and file, matched
     boxes on both sides are coloured by their relative error (:data:`ERROR_COLORS`, from
-    the report's numbers, not computed again) and their tooltips give it. Returns the path written.
+    the report's numbers, not computed again) and their tooltips give it. An ONNX op fed by
+    data whose results are read only as shapes is shape arithmetic; its tooltip says so.
+    Returns the path written.
     """
     from ..passes.draw import Digraph, render_digraph, to_dot
 
@@ -1621,7 +1623,7 @@ def render_side_by_side(
     t_fills: dict[int, str] = {}
     o_fills: dict[int, str] = {}
     t_notes: dict[int, str] = {}
-    o_notes: dict[int, str] = {}
+    o_notes: dict[int, str] = {n.id: n.meta["shape_only"] for n in og.nodes if n.meta.get("shape_only")}
     if report is not None:
         if report.numeric is None:
             raise FwdtraceError("render_side_by_side() expected report= from check_onnx(..., numeric=True), "
