@@ -1151,7 +1151,6 @@ EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace"), ("ragged_adaptive_po
 DISHONEST = {("writes_through_views", "torchscript")}
 # fwdtrace's emission where it does not yet agree (issue 12's open points, in the README)
 EMIT_DIFFERS = {
-    "pool_at_argmax": "torchlib's indexing computes a broadcast shape as Shape(Max(arange, argmax)): a Max taken for data",
     "ragged_adaptive_pool": "the emitted decomposition divides a float by an int64 count: onnxruntime refuses the model",
 }
 
@@ -1553,3 +1552,64 @@ def test_check_onnx_names_its_three_exporters() -> None:
     model, (x,) = zoo.mobilenetish()
     with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got 'onnx'"):
         fwdtrace.check_onnx(model, x, exporter="onnx")
+
+
+# -- files quantized after export ---------------------------------------------------------------
+def _quantized_mlp(tmp_path: Path) -> tuple[torch.nn.Module, torch.Tensor, onnx.ModelProto]:
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    src, dst = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    fwdtrace.export_onnx(model, x, exporter="torchscript", path=str(src))
+    quantization.quantize_dynamic(str(src), str(dst), weight_type=quantization.QuantType.QInt8)
+    return model, x, onnx.load(str(dst))
+
+
+def test_a_dynamically_quantized_linear_is_its_integer_matmul(tmp_path: Path) -> None:
+    model, x, proto = _quantized_mlp(tmp_path)
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["MatMulInteger"] == 2 and ops["DynamicQuantizeLinear"] == 2 and ops["Mul"] == 4
+    eager = model(x).detach().numpy()
+    assert np.abs(run_ort(proto, x)[0] - eager).max() < 0.25 * np.abs(eager).max()  # int8 rounding, not another model
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.ok, report.text
+    matmuls = {n.name for n in proto.graph.node if n.op_type == "MatMulInteger"}
+    matched = dict(report.matched)
+    assert {matched["0 (Linear)"], matched["2 (Linear)"]} == {
+        (m, m.replace("_MatMul_quant", "_Add")) for m in matmuls
+    }
+
+
+def test_a_mul_on_a_quantized_files_data_path_is_extra(tmp_path: Path) -> None:
+    model, x, proto = _quantized_mlp(tmp_path)
+    tampered = _insert_after(proto, "Relu", "/1/", "Neg")
+    p = copy.deepcopy(tampered)
+    neg = next(n for n in p.graph.node if n.name == "tampered_op")
+    p.graph.initializer.append(onnx.numpy_helper.from_array(np.array(2.0, dtype=np.float32), "tampered_two"))
+    neg.CopyFrom(helper.make_node("Mul", [neg.input[0], "tampered_two"], ["tampered"], name="tampered_op"))
+    assert not np.allclose(run_ort(p, x)[0], run_ort(proto, x)[0], atol=1e-2)
+    report = fwdtrace.check_onnx(model, x, onnx=p)
+    assert not report.ok and report.missing == [] and report.extra == ["tampered_op"], report.text
+
+
+# -- ops that only compute a shape -------------------------------------------------------------
+def test_an_op_read_only_as_a_shape_is_shape_arithmetic(exported_patterns) -> None:
+    _, _, graph, proto, _ = exported_patterns("pool_at_argmax", "fwdtrace")
+    (mx,) = [n for n in proto.graph.node if n.op_type == "Max"]  # torchlib's broadcast shape of the two indices
+    assert [n.op_type for n in proto.graph.node if mx.output[0] in n.input] == ["Shape"]
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+    (node,) = [n for n in fwdtrace.onnx_graph(proto).nodes if n.meta.get("onnx_name") == mx.name]
+    shape = next(n.name for n in proto.graph.node if n.op_type == "Shape" and mx.output[0] in n.input)
+    assert node.meta["shape_only"] == f"shape arithmetic: its result is read only as a shape, by {shape}"
+
+
+def test_a_max_on_the_data_path_is_extra(exported_patterns) -> None:
+    model, inputs, graph, proto, _ = exported_patterns("pool_at_argmax", "fwdtrace")
+    p = _insert_after(proto, "Gemm", "", "Max")
+    p.graph.initializer.append(onnx.numpy_helper.from_array(np.array(0.0, dtype=np.float32), "tampered_zero"))
+    next(n for n in p.graph.node if n.name == "tampered_op").input.append("tampered_zero")  # relu by Max
+    assert not np.allclose(run_ort(p, *inputs)[0], model(*inputs).detach().numpy(), atol=1e-4)
+    report = fwdtrace.compare_onnx(graph, p)
+    assert not report.ok and report.missing == [] and report.extra == ["tampered_op"], report.text

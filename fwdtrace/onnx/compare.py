@@ -41,6 +41,7 @@ from .ops import (
     ONNX_WIRING_OPS,
     OVERWRITE_FUNCTIONS,
     PAD_FUNCTIONS,
+    QUANTIZED_OPS,
     SHAPE_ONLY_AFTER_FIRST,
     Equivalence,
     canonical_target,
@@ -256,6 +257,7 @@ class _Matcher:
         self.tnodes = trace.nodes
         self.onodes = og.nodes
         self.op_types = [str(n.meta.get("op_type", n.target.rsplit(".", 1)[-1])) for n in og.nodes]
+        self.op_types = [QUANTIZED_OPS.get(op, op) for op in self.op_types]  # MatMulInteger is a MatMul
         # ONNX side: og is pruned, so every node is data; a value with a producer is data
         self.producer: dict[int, int] = {}
         self.consumers: dict[int, list[int]] = {}
@@ -280,7 +282,7 @@ class _Matcher:
                 if r.obj_id in self.producer:
                     self.consumers.setdefault(r.obj_id, []).append(n.id)
         self.wiring = {n.id for n in og.nodes if n.kind == "function" and self._is_wiring(n)}
-        self.wiring |= self._index_arithmetic()
+        self.wiring |= self._index_arithmetic() | self._quantization_scaling()
         for oid in self.wiring:
             og.nodes[oid].meta["wiring"] = True  # for the report and the picture
         self.matched: dict[int, int] = {}  # ONNX node id -> gid
@@ -319,7 +321,7 @@ class _Matcher:
 
     def _is_wiring(self, n: Node) -> bool:
         op = str(n.meta.get("op_type", ""))
-        if op in ONNX_WIRING_OPS:
+        if op in ONNX_WIRING_OPS or n.meta.get("shape_only"):  # shape arithmetic computes no value of the model's
             return True
         data = self._data_inputs(n)
         if op in ("Gather", "GatherND"):  # select/index on data is wiring; Gather from a weight is an Embedding
@@ -343,6 +345,32 @@ class _Matcher:
                 for out in n.outputs for c in self.consumers.get(out.obj_id, ())
             ]
             if readers and all(c in found or (self.op(c) in _GATHERS and k >= 1) for c, k in readers):
+                found.add(n.id)
+        return found
+
+    def _quantization_scaling(self) -> set[int]:
+        """The arithmetic of quantization's scales: their products, and the Muls that rescale an integer result.
+
+        quantize_dynamic writes a Linear as DynamicQuantizeLinear (the input's int8 data, scale
+        and zero point), MatMulInteger, Cast, a Mul of the two scales and a Mul of the result by
+        it. Like the quantizing ops, the scale arithmetic retypes data; it is not a computation
+        of the model's, so it is wiring. A Mul with no scale among its inputs stays what it is.
+        """
+        scales: set[int] = set()  # value ids computed from scales alone
+        found: set[int] = set()
+        for n in self.onodes:  # ONNX node order is topological
+            if n.kind != "function":
+                continue
+            if self.op(n.id) == "DynamicQuantizeLinear":
+                scales.update(r.obj_id for r in n.outputs[1:])
+                continue
+            data = self._data_inputs(n)
+            if not data or not any(v in scales for v in data):
+                continue
+            if all(v in scales for v in data):
+                found.add(n.id)
+                scales.update(r.obj_id for r in n.outputs)
+            elif self.op(n.id) == "Mul":
                 found.add(n.id)
         return found
 
@@ -1580,7 +1608,9 @@ def render_side_by_side(
     Missing trace calls, extra ONNX nodes and both ends of rewired edges are highlighted.
     With ``report`` from ``check_onnx(..., numeric=True)`` on the same model and file, matched
     boxes on both sides are coloured by their relative error (:data:`ERROR_COLORS`, from
-    the report's numbers, not computed again) and their tooltips give it. Returns the path written.
+    the report's numbers, not computed again) and their tooltips give it. An ONNX op fed by
+    data whose results are read only as shapes is shape arithmetic; its tooltip says so.
+    Returns the path written.
     """
     from ..passes.draw import Digraph, render_digraph, to_dot
 
@@ -1593,7 +1623,7 @@ def render_side_by_side(
     t_fills: dict[int, str] = {}
     o_fills: dict[int, str] = {}
     t_notes: dict[int, str] = {}
-    o_notes: dict[int, str] = {}
+    o_notes: dict[int, str] = {n.id: n.meta["shape_only"] for n in og.nodes if n.meta.get("shape_only")}
     if report is not None:
         if report.numeric is None:
             raise FwdtraceError("render_side_by_side() expected report= from check_onnx(..., numeric=True), "

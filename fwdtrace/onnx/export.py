@@ -46,6 +46,12 @@ _INLINE_BYTES = 1024
 # ONNX ops whose output describes a tensor's shape, not its values: what they feed is
 # shape arithmetic, folded away by the comparison.
 _SHAPE_OPS = frozenset({"Shape", "Size"})
+# Inputs that give a shape, sizes or positions, not values: (op type, input index), None for all inputs
+_SHAPE_INPUTS: dict[str, frozenset[int] | None] = {
+    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Tile": frozenset({1}), "ConstantOfShape": None,
+    "Range": None, "Slice": frozenset({1, 2, 3, 4}), "Unsqueeze": frozenset({1}), "Squeeze": frozenset({1}),
+    "Resize": frozenset({1, 2, 3}), "Pad": frozenset({1, 3}), "TopK": frozenset({1}), "OneHot": frozenset({1}),
+}
 _UNSET = object()
 
 
@@ -597,6 +603,45 @@ def _numel(dims: Any) -> int:
     return out
 
 
+def _read_only_as_shapes(g: Any) -> dict[int, str]:
+    """Nodes (by index) whose every result is read only as a shape, with the name of the op reading it.
+
+    torchlib's indexing computes a broadcast shape as ``Shape(Max(arange, argmax))``: the
+    Max is fed by data but nothing the model computes reads its values.
+    """
+    readers: dict[str, list[tuple[int, int]]] = {}
+    for i, node in enumerate(g.node):
+        for k, name in enumerate(node.input):
+            if name:
+                readers.setdefault(name, []).append((i, k))
+    outputs = {o.name for o in g.output}
+    found: dict[int, str] = {}
+    for i in range(len(g.node) - 1, -1, -1):  # readers before the nodes they read
+        node = g.node[i]
+        shape_readers: list[str] = []
+        for out in node.output:
+            if not out:
+                continue
+            if out in outputs or not readers.get(out):
+                shape_readers = []
+                break
+            for j, k in readers[out]:
+                reader = g.node[j]
+                slots = _SHAPE_INPUTS.get(reader.op_type, frozenset())
+                if reader.op_type in _SHAPE_OPS or slots is None or k in slots:
+                    shape_readers.append(reader.name or f"{reader.op_type}_{j}")
+                elif j in found:
+                    shape_readers.append(found[j])
+                else:
+                    shape_readers = []
+                    break
+            if not shape_readers:
+                break
+        if shape_readers:
+            found[i] = shape_readers[0]
+    return found
+
+
 def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool = False) -> Graph:
     """An ONNX model as a :class:`~fwdtrace.Graph`: one node per ONNX node, edges by value.
 
@@ -610,7 +655,8 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
     to ``obj_id`` s 0, 1, 2, ... in first-seen order; initializers are parameters
     (``TensorRef.param`` is their name). ``module_path`` is the module scope the exporter
     recorded, if any. ``meta`` holds ``onnx_name``, ``op_type`` and ``data`` (False for
-    constants and shape arithmetic, which ``prune=True`` leaves out). Shapes come from ONNX
+    constants and shape arithmetic, which ``prune=True`` leaves out) and ``shape_only``
+    (why, for an op fed by data whose results are read only as shapes). Shapes come from ONNX
     shape inference; unknown dimensions are -1. A file with external data is read without
     the weights' bytes (only the few small tensors shape inference reads).
     """
@@ -639,6 +685,7 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
         shape, dtype = info.get(name, ((), "unknown"))
         return TensorRef(obj, shape, dtype, name if name in initializers else None)
 
+    shape_only = _read_only_as_shapes(g)
     graph = Graph()
     data_values: set[str] = set()
     for vi in g.input:
@@ -652,6 +699,9 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
             data_values.update(o for o in node.output if o)
         if prune and not data:
             continue
+        meta: dict[str, Any] = {}
+        if data and node.output and i in shape_only:
+            meta["shape_only"] = f"shape arithmetic: its result is read only as a shape, by {shape_only[i]}"
         scope_path, scopes = onnx_scope(node)
         domain = node.domain if node.domain not in ("", "ai.onnx") else "onnx"
         attrs = {a.name: v for a in node.attribute if (v := _attr_value(a)) is not None}
@@ -665,7 +715,7 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
             attrs=attrs,
             scope=scopes,
             meta={"onnx_name": node.name or f"{node.op_type}_{i}", "op_type": node.op_type, "data": data,
-                  "scope": scope_path, "input_names": [n for n in node.input if n], "output_names": [o for o in node.output if o]},
+                  "scope": scope_path, "input_names": [n for n in node.input if n], "output_names": [o for o in node.output if o], **meta},
         )
     graph.add_node("output", "output", inputs=[ref(o.name) for o in g.output], meta={"names": [o.name for o in g.output]})
     return graph

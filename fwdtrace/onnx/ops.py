@@ -27,7 +27,7 @@ from ..node import Node
 from ..registry import qualified_name
 
 __all__ = [
-    "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS",
+    "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS", "QUANTIZED_OPS",
     "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "PAD_FUNCTIONS", "OVERWRITE_FUNCTIONS", "written_through_a_view",
 ]
 
@@ -40,7 +40,15 @@ RuleResult = str | Sequence[str] | None
 ONNX_WIRING_OPS = frozenset({
     "Identity", "Cast", "CastLike", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
     "Expand", "Dropout", "Slice", "Split", "Tile",
+    # quantization retypes data (float <-> int8 with a scale): onnxruntime's quantize_dynamic, QDQ files
+    "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear",
 })
+
+# The integer kernels of quantized files compute the float op on the quantized data: a
+# dynamically quantized Linear is DynamicQuantizeLinear, MatMulInteger, Cast and the Muls
+# that rescale its result (see fwdtrace.onnx.compare), and is compared as a MatMul.
+# (ConvInteger is left out: it has no bias input, and a Conv written as Conv+Add is no rule yet.)
+QUANTIZED_OPS = {"MatMulInteger": "MatMul"}
 
 
 # Elementwise ops that written-out patterns share: alone they do not identify a layer.
