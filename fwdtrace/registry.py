@@ -147,8 +147,16 @@ class Registry:
             kept = [f for f in target.callbacks if f is not fn]
             removed += len(target.callbacks) - len(kept)
             target.callbacks = kept
-        self.version += 1
+        self.drop_unused_functions()
         return removed
+
+    def drop_unused_functions(self) -> None:
+        """Unregister the functions with no callback that are not atomic: nothing asks for them, so they
+        have no keys (module_keys, probes) and later traces, probes and install() leave them unpatched."""
+        for path, target in list(self.functions.items()):
+            if not target.callbacks and not target.atomic:
+                del self.functions[path]
+        self.version += 1
 
     def callbacks_for(self, module_type: type) -> list[Callback]:
         return [f for c, f in self.callbacks if issubclass(module_type, c)]
@@ -458,15 +466,16 @@ def register_atomic(target: T, *, everywhere: bool = False) -> T:
 
 
 def remove_hook(fn: Callable[..., Any]) -> int:
-    """Unregister a callback added with :func:`hook_forward`; returns how many entries went."""
+    """Unregister a callback added with :func:`hook_forward`; returns how many entries went.
+
+    A function or method left with no callback is unregistered too, unless it is atomic.
+    """
     return REGISTRY.remove(fn)
 
 
 def clear_hooks() -> None:
     """Unregister every callback (atomic classes and functions stay)."""
     REGISTRY.callbacks = []
-    for path, target in list(REGISTRY.functions.items()):
+    for target in REGISTRY.functions.values():
         target.callbacks = []
-        if not target.atomic:
-            del REGISTRY.functions[path]
-    REGISTRY.version += 1
+    REGISTRY.drop_unused_functions()

@@ -414,23 +414,28 @@ def vary_constant_weights(model: nn.Module) -> None:
 
 
 # -- independent references ----------------------------------------------------------------------------------
-def leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors a user sees in inputs and outputs: inside tuples, lists, dicts (ModelOutput), dataclasses
-    and transformers' KV caches (``past_key_values``), which the trace returns too."""
+def leaves(obj: Any, caches: bool = False) -> Iterator[torch.Tensor]:
+    """The tensors a user sees in inputs and outputs: inside tuples, lists, dicts (ModelOutput) and dataclasses;
+    ``caches=True`` (a model's outputs, as the trace returns them) also transformers' KV caches
+    (``past_key_values``).
+
+    Caches stay closed elsewhere: a hook sees the cache object after the forward updated it, so a
+    layer's "input" cache would show the keys and values that layer itself added.
+    """
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Mapping):
         for v in obj.values():
-            yield from leaves(v)
+            yield from leaves(v, caches)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from leaves(v)
+            yield from leaves(v, caches)
     elif is_dataclass(obj) and not isinstance(obj, type):
         for f in fields(obj):
-            yield from leaves(getattr(obj, f.name))
-    elif type(obj).__module__ == "transformers.cache_utils":  # a returned KV cache: its layers' tensors
+            yield from leaves(getattr(obj, f.name), caches)
+    elif caches and type(obj).__module__ == "transformers.cache_utils":  # a returned KV cache: its layers' tensors
         for v in vars(obj).values():
-            yield from leaves(v)
+            yield from leaves(v, caches)
 
 
 def hook_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, dict[str, list[list[int]]]]:
@@ -496,7 +501,7 @@ def ort_agrees(path: Path, run: Run) -> tuple[bool, str]:
         assert len(names) == len(given), f"ONNX inputs {names} for the {len(given)} tensors given"
         feed = {n: t.numpy() for n, t in zip(names, given, strict=True)}
     results = session.run(None, feed)
-    expected = list(leaves(run.eager))
+    expected = list(leaves(run.eager, caches=True))
     k = 0
     for got in results:
         if k == len(expected):
@@ -618,7 +623,7 @@ def _trace(run: Run) -> None:
     assert not wrong, f"module nodes per path differ from the calls plain hooks saw (traced, hooked): {wrong}"
     # The outputs: the tensors the model returned, with their shapes.
     traced = sorted(tuple(r.shape) for n in graph.output_nodes for r in n.inputs)
-    eager = sorted(tuple(t.shape) for t in leaves(run.eager))
+    eager = sorted(tuple(t.shape) for t in leaves(run.eager, caches=True))
     assert traced == eager, f"output shapes {traced} differ from eager's {eager}"
 
 

@@ -362,6 +362,42 @@ def test_a_function_imported_by_value_is_named_and_patched_everywhere_when_asked
     del REGISTRY.functions["fwdtrace_test_home.f"]
 
 
+def test_removing_a_functions_last_callback_unregisters_it_unless_it_is_atomic(two_modules: Any) -> None:
+    home, user = two_modules
+    del user.f  # f held by its module alone: nothing to warn about
+    original = home.f
+
+    class Double(nn.Module):  # looks f up on its module at each call: what patching replaces
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return home.f(x)
+
+    model, x = nn.Sequential(Double()), torch.ones(2)
+    during_trace: list[Any] = []
+    model[0].register_forward_pre_hook(lambda m, a: during_trace.append(vars(home)["f"]))
+    calls: list[int] = []
+
+    def count(inputs: tuple, kwargs: dict, output: Any) -> None:
+        calls.append(1)
+
+    fwdtrace.hook_forward("fwdtrace_test_home.f")(count)
+    assert fwdtrace.module_keys(model, x) == ["0.f", "0.Double", "Sequential"]
+    fwdtrace.trace(model, x)
+    assert calls == [1] and during_trace[-1] is not original  # patched while tracing, for the callback
+    assert fwdtrace.remove_hook(count) == 1
+    assert "fwdtrace_test_home.f" not in REGISTRY.functions
+    assert fwdtrace.module_keys(model, x) == list(fwdtrace.keys.key2module(model))  # the modules alone
+    with pytest.raises(FwdtraceError, match=r"got '\*\.f', which matches no key"):
+        fwdtrace.Probe(model).select("*.f")
+    fwdtrace.trace(model, x)
+    assert calls == [1] and during_trace[-1] is original  # not patched: no one asks for it
+    fwdtrace.register_atomic("fwdtrace_test_home.f")
+    fwdtrace.hook_forward("fwdtrace_test_home.f")(count)
+    assert fwdtrace.remove_hook(count) == 1
+    assert fwdtrace.module_keys(model, x) == ["0.f", "0.Double", "Sequential"]  # atomic: still one node per call
+    assert [n.target for n in fwdtrace.trace(model, x).find(kind="function")] == ["fwdtrace_test_home.f"]
+    assert calls == [1] and vars(home)["f"] is original
+
+
 def test_a_function_in_a_registry_dict_is_named() -> None:
     with pytest.warns(UserWarning, match=r"stored in registry dicts.*ALL_ATTENTION_FUNCTIONS\._global_mapping\['sdpa'\]"):
         fwdtrace.hook_forward("transformers.integrations.sdpa_attention.sdpa_attention_forward")
