@@ -414,7 +414,7 @@ def _svg_boxes(path: str) -> list[tuple[str, str]]:
     ns = {"svg": "http://www.w3.org/2000/svg", "xlink": "http://www.w3.org/1999/xlink"}
     boxes = []
     for g in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}g"):
-        if g.get("class") != "node":
+        if "node" not in (g.get("class") or "").split():  # "node" and the draw pass's kind and key classes
             continue
         a = g.find(".//svg:a", ns)
         shape = g.find(".//svg:polygon", ns)

@@ -191,7 +191,8 @@ def _state_kept(model: torch.nn.Module) -> Iterator[None]:
     plans. Each module's attributes (and its parameters, buffers and children) go back to the
     objects they were: a tensor changed in place is not undone (eval mode writes none).
     """
-    modules = {id(m): m for m in model.modules()}.values()
+    # A ScriptModule's state lives in C++ (its _parameters is a wrapper without clear()): left alone
+    modules = [m for m in {id(m): m for m in model.modules()}.values() if not isinstance(m, torch.jit.ScriptModule)]
     saved = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in _KEPT_DICTS if k in vars(m)}) for m in modules]
     try:
         yield
