@@ -13,6 +13,16 @@ import pytest
 
 CASES = {case.name: case for case in corpus.CORPUS}
 
+# Cells the corpus found failing that are not fixed yet (issue 20 stays open for them): strict, so
+# a fix shows up as XPASS and fails the run until the entry is removed.
+KNOWN = {
+    ("detector", "check_onnx[fwdtrace]"): "to_onnx's emission of the per-box topk and indexing: 20 edges rewired "
+                                          "(topk -> exp/add/stack), onnxruntime agrees with eager",
+    ("mamba", "check_onnx[torchscript]"): "the TorchScript exporter cannot export Mamba's cache writes; the export "
+                                          "without the cache is ok by check_onnx (cache left out, said), but the "
+                                          "corpus's onnxruntime reference still expects all 5 eager outputs",
+}
+
 
 @pytest.fixture(scope="module")
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> corpus.Run:
@@ -23,5 +33,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.parametrize("entry", list(corpus.ENTRIES))
 @pytest.mark.parametrize("run", [pytest.param(name, marks=pytest.mark.xdist_group(name)) for name in CASES],
                          indirect=True)
-def test_entry_point(run: corpus.Run, entry: str) -> None:
+def test_entry_point(run: corpus.Run, entry: str, request: pytest.FixtureRequest) -> None:
+    known = KNOWN.get((run.case.name, entry))
+    if known:
+        request.applymarker(pytest.mark.xfail(reason=known, strict=True))
     corpus.run_entry(run, entry)
