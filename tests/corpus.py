@@ -699,12 +699,11 @@ def _compare_file(exporter: str) -> Callable[[Run], None]:
             assert counts(compared) == counts(checked), (
                 f"compare_onnx on the exported file (ok, missing, extra, rewired) {counts(compared)} disagrees with "
                 f"check_onnx {counts(checked)}:\n{str(compared)[:1500]}")
-        if "onnx" in inspect.signature(fwdtrace.check_onnx).parameters:  # the file given to check_onnx itself
-            with torch.no_grad():
-                given = fwdtrace.check_onnx(run.model, *run.args, onnx=path, **run.kwargs)
-            assert counts(given) == counts(checked), (
-                f"check_onnx(onnx=file) {counts(given)} disagrees with check_onnx(exporter={exporter!r}) "
-                f"{counts(checked)}:\n{str(given)[:1500]}")
+        with torch.no_grad():  # the file given to check_onnx itself
+            given = fwdtrace.check_onnx(run.model, *run.args, onnx=path, **run.kwargs)
+        assert counts(given) == counts(checked), (
+            f"check_onnx(onnx=file) {counts(given)} disagrees with check_onnx(exporter={exporter!r}) "
+            f"{counts(checked)}:\n{str(given)[:1500]}")
 
     return entry
 

@@ -731,14 +731,6 @@ def _groups_by_key(path: Path) -> dict[str, dict[str, torch.Tensor]]:
         return {f[n].attrs["module_key"]: {d: torch.from_numpy(f[n][d][()]) for d in f[n]} for n in _group_names(f)}
 
 
-def _sgd_step(model: nn.Module, loss: torch.Tensor) -> None:
-    model.zero_grad()
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-
-
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the reference's, as expected
 def test_backward_dumps_work_beside_in_place_relu_and_match_torch_full_backward_hooks(tmp_path: Path) -> None:
     model, reference = zoo.inplace_mlp()
@@ -746,9 +738,9 @@ def test_backward_dumps_work_beside_in_place_relu_and_match_torch_full_backward_
     for step, x in enumerate(zoo.inplace_batches()):
         dumper = fwdtrace.Dumper(tmp_path)
         dumper.register(model, step=step)
-        _sgd_step(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
+        zoo.sgd_step(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
         (path,) = dumper.remove()
-        _sgd_step(reference, reference(x).square().mean())
+        zoo.sgd_step(reference, reference(x).square().mean())
         groups = _groups_by_key(path)
         for key in zoo.INPLACE_KEYS:
             grad_input, grad_output = seen[key][step]

@@ -73,12 +73,7 @@ def hook_dicts(model: nn.Module) -> list[tuple[str, list[int]]]:
 def train_steps(model: nn.Module, n: int, batch: int = 5) -> None:
     """Plain SGD steps, written out: torch.optim's first use imports torch._dynamo (seconds)."""
     for _ in range(n):
-        loss = model(torch.randn(batch, 8)).pow(2).mean()
-        model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
+        zoo.sgd_step(model, model(torch.randn(batch, 8)).pow(2).mean())
 
 
 def test_api_end_to_end_during_training() -> None:

@@ -336,14 +336,6 @@ def test_running_stats_from_several_threads_equal_the_whole_data() -> None:
 # -- gradients beside in-place ops: compared with torch's full backward hooks on an inplace=False copy ---
 
 
-def _sgd(model: nn.Module, loss: torch.Tensor) -> None:
-    model.zero_grad()
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-
-
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the reference's, as expected
 def test_print_grads_and_grad_stats_work_beside_in_place_relu_and_match_torch() -> None:
     model, reference = zoo.inplace_mlp()
@@ -353,8 +345,8 @@ def test_print_grads_and_grad_stats_work_beside_in_place_relu_and_match_torch() 
         probe.print_grads(list(zoo.INPLACE_KEYS), file=buf, values=True)
         stats = {of: probe.running_stats("1.ReLU", of=of, bins=8, range=(-1.0, 1.0)) for of in ("grad_input", "grad_output")}
         for x in zoo.inplace_batches():
-            _sgd(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
-            _sgd(reference, reference(x).square().mean())
+            zoo.sgd_step(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
+            zoo.sgd_step(reference, reference(x).square().mean())
     want = []
     for step in range(len(zoo.inplace_batches())):
         for key in zoo.INPLACE_KEYS:
@@ -388,8 +380,8 @@ def test_replace_grad_on_an_in_place_relu_matches_torch_full_backward_hook() -> 
         got: list[tuple] = []
         probe.replace_grad("1.ReLU", lambda m, gin, gout: got.append((gin, gout)) or gout)
         for x in zoo.inplace_batches():
-            _sgd(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
-            _sgd(reference, reference(x).square().mean())
+            zoo.sgd_step(model, model(x).square().mean())  # raised RuntimeError from BackwardHookFunction before
+            zoo.sgd_step(reference, reference(x).square().mean())
             for p, q in zip(model.parameters(), reference.parameters(), strict=True):
                 assert torch.equal(p.grad, q.grad)  # the replaced gradient flowed on as torch's does
     assert len(got) == len(want) == 3

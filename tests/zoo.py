@@ -355,6 +355,15 @@ def inplace_mlp() -> tuple[nn.Module, nn.Module]:
     return model, reference
 
 
+def sgd_step(model: nn.Module, loss: torch.Tensor) -> None:
+    """One plain SGD step, written out (torch.optim's first use imports torch._dynamo: seconds)."""
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+
+
 def inplace_batches(steps: int = 3) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randn(5, 6, generator=generator) for _ in range(steps)]
