@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -470,37 +471,16 @@ def _judge_mismatches(
         succ.setdefault(e.src, []).append(e.dst)
 
     def after_in_trace(starts: list[int]) -> list[ValueRow]:
-        found: dict[int, ValueRow] = {}
-        seen, stack = set(starts), list(starts)
-        while stack:
-            for d in succ.get(stack.pop(), ()):
-                if d in seen:
-                    continue
-                seen.add(d)
-                if d in node2row:
-                    found[id(node2row[d])] = node2row[d]
-                else:
-                    stack.append(d)
-        return list(found.values())
+        return _nearest_rows(starts, lambda n: succ.get(n, ()), node2row.get)
 
     def after_in_onnx(start: int) -> list[ValueRow]:
-        found: dict[int, ValueRow] = {}
-        seen, stack = {start}, [start]
-        while stack:
-            n = og.nodes[stack.pop()]
-            for name in n.meta.get("output_names", []):
-                if name in name2out:  # a graph output: the model's output row measures it
-                    found[id(name2out[name])] = name2out[name]
-            for ref in n.outputs:
-                for c in readers.get(ref.obj_id, ()):
-                    if c in seen:
-                        continue
-                    seen.add(c)
-                    if c in onode2row:
-                        found[id(onode2row[c])] = onode2row[c]
-                    else:
-                        stack.append(c)
-        return list(found.values())
+        def readers_of(n: int) -> list[int]:
+            return [c for ref in og.nodes[n].outputs for c in readers.get(ref.obj_id, ())]
+
+        def graph_outputs(n: int) -> list[ValueRow]:  # a graph output: the model's output row measures it
+            return [name2out[name] for name in og.nodes[n].meta.get("output_names", []) if name in name2out]
+
+        return _nearest_rows([start], readers_of, onode2row.get, graph_outputs)
 
     def inputs_of(gid: int) -> float | None:
         rels = [rows[f].max_rel if f in rows and rows[f].compared else 0.0
@@ -731,3 +711,27 @@ def save_repro(numeric: NumericResult, directory: str | os.PathLike[str]) -> dic
     np.savez(paths["inputs"], **{k: values[k] for k in inputs})
     np.savez(paths["expected"], **{k: numeric.eager[k] for k in outputs if k in numeric.eager})  # type: ignore[arg-type]
     return paths
+
+
+def _nearest_rows(
+    starts: list[int], successors: Callable[[int], Iterable[int]], row_of: Callable[[int], ValueRow | None],
+    rows_at: Callable[[int], Iterable[ValueRow]] = lambda n: (),
+) -> list[ValueRow]:
+    """The compared rows first reached from ``starts`` along ``successors``: a walk stops at a node
+    with a row (``row_of``); ``rows_at`` adds rows a node on the way measures (graph outputs)."""
+    found: dict[int, ValueRow] = {}
+    seen, stack = set(starts), list(starts)
+    while stack:
+        n = stack.pop()
+        for row in rows_at(n):
+            found[id(row)] = row
+        for d in successors(n):
+            if d in seen:
+                continue
+            seen.add(d)
+            reached = row_of(d)
+            if reached is not None:
+                found[id(reached)] = reached
+            else:
+                stack.append(d)
+    return list(found.values())
