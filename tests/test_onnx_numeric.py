@@ -38,6 +38,21 @@ def _run_ort(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list
     return session.run(outputs, feeds)
 
 
+def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
+    """A copy of ``proto`` with the initializer ``name`` multiplied by ``factor``."""
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    (init,) = [i for i in p.graph.initializer if i.name == name]
+    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * np.float32(factor), init.name))
+    return p
+
+
+def _scale_node_weight(proto: onnx.ModelProto, node_name: str, factor: float) -> onnx.ModelProto:
+    """A copy of ``proto`` with the weight (input 1: a Conv's W, an LSTM's W) of node ``node_name`` scaled."""
+    (node,) = [n for n in proto.graph.node if n.name == node_name]
+    return _scale_initializer(proto, node.input[1], factor)
+
+
 @pytest.mark.parametrize(("name", "exporter"), HONEST)
 def test_honest_exports_show_no_divergence(name: str, exporter: str) -> None:
     model, args = zoo.ZOO[name]()
@@ -70,6 +85,48 @@ def test_small_transformers_show_no_divergence(exporter: str) -> None:
     assert report.first_divergence is None, str(report)
 
 
+# LSTMs whose outputs the export keeps in part: the zoo's tagger drops h_n and c_n (dynamo leaves
+# the ONNX LSTM's Y_h and Y_c out); two layers stack each layer's states with a Concat
+class LSTMStates(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 12, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, (h, c) = self.lstm(x)
+        return self.head(out) + self.head(h[-1] + c[-1]).unsqueeze(1)
+
+
+LSTM_ROWS = [("lstm_tagger", "dynamo", 1), ("lstm_states", "torchscript", 3)]
+
+
+@pytest.mark.parametrize(("name", "exporter", "kept"), LSTM_ROWS)
+def test_an_lstms_outputs_are_compared_and_a_scaled_lstm_weight_is_named(name: str, exporter: str, kept: int) -> None:
+    torch.manual_seed(0)
+    model, (x,) = zoo.lstm_tagger() if name == "lstm_tagger" else (LSTMStates().eval(), (torch.randn(2, 5, 8),))
+    proto = fwdtrace.export_onnx(model, x, exporter=exporter)
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert report.numeric is not None and report.first_divergence is None, str(report)
+    (row,) = [r for r in report.numeric.rows if r.module_path == "lstm"]
+    assert row.compared and len(row.onnx_value.split(", ")) == kept, str(report)
+    # reference: the LSTM's (output, h_n, c_n) from a plain torch hook, against onnxruntime's values
+    seen: list[torch.Tensor] = []
+    handle = model.lstm.register_forward_hook(lambda m, i, o: seen.extend([o[0], *o[1]]))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    got = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, row.onnx_value.split(", "))
+    errors = [float(np.abs(g - w.numpy()).max()) for g, w in zip(got, seen[:kept], strict=True)]
+    assert row.max_abs == pytest.approx(max(errors), rel=1e-6, abs=1e-12)
+    # the last layer's weights scaled: the LSTM is where the file first goes wrong
+    last = [n for n in proto.graph.node if n.op_type == "LSTM"][-1]
+    report = fwdtrace.check_onnx(model, x, onnx=_scale_node_weight(proto, last.name, 1.01), numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.module_path == "lstm" and first.target == "LSTM", str(report)
+    assert first.inputs_rel == 0.0  # it reads the model's input
+
+
 def test_a_row_is_what_torch_hooks_and_onnxruntime_give() -> None:
     model, (x,) = zoo.resnetish()
     proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
@@ -89,19 +146,12 @@ def test_a_row_is_what_torch_hooks_and_onnxruntime_give() -> None:
     assert row.shape == tuple(seen["bn"].shape) and row.dtype == "float32" and row.ok
 
 
-def _scale_conv_weight(proto: onnx.ModelProto, node_name: str, factor: float) -> onnx.ModelProto:
-    p = onnx.ModelProto()
-    p.CopyFrom(proto)
-    (conv,) = [n for n in p.graph.node if n.name == node_name]
-    (init,) = [i for i in p.graph.initializer if i.name == conv.input[1]]
-    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * np.float32(factor), init.name))
-    return p
 
 
 def test_a_conv_weight_scaled_by_1_01_is_the_first_divergence() -> None:
     model, (x,) = zoo.resnetish()
     proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
-    tampered = _scale_conv_weight(proto, "/blocks/blocks.0/c2/Conv", 1.01)
+    tampered = _scale_node_weight(proto, "/blocks/blocks.0/c2/Conv", 1.01)
     # reference: onnxruntime says the tampered file computes another result, the honest one the same
     feeds = {proto.graph.input[0].name: x.numpy()}
     out = proto.graph.output[0].name
@@ -233,7 +283,7 @@ def test_dynamic_quantization_gives_rows_with_their_error(tmp_path: object) -> N
 
 def test_several_batches_take_the_largest_error() -> None:
     model, (x,) = zoo.resnetish()
-    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/stem/stem.0/Conv", 1.01)
+    tampered = _scale_node_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/stem/stem.0/Conv", 1.01)
     one = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
     batches = [x, x * 3]
     both = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True, inputs=batches)
@@ -246,7 +296,7 @@ def test_several_batches_take_the_largest_error() -> None:
 
 def test_tolerances_can_be_set() -> None:
     model, (x,) = zoo.resnetish()
-    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/stem/stem.0/Conv", 1.01)
+    tampered = _scale_node_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/stem/stem.0/Conv", 1.01)
     report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True, tolerances={"float32": (0.1, 0.0)})
     assert report.first_divergence is None
     with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) expected tolerances as"):
@@ -262,7 +312,7 @@ def test_a_report_without_numbers_says_how_to_get_them() -> None:
 
 def test_save_repro_writes_a_subgraph_that_reproduces_the_divergence_alone(tmp_path: object) -> None:
     model, (x,) = zoo.resnetish()
-    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
+    tampered = _scale_node_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
                                   1.01)
     report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
     first = report.first_divergence
@@ -402,7 +452,7 @@ def test_simplified_files_check_without_false_alarms(simplifier: str) -> None:
     # and a tampered simplified file is still caught, at the Conv tampered with
     simple = _simplified(fwdtrace.export_onnx(cnn, x, exporter="torchscript"), simplifier)
     conv = [n for n in simple.graph.node if n.op_type == "Conv"][2]
-    report = fwdtrace.check_onnx(cnn, x, onnx=_scale_conv_weight(simple, conv.name, 1.01), numeric=True)
+    report = fwdtrace.check_onnx(cnn, x, onnx=_scale_node_weight(simple, conv.name, 1.01), numeric=True)
     first = report.first_divergence
     assert first is not None and first.onnx_node == conv.name and not report.ok, str(report)
 
@@ -429,7 +479,7 @@ def test_side_by_side_colours_matched_boxes_by_the_reports_relative_error(tmp_pa
     from fwdtrace.onnx.compare import ERROR_COLORS
 
     model, (x,) = zoo.resnetish()
-    tampered = _scale_conv_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
+    tampered = _scale_node_weight(fwdtrace.export_onnx(model, x, exporter="torchscript"), "/blocks/blocks.0/c2/Conv",
                                   1.01)
     report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
     assert report.numeric is not None
