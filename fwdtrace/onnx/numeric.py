@@ -190,6 +190,7 @@ class NumericResult:
         if first is not None and first not in shown and first.kind not in _MISMATCH_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
+        partly = [r for r in self.rows if r.compared and r.note]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
             width = max(len(r.call) for r in shown)
@@ -203,6 +204,9 @@ class NumericResult:
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+        if partly:
+            lines.append(f"  compared in part: {', '.join(f'{r.call} ({r.note})' for r in partly[:4])}"
+                         + (f" and {len(partly) - 4} more" if len(partly) > 4 else ""))
         for m in self.mismatches:
             verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
                        else "DIVERGES" + (" (first)" if m is first else "") if m.compared
