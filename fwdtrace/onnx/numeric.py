@@ -190,6 +190,7 @@ class NumericResult:
         if first is not None and first not in shown and first.kind not in _MISMATCH_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
+        partly = [r for r in self.rows if r.compared and r.note]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
             width = max(len(r.call) for r in shown)
@@ -203,6 +204,9 @@ class NumericResult:
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+        if partly:
+            lines.append(f"  compared in part: {', '.join(f'{r.call} ({r.note})' for r in partly[:4])}"
+                         + (f" and {len(partly) - 4} more" if len(partly) > 4 else ""))
         for m in self.mismatches:
             verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
                        else "DIVERGES" + (" (first)" if m is first else "") if m.compared
@@ -323,7 +327,7 @@ def compare_values(
     structural trace recorded as the calls they make; the value runs do the same.
     """
     from ..registry import qualified_name
-    from .compare import _OUTPUT_GROUP, _trace_label
+    from .compare import _OUTPUT_GROUP, _RECURRENT_OPS, _trace_label
 
     tols = _check_tolerances(tolerances)
     batches = _as_batches(inputs, args, kwargs)
@@ -338,6 +342,7 @@ def compare_values(
     for n in og.nodes:
         for r in n.inputs:
             readers.setdefault(r.obj_id, []).append(n.id)
+    slot_of: dict[str, int] | None = None  # ONNX value -> its place among its node's outputs, gaps counted
     for gid in sorted(result.groups):
         group = result.groups[gid]
         if gid < 0 or group.key is None or trace.nodes[gid].kind not in ("module", "function"):
@@ -351,7 +356,17 @@ def compare_values(
                        str(on.meta.get("onnx_name", on.name)), ", ".join(names), (), "", kind=tn.kind)
         rows[gid] = row
         t_outs = last.outputs
-        if len(names) == len(t_outs):
+        if on.meta.get("op_type") in _RECURRENT_OPS:
+            if slot_of is None:
+                slot_of = {o: k for node in proto.graph.node for k, o in enumerate(node.output) if o}
+            chosen = _recurrent_carriers(og, readers, group, t_outs, slot_of)
+            left = [str(i) for i in range(len(t_outs)) if i not in {i for i, _ in chosen}]
+            if not chosen:
+                row.compared, row.note = False, f"{len(t_outs)} outputs, none of them an output of the ONNX {on.target}"
+                continue
+            if left:
+                row.note = f"output{'s' if len(left) > 1 else ''} {', '.join(left)} not computed by the ONNX model"
+        elif len(names) == len(t_outs):
             chosen = [(i, _carrier(og, readers, group.key, i, t_outs[i].shape)) for i in range(len(names))]
         elif len(t_outs) == 1 and names:
             chosen = [(0, _carrier(og, readers, group.key, 0, t_outs[0].shape))]
@@ -563,6 +578,39 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
                 nxt.append((c, 0))
         frontier = nxt
     return str(names[index])
+
+
+def _recurrent_carriers(og: Graph, readers: dict[int, list[int]], group: Any, t_outs: list[Any],
+                        slot_of: dict[str, int]) -> list[tuple[int, str]]:
+    """(trace output index, ONNX value) of an LSTM, GRU or RNN call, paired by the ONNX op's output slots.
+
+    ONNX's Y, Y_h (and Y_c) are torch's output, h_n (and c_n), in that order. An exporter leaves
+    out the states nothing reads (dynamo keeps only Y when the model drops h_n and c_n), so
+    the slot, not the place among the names left, says which is which. A call of several
+    layers stacks its layers' Y_h (Y_c) with a Concat, which the structural match put in the
+    call's region; its Y is the last layer's (the region's key).
+    """
+    from .compare import _RECURRENT_OPS
+
+    key = og.nodes[group.key]
+    layers = {o for o in group.onodes if og.nodes[o].meta.get("op_type") in _RECURRENT_OPS}
+    made_by = {name: o for o in group.onodes for name in og.nodes[o].meta.get("output_names", [])}
+    pairs: list[tuple[int, str]] = []
+    for index, name in enumerate(key.meta.get("output_names", [])):
+        slot = slot_of.get(name)
+        if slot is None or slot >= len(t_outs):
+            continue
+        if slot == 0 or len(layers) < 2:
+            pairs.append((slot, _carrier(og, readers, group.key, index, t_outs[slot].shape)))
+            continue
+        for o in sorted(group.onodes):
+            on = og.nodes[o]
+            ins = on.meta.get("input_names", [])
+            if on.meta.get("op_type") == "Concat" and ins and all(
+                    slot_of.get(n) == slot and made_by.get(n) in layers for n in ins):
+                pairs.append((slot, str(on.meta["output_names"][0])))
+                break
+    return pairs
 
 
 def _shaped_other(onnx_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
