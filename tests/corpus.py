@@ -714,7 +714,8 @@ def _side_by_side(exporter: str) -> Callable[[Run], None]:
             return
         path = run.exported(exporter)
         png_size(fwdtrace.render_side_by_side(run.graph, path, run.path(f"side_{exporter}.png")))
-        root = assert_svg(fwdtrace.render_side_by_side(run.graph, path, run.path(f"side_{exporter}.svg")))
+        root = assert_svg(fwdtrace.render_side_by_side(  # the documented shortcut: a report already made
+            run.graph, path, run.path(f"side_{exporter}.svg"), report=run.compared(exporter)))
         titles = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}title")]
         assert any(t.startswith("t_") for t in titles) and any(t.startswith("o_") for t in titles)
         # The ONNX side draws its data path: the ops matched to the trace's layers are not folded away as
