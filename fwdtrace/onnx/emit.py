@@ -46,8 +46,10 @@ _UNSET = object()
 # The torch.onnx internals this module drives, as they are in torch 2.13.0 (the version the
 # Makefile pins): _core._translate_fx_graph, _core.TorchTensor, _registration.ONNXRegistry
 # (.from_torchlib, ._register, OnnxDecompMeta), _decomp.create_onnx_friendly_decomposition_table,
-# _fx_passes.remove_assertion_nodes, _ir_passes.add_opset_imports, _constants.ONNX_IR_VERSION.
-_TORCH_INTERNALS = "torch.onnx._internal.exporter (_core, _registration, _decomp, _fx_passes, _ir_passes)"
+# _fx_passes.remove_assertion_nodes, _ir_passes.add_opset_imports, _constants.ONNX_IR_VERSION,
+# and fx.passes.type_promotion (TypePromotionTable, ElementwiseTypePromotionRule).
+_TORCH_INTERNALS = ("torch.onnx._internal.exporter (_core, _registration, _decomp, _fx_passes, _ir_passes) "
+                    "and torch.onnx._internal.fx.passes.type_promotion")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class _Exporter:
     ir_passes: Any
     constants: Any
     ir: Any
+    type_promotion: Any
 
 
 @functools.cache
@@ -75,18 +78,20 @@ def _exporter() -> _Exporter:
             _ir_passes,
             _registration,
         )
+        from torch.onnx._internal.fx.passes import type_promotion
 
         for owner, name in [(_core, "_translate_fx_graph"), (_core, "TorchTensor"),
                             (_registration.ONNXRegistry, "from_torchlib"), (_registration, "OnnxDecompMeta"),
                             (_decomp, "create_onnx_friendly_decomposition_table"),
-                            (_fx_passes, "remove_assertion_nodes"), (_ir_passes, "add_opset_imports")]:
+                            (_fx_passes, "remove_assertion_nodes"), (_ir_passes, "add_opset_imports"),
+                            (type_promotion, "TypePromotionTable"), (type_promotion, "ElementwiseTypePromotionRule")]:
             getattr(owner, name)
     except (ImportError, AttributeError) as e:
         raise FwdtraceError(
             f"to_onnx() needs {_TORCH_INTERNALS} as in torch 2.13, got torch {torch.__version__} where "
             f"{one_line(e)}; install torch==2.13.0, or use fwdtrace.export_onnx()"
         ) from e
-    return _Exporter(_core, _registration, _decomp, _fx_passes, _ir_passes, _constants, ir)
+    return _Exporter(_core, _registration, _decomp, _fx_passes, _ir_passes, _constants, ir, type_promotion)
 
 
 @functools.cache
@@ -748,10 +753,11 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
     registry = _with_symbolics(_torchlib(_default_opset())[0], gm)
     gm = ex.fx_passes.remove_assertion_nodes(gm)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     for node in gm.graph.nodes:
         if node.op == "get_attr":  # tensors the forward made from Python data: constants, real values
             node.meta["val"] = getattr(gm, node.target)
+    _promote_types(gm)
+    gm.recompile()
     model = ir.Model(
         graph=ir.Graph([], [], nodes=[], name="main_graph"),
         ir_version=ex.constants.ONNX_IR_VERSION,
@@ -800,6 +806,52 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         _convert_opset(model, opset)
         proto = ir.serde.serialize_model(model)
     return proto
+
+
+@functools.cache
+def _promotion_table() -> Any:
+    return _exporter().type_promotion.TypePromotionTable()
+
+
+def _promote_types(gm: Any) -> None:
+    """Cast the tensor inputs of elementwise ops to the dtype torch computes them in.
+
+    torch promotes mixed dtypes (a float32 tensor times an int64 count is float32, as
+    ``torch.result_type`` says); ONNX's ``Mul``, ``Div``, ``Less`` take one type. The rules
+    are torch's own (the table the dynamo exporter's type-promotion pass reads, generated
+    from ``torch._refs``), applied to the dtypes the eager run recorded. Python numbers are
+    left as they are: torchlib casts them like the tensor they meet.
+    """
+    ex = _exporter()
+    table = _promotion_table()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        rule = table.get_rule(node.target.overloadpacket)
+        if not isinstance(rule, ex.type_promotion.ElementwiseTypePromotionRule):
+            continue
+        values = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        try:
+            promoted = rule.preview_type_promotion(tuple(values(a) for a in node.args),
+                                                   {k: values(a) for k, a in node.kwargs.items()})
+        except (TypeError, ValueError, RuntimeError, AttributeError):  # an argument without a recorded dtype
+            continue
+        args = [_cast_arg(gm, node, a, promoted.args_dtypes.get(i)) for i, a in enumerate(node.args)]
+        kwargs = {k: _cast_arg(gm, node, a, promoted.kwargs_dtypes.get(k)) for k, a in node.kwargs.items()}
+        node.args, node.kwargs = tuple(args), kwargs
+
+
+def _cast_arg(gm: Any, node: Any, arg: Any, dtype: torch.dtype | None) -> Any:
+    """``arg`` cast to ``dtype`` before ``node`` where it is a tensor of another dtype, else ``arg``."""
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    if dtype is None or not isinstance(val, torch.Tensor) or val.dtype == dtype:
+        return arg
+    with gm.graph.inserting_before(node):
+        cast = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (arg, dtype))
+    cast.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
+    if "nn_module_stack" in node.meta:  # the cast belongs to the op that needs it
+        cast.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+    return cast
 
 
 def _cast_to_eager_dtypes(model: Any, proto: onnx.ModelProto) -> onnx.ModelProto:
