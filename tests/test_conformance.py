@@ -16,8 +16,6 @@ CASES = {case.name: case for case in corpus.CORPUS}
 # Cells the corpus found failing that are not fixed yet (issue 20 stays open for them): strict, so
 # a fix shows up as XPASS and fails the run until the entry is removed.
 KNOWN = {
-    ("detector", "check_onnx[fwdtrace]"): "to_onnx's emission of the per-box topk and indexing: 20 edges rewired "
-                                          "(topk -> exp/add/stack), onnxruntime agrees with eager",
     ("mamba", "check_onnx[torchscript]"): "the TorchScript exporter cannot export Mamba's cache writes; the export "
                                           "without the cache is ok by check_onnx (cache left out, said), but the "
                                           "corpus's onnxruntime reference still expects all 5 eager outputs",

@@ -156,6 +156,37 @@ def test_control_flow_on_values_follows_the_branch_the_example_took() -> None:
     assert_matches(fwdtrace.to_onnx(model, dark), {"x": dark}, {"output": model(dark)})
 
 
+class TopRows(nn.Module):
+    """Rows picked by topk, each indexed with a 0-dim tensor (a detector's per-box loop)."""
+
+    def forward(self, scores: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        top = scores.topk(2).indices
+        return torch.stack([feats[0, top[i], :3].exp() for i in range(2)]), feats[..., top[-1]], feats[None, top[0]]
+
+
+class WriteThroughPicked(nn.Module):
+    def forward(self, scores: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        feats = feats.clone()
+        row = feats[scores.argmax()]
+        row.mul_(2)  # writes feats' row: eager's select is a view
+        return feats
+
+
+def test_a_0_dim_tensor_index_stays_an_input_of_the_graph() -> None:
+    torch.manual_seed(0)
+    example, other = (torch.randn(6), torch.randn(6, 6, 6)), (torch.randn(6), torch.randn(6, 6, 6))
+    model = TopRows()
+    proto = fwdtrace.to_onnx(model, *example)
+    for scores, feats in (example, other):  # other scores pick other rows
+        want = model(scores, feats)
+        assert_matches(proto, {"scores": scores, "feats": feats}, {f"output_{k}": w for k, w in enumerate(want)})
+    assert {"TopK", "Gather"} <= {n.op_type for n in proto.graph.node}
+    # a write through such a selection must reach the tensor selected from: the example's index then
+    scores, feats = example[0], example[1][0]
+    proto = fwdtrace.to_onnx(WriteThroughPicked(), scores, feats)
+    assert_matches(proto, {"scores": scores, "feats": feats}, {"output": WriteThroughPicked()(scores, feats)})
+
+
 def test_multihead_attention_fast_path_under_no_grad() -> None:
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()

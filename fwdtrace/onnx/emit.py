@@ -382,7 +382,7 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
     inputs = [leaves[i] for i in tensor_at]
     try:
-        gm = _make_graph(run, state_tensors, inputs, registry_table, _module_scopes(model), _boundaries(model))
+        gm = _make_graph(run, state_tensors, inputs, registry_table, model)
     except FwdtraceError:
         raise
     except Exception as e:
@@ -394,16 +394,31 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
 def _make_graph(
     run: Callable[..., Any], state_tensors: list[torch.Tensor], inputs: list[torch.Tensor],
-    registry_table: dict[Any, Callable[..., Any]], scopes: contextlib.AbstractContextManager[None],
-    boundaries: contextlib.AbstractContextManager[None],
+    registry_table: dict[Any, Callable[..., Any]], model: torch.nn.Module,
 ) -> Any:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with scopes, boundaries, _mkldnn_off():
-        # _error_on_data_dependent_ops=False: a value read from a tensor (x.mean() > 0,
-        # a mask's all()) is the example's value from here on; that is what an eager trace is.
-        gm = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
-                     decomposition_table=registry_table, _error_on_data_dependent_ops=False)(state_tensors, inputs)
+    def record(indices: contextlib.AbstractContextManager[Any]) -> Any:
+        with _module_scopes(model), _boundaries(model), _mkldnn_off(), indices:
+            # _error_on_data_dependent_ops=False: a value read from a tensor (x.mean() > 0,
+            # a mask's all()) is the example's value from here on; that is what an eager trace is.
+            return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
+                           decomposition_table=registry_table, _error_on_data_dependent_ops=False)(
+                state_tensors, inputs)
+
+    indices = _TensorIndices()
+    gm = _functional(record(indices), state_tensors, inputs)
+    if indices.used and not _computes_eagers(gm, run, state_tensors, inputs):
+        # A write through what such an index selected (``row = x[t]; row.zero_()``) would not
+        # reach ``x``: the selection is a copy. The example's indices, fixed, then.
+        gm = _functional(record(contextlib.nullcontext()), state_tensors, inputs)
+    return gm
+
+
+def _functional(gm: Any, state_tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+    """``gm``, recorded once more where writes are left in it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     if _has_mutations(gm):
         # Decompositions run below functionalization (GRU's writes with copy_): one more
         # eager pass over the recorded graph, functionalized, keeps the module metadata.
@@ -433,6 +448,93 @@ def _mkldnn_off() -> Iterator[None]:
 
 def _run_graph(gm: Any, state_values: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
     return torch.fx.Interpreter(gm).run(state_values, inputs)
+
+
+def _computes_eagers(gm: Any, run: Callable[..., Any], state_tensors: list[torch.Tensor],
+                     inputs: list[torch.Tensor]) -> bool:
+    """Whether the recorded graph gives the model's eager outputs on the example inputs."""
+    with torch.no_grad():
+        want, got = run(state_tensors, inputs), _run_graph(gm, state_tensors, inputs)
+    return len(want) == len(got) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        and (torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-4, atol=1e-6, equal_nan=True))
+        for a, b in zip(want, got, strict=True))
+
+
+class _TensorIndices(torch.overrides.TorchFunctionMode):
+    """While active, ``x[..., t, ...]`` with ``t`` a 0-dim integer tensor selects at ``t``'s value in the graph.
+
+    Eager indexing reads ``t`` as a Python int (``t.item()``), which the recording would
+    keep as the example's number: a box picked by ``topk`` would be the example's box for
+    every input. ``torch.jit.trace`` records such a select with its tensor index, and the
+    dynamo exporter with a symbolic one; here it is ``fwdtrace::select``, an ONNX ``Gather``.
+    ``used`` says whether any index was taken so.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
+            out = _select_at_tensors(*args)
+            if out is not None:
+                self.used = True
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def _is_scalar_index(item: Any) -> bool:
+    """A 0-dim integer tensor, which eager indexing reads as an int (bool and uint8 are masks)."""
+    return (isinstance(item, torch.Tensor) and item.dim() == 0 and not item.is_floating_point()
+            and not item.is_complex() and item.dtype not in (torch.bool, torch.uint8))
+
+
+def _select_at_tensors(x: torch.Tensor, index: Any) -> torch.Tensor | None:
+    """``x[index]`` with its 0-dim integer tensors as ``fwdtrace::select``; None where ``index`` has none,
+    or holds other tensors or sequences (advanced indexing, left as it is)."""
+    items = index if isinstance(index, tuple) else (index,)
+    scalar = {k for k, item in enumerate(items) if _is_scalar_index(item)}
+    basic = all(item is None or item is Ellipsis or isinstance(item, slice)
+                or (isinstance(item, int) and not isinstance(item, bool)) for k, item in enumerate(items) if k not in scalar)
+    if not scalar or not basic or sum(item is Ellipsis for item in items) > 1:
+        return None
+    consumed = sum(item is not None and item is not Ellipsis for item in items)
+    if consumed > x.dim():
+        return None  # torch's own error
+    dims: list[tuple[int, torch.Tensor]] = []  # where each selected dimension is in x[basic]
+    at = 0
+    for k, item in enumerate(items):
+        if item is None or isinstance(item, slice) or k in scalar:
+            if k in scalar:
+                dims.append((at, item))
+            at += 1
+        elif item is Ellipsis:
+            at += x.dim() - consumed
+    out = x[tuple(slice(None) if k in scalar else item for k, item in enumerate(items))]
+    for dim, t in reversed(dims):  # the last first: the dimensions before it keep their places
+        out = _select_op()(out, dim, t)
+    return out
+
+
+@functools.cache
+def _select_op() -> Any:
+    """``fwdtrace::select(Tensor x, int dim, Tensor index) -> Tensor``: ``x.select(dim, index)``, index a tensor."""
+
+    @torch.library.custom_op("fwdtrace::select", mutates_args=())
+    def select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        return x.select(dim, int(index)).clone()  # a custom op's output may not alias its input
+
+    return select
+
+
+def _emit_select(x: Any, dim: int, index: Any) -> Any:
+    from onnxscript import ir
+
+    op = _opset()
+    if index.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        index = op.Cast(index, to=ir.DataType.INT64)
+    return op.Gather(x, index, axis=dim)  # a 0-dim index drops the axis, as select does; negative counts from the end
 
 
 def _has_mutations(gm: Any) -> bool:
@@ -691,8 +793,9 @@ def _with_symbolics(base: Any, gm: Any) -> Any:
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
     _layer_op()  # defines torch.ops.fwdtrace.layer
     layer = torch.ops.fwdtrace.layer.default if torch.ops.fwdtrace.layer.default in targets else None
+    select = next((t for t in targets if t.namespace == "fwdtrace" and t.name() == "fwdtrace::select"), None)
     mine = {t: _op_symbolic(t) for t in targets}
-    if layer is None and not any(mine.values()):
+    if layer is None and select is None and not any(mine.values()):
         return base
     ex = _exporter()
     registry = copy.copy(base)
@@ -702,9 +805,10 @@ def _with_symbolics(base: Any, gm: Any) -> Any:
             registry._register(target, ex.registration.OnnxDecompMeta(
                 onnx_function=functools.partial(_call_symbolic_op, fn), fx_target=target, signature=None,
                 is_custom=True, skip_signature_inference=True))
-    if layer is not None:
-        registry._register(layer, ex.registration.OnnxDecompMeta(
-            onnx_function=_emit_layer, fx_target=layer, signature=None, is_custom=True, skip_signature_inference=True))
+    for own, emit in [(layer, _emit_layer), (select, _emit_select)]:
+        if own is not None:
+            registry._register(own, ex.registration.OnnxDecompMeta(
+                onnx_function=emit, fx_target=own, signature=None, is_custom=True, skip_signature_inference=True))
     return registry
 
 
