@@ -912,11 +912,6 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
     return proto
 
 
-@functools.cache
-def _promotion_table() -> Any:
-    return _exporter().type_promotion.TypePromotionTable()
-
-
 def _promote_types(gm: Any) -> None:
     """Cast the tensor inputs of elementwise ops to the dtype torch computes them in.
 
@@ -927,7 +922,7 @@ def _promote_types(gm: Any) -> None:
     left as they are: torchlib casts them like the tensor they meet.
     """
     ex = _exporter()
-    table = _promotion_table()
+    table = ex.type_promotion.TypePromotionTable()  # one per call (under a ms): torch's div rule keeps state
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
