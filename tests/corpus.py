@@ -393,8 +393,10 @@ class Run:
         return self._once(f"check:{exporter}", check)
 
     def runs_like_eager(self, exporter: str) -> tuple[bool, str]:
-        """Whether onnxruntime on the exported file gives eager's outputs, and where not, how."""
-        return self._once(f"ort:{exporter}", lambda: ort_agrees(self.exported(exporter), self))
+        """Whether onnxruntime on the exported file gives eager's outputs, and where not, how; the outputs
+        the report on that file declares left out (a cache the exporter could not export) excepted."""
+        return self._once(f"ort:{exporter}", lambda: ort_agrees(self.exported(exporter), self,
+                                                                 self.compared(exporter).left_out))
 
     def compared(self, exporter: str) -> fwdtrace.TopologyReport:
         return self._once(f"compare:{exporter}", lambda: fwdtrace.compare_onnx(self.graph, self.exported(exporter)))
@@ -487,9 +489,42 @@ def _input_names(run: Run) -> dict[str, torch.Tensor]:
     return named
 
 
-def ort_agrees(path: Path, run: Run) -> tuple[bool, str]:
+def output_at(out: Any, path: str) -> Any:
+    """What ``path`` (``cache_params.layers[0].conv_states[0]``, ``['a b']``) names in a model's output,
+    by attribute, key and index."""
+    import ast
+
+    for attr, key in re.findall(r"(?:^|\.)([A-Za-z_]\w*)|\[([^\]]+)\]", path):
+        if attr:
+            out = out[attr] if isinstance(out, Mapping) and attr in out else getattr(out, attr)
+        else:
+            out = out[ast.literal_eval(key)]
+    return out
+
+
+def _left_out(run: Run, left_out: list[str]) -> set[int]:
+    """Which eager outputs (by position in ``leaves(run.eager, caches=True)``) the labels name: each must name
+    one tensor of a returned cache, no two the same."""
+    expected = list(leaves(run.eager, caches=True))
+    plain = {id(t) for t in leaves(run.eager)}
+    skipped = set()
+    for label in left_out:
+        tensor = output_at(run.eager, label)
+        at = [k for k, t in enumerate(expected) if t is tensor]
+        assert len(at) == 1 and id(tensor) not in plain, (
+            f"declared left out, {label!r} names no tensor of a returned cache in eager's outputs")
+        assert at[0] not in skipped, f"{label!r} declared left out twice"
+        skipped.add(at[0])
+    return skipped
+
+
+def ort_agrees(path: Path, run: Run, left_out: list[str] | None = None) -> tuple[bool, str]:
     """onnxruntime on an exported file against eager: the eager outputs must come out, in order, among
-    the ONNX outputs (which may hold more: the tensors of caches), within float32 tolerance."""
+    the ONNX outputs (which may hold more: the tensors of caches), within float32 tolerance.
+
+    ``left_out`` (a report's) names the outputs the file does not return: only the tensors of a
+    returned cache may be named, and the file must then return exactly the others.
+    """
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -501,7 +536,11 @@ def ort_agrees(path: Path, run: Run) -> tuple[bool, str]:
         assert len(names) == len(given), f"ONNX inputs {names} for the {len(given)} tensors given"
         feed = {n: t.numpy() for n, t in zip(names, given, strict=True)}
     results = session.run(None, feed)
-    expected = list(leaves(run.eager, caches=True))
+    skipped = _left_out(run, left_out or [])
+    expected = [t for k, t in enumerate(leaves(run.eager, caches=True)) if k not in skipped]
+    if skipped and len(results) != len(expected):
+        return False, (f"{len(skipped)} outputs declared left out, but the file returns {len(results)} outputs "
+                       f"for the other {len(expected)}")
     k = 0
     for got in results:
         if k == len(expected):

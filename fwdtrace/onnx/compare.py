@@ -126,8 +126,10 @@ class TopologyReport:
     inputs and their readers are theirs, unchecked. ``status`` is ``'ok'``, ``'mismatch'``
     (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened: neither
     ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` opens them); ``ok`` is
-    ``status == 'ok'``. With ``numeric=True`` the numbers settle what the structure cannot:
-    ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
+    ``status == 'ok'``. ``left_out`` names the outputs of the model the ONNX model does not
+    return (a transformers cache exported without it: ``cache_params.layers[0].conv_states[0]``),
+    by their paths in what the model returned; the others are compared. With ``numeric=True``
+    the numbers settle what the structure cannot: ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
     structure differs but the values after every difference agree; ``ok`` is then
     ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
     answer with ``numeric=True``).
@@ -143,6 +145,7 @@ class TopologyReport:
     exporter: str | None = None
     opened: list[str] = field(default_factory=list)
     not_opened: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
     # check_onnx(numeric=True): every matched call's output against its ONNX value (fwdtrace.onnx.numeric)
     numeric: NumericResult | None = field(default=None, repr=False)
     # What the lists above name, by node id, and the two graphs compared (the trace with the
@@ -219,6 +222,7 @@ class TopologyReport:
             "elided": [{"trace": t, "how": how} for t, how in self.elided],
             "opened": list(self.opened),
             "not_opened": list(self.not_opened),
+            "left_out": list(self.left_out),
             **({"numeric": self.numeric.to_dict()} if self.numeric is not None else {}),
         }
 
@@ -1410,7 +1414,7 @@ def _build_report(
         for lbl, how in folded:
             lines.append(f"  {lbl.ljust(width)}  <->  {how}")
     return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []),
-                          not_opened, ids=ids, trace=trace, onnx_graph=og)
+                          not_opened, list(result.left_out), ids=ids, trace=trace, onnx_graph=og)
 
 
 def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
