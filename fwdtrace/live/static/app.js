@@ -78,25 +78,35 @@ function addPanel(key, kind) {
   refreshPanel(panels.get(id));
 }
 
-const ROLES = {forward: ["input", "output"], grad: ["grad_input", "grad_output"]};
-const WHICH = {input: "forward_input", output: "forward_output", grad_input: "grad_input", grad_output: "grad_output"};
 const COLUMNS = ["count", "mean", "std", "min", "max", "nan", "inf"];
 
 function number(x) { return x === null || x === undefined ? "-" : (Number.isInteger(x) ? String(x) : x.toPrecision(4)); }
 
+function escape(text) {
+  const div = document.createElement("div");
+  div.textContent = text;
+  return div.innerHTML;
+}
+
+// One chart and one table row per series: a layer's inputs and outputs (output[1][0] for a
+// layer returning several), or a parameter of the module for the weight kinds.
 async function refreshPanel(panel) {
   const q = "key=" + encodeURIComponent(panel.key) + "&kind=" + panel.kind;
+  const info = await api("api/samples?" + q + "&since=" + Number.MAX_SAFE_INTEGER);  // the counts, no samples
+  const calls = panel.kind.startsWith("weight") ? "backwards" : "calls";
+  panel.element.querySelector(".counts").textContent =
+    `every ${info.every} · ${info.taken} sampled of ${info.calls} ${calls} · ${info.samples} kept · ${info.dropped} dropped` +
+    (info.over_budget ? ` · ${info.over_budget} over the memory budget` : "") +
+    (info.armed ? "" : " · disarmed") + (info.error ? " · " + info.error : "");
   const charts = [];
   const rows = [];
-  for (const role of ROLES[panel.kind]) {
-    charts.push('<div class="chart"><div>' + role + "</div>" + await api("api/chart.svg?" + q + "&role=" + role) + "</div>");
-    const stats = await api("api/stats?key=" + encodeURIComponent(panel.key) + "&which=" + WHICH[role]);
-    rows.push("<tr><th>" + role + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
-    panel.element.querySelector(".counts").textContent =
-      `every ${stats.every} · ${stats.taken} sampled of ${stats.calls} calls · ${stats.samples} kept · ${stats.dropped} dropped` +
-      (stats.over_budget ? ` · ${stats.over_budget} over the memory budget` : "") +
-      (stats.armed ? "" : " · disarmed") + (stats.error ? " · " + stats.error : "");
+  for (const role of info.roles) {
+    const r = q + "&role=" + encodeURIComponent(role);
+    charts.push('<div class="chart"><div>' + escape(role) + "</div>" + await api("api/chart.svg?" + r) + "</div>");
+    const stats = await api("api/stats?" + r);
+    rows.push("<tr><th>" + escape(role) + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
   }
+  if (!info.roles.length) charts.push('<p class="note">waiting for the first sample</p>');
   panel.element.querySelector(".charts").innerHTML = charts.join("");
   panel.element.querySelector("table").innerHTML =
     "<tr><th></th>" + COLUMNS.map((c) => "<th>" + c + "</th>").join("") + "</tr>" + rows.join("");
