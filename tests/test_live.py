@@ -966,3 +966,44 @@ def test_a_layer_with_several_outputs_has_one_series_per_tensor() -> None:
             assert stats["count"] == every.numel() and stats["mean"] == pytest.approx(float(every.mean()), rel=1e-9)
     finally:
         sampler.close()
+
+
+def test_chart_titles_give_each_bins_count_and_each_steps_statistics() -> None:
+    import xml.etree.ElementTree as ET
+
+    from fwdtrace.live.sampler import Sampler
+    from fwdtrace.live.svg import histogram_svg
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity())
+    sampler = Sampler(model, bins=16)
+    try:
+        sampler.arm("0.Identity", "forward", every=2)
+        inputs = [torch.randn(300) * (1 + i) for i in range(7)]
+        for x in inputs:
+            model(x)
+        samples = sampler.samples("0.Identity", "forward")
+    finally:
+        sampler.close()
+    root = ET.fromstring(histogram_svg(samples, "output"))
+    by_step = {s["step"]: x for s, x in zip(samples, inputs[::2], strict=True)}
+    bins = [(r.get("class"), r.findtext(f"{SVG}title")) for r in root.iter(f"{SVG}rect") if r.get("class") == "bin"]
+    seen = 0
+    for _, title in bins:  # "step 3: 41 in [-0.5, 0)": the count numpy gives for that step's values in that bin
+        step, count, low, high = re.fullmatch(r"step (\d+): (\d+) in \[(\S+), (\S+)\)", title or "").groups()
+        x = by_step[int(step)].double()
+        assert int(count) == int(((x >= float(low)) & (x < float(high))).sum()) > 0
+        seen += int(count)
+    assert seen == sum(x.numel() for x in by_step.values())  # every value is in one titled bin
+    points = [c.findtext(f"{SVG}title") for c in root.iter(f"{SVG}circle")]
+    assert len(points) == len(samples)
+    for title, (step, x) in zip(points, by_step.items(), strict=True):
+        got = dict(kv.split("=") for kv in re.fullmatch(rf"step {step}: (.*)", title or "").group(1).split())
+        x = x.double()
+        for name, ref in (("mean", x.mean()), ("std", x.std(correction=0)), ("min", x.min()), ("max", x.max())):
+            assert float(got[name]) == pytest.approx(float(ref), rel=1e-5, abs=1e-12), name
+    yticks = [float(t.text or "") for t in root.iter(f"{SVG}text") if t.get("class") == "ytick"]
+    edges = samples[-1]["tensors"][1]["bin_edges"]
+    assert len(yticks) >= 3 and all(edges[0] <= v <= edges[-1] for v in yticks)
+    xticks = [int(t.text or "") for t in root.iter(f"{SVG}text") if t.get("class") == "xtick"]
+    assert xticks == [s["step"] for s in samples]  # four samples: each named
