@@ -329,7 +329,7 @@ BAD = [
     ("GET", "/api/samples?key=body.2.Linea&kind=forward", None, {}, 404, r"^unknown module key or path 'body.2.Linea'"),
     ("GET", "/api/samples?key=body.1.ReLU&kind=forward", None, {}, 404, r"^'body.1.ReLU' was never armed for forward"),
     ("GET", "/api/samples?kind=forward", None, {}, 400, r"^expected a module key or path as \?key=KEY"),
-    ("GET", "/api/samples?key=body.1.ReLU&kind=both", None, {}, 400, r"^expected kind=forward\|grad\|weight\|weight_grad, got 'both'"),
+    ("GET", "/api/samples?key=body.1.ReLU&kind=both", None, {}, 400, r"^expected kind=forward\|grad\|weight\|weight_grad\|health, got 'both'"),
     ("GET", "/api/stats?key=body.1.ReLU&which=output", None, {}, 400, r"^expected which= one of forward_input, "),
     ("GET", "/api/nothing", None, {}, 404, r"^no such path '/api/nothing'"),
     ("PUT", "/api/sample", None, {}, 501, None),
@@ -337,7 +337,7 @@ BAD = [
     ("POST", "/api/sample", b"{not json", {"Content-Type": "application/json"}, 400, r"^expected a JSON object like \{"),
     ("POST", "/api/sample", [1, 2], {}, 400, r"^expected a JSON object like .*, got a JSON list"),
     ("POST", "/api/sample", {"key": "body.1.ReLU", "when": 1}, {}, 400, r"^expected a JSON object like .*, got unexpected fields \['when'\]"),
-    ("POST", "/api/sample", {"key": "body.1.ReLU", "kind": "backward"}, {}, 400, r'^expected "kind" as one of forward, grad, weight, weight_grad, got \'backward\''),
+    ("POST", "/api/sample", {"key": "body.1.ReLU", "kind": "backward"}, {}, 400, r'^expected "kind" as one of forward, grad, weight, weight_grad, health, got \'backward\''),
     ("POST", "/api/sample", {"key": "body.1.ReLU", "every": 0}, {}, 400, r'^expected "every" as a positive integer, got int 0'),
     ("POST", "/api/sample", {"key": "body.1.ReLU", "count": "2"}, {}, 400, r'^expected "count" as a positive integer or null'),
     ("POST", "/api/sample", {"key": "body.*.Conv2d"}, {}, 404, r"^'body.\*.Conv2d' matches no module key"),
@@ -1007,3 +1007,61 @@ def test_chart_titles_give_each_bins_count_and_each_steps_statistics() -> None:
     assert len(yticks) >= 3 and all(edges[0] <= v <= edges[-1] for v in yticks)
     xticks = [int(t.text or "") for t in root.iter(f"{SVG}text") if t.get("class") == "xtick"]
     assert xticks == [s["step"] for s in samples]  # four samples: each named
+
+
+def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() -> None:
+    from fwdtrace.live import log_scalar, scalars
+
+    model = _model()
+    log_scalar("loss", 1.0)  # no service running: nothing kept, nothing raised
+    references = []
+    with fwdtrace.serve(model, port=0) as server:
+        assert scalars._logs == (server.sampler.scalars,)
+        root = request(server, "GET", "/api/status")[1]["root"]
+        assert root == "Net"
+        assert request(server, "POST", "/api/sample", {"key": root, "kind": "health"})[0] == 200
+        for i in range(3):
+            model.zero_grad()
+            x = torch.randn(5, 8)
+            if i == 1:
+                x[0, 2] = float("nan")  # NaN in every gradient of this step
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            references.append((float(torch.nn.utils.get_total_norm(grads)),
+                               sum(int(torch.isnan(g).sum()) for g in grads), sum(int(torch.isinf(g).sum()) for g in grads)))
+            log_scalar("loss", loss)  # a 0-d tensor that requires grad
+            log_scalar("lr", 0.1, step=100 + i)
+        assert references[1][1] > 0 and references[0][1] == 0
+        threads = [threading.Thread(target=lambda t=t: [log_scalar(f"thread{t}", float(k)) for k in range(300)])
+                   for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        status, answer = request(server, "GET", "/api/scalars")
+        health = [f"{root}/grad_inf", f"{root}/grad_nan", f"{root}/grad_norm"]
+        assert answer["names"] == sorted([*health, "loss", "lr", *(f"thread{t}" for t in range(4))])
+        got = answer["scalars"]
+        assert got[f"{root}/grad_norm"]["steps"] == [1, 2, 3]
+        norms = got[f"{root}/grad_norm"]["values"]
+        assert norms[1] is None and np.isnan(references[1][0])  # NaN goes out as JSON null
+        assert [norms[0], norms[2]] == pytest.approx([references[0][0], references[2][0]], rel=1e-6)
+        assert got[f"{root}/grad_nan"]["values"] == [r[1] for r in references]
+        assert got[f"{root}/grad_inf"]["values"] == [r[2] for r in references]
+        assert got["lr"] == {"steps": [100, 101, 102], "values": [0.1] * 3, "seq": got["lr"]["seq"]}
+        assert got["loss"]["steps"] == [1, 2, 3] and got["loss"]["values"][1] is None
+        for t in range(4):  # every point of every thread, in order
+            assert got[f"thread{t}"]["values"] == [float(k) for k in range(300)]
+        since = got["lr"]["seq"]
+        later = request(server, "GET", f"/api/scalars?since={since}")[1]["scalars"]
+        assert "lr" not in later and len(later["thread0"]["values"]) <= 300
+        status, svg = request(server, "GET", "/api/scalar.svg?name=lr")
+        assert status == 200 and "<title>step 101: lr=0.1</title>" in svg.decode()
+        status, answer = request(server, "GET", "/api/scalar.svg?name=los")
+        assert status == 404 and "loss" in answer["names"]
+        with pytest.raises(FwdtraceError, match=r"^log_scalar\(\) expected value as a number or a one-element real tensor"):
+            log_scalar("x", torch.ones(2))
+        with pytest.raises(FwdtraceError, match=r"^log_scalar\(\) expected name as a non-empty str"):
+            log_scalar(3, 1.0)  # type: ignore[arg-type]
+    assert scalars._logs == ()

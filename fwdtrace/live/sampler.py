@@ -42,10 +42,12 @@ from ..grads import register_grad_hook
 from ..keys import key2module, select_modules
 from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from ..stats import RunningStats
+from .scalars import ScalarLog
 
 __all__ = ["Sampler", "SamplerClosed", "Arm", "Series", "KINDS", "ROLES"]
 
-KINDS = ("forward", "grad", *PARAMETER_KINDS)
+# health: no samples, scalars per backward (gradient norm, NaN and Inf counts of the parameters' gradients).
+KINDS = ("forward", "grad", *PARAMETER_KINDS, "health")
 # The groups of a call's tensors; a group of one tensor is one series named after it, a group of
 # several one series per tensor, named by its place (``output[1][0]``). Parameter kinds: one
 # series per parameter, named as named_parameters() names it under the module (``weight``).
@@ -215,6 +217,8 @@ class Sampler:
         self._worker = threading.Thread(target=self._summarise_queued, name="fwdtrace-live-summaries", daemon=True)
         self._worker.start()
         self._step_handle = model.register_forward_pre_hook(self._count_step)
+        self.scalars = ScalarLog(lambda: self.step)  # fed by fwdtrace.live.log_scalar and health arms
+        self.scalars.register()
 
     def _count_step(self, module: torch.nn.Module, args: tuple) -> None:
         if self.quiet_thread != threading.get_ident():
@@ -249,6 +253,9 @@ class Sampler:
                     arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
                 elif kind == "grad":
                     arm.handles.append(self._grad_hooks(arm, module))
+                elif kind == "health":
+                    parameters = module_parameters(module)
+                    arm.handles.extend(after_backward(parameters, self._health_hook(arm, parameters)))
                 else:
                     arm.handles.extend(after_backward(parameters, self._parameter_hook(arm)))
                 old = self.arms.get((key, kind))
@@ -278,6 +285,7 @@ class Sampler:
             for arm in self.arms.values():
                 arm.detach()
         self._step_handle.remove()
+        self.scalars.unregister()
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()
@@ -335,6 +343,40 @@ class Sampler:
             value = None if call is None else parameter_value(parameter, arm.kind)
             if call is not None and value is not None:
                 self._submit(arm, call, [(name, 0, value)])
+
+        return self._guard(arm, "a parameter hook", hook)
+
+    def _health_hook(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]]) -> Any:
+        """A parameter hook that queues, once per backward, the health scalars for its end.
+
+        Autograd's queued callback runs when the whole backward is done: every gradient of the
+        module is accumulated. The values stay tensors (no device sync in the backward); the
+        scalar log reads them when a client asks.
+        """
+        queued: list[int | None] = [None]  # the step whose backward has the callback queued
+        prefix = arm.key + "/"
+
+        def at_end() -> None:
+            queued[0] = None
+            call = self._take(arm)
+            grads = [p.grad for _, p in parameters if p.grad is not None]
+            if call is None or not grads:
+                return
+            with torch.no_grad():
+                total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+                nan = torch.stack([torch.isnan(g).sum() for g in grads]).sum()
+                inf = torch.stack([torch.isinf(g).sum() for g in grads]).sum()
+            step = self.step
+            for name, value in (("grad_norm", total), ("grad_nan", nan), ("grad_inf", inf)):
+                self.scalars.add(prefix + name, value if value.device.type != "cpu" else float(value), step)
+
+        guarded = self._guard(arm, "the health hook", at_end)
+
+        def hook(name: str, parameter: torch.Tensor) -> None:
+            # (A backward that raised never ran its callback: a later step queues again.)
+            if queued[0] != self.step and arm.armed:
+                queued[0] = self.step
+                torch.autograd.Variable._execution_engine.queue_callback(guarded)
 
         return self._guard(arm, "a parameter hook", hook)
 
@@ -505,7 +547,7 @@ class Sampler:
         with self._arms_lock:
             arms = list(self.arms.values())
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "memory": self.memory_info(),
-                "arms": [a.info() for a in arms]}
+                "root": next(k for k, m in self.key2module.items() if m is self.model), "arms": [a.info() for a in arms]}
 
     def __repr__(self) -> str:
         return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"

@@ -388,6 +388,21 @@ class Server:
         svg = histogram_svg(self.sampler.samples(key, kind), role)
         return 200, "image/svg+xml", svg.encode()
 
+    def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        log = self.sampler.scalars
+        series = log.read(_int(query, "since", -1))
+        return _json({"names": log.names(), "scalars": series, "seq": log.seq - 1, "refused": log.refused})
+
+    def scalar_chart(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        from .svg import scalar_svg
+
+        name = query.get("name")
+        series = self.sampler.scalars.read().get(name or "")
+        if series is None:
+            raise _Reply(404, f"no scalar named {name!r} (yet)", names=self.sampler.scalars.names())
+        svg = scalar_svg(name or "", list(zip(series["steps"], series["values"], strict=True)))
+        return 200, "image/svg+xml", svg.encode()
+
     def graph_text(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         self._ready_graph()
         return 200, "application/json", self.graph_json().encode()
@@ -414,6 +429,8 @@ _ROUTES = {
     ("GET", "/api/samples"): Server.samples,
     ("GET", "/api/stats"): Server.stats,
     ("GET", "/api/chart.svg"): Server.chart,
+    ("GET", "/api/scalars"): Server.scalars,
+    ("GET", "/api/scalar.svg"): Server.scalar_chart,
     ("GET", "/api/graph"): Server.graph_text,
     ("GET", "/api/graph.svg"): Server.graph_drawing,
 }

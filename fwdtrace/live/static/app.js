@@ -72,7 +72,7 @@ function addPanel(key, kind) {
                       '<div class="charts"></div><table></table>';
   element.querySelector("h3 span").textContent = key + " · " + kind;
   element.querySelector("button").addEventListener("click", () => disarm(key, kind));
-  $("panels").prepend(element);
+  $("scalars").after(element);
   panels.set(id, {element, key, kind});
   markArmed();
   refreshPanel(panels.get(id));
@@ -112,18 +112,53 @@ async function refreshPanel(panel) {
     "<tr><th></th>" + COLUMNS.map((c) => "<th>" + c + "</th>").join("") + "</tr>" + rows.join("");
 }
 
+// Scalar curves: log_scalar's and the health arm's, one chart each, drawn by the server.
+async function refreshScalars() {
+  const answer = await api("api/scalars?since=" + Number.MAX_SAFE_INTEGER);  // the names, no points
+  for (const name of answer.names) {
+    let chart = [...$("scalars").children].find((c) => c.dataset.name === name);
+    if (!chart) {
+      chart = document.createElement("div");
+      chart.className = "chart scalar";
+      chart.dataset.name = name;
+      $("scalars").append(chart);
+    }
+    chart.innerHTML = "<div>" + escape(name) + "</div>" + await api("api/scalar.svg?name=" + encodeURIComponent(name));
+  }
+}
+
+let root = null;
+
+async function toggleHealth() {
+  if (!root) return;
+  const q = "api/sample";
+  try {
+    if ($("health").checked) {
+      await api(q, {method: "POST", headers: {"Content-Type": "application/json"},
+                    body: JSON.stringify({key: root, kind: "health", every: Number($("every").value) || 1})});
+    } else {
+      await api(q + "?key=" + encodeURIComponent(root) + "&kind=health", {method: "DELETE"});
+    }
+    say("");
+  } catch (e) { say(e.message); }
+}
+
 async function tick() {
   try {
     const status = await api("api/status");
     $("step").textContent = status.step;
     $("rank").textContent = status.rank + " / " + status.world_size;
     $("model").textContent = status.model;
-    for (const arm of status.arms) if (arm.armed) addPanel(arm.key, arm.kind);
+    root = status.root;
+    $("health").checked = status.arms.some((a) => a.kind === "health" && a.key === root && a.armed);
+    for (const arm of status.arms) if (arm.armed && arm.kind !== "health") addPanel(arm.key, arm.kind);
     for (const panel of panels.values()) await refreshPanel(panel);
+    await refreshScalars();
   } catch (e) { say(e.message); }
   setTimeout(tick, poll);
 }
 
+$("health").addEventListener("change", toggleHealth);
 $("depth").addEventListener("change", loadGraph);
 loadGraph();
 tick();
