@@ -376,11 +376,14 @@ class Run:
         """The model exported to a file the public way: ``export_onnx(path=...)`` or ``to_onnx(path=...)``."""
         def export() -> Path:
             path = self.path(f"{exporter}.onnx")
+            before = self.graph.to_json()
+            state = {p: dict(vars(m)) for p, m in self.model.named_modules()}
             with torch.no_grad():
                 if exporter == "fwdtrace":
                     fwdtrace.to_onnx(self.model, *self.args, path=path, **self.kwargs)
                 else:
                     fwdtrace.export_onnx(self.model, *self.args, exporter=exporter, path=str(path), **self.kwargs)
+            assert_left_as_found(self, state, before, f"exporting with {exporter!r}")
             return path
 
         return self._once(f"export:{exporter}", export)
@@ -400,6 +403,18 @@ class Run:
 
     def compared(self, exporter: str) -> fwdtrace.TopologyReport:
         return self._once(f"compare:{exporter}", lambda: fwdtrace.compare_onnx(self.graph, self.exported(exporter)))
+
+
+def assert_left_as_found(run: Run, state: dict[str, dict[str, Any]], trace_json: str, what: str) -> None:
+    """Nothing ``what`` set on the model remains: each module's attributes are the objects they were
+    (``state``: ``vars()`` of every module before), and a new trace is the trace before (``trace_json``)."""
+    after = {p: dict(vars(m)) for p, m in run.model.named_modules()}
+    assert after.keys() == state.keys(), f"{what} changed the modules: {sorted(after.keys() ^ state.keys())[:5]}"
+    for p, attrs in state.items():
+        assert after[p].keys() == attrs.keys(), f"{what} left attributes on {p or 'the model'}: {sorted(after[p].keys() ^ attrs.keys())}"
+        changed = [k for k, v in attrs.items() if after[p][k] is not v]
+        assert not changed, f"{what} replaced attributes of {p or 'the model'}: {changed}"
+    assert run.trace().to_json() == trace_json, f"after {what}, a trace of the model differs from the trace before"
 
 
 @torch.no_grad()
@@ -753,8 +768,7 @@ def _side_by_side(exporter: str) -> Callable[[Run], None]:
             return
         path = run.exported(exporter)
         png_size(fwdtrace.render_side_by_side(run.graph, path, run.path(f"side_{exporter}.png")))
-        root = assert_svg(fwdtrace.render_side_by_side(  # the documented shortcut: a report already made
-            run.graph, path, run.path(f"side_{exporter}.svg"), report=run.compared(exporter)))
+        root = assert_svg(fwdtrace.render_side_by_side(run.graph, path, run.path(f"side_{exporter}.svg")))
         titles = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}title")]
         assert any(t.startswith("t_") for t in titles) and any(t.startswith("o_") for t in titles)
         # The ONNX side draws its data path: the ops matched to the trace's layers are not folded away as
