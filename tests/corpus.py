@@ -646,6 +646,7 @@ def _assert_readable_auto_picture(graph: fwdtrace.Graph, stem: Path) -> None:
     """The automatic picture: nothing lost, at least min(30, full detail) boxes, within the README's bounds."""
     from fwdtrace.passes.draw import MAX_PNG, TARGET_NODES
 
+    png = graph.render(stem.with_suffix(".png"))  # first: the layout that measured the picture draws it
     dot = graph.to_dot()
     boxes = assert_nothing_lost(graph, dot)
     full = _boxes(graph.to_dot(None))
@@ -654,7 +655,7 @@ def _assert_readable_auto_picture(graph: fwdtrace.Graph, stem: Path) -> None:
         f"the automatic picture shows {boxes} boxes, fewer than min({AUTO_MIN_BOXES}, {full} at full detail)"
         f" ({caption.group(1) if caption else 'no caption'})")
     assert boxes <= TARGET_NODES, f"{boxes} boxes, over the target of {TARGET_NODES}"
-    width, height = png_size(graph.render(stem.with_suffix(".png")))
+    width, height = png_size(png)
     assert width <= MAX_PNG[0] and height <= MAX_PNG[1], f"PNG of {width}x{height} px, over {MAX_PNG}"
     assert_svg(graph.render(stem.with_suffix(".svg")))
 
