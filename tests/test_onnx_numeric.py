@@ -9,6 +9,7 @@ divergence is known before the check runs.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -279,6 +280,116 @@ def test_a_conv_weight_scaled_by_1_01_is_the_first_divergence() -> None:
     )
     assert report.to_dict()["numeric"]["first_divergence"]["module_path"] == "blocks.0.c2"
     assert report.worst[0].max_rel >= report.worst[-1].max_rel
+
+
+class TwoInputs(torch.nn.Module):
+    """An image and a vector: TorchScript names them ``input.1`` and ``onnx::Gemm_1`` when not told otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU())
+        self.b = torch.nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(y)[:, :, None, None]
+
+
+class UnusedMiddle(TwoInputs):
+    """A middle input nothing reads: TorchScript drops it from the file, dynamo keeps it."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.a(x) * self.b(y)[:, :, None, None]
+
+
+def _default_named(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], str, str]:
+    """(model, args, a node whose weight a tampered file scales, the module path of that node)."""
+    if name == "resnetish":
+        model, args = zoo.resnetish()
+        return model, args, "/blocks/blocks.0/c2/Conv", "blocks.0.c2"
+    torch.manual_seed(0)
+    model = (TwoInputs() if name == "two_inputs" else UnusedMiddle()).eval()
+    x, y = torch.randn(2, 3, 6, 6), torch.randn(2, 5)
+    return model, ((x, y) if name == "two_inputs" else (x, torch.randn(2, 2), y)), "/b/Gemm", "b"
+
+
+def _torchscript_default_names(model: torch.nn.Module, args: tuple[torch.Tensor, ...],
+                               keep_initializers_as_inputs: bool = False) -> onnx.ModelProto:
+    """A user's own export: ``torch.onnx.export`` with no input_names (TorchScript's own names)."""
+    import io
+
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation, and old-style initializers as inputs
+        torch.onnx.export(model, args, f, dynamo=False, keep_initializers_as_inputs=keep_initializers_as_inputs)
+    return onnx.load_from_string(f.getvalue())
+
+
+# (model, keep_initializers_as_inputs): the old exporters' style lists every weight as a graph input too
+DEFAULT_NAMED = [("resnetish", False), ("resnetish", True), ("two_inputs", False), ("two_inputs", True),
+                 ("unused_middle", False)]
+
+
+@pytest.mark.parametrize(("name", "old_style"), DEFAULT_NAMED)
+def test_a_file_with_torchscripts_default_input_names_is_fed_by_position(name: str, old_style: bool) -> None:
+    model, args, node, module_path = _default_named(name)
+    proto = _torchscript_default_names(model, args, old_style)
+    inits = {i.name for i in proto.graph.initializer}
+    real = [i.name for i in proto.graph.input if i.name not in inits]
+    live = [a for a in args if a.shape != (2, 2)]  # the unused mask is not in the file
+    assert len(real) == len(live) and real[0] == "input.1", real  # TorchScript's names, not forward's
+    assert (len(proto.graph.input) > len(real)) == old_style
+    # reference: onnxruntime, fed the model's live arguments in order, computes torch's output
+    with torch.no_grad():
+        want = model(*args).numpy()
+    feeds = {n: a.numpy() for n, a in zip(real, live, strict=True)}
+    (got,) = _run_ort(proto, feeds, [proto.graph.output[0].name])
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+    report = fwdtrace.check_onnx(model, *args, onnx=proto, numeric=True)
+    assert report.ok and report.status == "ok" and report.first_divergence is None, str(report)
+    assert report.numeric is not None and report.numeric.feeds.keys() == set(real)
+    assert any(r.target == "output" and r.compared for r in report.numeric.rows)
+    # the same file with one weight scaled: that layer is where it first goes wrong
+    report = fwdtrace.check_onnx(model, *args, onnx=_scale_node_weight(proto, node, 1.01), numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.module_path == module_path and first.onnx_node == node, str(report)
+    assert first.inputs_rel is not None and first.inputs_rel < 1e-5
+
+
+def test_inputs_the_file_was_not_made_for_get_a_clear_error() -> None:
+    model, (x,) = zoo.resnetish()
+    proto = _torchscript_default_names(model, (x,))  # batch 1, fixed in the file
+    wide = torch.randn(2, 3, 16, 16)
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\) cannot feed the ONNX model") as e:
+        fwdtrace.check_onnx(model, wide, onnx=proto, numeric=True)
+    assert "input.1 float32[1, 3, 16, 16]" in str(e.value) and "x float32[2, 3, 16, 16]" in str(e.value)
+    assert "inputs=" in str(e.value)
+    # what the error proposes: batches shaped as the file expects
+    report = fwdtrace.check_onnx(model, wide, onnx=proto, numeric=True, inputs=[x, x * 2])
+    assert report.first_divergence is None and report.numeric is not None and report.numeric.batches == 2
+    # a batch of inputs= shaped otherwise is named
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\) cannot feed the ONNX model.* batch 1"):
+        fwdtrace.check_onnx(model, x, onnx=proto, numeric=True, inputs=[x, wide])
+    # token ids of another integer type: the model takes them, the file does not
+    model, (ids,) = zoo.embed_norm_gelu()
+    proto = _torchscript_default_names(model, (ids,))
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\) cannot feed the ONNX model") as e:
+        fwdtrace.check_onnx(model, ids.int(), onnx=proto, numeric=True)
+    assert f"{proto.graph.input[0].name} int64[2, 8]" in str(e.value) and "int32[2, 8]" in str(e.value)
+    # one input more than the file has, none named as the file's: which to leave out would be a guess
+    two, (x, y), _, _ = _default_named("two_inputs")
+    proto = _torchscript_default_names(two, (x, y))
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\) cannot feed the ONNX model") as e:
+        fwdtrace.check_onnx(OneMore(two), x, y, torch.randn(2, 4, 6, 6), onnx=proto, numeric=True)
+    assert "z pairs with no input of the file" in str(e.value)
+
+
+class OneMore(torch.nn.Module):
+    def __init__(self, two: torch.nn.Module) -> None:
+        super().__init__()
+        self.two = two
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.two(x, y) + z
 
 
 class ExpSoftmax(torch.nn.Module):
