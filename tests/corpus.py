@@ -563,8 +563,11 @@ def ort_agrees(path: Path, run: Run, left_out: list[str] | None = None) -> tuple
         want = expected[k]
         if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != str(want.numpy().dtype):
             continue
-        close = torch.allclose(torch.from_numpy(got), want, rtol=1e-3, atol=1e-4) if want.is_floating_point() \
-            else bool((torch.from_numpy(got) == want).all())
+        # float32 rounding grows with the values summed: the absolute tolerance scales with the output's
+        # largest magnitude (torchvision's FCN at 224 px: outputs up to 82, onnxruntime within 2.7e-4)
+        scale = float(want.abs().max()) if want.is_floating_point() and want.numel() else 1.0
+        close = torch.allclose(torch.from_numpy(got), want, rtol=1e-3, atol=1e-4 * max(1.0, scale / 10)) \
+            if want.is_floating_point() else bool((torch.from_numpy(got) == want).all())
         if close:
             k += 1
     if k == len(expected):
