@@ -2,11 +2,14 @@
 
 ``sampler.py`` holds the training side (plain torch hooks appending to ring buffers),
 ``server.py`` the HTTP side (stdlib ``ThreadingHTTPServer`` in a daemon thread),
-``svg.py`` the drawings the page shows, ``static/`` the page itself (plain JS, no CDN).
+``svg.py`` the drawings the page shows, ``static/`` the page itself (plain JS, no CDN),
+``history.py`` the run's history on disk (``serve(..., logdir=DIR)``), ``reopen.py`` a finished
+run served from it without the model.
 """
 
 from __future__ import annotations
 
+from .reopen import ReopenedServer, reopen
 from .server import Server, serve
 
-__all__ = ["serve", "Server"]
+__all__ = ["serve", "Server", "reopen", "ReopenedServer"]

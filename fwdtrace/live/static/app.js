@@ -3,7 +3,8 @@
 "use strict";
 const token = new URLSearchParams(location.search).get("token");
 const poll = Number(new URLSearchParams(location.search).get("poll") || 1000);
-const panels = new Map();  // "kind key" -> {element, seq}
+const panels = new Map();  // "kind key" -> {element, key, kind, before}; before: null follows the newest samples
+let readOnly = false;  // a finished run reopened from its history: nothing to arm
 const $ = (id) => document.getElementById(id);
 
 async function api(path, options = {}) {
@@ -69,13 +70,40 @@ function addPanel(key, kind) {
   element.dataset.key = key;
   element.dataset.kind = kind;
   element.innerHTML = '<h3><span></span><button>disarm</button></h3><div class="counts"></div>' +
-                      '<div class="charts"></div><table></table>';
+                      '<div class="charts"></div>' +
+                      '<div class="scroll" hidden><input type="range" class="back"> <span class="window"></span></div>' +
+                      '<table></table>';
   element.querySelector("h3 span").textContent = key + " · " + kind;
   element.querySelector("button").addEventListener("click", () => disarm(key, kind));
+  element.querySelector("button").hidden = readOnly;
   $("panels").prepend(element);
-  panels.set(id, {element, key, kind});
+  const panel = {element, key, kind, before: null};
+  // Scroll back over the history on disk: the range picks the newest step shown; at its right end
+  // the panel follows the newest samples again.
+  const range = element.querySelector("input.back");
+  range.addEventListener("input", () => {
+    const step = Number(range.value);
+    panel.before = step >= Number(range.max) ? null : step + 1;
+    refreshPanel(panel);
+  });
+  panels.set(id, panel);
   markArmed();
-  refreshPanel(panels.get(id));
+  refreshPanel(panel);
+}
+
+// The history's steps per panel: the range control spans the first to the last step kept on disk.
+function showHistory(series) {
+  for (const panel of panels.values()) {
+    const rows = series.filter((s) => s.key === panel.key && s.kind === panel.kind && s.first_step !== null);
+    if (!rows.length) continue;
+    const range = panel.element.querySelector("input.back");
+    range.min = Math.min(...rows.map((s) => s.first_step));
+    range.max = Math.max(...rows.map((s) => s.last_step));
+    if (panel.before === null) range.value = range.max;
+    panel.element.querySelector(".scroll").hidden = false;
+    panel.element.querySelector(".window").textContent =
+      panel.before === null ? "newest samples" : "samples up to step " + (panel.before - 1);
+  }
 }
 
 const ROLES = {forward: ["input", "output"], grad: ["grad_input", "grad_output"]};
@@ -85,14 +113,16 @@ const COLUMNS = ["count", "mean", "std", "min", "max", "nan", "inf"];
 function number(x) { return x === null || x === undefined ? "-" : (Number.isInteger(x) ? String(x) : x.toPrecision(4)); }
 
 async function refreshPanel(panel) {
-  const q = "key=" + encodeURIComponent(panel.key) + "&kind=" + panel.kind;
+  const q = "key=" + encodeURIComponent(panel.key) + "&kind=" + panel.kind +
+            (panel.before === null ? "" : "&before=" + panel.before);
   const charts = [];
   const rows = [];
   for (const role of ROLES[panel.kind]) {
     charts.push('<div class="chart"><div>' + role + "</div>" + await api("api/chart.svg?" + q + "&role=" + role) + "</div>");
     const stats = await api("api/stats?key=" + encodeURIComponent(panel.key) + "&which=" + WHICH[role]);
     rows.push("<tr><th>" + role + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
-    panel.element.querySelector(".counts").textContent =
+    panel.element.querySelector(".counts").textContent = readOnly ?
+      `${stats.taken} sampled · ${stats.samples} kept on disk · steps ${stats.first_step} to ${stats.last_step}` :
       `every ${stats.every} · ${stats.taken} sampled of ${stats.calls} calls · ${stats.samples} kept · ${stats.dropped} dropped` +
       (stats.over_budget ? ` · ${stats.over_budget} over the memory budget` : "") +
       (stats.armed ? "" : " · disarmed") + (stats.error ? " · " + stats.error : "");
@@ -107,9 +137,11 @@ async function tick() {
     const status = await api("api/status");
     $("step").textContent = status.step;
     $("rank").textContent = status.rank + " / " + status.world_size;
-    $("model").textContent = status.model;
-    for (const arm of status.arms) if (arm.armed) addPanel(arm.key, arm.kind);
+    $("model").textContent = status.model + (status.read_only ? " · reopened from " + status.history.logdir : "");
+    readOnly = status.read_only;
+    for (const arm of status.arms) if (arm.armed || readOnly) addPanel(arm.key, arm.kind);
     for (const panel of panels.values()) await refreshPanel(panel);
+    if (status.history) showHistory((await api("api/history")).series);
   } catch (e) { say(e.message); }
   setTimeout(tick, poll);
 }
