@@ -63,7 +63,8 @@ def _wait(condition, timeout: float = 20.0, what: str = "") -> object:  # type: 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
+def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
+    """The graph loads, a click arms sampling, the panel updates and scrolls back over the history on disk."""
     driver = _browser()
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -79,7 +80,7 @@ def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
 
     trainer = threading.Thread(target=training, daemon=True)
     try:
-        with fwdtrace.serve(model, example_inputs=torch.randn(2, 8), port=0) as server:
+        with fwdtrace.serve(model, example_inputs=torch.randn(2, 8), port=0, ring=4, logdir=tmp_path) as server:
             trainer.start()
             driver.get(server.url + "?poll=300")  # type: ignore[attr-defined]
             find = driver.find_elements  # type: ignore[attr-defined]
@@ -107,6 +108,21 @@ def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
             assert [r.text.split()[0] for r in table[1:]] == ["input", "output"]
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(str(ARTIFACTS / "live_page.png"))  # type: ignore[attr-defined]
+
+            # Scroll back: the ring keeps 4 samples, the range control reaches the first steps kept on disk.
+            panel = 'div.panel[data-key="body.2.Linear"]'
+            back = _wait(lambda: [e for e in find(By.CSS_SELECTOR, panel + " input.back")
+                                  if e.is_displayed() and int(e.get_attribute("max")) - int(e.get_attribute("min")) >= 8],
+                         what="the range control over 9 steps")[0]
+            first = int(back.get_attribute("min"))
+            driver.execute_script(  # type: ignore[attr-defined]
+                "arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))", back, first + 2)
+            labels = lambda: [t.text for t in find(By.CSS_SELECTOR, chart + " text")]  # noqa: E731
+            _wait(lambda: f"step {first}" in labels() and f"step {first + 2}" in labels(), what=f"the chart of steps {first}..")
+            assert find(By.CSS_SELECTOR, chart)[0].get_attribute("data-samples") == "3"
+            ring = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward")[1]["samples"]
+            assert ring[0]["step"] > first + 2  # beyond what memory holds
+            assert find(By.CSS_SELECTOR, panel + " .window")[0].text == f"samples up to step {first + 2}"
             stop.set()
             trainer.join()
     finally:
