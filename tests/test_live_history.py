@@ -30,8 +30,11 @@ def test_rows_come_back_as_written_and_retention_keeps_the_newest(tmp_path: Path
     rng = np.random.default_rng(0)
     written = [_row(rng, step) for step in range(1, 12)]
     with History(tmp_path / "run", retention=5) as history:
-        for r in written:
+        for i, r in enumerate(written):
             history.append("0.Linear", "forward", "output", **r)
+            if i == 4:
+                full = history.path.stat().st_size
+        assert history.path.stat().st_size == full  # the file stops growing with the ring: rows are rewritten in place
         history.append("0.Linear", "forward", "input", **written[0])
         rows = history.rows("0.Linear", "forward", "output")
         assert [r["step"] for r in rows] == [7, 8, 9, 10, 11]  # the ring kept the newest 5 of 11

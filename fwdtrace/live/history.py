@@ -13,7 +13,11 @@ they were counted with: bins re-bin, so each row keeps its own). Scalars are gro
 ``value``). Reads take the small ``meta`` dataset whole and only the ``values`` rows asked for.
 
 Retention: at most ``retention`` rows per series and per scalar (10 000 by default); past it
-each dataset is a ring, the oldest row overwritten by the newest (``seq`` orders them).
+each dataset is a ring, the oldest row overwritten by the newest (``seq`` orders them), in
+place, so the file stops growing. A row takes ``8 * (len(STATS) + 2 * bins + 1) + 40`` bytes
+(656 at 32 bins): a series at the default retention stays under 7 MB; a layer armed forward
+has two (input and output). Rows are not compressed: HDF5 writes a rewritten compressed chunk
+to new space, and the file would outgrow the retention.
 
 Writes come from one thread (the sampler's summariser, or whoever logs a scalar), reads
 from the HTTP threads of the same process; one lock covers the file. The file is written in
@@ -163,10 +167,10 @@ class History:
         group.create_dataset("meta", shape=(0,), maxshape=(self.retention,), dtype=meta,
                              chunks=(min(self.retention, 4 * _CHUNK_ROWS),))
         if width is not None:
-            # gzip with shuffle: the edges repeat row after row and compress to almost nothing
+            # Not compressed: a compressed chunk rewritten (every append, once the ring wraps) moves to new
+            # space in the file and leaves the old behind, so the file would outgrow the retention.
             group.create_dataset("values", shape=(0, width), maxshape=(self.retention, width), dtype="<f8",
-                                 chunks=(min(self.retention, _CHUNK_ROWS), width), compression="gzip",
-                                 compression_opts=1, shuffle=True)
+                                 chunks=(min(self.retention, _CHUNK_ROWS), width))
         path, order = group.name, len(parent) - 1
         self._file.swmr_mode = True
         for ring in (*self._series.values(), *self._scalars.values()):
@@ -310,18 +314,30 @@ class History:
         """The newest ``limit`` samples of ``(key, kind)`` with step below ``before``, oldest first, shaped as the
         sampler's samples (one dict per sampled call, its tensors of every role; no shapes, dtypes or raw values)."""
         with self._lock:
-            roles = [(role, ring.order) for (k, kd, role), ring in self._series.items() if (k, kd) == (key, kind)]
-        rows = {role: self.rows(key, kind, role, before) for role, _ in sorted(roles, key=lambda r: r[1])}
-        # The tensors of one sampled call share its submit time and call number.
-        calls = sorted({(r["step"], r["time"], r["call"]) for rs in rows.values() for r in rs})[-limit:] if limit else []
-        by_call: dict[tuple[float, int], dict[str, Any]] = {
-            (time, call): {"step": step, "call": call, "time": time, "tensors": []} for step, time, call in calls}
-        for role, rs in rows.items():
-            for r in rs:
-                sample = by_call.get((r["time"], r["call"]))
-                if sample is not None:
+            rings = sorted(((role, ring) for (k, kd, role), ring in self._series.items() if (k, kd) == (key, kind)),
+                           key=lambda r: r[1].order)
+            metas = []
+            for role, ring in rings:
+                meta, where = ring.logical()
+                keep = meta["step"] < before if before is not None else np.ones(len(meta), bool)
+                metas.append((role, ring, meta[keep], where[keep]))
+            # The tensors of one sampled call share its submit time and call number; only their rows are read.
+            step, time, call = (np.concatenate([meta[f] for _, _, meta, _ in metas] or [np.zeros(0)])
+                                for f in ("step", "time", "call"))
+            order = np.lexsort((call, time, step))  # plain arrays: sorting a structured one is many times slower
+            step, time, call = step[order], time[order], call[order]
+            new = np.ones(len(order), bool)
+            new[1:] = (step[1:] != step[:-1]) | (time[1:] != time[:-1]) | (call[1:] != call[:-1])
+            last = np.nonzero(new)[0][-limit:] if limit else np.zeros(0, np.int64)
+            by_call: dict[tuple[float, int], dict[str, Any]] = {
+                (t, c): {"step": s, "call": c, "time": t, "tensors": []}
+                for s, t, c in zip(step[last].tolist(), time[last].tolist(), call[last].tolist(), strict=True)}
+            for role, ring, meta, where in metas:
+                near = np.nonzero(np.isin(meta["time"], time[last]))[0]  # then the exact pairs, of these few
+                chosen = [i for i in near if (float(meta[i]["time"]), int(meta[i]["call"])) in by_call]
+                for r in self._read(ring, meta[chosen], where[chosen]):
                     t = {k: v for k, v in r.items() if k not in ("seq", "step", "call", "time")}
-                    sample["tensors"].append({"role": role, **t, "numeric": True, "raw": False})
+                    by_call[(r["time"], r["call"])]["tensors"].append({"role": role, **t, "numeric": True, "raw": False})
         return list(by_call.values())
 
     def scalars(self, name: str, before: int | None = None, limit: int | None = None) -> list[dict[str, Any]]:
