@@ -6,8 +6,9 @@
 >>> [n.target for n in graph.nodes if n.kind == "module"]
 ['torch.nn.Conv2d', 'torch.nn.ReLU']
 
-``import fwdtrace`` needs only torch: the features built on ONNX, HDF5 or Graphviz
-import those libraries when first used.
+``import fwdtrace`` imports nothing heavy, not even torch: every public name is loaded on
+first use, and the features built on ONNX, HDF5 or Graphviz import those libraries then.
+So a recorder worker (``python -m fwdtrace.recorder``, which only draws) starts without torch.
 """
 
 from __future__ import annotations
@@ -15,17 +16,27 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import FwdtraceError
-from .graph import Graph
-from .keys import module_keys
-from .node import Edge, Node, Scope, TensorRef
-from .registry import clear_hooks, hook_forward, register_atomic, remove_hook
-from .tracer import Tracer, install, obj_id, trace, uninstall
-
 __version__ = "0.1.0"
 
-# Features with heavy dependencies, loaded on first attribute access: name -> module.
+# Every public name, loaded on first attribute access: name -> module.
 _LAZY: dict[str, str] = {
+    # the core: trace, graph, registry (torch only)
+    "FwdtraceError": "fwdtrace.errors",
+    "Graph": "fwdtrace.graph",
+    "Node": "fwdtrace.node",
+    "Edge": "fwdtrace.node",
+    "Scope": "fwdtrace.node",
+    "TensorRef": "fwdtrace.node",
+    "Tracer": "fwdtrace.tracer",
+    "trace": "fwdtrace.tracer",
+    "obj_id": "fwdtrace.tracer",
+    "install": "fwdtrace.tracer",
+    "uninstall": "fwdtrace.tracer",
+    "hook_forward": "fwdtrace.registry",
+    "register_atomic": "fwdtrace.registry",
+    "remove_hook": "fwdtrace.registry",
+    "clear_hooks": "fwdtrace.registry",
+    "module_keys": "fwdtrace.keys",
     # ONNX cross-check (issue 3)
     "export_onnx": "fwdtrace.onnx.export",
     "onnx_graph": "fwdtrace.onnx.export",
@@ -57,25 +68,7 @@ _LAZY: dict[str, str] = {
     "view": "fwdtrace.passes.model_explorer",
 }
 
-__all__ = [
-    "FwdtraceError",
-    "Graph",
-    "Node",
-    "Edge",
-    "Scope",
-    "TensorRef",
-    "Tracer",
-    "trace",
-    "obj_id",
-    "install",
-    "uninstall",
-    "hook_forward",
-    "register_atomic",
-    "remove_hook",
-    "clear_hooks",
-    "module_keys",
-    *_LAZY,
-]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -101,9 +94,16 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .dump import DumpReport as DumpReport
     from .dump import compare_dumps as compare_dumps
     from .dump import read_dump as read_dump
+    from .errors import FwdtraceError as FwdtraceError
     from .excepthook import install_excepthook as install_excepthook
     from .excepthook import uninstall_excepthook as uninstall_excepthook
+    from .graph import Graph as Graph
+    from .keys import module_keys as module_keys
     from .live.server import serve as serve
+    from .node import Edge as Edge
+    from .node import Node as Node
+    from .node import Scope as Scope
+    from .node import TensorRef as TensorRef
     from .onnx.compare import TopologyReport as TopologyReport
     from .onnx.compare import check_onnx as check_onnx
     from .onnx.compare import compare_onnx as compare_onnx
@@ -117,3 +117,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .passes.model_explorer import view as view
     from .probe import Probe as Probe
     from .recorder import Recorder as Recorder
+    from .registry import clear_hooks as clear_hooks
+    from .registry import hook_forward as hook_forward
+    from .registry import register_atomic as register_atomic
+    from .registry import remove_hook as remove_hook
+    from .tracer import Tracer as Tracer
+    from .tracer import install as install
+    from .tracer import obj_id as obj_id
+    from .tracer import trace as trace
+    from .tracer import uninstall as uninstall

@@ -17,7 +17,9 @@ import numpy as np
 
 from .errors import FwdtraceError
 
-__all__ = ["SteadyBins", "check_bins_spec"]
+__all__ = ["SteadyBins", "check_bins_spec", "DEFAULT_BINS"]
+
+DEFAULT_BINS = 60  # the recorder's and the live page's: the same values give the same edges in both
 
 
 def check_bins_spec(bins: Any, caller: str) -> int | tuple[float, ...]:
@@ -47,10 +49,10 @@ class SteadyBins:
 
     >>> import numpy as np
     >>> b = SteadyBins(4)
-    >>> b.add(np.array([0.0, 0.15, 0.3, 0.45]))
+    >>> _ = b.add(np.array([0.0, 0.15, 0.3, 0.45]))
     >>> b.edges.tolist(), b.counts.tolist()
     ([0.0, 0.125, 0.25, 0.375, 0.5], [1, 1, 1, 1])
-    >>> b.add(np.array([0.9])); b.edges.tolist(), b.counts.tolist()  # left the bins: the width doubled
+    >>> _ = b.add(np.array([0.9])); b.edges.tolist(), b.counts.tolist()  # left the bins: the width doubled
     ([0.0, 0.25, 0.5, 0.75, 1.0], [2, 2, 0, 1])
 
     ``bins`` is the number of bins (edges from a running range) or the edges themselves (kept
@@ -59,7 +61,7 @@ class SteadyBins:
     counts equal ``numpy.histogram`` on the same edges. NaN and Inf are left out (``nonfinite``).
     """
 
-    def __init__(self, bins: int | Sequence[float] = 60) -> None:
+    def __init__(self, bins: int | Sequence[float] = DEFAULT_BINS) -> None:
         spec = check_bins_spec(bins, "SteadyBins")
         self.fixed = not isinstance(spec, int)
         self.bins = spec if isinstance(spec, int) else len(spec) - 1
@@ -130,17 +132,25 @@ class SteadyBins:
         index = np.searchsorted(self._edges, inside, side="right") - 1
         return np.bincount(index, minlength=self.bins).astype(np.int64)[: self.bins]
 
-    def add(self, values: Any) -> None:
-        """Grow the edges to fit ``values`` if needed, then add their counts to :attr:`counts`."""
+    def add(self, values: Any) -> tuple[np.ndarray, int, int]:
+        """Grow the edges to fit ``values`` if needed, then add their counts to :attr:`counts`.
+
+        Returns what ``values`` alone added: ``(counts, underflow, overflow)`` on the edges now in use.
+        """
         finite = _finite(values)
         self.nonfinite += int(np.size(values)) - finite.size
         if finite.size == 0:
-            return
+            return np.zeros(self.bins, dtype=np.int64), 0, 0
         self.fit(float(finite.min()), float(finite.max()))
+        under = over = 0
         if self.fixed and self._edges is not None:
-            self.underflow += int((finite < self._edges[0]).sum())
-            self.overflow += int((finite >= self._edges[-1]).sum())
-        self.counts += self.histogram(finite)
+            under = int((finite < self._edges[0]).sum())
+            over = int((finite >= self._edges[-1]).sum())
+            self.underflow += under
+            self.overflow += over
+        counts = self.histogram(finite)
+        self.counts += counts
+        return counts, under, over
 
 
 def _finite(values: Any) -> np.ndarray:

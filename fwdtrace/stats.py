@@ -53,11 +53,13 @@ class RunningStats:
     Mean, std (population, ``correction=0``), min, max and the L2 norm are over the finite
     values; ``zero_fraction`` is over all values. Values outside the histogram's range are
     counted in ``underflow`` and ``overflow``. Without ``range`` the edges are the first
-    batch's finite min and max, fixed from then on.
+    batch's finite min and max, fixed from then on; ``histogram=False`` keeps no histogram (one pass less).
     """
 
-    def __init__(self, bins: int = 16, range: tuple[float, float] | None = None) -> None:  # noqa: A002
+    def __init__(self, bins: int = 16, range: tuple[float, float] | None = None,  # noqa: A002
+                 histogram: bool = True) -> None:
         self.bins = check_bins(bins)
+        self.keeps_histogram = histogram  # False: moments only (the live sampler bins on fwdtrace.bins.SteadyBins)
         self.range: tuple[float, float] | None = check_range(range)
         # update() and merge() may run in several threads at once (a model run by a thread
         # pool); the state of one object changes under its lock.
@@ -89,7 +91,7 @@ class RunningStats:
             n_all = x.numel()
             nan = torch.isnan(x)
             inf = torch.isinf(x)
-            other = RunningStats(self.bins, self.range)
+            other = RunningStats(self.bins, self.range, self.keeps_histogram)
             other.count = n_all
             other.nans = int(nan.sum())
             other.infs = int(inf.sum())
@@ -106,7 +108,7 @@ class RunningStats:
                 other.min = float(finite.min())
                 other.max = float(finite.max())
                 other._sumsq = float((finite * finite).sum())
-                if self.range is None and self.finite == 0:
+                if self.keeps_histogram and self.range is None and self.finite == 0:
                     lo, hi = other.min, other.max
                     if lo == hi:
                         lo, hi = lo - 0.5, hi + 0.5

@@ -376,11 +376,14 @@ class Run:
         """The model exported to a file the public way: ``export_onnx(path=...)`` or ``to_onnx(path=...)``."""
         def export() -> Path:
             path = self.path(f"{exporter}.onnx")
+            before = self.graph.to_json()
+            state = {p: dict(vars(m)) for p, m in self.model.named_modules()}
             with torch.no_grad():
                 if exporter == "fwdtrace":
                     fwdtrace.to_onnx(self.model, *self.args, path=path, **self.kwargs)
                 else:
                     fwdtrace.export_onnx(self.model, *self.args, exporter=exporter, path=str(path), **self.kwargs)
+            assert_left_as_found(self, state, before, f"exporting with {exporter!r}")
             return path
 
         return self._once(f"export:{exporter}", export)
@@ -393,11 +396,25 @@ class Run:
         return self._once(f"check:{exporter}", check)
 
     def runs_like_eager(self, exporter: str) -> tuple[bool, str]:
-        """Whether onnxruntime on the exported file gives eager's outputs, and where not, how."""
-        return self._once(f"ort:{exporter}", lambda: ort_agrees(self.exported(exporter), self))
+        """Whether onnxruntime on the exported file gives eager's outputs, and where not, how; the outputs
+        the report on that file declares left out (a cache the exporter could not export) excepted."""
+        return self._once(f"ort:{exporter}", lambda: ort_agrees(self.exported(exporter), self,
+                                                                 self.compared(exporter).left_out))
 
     def compared(self, exporter: str) -> fwdtrace.TopologyReport:
         return self._once(f"compare:{exporter}", lambda: fwdtrace.compare_onnx(self.graph, self.exported(exporter)))
+
+
+def assert_left_as_found(run: Run, state: dict[str, dict[str, Any]], trace_json: str, what: str) -> None:
+    """Nothing ``what`` set on the model remains: each module's attributes are the objects they were
+    (``state``: ``vars()`` of every module before), and a new trace is the trace before (``trace_json``)."""
+    after = {p: dict(vars(m)) for p, m in run.model.named_modules()}
+    assert after.keys() == state.keys(), f"{what} changed the modules: {sorted(after.keys() ^ state.keys())[:5]}"
+    for p, attrs in state.items():
+        assert after[p].keys() == attrs.keys(), f"{what} left attributes on {p or 'the model'}: {sorted(after[p].keys() ^ attrs.keys())}"
+        changed = [k for k, v in attrs.items() if after[p][k] is not v]
+        assert not changed, f"{what} replaced attributes of {p or 'the model'}: {changed}"
+    assert run.trace().to_json() == trace_json, f"after {what}, a trace of the model differs from the trace before"
 
 
 @torch.no_grad()
@@ -487,9 +504,42 @@ def _input_names(run: Run) -> dict[str, torch.Tensor]:
     return named
 
 
-def ort_agrees(path: Path, run: Run) -> tuple[bool, str]:
+def output_at(out: Any, path: str) -> Any:
+    """What ``path`` (``cache_params.layers[0].conv_states[0]``, ``['a b']``) names in a model's output,
+    by attribute, key and index."""
+    import ast
+
+    for attr, key in re.findall(r"(?:^|\.)([A-Za-z_]\w*)|\[([^\]]+)\]", path):
+        if attr:
+            out = out[attr] if isinstance(out, Mapping) and attr in out else getattr(out, attr)
+        else:
+            out = out[ast.literal_eval(key)]
+    return out
+
+
+def _left_out(run: Run, left_out: list[str]) -> set[int]:
+    """Which eager outputs (by position in ``leaves(run.eager, caches=True)``) the labels name: each must name
+    one tensor of a returned cache, no two the same."""
+    expected = list(leaves(run.eager, caches=True))
+    plain = {id(t) for t in leaves(run.eager)}
+    skipped = set()
+    for label in left_out:
+        tensor = output_at(run.eager, label)
+        at = [k for k, t in enumerate(expected) if t is tensor]
+        assert len(at) == 1 and id(tensor) not in plain, (
+            f"declared left out, {label!r} names no tensor of a returned cache in eager's outputs")
+        assert at[0] not in skipped, f"{label!r} declared left out twice"
+        skipped.add(at[0])
+    return skipped
+
+
+def ort_agrees(path: Path, run: Run, left_out: list[str] | None = None) -> tuple[bool, str]:
     """onnxruntime on an exported file against eager: the eager outputs must come out, in order, among
-    the ONNX outputs (which may hold more: the tensors of caches), within float32 tolerance."""
+    the ONNX outputs (which may hold more: the tensors of caches), within float32 tolerance.
+
+    ``left_out`` (a report's) names the outputs the file does not return: only the tensors of a
+    returned cache may be named, and the file must then return exactly the others.
+    """
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -501,7 +551,11 @@ def ort_agrees(path: Path, run: Run) -> tuple[bool, str]:
         assert len(names) == len(given), f"ONNX inputs {names} for the {len(given)} tensors given"
         feed = {n: t.numpy() for n, t in zip(names, given, strict=True)}
     results = session.run(None, feed)
-    expected = list(leaves(run.eager, caches=True))
+    skipped = _left_out(run, left_out or [])
+    expected = [t for k, t in enumerate(leaves(run.eager, caches=True)) if k not in skipped]
+    if skipped and len(results) != len(expected):
+        return False, (f"{len(skipped)} outputs declared left out, but the file returns {len(results)} outputs "
+                       f"for the other {len(expected)}")
     k = 0
     for got in results:
         if k == len(expected):
@@ -592,6 +646,7 @@ def _assert_readable_auto_picture(graph: fwdtrace.Graph, stem: Path) -> None:
     """The automatic picture: nothing lost, at least min(30, full detail) boxes, within the README's bounds."""
     from fwdtrace.passes.draw import MAX_PNG, TARGET_NODES
 
+    png = graph.render(stem.with_suffix(".png"))  # first: the layout that measured the picture draws it
     dot = graph.to_dot()
     boxes = assert_nothing_lost(graph, dot)
     full = _boxes(graph.to_dot(None))
@@ -600,7 +655,7 @@ def _assert_readable_auto_picture(graph: fwdtrace.Graph, stem: Path) -> None:
         f"the automatic picture shows {boxes} boxes, fewer than min({AUTO_MIN_BOXES}, {full} at full detail)"
         f" ({caption.group(1) if caption else 'no caption'})")
     assert boxes <= TARGET_NODES, f"{boxes} boxes, over the target of {TARGET_NODES}"
-    width, height = png_size(graph.render(stem.with_suffix(".png")))
+    width, height = png_size(png)
     assert width <= MAX_PNG[0] and height <= MAX_PNG[1], f"PNG of {width}x{height} px, over {MAX_PNG}"
     assert_svg(graph.render(stem.with_suffix(".svg")))
 

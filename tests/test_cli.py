@@ -166,26 +166,51 @@ def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def _fill(argv: list[str], expected: str) -> tuple[list[str], str]:
+    names = {"DUMP_A": "a.hdf5", "DUMP_B": "b.hdf5", "DUMP_TRUNCATED": "truncated.hdf5"}
+    return [names.get(a, a) for a in argv], expected.replace("DUMP_TRUNCATED", "truncated.hdf5")
+
+
+def _assert_contract(code: int, out: str, err: str, expected_code: int, expected: str) -> None:
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    if expected.startswith("stdout:"):
+        assert out.startswith(expected.removeprefix("stdout:")), out
+    elif expected.startswith("usage:"):
+        assert err.startswith(expected)
+    else:
+        assert err.startswith(expected), err
+        assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv, code, expected", EXIT_CODES, ids=[" ".join(c[0][:3]) + f" -> {c[1]}" for c in EXIT_CODES])
-def test_every_subcommand_keeps_the_exit_code_contract(job_dir: Path, argv: list[str], code: int, expected: str) -> None:
+def test_every_subcommand_keeps_the_exit_code_contract(job_dir: Path, argv: list[str], code: int, expected: str,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the console script returns and prints, through the function it calls (the script itself:
+    test_the_console_script_keeps_the_contract)."""
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    names = {"DUMP_A": "a.hdf5", "DUMP_B": "b.hdf5", "DUMP_TRUNCATED": "truncated.hdf5"}
-    argv = [names.get(a, a) for a in argv]
-    expected = expected.replace("DUMP_TRUNCATED", "truncated.hdf5")
+    argv, expected = _fill(argv, expected)
+    monkeypatch.chdir(job_dir)
+    monkeypatch.delitem(sys.modules, "models", raising=False)  # job_dir's models.py, not another test's
+    capsys.readouterr()
+    returned = main(argv)
+    captured = capsys.readouterr()
+    _assert_contract(returned, captured.out, captured.err, code, expected)
+
+
+def test_the_console_script_keeps_the_contract(job_dir: Path) -> None:
+    """The installed ``fwdtrace`` script, in its own process, for a success, a usage error and a model error."""
     command = Path(sys.executable).parent / "fwdtrace"  # the console script: sys.path[0] is its folder, not cwd
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("PYTHONPATH", None)
-    done = subprocess.run([str(command), *argv], capture_output=True, text=True, env=env, cwd=job_dir, timeout=300)
-    assert done.returncode == code, done.stderr
-    assert "Traceback" not in done.stderr
-    if expected.startswith("stdout:"):
-        assert done.stdout.startswith(expected.removeprefix("stdout:")), done.stdout
-    elif expected.startswith("usage:"):
-        assert done.stderr.startswith(expected)
-    else:
-        assert done.stderr.startswith(expected), done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    rows = [r for r in EXIT_CODES if r[0][:1] == ["draw"] or r[0] == ["analyze"]]
+    assert len(rows) == 3
+    for argv, code, expected in rows:
+        argv, expected = _fill(argv, expected)
+        done = subprocess.run([str(command), *argv], capture_output=True, text=True, env=env, cwd=job_dir, timeout=300)
+        _assert_contract(done.returncode, done.stdout, done.stderr, code, expected)
 
 
 def test_traceback_prints_the_details(job_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,21 +7,18 @@ One case per (model, entry point); a model's build, trace and exports are shared
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import corpus
 import pytest
+import torch
 
 CASES = {case.name: case for case in corpus.CORPUS}
 
 # Cells the corpus found failing that are not fixed yet (issue 20 stays open for them): strict, so
 # a fix shows up as XPASS and fails the run until the entry is removed.
-KNOWN = {
-    ("detector", "check_onnx[fwdtrace]"): "to_onnx's emission of the per-box topk and indexing: 20 edges rewired "
-                                          "(topk -> exp/add/stack), onnxruntime agrees with eager",
-    ("mamba", "check_onnx[torchscript]"): "the TorchScript exporter cannot export Mamba's cache writes; the export "
-                                          "without the cache is ok by check_onnx (cache left out, said), but the "
-                                          "corpus's onnxruntime reference still expects all 5 eager outputs",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +35,37 @@ def test_entry_point(run: corpus.Run, entry: str, request: pytest.FixtureRequest
     if known:
         request.applymarker(pytest.mark.xfail(reason=known, strict=True))
     corpus.run_entry(run, entry)
+
+
+class _Doubler(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        import transformers
+
+        cache = transformers.DynamicCache()
+        cache.update(x[None, None, None] + 1, x[None, None, None] - 1, 0)
+        return {"out": x * 2, "cache": cache}
+
+
+def test_the_onnxruntime_reference_skips_only_what_is_declared_left_out(tmp_path: Path) -> None:
+    """``corpus.ort_agrees`` against a file that returns ``out`` only (the cache left out), or a wrong ``out``."""
+    pytest.importorskip("transformers")
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = torch.randn(3)
+    run = SimpleNamespace(model=_Doubler(), args=(x,), kwargs={})
+    run.eager = run.model(x)
+    for factor in (2.0, 3.0):
+        graph = helper.make_graph(
+            [helper.make_node("Mul", ["x", "two"], ["out"])], "doubler",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+            [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3])],
+            [helper.make_tensor("two", TensorProto.FLOAT, [], [factor])])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "m.onnx")
+        cache = ["cache.layers[0].keys", "cache.layers[0].values"]
+        agrees, why = corpus.ort_agrees(tmp_path / "m.onnx", run, cache)
+        assert agrees == (factor == 2.0), why  # the outputs returned are still compared
+        assert not corpus.ort_agrees(tmp_path / "m.onnx", run)[0]  # nothing declared: the cache is expected
+        assert not corpus.ort_agrees(tmp_path / "m.onnx", run, cache[:1])[0]  # the file lacks an undeclared one
+    with pytest.raises(AssertionError, match="names no tensor of a returned cache"):
+        corpus.ort_agrees(tmp_path / "m.onnx", run, ["out"])  # only a cache's tensors may be left out

@@ -594,3 +594,23 @@ def test_the_draw_command_refuses_what_it_cannot_write(tmp_path: Path, capsys: p
     assert not list(tmp_path.iterdir())
     explorer = tmp_path / "g.model-explorer.json"
     assert main([*argv, "-o", str(explorer)]) == 0 and explorer.exists()
+
+
+def test_render_lays_out_once_per_picture_and_draws_what_a_new_layout_draws(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The automatic depth measures the picture with a layout; render() draws from that same layout,
+    # and a second format reuses the measured size: one dot layout per file, not two.
+    from fwdtrace.passes import draw
+
+    model, inputs = zoo.resnetish()
+    graph = fwdtrace.trace(model, *inputs)
+    layouts = []
+    monkeypatch.setattr(draw, "_SIZES", type(draw._SIZES)())
+    real = draw._Layout.__init__
+    monkeypatch.setattr(draw._Layout, "__init__", lambda self, source: (layouts.append(source), real(self, source))[1])
+    png, svg = graph.render(tmp_path / "g.png"), graph.render(tmp_path / "g.svg")
+    assert len(layouts) == 2 and layouts[0] == layouts[1] == graph.to_dot().source
+    monkeypatch.undo()
+    source = graph.to_dot().source
+    assert Path(png).read_bytes() == draw.layout_bytes(source, "png")
+    assert Path(svg).read_bytes() == draw.layout_bytes(source, "svg")

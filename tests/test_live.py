@@ -26,6 +26,7 @@ from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError
+from fwdtrace.bins import SteadyBins
 
 TESTS = Path(__file__).parent
 
@@ -109,16 +110,18 @@ def test_api_end_to_end_during_training() -> None:
         assert (answer["calls"], answer["taken"], answer["dropped"], answer["armed"]) == (6, 3, 0, True)
         assert [s["call"] for s in answer["samples"]] == [1, 3, 5]
         assert [s["step"] for s in answer["samples"]] == [1, 3, 5]
+        steady = SteadyBins(server.sampler.bins)  # the recorder's bins, fed the same outputs in the same order
         for sample, ref in zip(answer["samples"], [outputs[i] for i in (0, 2, 4)], strict=True):
             out = [t for t in sample["tensors"] if t["role"] == "output"][0]
+            steady.fit(float(ref.min()), float(ref.max()))
             assert out["shape"] == [5, 4] and out["dtype"] == "float32" and sample["rank"] == 0
             assert out["mean"] == pytest.approx(float(ref.double().mean()), rel=1e-9)
             assert out["std"] == pytest.approx(float(ref.double().std(correction=0)), rel=1e-9)
             assert (out["min"], out["max"]) == (pytest.approx(float(ref.min())), pytest.approx(float(ref.max())))
             assert sum(out["histogram"]) + out["underflow"] + out["overflow"] == 20 and (out["nan"], out["inf"]) == (0, 0)
-            assert out["bin_edges"] == answer["samples"][0]["tensors"][1]["bin_edges"]  # the arm's bins
+            assert out["bin_edges"] == steady.edges.tolist() and len(out["histogram"]) == 60
             assert np.histogram(ref.double().numpy(), bins=out["bin_edges"])[0].tolist() == out["histogram"]
-            assert out["overflow"] == int((ref.double() > out["bin_edges"][-1]).sum())
+            assert out["overflow"] == out["underflow"] == 0  # a running range holds every value
 
         status, answer = request(server, "GET", "/api/stats?key=body.2.Linear&which=forward_output")
         sampled = torch.cat([outputs[i].reshape(-1) for i in (0, 2, 4)]).double()
@@ -326,7 +329,7 @@ BAD = [
     ("GET", "/api/samples?key=body.2.Linea&kind=forward", None, {}, 404, r"^unknown module key or path 'body.2.Linea'"),
     ("GET", "/api/samples?key=body.1.ReLU&kind=forward", None, {}, 404, r"^'body.1.ReLU' was never armed for forward"),
     ("GET", "/api/samples?kind=forward", None, {}, 400, r"^expected a module key or path as \?key=KEY"),
-    ("GET", "/api/samples?key=body.1.ReLU&kind=both", None, {}, 400, r"^expected kind=forward or kind=grad, got 'both'"),
+    ("GET", "/api/samples?key=body.1.ReLU&kind=both", None, {}, 400, r"^expected kind=forward\|grad\|weight\|weight_grad\|health, got 'both'"),
     ("GET", "/api/stats?key=body.1.ReLU&which=output", None, {}, 400, r"^expected which= one of forward_input, "),
     ("GET", "/api/nothing", None, {}, 404, r"^no such path '/api/nothing'"),
     ("PUT", "/api/sample", None, {}, 501, None),
@@ -334,7 +337,7 @@ BAD = [
     ("POST", "/api/sample", b"{not json", {"Content-Type": "application/json"}, 400, r"^expected a JSON object like \{"),
     ("POST", "/api/sample", [1, 2], {}, 400, r"^expected a JSON object like .*, got a JSON list"),
     ("POST", "/api/sample", {"key": "body.1.ReLU", "when": 1}, {}, 400, r"^expected a JSON object like .*, got unexpected fields \['when'\]"),
-    ("POST", "/api/sample", {"key": "body.1.ReLU", "kind": "backward"}, {}, 400, r'^expected "kind" as "forward" or "grad"'),
+    ("POST", "/api/sample", {"key": "body.1.ReLU", "kind": "backward"}, {}, 400, r'^expected "kind" as one of forward, grad, weight, weight_grad, health, got \'backward\''),
     ("POST", "/api/sample", {"key": "body.1.ReLU", "every": 0}, {}, 400, r'^expected "every" as a positive integer, got int 0'),
     ("POST", "/api/sample", {"key": "body.1.ReLU", "count": "2"}, {}, 400, r'^expected "count" as a positive integer or null'),
     ("POST", "/api/sample", {"key": "body.*.Conv2d"}, {}, 404, r"^'body.\*.Conv2d' matches no module key"),
@@ -946,3 +949,205 @@ def test_port_plus_rank_beyond_65535_is_a_clear_error(monkeypatch: pytest.Monkey
     with pytest.raises(FwdtraceError, match=r"^serve\(\) cannot listen on port 65534 \+ rank 3 = 65537"):
         fwdtrace.serve(model, port=65534)
     assert hook_dicts(model) == before
+
+
+# -- weights, steady bins, one series per tensor (issue 23) --------------------------------------------------
+def test_weight_and_weight_grad_are_each_parameter_read_after_backward() -> None:
+    model = _model()
+    seen: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []  # body.0's parameters and .grad, read after each backward
+    with fwdtrace.serve(model, port=0) as server:
+        status, answer = request(server, "POST", "/api/sample", {"key": "body.0", "kind": "weight", "every": 2})
+        assert (status, answer["armed"]) == (200, ["body.0.Linear"])
+        status, answer = request(server, "POST", "/api/sample", {"key": "body.0.Linear", "kind": "weight_grad"})
+        assert status == 200
+        for _ in range(4):
+            model.zero_grad()
+            model(torch.randn(5, 8)).pow(2).mean().backward()
+            seen.append({n: (p.detach().clone(), p.grad.clone()) for n, p in model.body[0].named_parameters()})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+        for kind, which, steps in (("weight", 0, (0, 2)), ("weight_grad", 1, (0, 1, 2, 3))):
+            status, answer = request(server, "GET", f"/api/samples?key=body.0.Linear&kind={kind}")
+            assert (answer["calls"], answer["taken"], answer["roles"]) == (4, len(steps), ["weight", "bias"])
+            for name in ("weight", "bias"):
+                tensors = [t for s in answer["samples"] for t in s["tensors"] if t["role"] == name]
+                assert len(tensors) == len(steps)
+                for t, i in zip(tensors, steps, strict=True):
+                    ref = seen[i][name][which].double()
+                    assert t["shape"] == list(ref.shape)
+                    assert t["mean"] == pytest.approx(float(ref.mean()), rel=1e-9, abs=1e-15)
+                    assert (t["min"], t["max"]) == (pytest.approx(float(ref.min())), pytest.approx(float(ref.max())))
+                    assert t["histogram"] == np.histogram(ref.numpy(), bins=t["bin_edges"])[0].tolist()
+            status, answer = request(server, "GET", f"/api/stats?key=body.0&kind={kind}&role=bias")
+            every = torch.cat([seen[i]["bias"][which] for i in steps]).double()
+            assert answer["stats"]["count"] == every.numel() == 16 * len(steps)
+            assert answer["stats"]["mean"] == pytest.approx(float(every.mean()), rel=1e-9)
+            assert answer["stats"]["std"] == pytest.approx(float(every.std(correction=0)), rel=1e-9)
+            status, svg = request(server, "GET", f"/api/chart.svg?key=body.0.Linear&kind={kind}&role=weight")
+            assert status == 200 and f'data-samples="{len(steps)}"' in svg.decode()
+        status, answer = request(server, "GET", "/api/stats?key=body.0.Linear&kind=weight&role=running_mean")
+        assert status == 404 and answer["roles"] == ["weight", "bias"]
+
+
+def test_bins_hold_while_the_range_grows_inside_and_are_the_recorders_edges() -> None:
+    from fwdtrace.live.sampler import Sampler
+    from fwdtrace.recorder import views
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity())
+    sampler = Sampler(model, bins=32)
+    canvas = views.FrameCanvas(bins=32)
+    try:
+        sampler.arm("0.Identity", "forward")
+        base = torch.randn(2, 500)
+        series = [base, base * 0.5, base * 0.8, base * 1.0, base * 3 + 2, base]  # grows inside, then leaves
+        recorder_edges = []
+        for x in series:
+            model(x)
+            canvas.draw("k", views.reduce(x, ("histogram",)), ("histogram",))
+            recorder_edges.append(canvas.panels["histogram"].artist.get_data().edges.tolist())
+        samples = sampler.samples("0.Identity", "forward")
+        edges = [s["tensors"][1]["bin_edges"] for s in samples]
+        assert edges == recorder_edges  # the page's bins are the video's
+        assert edges[0] == edges[1] == edges[2] == edges[3] and edges[4] == edges[5] != edges[0]
+        for s, x in zip(samples, series, strict=True):
+            assert s["tensors"][1]["histogram"] == np.histogram(x.double().numpy(), bins=s["tensors"][1]["bin_edges"])[0].tolist()
+        stats = sampler.stats("0.Identity", "forward", "output")
+        assert stats["rebins"] == 1 and stats["bin_edges"] == edges[-1]  # every sample, re-binned onto the grown edges
+        assert stats["histogram"] == np.histogram(torch.cat(series).double().numpy(), bins=edges[-1])[0].tolist()
+        # Edges the user sets are kept; what falls outside is counted.
+        sampler.arm("0.Identity", "forward", bins=[-1.0, 0.0, 1.0])
+        model(torch.tensor([-2.0, -0.5, 0.5, 0.7, 3.0]))
+        [t] = [t for t in sampler.samples("0.Identity", "forward")[0]["tensors"] if t["role"] == "output"]
+        assert (t["bin_edges"], t["histogram"], t["underflow"], t["overflow"]) == ([-1.0, 0.0, 1.0], [1, 2], 1, 1)
+    finally:
+        sampler.close()
+
+
+def test_a_layer_with_several_outputs_has_one_series_per_tensor() -> None:
+    from fwdtrace.live.sampler import Sampler
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 3)
+    model = nn.Sequential(lstm)
+    outputs: list[Any] = []
+    lstm.register_forward_hook(lambda m, a, out: outputs.append((out[0].detach(), out[1][0].detach(), out[1][1].detach())))
+    sampler = Sampler(model)
+    try:
+        sampler.arm("0.LSTM", "forward")
+        for _ in range(2):
+            model(torch.randn(5, 2, 4) * 3)
+        roles = ["output[0]", "output[1][0]", "output[1][1]"]
+        assert sampler.arm_of("0.LSTM", "forward").roles() == ["input", *roles]
+        for sample, refs in zip(sampler.samples("0.LSTM", "forward"), outputs, strict=True):
+            by_role = {t["role"]: t for t in sample["tensors"]}
+            for role, ref in zip(roles, refs, strict=True):
+                assert by_role[role]["shape"] == list(ref.shape)
+                assert by_role[role]["mean"] == pytest.approx(float(ref.double().mean()), rel=1e-9)
+                assert by_role[role]["std"] == pytest.approx(float(ref.double().std(correction=0)), rel=1e-9)
+        for role, i in zip(roles, range(3), strict=True):  # running statistics per tensor, not merged
+            every = torch.cat([refs[i].reshape(-1) for refs in outputs]).double()
+            stats = sampler.stats("0.LSTM", "forward", role)
+            assert stats["count"] == every.numel() and stats["mean"] == pytest.approx(float(every.mean()), rel=1e-9)
+    finally:
+        sampler.close()
+
+
+def test_chart_titles_give_each_bins_count_and_each_steps_statistics() -> None:
+    import xml.etree.ElementTree as ET
+
+    from fwdtrace.live.sampler import Sampler
+    from fwdtrace.live.svg import histogram_svg
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity())
+    sampler = Sampler(model, bins=16)
+    try:
+        sampler.arm("0.Identity", "forward", every=2)
+        inputs = [torch.randn(300) * (1 + i) for i in range(7)]
+        for x in inputs:
+            model(x)
+        samples = sampler.samples("0.Identity", "forward")
+    finally:
+        sampler.close()
+    root = ET.fromstring(histogram_svg(samples, "output"))
+    by_step = {s["step"]: x for s, x in zip(samples, inputs[::2], strict=True)}
+    bins = [(r.get("class"), r.findtext(f"{SVG}title")) for r in root.iter(f"{SVG}rect") if r.get("class") == "bin"]
+    seen = 0
+    for _, title in bins:  # "step 3: 41 in [-0.5, 0)": the count numpy gives for that step's values in that bin
+        step, count, low, high = re.fullmatch(r"step (\d+): (\d+) in \[(\S+), (\S+)\)", title or "").groups()
+        x = by_step[int(step)].double()
+        assert int(count) == int(((x >= float(low)) & (x < float(high))).sum()) > 0
+        seen += int(count)
+    assert seen == sum(x.numel() for x in by_step.values())  # every value is in one titled bin
+    points = [c.findtext(f"{SVG}title") for c in root.iter(f"{SVG}circle")]
+    assert len(points) == len(samples)
+    for title, (step, x) in zip(points, by_step.items(), strict=True):
+        got = dict(kv.split("=") for kv in re.fullmatch(rf"step {step}: (.*)", title or "").group(1).split())
+        x = x.double()
+        for name, ref in (("mean", x.mean()), ("std", x.std(correction=0)), ("min", x.min()), ("max", x.max())):
+            assert float(got[name]) == pytest.approx(float(ref), rel=1e-5, abs=1e-12), name
+    yticks = [float(t.text or "") for t in root.iter(f"{SVG}text") if t.get("class") == "ytick"]
+    edges = samples[-1]["tensors"][1]["bin_edges"]
+    assert len(yticks) >= 3 and all(edges[0] <= v <= edges[-1] for v in yticks)
+    xticks = [int(t.text or "") for t in root.iter(f"{SVG}text") if t.get("class") == "xtick"]
+    assert xticks == [s["step"] for s in samples]  # four samples: each named
+
+
+def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() -> None:
+    from fwdtrace.live import log_scalar, scalars
+
+    model = _model()
+    log_scalar("loss", 1.0)  # no service running: nothing kept, nothing raised
+    references = []
+    with fwdtrace.serve(model, port=0) as server:
+        assert scalars._logs == (server.sampler.scalars,)
+        root = request(server, "GET", "/api/status")[1]["root"]
+        assert root == "Net"
+        assert request(server, "POST", "/api/sample", {"key": root, "kind": "health"})[0] == 200
+        for i in range(3):
+            model.zero_grad()
+            x = torch.randn(5, 8)
+            if i == 1:
+                x[0, 2] = float("nan")  # NaN in every gradient of this step
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            references.append((float(torch.nn.utils.get_total_norm(grads)),
+                               sum(int(torch.isnan(g).sum()) for g in grads), sum(int(torch.isinf(g).sum()) for g in grads)))
+            log_scalar("loss", loss)  # a 0-d tensor that requires grad
+            log_scalar("lr", 0.1, step=100 + i)
+        assert references[1][1] > 0 and references[0][1] == 0
+        threads = [threading.Thread(target=lambda t=t: [log_scalar(f"thread{t}", float(k)) for k in range(300)])
+                   for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        status, answer = request(server, "GET", "/api/scalars")
+        health = [f"{root}/grad_inf", f"{root}/grad_nan", f"{root}/grad_norm"]
+        assert answer["names"] == sorted([*health, "loss", "lr", *(f"thread{t}" for t in range(4))])
+        got = answer["scalars"]
+        assert got[f"{root}/grad_norm"]["steps"] == [1, 2, 3]
+        norms = got[f"{root}/grad_norm"]["values"]
+        assert norms[1] is None and np.isnan(references[1][0])  # NaN goes out as JSON null
+        assert [norms[0], norms[2]] == pytest.approx([references[0][0], references[2][0]], rel=1e-6)
+        assert got[f"{root}/grad_nan"]["values"] == [r[1] for r in references]
+        assert got[f"{root}/grad_inf"]["values"] == [r[2] for r in references]
+        assert got["lr"] == {"steps": [100, 101, 102], "values": [0.1] * 3, "seq": got["lr"]["seq"]}
+        assert got["loss"]["steps"] == [1, 2, 3] and got["loss"]["values"][1] is None
+        for t in range(4):  # every point of every thread, in order
+            assert got[f"thread{t}"]["values"] == [float(k) for k in range(300)]
+        since = got["lr"]["seq"]
+        later = request(server, "GET", f"/api/scalars?since={since}")[1]["scalars"]
+        assert "lr" not in later and len(later["thread0"]["values"]) <= 300
+        status, svg = request(server, "GET", "/api/scalar.svg?name=lr")
+        assert status == 200 and "<title>step 101: lr=0.1</title>" in svg.decode()
+        status, answer = request(server, "GET", "/api/scalar.svg?name=los")
+        assert status == 404 and "loss" in answer["names"]
+        with pytest.raises(FwdtraceError, match=r"^log_scalar\(\) expected value as a number or a one-element real tensor"):
+            log_scalar("x", torch.ones(2))
+        with pytest.raises(FwdtraceError, match=r"^log_scalar\(\) expected name as a non-empty str"):
+            log_scalar(3, 1.0)  # type: ignore[arg-type]
+    assert scalars._logs == ()

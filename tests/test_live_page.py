@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_live import KeyNet, Net, request, train_steps
+import zoo
+from test_live import KeyNet, Net, request
 
 import fwdtrace
+import fwdtrace.live
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -72,10 +75,14 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Net()
     stop = threading.Event()
+    losses: dict[int, float] = {}  # what the loop logged, by step: the reference for the page's hover titles
 
     def training() -> None:
         while not stop.is_set():
-            train_steps(model, 1)
+            loss = model(torch.randn(5, 8)).pow(2).mean()
+            zoo.sgd_step(model, loss)
+            losses[len(losses)] = float(loss.detach())
+            fwdtrace.live.log_scalar("loss", loss.detach(), step=len(losses) - 1)
             time.sleep(0.02)
 
     trainer = threading.Thread(target=training, daemon=True)
@@ -106,6 +113,36 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             assert len(bins) >= 2
             table = find(By.CSS_SELECTOR, 'div.panel[data-key="body.2.Linear"] table tr')
             assert [r.text.split()[0] for r in table[1:]] == ["input", "output"]
+
+            # The weight kind, chosen next to forward/grad, arms the parameters of the clicked layer.
+            from selenium.webdriver.support.select import Select
+
+            Select(driver.find_element(By.ID, "kind")).select_by_value("weight")  # type: ignore[attr-defined]
+            target = next(n for n in nodes if n.get_attribute("data-key") == "body.0.Linear")
+            ActionChains(driver).move_to_element(target).click().perform()  # type: ignore[arg-type]
+            _wait(lambda: any(a["key"] == "body.0.Linear" and a["kind"] == "weight" and a["armed"]
+                              for a in request(server, "GET", "/api/status")[1]["arms"]), what="the weight arm")
+            panel = 'div.panel[data-key="body.0.Linear"][data-kind="weight"]'
+            for role in ("weight", "bias"):
+                _wait(lambda role=role: [e for e in find(By.CSS_SELECTOR, f'{panel} svg.fw-hist[data-role="{role}"]')
+                                         if int(e.get_attribute("data-samples")) >= 1], what=f"the {role} histogram")
+            title = _wait(lambda: find(By.CSS_SELECTOR, f'{panel} svg.fw-hist[data-role="bias"] rect.bin title'),
+                          what="a bin's title")[0].get_attribute("textContent")
+            assert re.fullmatch(r"step \d+: \d+ in \[\S+, \S+\)", title), title
+
+            # log_scalar's curve, with hover titles giving the value logged at each step.
+            curve = 'div.chart.scalar[data-name="loss"] svg.fw-scalar circle.point title'
+            titles = _wait(lambda: find(By.CSS_SELECTOR, curve), what="the loss curve")
+            step, value = re.fullmatch(r"step (\d+): loss=(\S+)", titles[-1].get_attribute("textContent")).groups()
+            assert float(value) == pytest.approx(losses[int(step)], rel=1e-5)
+
+            # The health toggle arms the gradient norm on the whole model; its curve appears.
+            driver.find_element(By.ID, "health").click()  # type: ignore[attr-defined]
+            root = request(server, "GET", "/api/status")[1]["root"]
+            _wait(lambda: find(By.CSS_SELECTOR, f'div.chart.scalar[data-name="{root}/grad_norm"] circle.point'),
+                  what="the gradient norm's curve")
+            assert any(a["kind"] == "health" and a["key"] == root and a["armed"]
+                       for a in request(server, "GET", "/api/status")[1]["arms"])
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(str(ARTIFACTS / "live_page.png"))  # type: ignore[attr-defined]
 
@@ -117,9 +154,12 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             first = int(back.get_attribute("min"))
             driver.execute_script(  # type: ignore[attr-defined]
                 "arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))", back, first + 2)
-            labels = lambda: [t.text for t in find(By.CSS_SELECTOR, chart + " text")]  # noqa: E731
-            _wait(lambda: f"step {first}" in labels() and f"step {first + 2}" in labels(), what=f"the chart of steps {first}..")
-            assert find(By.CSS_SELECTOR, chart)[0].get_attribute("data-samples") == "3"
+            on_disk = request(server, "GET", f"/api/samples?key=body.2.Linear&kind=forward&before={first + 3}")[1]
+            want = [s["step"] for s in on_disk["samples"]]
+            assert want and want[0] == first and want[-1] <= first + 2
+            titles = lambda: [t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, chart + " circle title")]  # noqa: E731
+            _wait(lambda: [int(t.split(":")[0].split()[1]) for t in titles()] == want, what=f"the chart of steps {want}")
+            assert find(By.CSS_SELECTOR, chart)[0].get_attribute("data-samples") == str(len(want))
             ring = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward")[1]["samples"]
             assert ring[0]["step"] > first + 2  # beyond what memory holds
             assert find(By.CSS_SELECTOR, panel + " .window")[0].text == f"samples up to step {first + 2}"
@@ -161,7 +201,6 @@ def _free_port() -> int:
 
 def test_model_explorer_renders_a_bert_graph(tmp_path: Path) -> None:
     """fwdtrace.view() in a child process serves a small BERT's graph; Model Explorer's page lays it out."""
-    import re
     import subprocess
     import sys
 

@@ -181,6 +181,8 @@ def test_an_export_without_the_cache_leaves_it_out_and_says_so() -> None:
     report = fwdtrace.check_onnx(model, ids, onnx=proto)  # the model returns its cache: 5 outputs
     assert report.ok, report.text
     assert "outputs the export does not return, left out: past_key_values.layers[0].keys" in report.text
+    assert report.left_out == [f"past_key_values.layers[{i}].{kv}" for i in range(2) for kv in ("keys", "values")]
+    assert report.to_dict()["left_out"] == report.left_out
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])

@@ -472,8 +472,6 @@ def exported_beyond():
 @pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("name", BEYOND)
 def test_models_beyond_the_zoo_agree(exported_beyond, name: str, exporter: str) -> None:
-    if exporter == "fwdtrace" and name in EMIT_DIFFERS:
-        pytest.skip(EMIT_DIFFERS[name])
     model, kwargs, graph, proto = exported_beyond(name, exporter)
     assert_runs_like_torch(proto, model(**kwargs), *kwargs.values())
     report = fwdtrace.compare_onnx(graph, proto)
@@ -1149,10 +1147,6 @@ EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace"), ("ragged_adaptive_po
                 ("packed_lstm", "dynamo"), ("packed_lstm", "fwdtrace")}
 # exports that compute something else, which the check reports (test_dropped_writes_through_a_view_are_caught)
 DISHONEST = {("writes_through_views", "torchscript")}
-# fwdtrace's emission where it does not yet agree (issue 12's open points, in the README)
-EMIT_DIFFERS = {
-    "ragged_adaptive_pool": "the emitted decomposition divides a float by an int64 count: onnxruntime refuses the model",
-}
 
 
 @pytest.fixture(scope="module")
@@ -1177,8 +1171,6 @@ def test_real_model_patterns_agree(exported_patterns, name: str, exporter: str) 
         pytest.skip("the exporter itself fails on this model")
     if (name, exporter) in DISHONEST:
         pytest.skip("the export computes something else")
-    if exporter == "fwdtrace" and name in EMIT_DIFFERS:
-        pytest.skip(EMIT_DIFFERS[name])
     model, inputs, graph, proto, _ = exported_patterns(name, exporter)
     flat = [t for a in inputs for t in (a.values() if isinstance(a, dict) else [a])]
     if len(proto.graph.input) < len(flat):  # an input nothing reads was dropped: feed the others by name

@@ -111,6 +111,31 @@ def test_an_op_whose_onnx_form_has_another_dtype_is_cast_to_eagers() -> None:
     assert run_ort(proto, {"ids": ids})["output_0"].dtype == np.int64
 
 
+class MixedDtypes(nn.Module):
+    """Elementwise ops on tensors of two dtypes, which torch promotes (torch.result_type) and ONNX does not."""
+
+    def forward(self, f: torch.Tensor, i64: torch.Tensor, i32: torch.Tensor, h: torch.Tensor,
+                s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (f * i64, f / i32, i32 + i64, i64 / i32,  # float32, float32, int64, float32 (true division)
+                i32 < f, torch.where(i32 > 2, i32, f),  # compared in float32; float32
+                h * s, h + f, f + i32.bool())  # a 0-dim float32 keeps float16; float32; bool promotes too
+
+
+def test_elementwise_ops_on_mixed_dtypes_promote_as_torch_does() -> None:
+    torch.manual_seed(0)
+    feeds = {"f": torch.randn(2, 3), "i64": torch.randint(-4, 5, (2, 3)),
+             "i32": torch.randint(1, 5, (2, 3), dtype=torch.int32), "h": torch.randn(2, 3).half(),
+             "s": torch.tensor(1.5)}
+    proto = fwdtrace.to_onnx(MixedDtypes(), *feeds.values())
+    onnx.checker.check_model(proto, full_check=True)
+    want = MixedDtypes()(*feeds.values())
+    got = list(run_ort(proto, feeds).values())
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (k, str(g.dtype)) == (k, str(w.numpy().dtype))
+        np.testing.assert_allclose(g.astype(np.float64), w.double().numpy(), rtol=1e-3, atol=1e-6, err_msg=str(k))
+
+
 # -- Python control flow on values ----------------------------------------------------------------
 def test_control_flow_on_values_follows_the_branch_the_example_took() -> None:
     torch.manual_seed(0)
@@ -129,6 +154,37 @@ def test_control_flow_on_values_follows_the_branch_the_example_took() -> None:
     ops = {n.op_type for n in proto.graph.node}
     assert "Tanh" not in ops
     assert_matches(fwdtrace.to_onnx(model, dark), {"x": dark}, {"output": model(dark)})
+
+
+class TopRows(nn.Module):
+    """Rows picked by topk, each indexed with a 0-dim tensor (a detector's per-box loop)."""
+
+    def forward(self, scores: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        top = scores.topk(2).indices
+        return torch.stack([feats[0, top[i], :3].exp() for i in range(2)]), feats[..., top[-1]], feats[None, top[0]]
+
+
+class WriteThroughPicked(nn.Module):
+    def forward(self, scores: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        feats = feats.clone()
+        row = feats[scores.argmax()]
+        row.mul_(2)  # writes feats' row: eager's select is a view
+        return feats
+
+
+def test_a_0_dim_tensor_index_stays_an_input_of_the_graph() -> None:
+    torch.manual_seed(0)
+    example, other = (torch.randn(6), torch.randn(6, 6, 6)), (torch.randn(6), torch.randn(6, 6, 6))
+    model = TopRows()
+    proto = fwdtrace.to_onnx(model, *example)
+    for scores, feats in (example, other):  # other scores pick other rows
+        want = model(scores, feats)
+        assert_matches(proto, {"scores": scores, "feats": feats}, {f"output_{k}": w for k, w in enumerate(want)})
+    assert {"TopK", "Gather"} <= {n.op_type for n in proto.graph.node}
+    # a write through such a selection must reach the tensor selected from: the example's index then
+    scores, feats = example[0], example[1][0]
+    proto = fwdtrace.to_onnx(WriteThroughPicked(), scores, feats)
+    assert_matches(proto, {"scores": scores, "feats": feats}, {"output": WriteThroughPicked()(scores, feats)})
 
 
 def test_multihead_attention_fast_path_under_no_grad() -> None:

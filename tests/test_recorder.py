@@ -550,10 +550,14 @@ def test_two_models_with_one_key_need_a_name(tmp_path: Path) -> None:
     rec.stop()
 
 
-def test_import_fwdtrace_does_not_import_the_drawing_libraries() -> None:
-    code = "import fwdtrace, sys; fwdtrace.Recorder; print([m for m in ('matplotlib', 'imageio') if m in sys.modules])"
+def test_the_worker_never_imports_torch_and_training_never_imports_the_drawing_libraries() -> None:
+    # A worker (python -m fwdtrace.recorder) only draws: what it imports, without torch (seconds and
+    # hundreds of MB per worker); then the training side, without matplotlib or imageio.
+    code = ("import sys, fwdtrace.recorder.worker, fwdtrace.recorder.views; "
+            "print('torch' in sys.modules); import fwdtrace; fwdtrace.Recorder; "
+            "print('torch' in sys.modules, [m for m in ('matplotlib', 'imageio') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.split("\n")[:2] == ["False", "True []"]
 
 
 # -- views and files, in this process ----------------------------------------------------------------

@@ -65,6 +65,9 @@ class ReopenedServer(Server):
     def _sampled(self, kind: str) -> tuple[list[str], str]:
         return sorted({s["key"] for s in self._series() if s["kind"] == kind}), "the run kept none of it"
 
+    def _roles(self, key: str, kind: str) -> list[str]:
+        return [s["role"] for s in self._series() if (s["key"], s["kind"]) == (key, kind)]
+
     def _series(self) -> list[dict[str, Any]]:
         assert self.history is not None
         return self.history.series()
@@ -76,7 +79,8 @@ class ReopenedServer(Server):
             arm = arms.setdefault((s["key"], s["kind"]), {
                 "key": s["key"], "kind": s["kind"], "armed": False, "every": None, "count": None, "raw": False,
                 "calls": None, "taken": 0, "samples": 0, "dropped": 0, "skipped": 0, "over_budget": 0, "ring": None,
-                "error": None, "first_step": s["first_step"], "last_step": s["last_step"]})
+                "error": None, "first_step": s["first_step"], "last_step": s["last_step"], "roles": []})
+            arm["roles"].append(s["role"])
             arm["samples"], arm["taken"] = max(arm["samples"], s["rows"]), max(arm["taken"], s["appended"])
             arm["dropped"] = arm["taken"] - arm["samples"]
             for end, pick in (("first_step", min), ("last_step", max)):
@@ -89,7 +93,8 @@ class ReopenedServer(Server):
         arms = self._arms()
         root = next((row["class"] for row in self._key_rows if not row.get("path")), "")
         steps = [a["last_step"] for a in arms if a["last_step"] is not None]
-        return _json({"step": max(steps, default=0), "rank": 0, "world_size": 1, "model": root,
+        root_key = next((row["key"] for row in self._key_rows if not row.get("path")), "")
+        return _json({"step": max(steps, default=0), "rank": 0, "world_size": 1, "model": root, "root": root_key,
                       "graph": "ready" if self.graph is not None else self.graph_error, "arms": arms,
                       "history": self._history_info(), "read_only": True})
 
@@ -106,15 +111,40 @@ class ReopenedServer(Server):
             raise _Reply(409, f"expected format=json: a run's history keeps summaries, no raw values "
                               f"(got format={query['format']!r})")
         info = next(a for a in self._arms() if (a["key"], a["kind"]) == (key, kind))
-        return _json({**info, "rank": 0, "source": "history", "samples": self._older(key, kind, query)})
+        # since= asks a live service for samples newer than those seen: a finished run has none
+        newer = "since" in query and "before" not in query and "limit" not in query
+        return _json({**info, "rank": 0, "source": "history", "samples": [] if newer else self._older(key, kind, query)})
 
     def stats(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
-        which, kind, role = self._which(query)
+        kind, asked = self._which(query)
         key = self._key(query, armed_kind=kind)
+        role = self._role(key, kind, asked)
         assert self.history is not None
         rows = self.history.rows(key, kind, role, _before(query))
         info = next(a for a in self._arms() if (a["key"], a["kind"]) == (key, kind))
-        return _json({**info, "which": which, "stats": pooled(rows), "over": "the rows kept in the history"})
+        return _json({**info, "which": f"{kind}_{role}", "role": role, "stats": pooled(rows),
+                      "over": "the rows kept in the history"})
+
+    def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        assert self.history is not None
+        names = self.history.scalar_names()
+        newer = "since" in query  # a finished run has no points newer than those a client saw
+        series = {} if newer else {n: _points(self.history.scalars(n)) for n in names}
+        return _json({"names": names, "scalars": series, "seq": None, "refused": 0})
+
+    def scalar_chart(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        from .svg import scalar_svg
+
+        assert self.history is not None
+        name = query.get("name") or ""
+        if name not in self.history.scalar_names():
+            raise _Reply(404, f"no scalar named {name!r} in the run", names=self.history.scalar_names())
+        points = self.history.scalars(name, _before(query))
+        return 200, "image/svg+xml", scalar_svg(name, [(p["step"], p["value"]) for p in points]).encode()
+
+
+def _points(points: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"steps": [p["step"] for p in points], "values": [p["value"] for p in points], "seq": None}
 
 
 def _before(query: dict[str, str]) -> int | None:

@@ -10,6 +10,12 @@ slow client hold training up.
 
 Nor break it: every hook body runs guarded (:meth:`Sampler._guard`, ``on_error``), so an error inside one
 disarms its key (the API and the page show why) and never reaches the training code.
+Parameters and their gradients (kinds ``weight`` and ``weight_grad``) are read once per backward,
+after the gradient is accumulated (:mod:`fwdtrace.params`, as the recorder reads them).
+Each tensor of a sample belongs to a series (its ``role``: ``output``, ``output[1][0]`` of a
+layer returning several, ``bias`` for a parameter) whose histogram bins are
+:class:`~fwdtrace.bins.SteadyBins`, the recorder's: steady while values stay inside, doubled when
+one leaves them.
 Gradients are taken with tensor hooks on the module's inputs and outputs (:mod:`fwdtrace.grads`),
 not module full backward hooks: those wrap the output in a custom autograd function that makes
 any later in-place op on it (``ReLU(inplace=True)`` after the layer) raise in the training loop.
@@ -24,22 +30,28 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from .._tree import dtype_name, tensors_of
+from .._tree import dtype_name, iter_tensors
+from ..bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..grads import register_grad_hook
 from ..keys import key2module, select_modules
+from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from ..stats import RunningStats
+from .scalars import ScalarLog
 
-__all__ = ["Sampler", "SamplerClosed", "Arm", "KINDS", "ROLES"]
+__all__ = ["Sampler", "SamplerClosed", "Arm", "Series", "KINDS", "ROLES"]
 
-KINDS = ("forward", "grad")
+# health: no samples, scalars per backward (gradient norm, NaN and Inf counts of the parameters' gradients).
+KINDS = ("forward", "grad", *PARAMETER_KINDS, "health")
+# The groups of a call's tensors; a group of one tensor is one series named after it, a group of
+# several one series per tensor, named by its place (``output[1][0]``). Parameter kinds: one
+# series per parameter, named as named_parameters() names it under the module (``weight``).
 ROLES = {"forward": ("input", "output"), "grad": ("grad_input", "grad_output")}
-_MARGIN = 0.25  # histogram bins span the first sample's range and a quarter of it on each side
 _SUMMARY_BYTES = 64  # a rough cost of one number of a summary kept as Python objects (a float and its slot)
 
 
@@ -51,19 +63,60 @@ def distributed_rank() -> tuple[int, int]:
     return 0, 1
 
 
-class Arm:
-    """Sampling armed on one module key for one kind: its counters, ring buffer and running statistics."""
+class Series:
+    """One tensor of an arm's samples over steps (a ``role``): running moments and a histogram on steady bins.
 
-    def __init__(self, key: str, kind: str, every: int, count: int | None, raw: bool, ring: int, bins: int) -> None:
+    >>> s = Series(4)
+    >>> s.add(torch.tensor([0.0, 0.15, 0.3, 0.45]))["histogram"], s.add(torch.tensor([0.9]))["bin_edges"]
+    ([1, 1, 1, 1], [0.0, 0.25, 0.5, 0.75, 1.0])
+
+    Each sample's histogram is on the edges in use when it was added: the same as the running
+    histogram's after it, and as a recorder video's frames for the same values.
+    """
+
+    def __init__(self, bins: int | tuple[float, ...]) -> None:
+        self.lock = threading.Lock()  # the summariser writes, HTTP threads read; never the training thread
+        self.moments = RunningStats(histogram=False)
+        self.bins = SteadyBins(bins)
+
+    def add(self, t: torch.Tensor) -> dict[str, Any]:
+        """Add a numeric tensor; its own statistics and histogram."""
+        sample = RunningStats(histogram=False)
+        sample.update(t)
+        values = t.detach().reshape(-1).to("cpu", torch.float64).numpy()
+        with self.lock:
+            counts, under, over = self.bins.add(values)
+            edges = self.bins.edges
+            self.moments.merge(sample)
+        d = sample.to_dict()
+        return {**{name: d[name] for name in ("mean", "std", "min", "max", "nan", "inf", "zero_fraction")},
+                "histogram": counts.tolist(), "bin_edges": edges.tolist(), "underflow": under, "overflow": over}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every running statistic, the histogram of all samples on the current edges included."""
+        with self.lock:
+            d = self.moments.to_dict()
+            d.update(histogram=self.bins.counts.tolist(), bin_edges=self.bins.edges.tolist(),
+                     underflow=self.bins.underflow, overflow=self.bins.overflow, rebins=self.bins.rebins)
+        return d
+
+
+class Arm:
+    """Sampling armed on one module key for one kind: its counters, ring buffer and series."""
+
+    def __init__(self, key: str, kind: str, every: int, count: int | None, raw: bool, ring: int,
+                 bins: int | tuple[float, ...], roles: Iterable[str] = ()) -> None:
         self.key, self.kind, self.every, self.count, self.raw = key, kind, every, count, raw
         self.lock = threading.Lock()
-        self.calls = 0  # calls of the module seen since arming
-        self.taken = 0  # calls sampled
+        # [calls seen since arming, calls sampled]: one counter for a module's calls, one per
+        # parameter for parameter kinds (each is called back once per backward).
+        self.counters: dict[str, list[int]] = {}
         self.appended = 0  # samples ever put in the buffer; the ring keeps the newest
         self.skipped = 0  # sampled calls not summarised: the summariser's queue was full
         self.over_budget = 0  # samples, or their raw values, refused for the sampler's memory budget
         self.buffer: deque[tuple[dict[str, Any], list[torch.Tensor | None]]] = deque(maxlen=ring)
-        self.stats = {role: RunningStats(bins) for role in ROLES[kind]}
+        self.bins = bins
+        self.series = {role: Series(bins) for role in roles}  # more appear as samples name them
         self.handles: list[Any] = []
         self.armed = True
         self.error: str | None = None
@@ -72,13 +125,32 @@ class Arm:
     def dropped(self) -> int:
         return self.appended - len(self.buffer)
 
+    @property
+    def calls(self) -> int:
+        return max((c[0] for c in self.counters.values()), default=0)
+
+    @property
+    def taken(self) -> int:
+        return max((c[1] for c in self.counters.values()), default=0)
+
+    def series_of(self, role: str) -> Series:
+        with self.lock:
+            series = self.series.get(role)
+            if series is None:
+                series = self.series[role] = Series(self.bins)
+            return series
+
+    def roles(self) -> list[str]:
+        with self.lock:
+            return list(self.series)
+
     def info(self) -> dict[str, Any]:
         with self.lock:
             return {
                 "key": self.key, "kind": self.kind, "every": self.every, "count": self.count, "raw": self.raw,
                 "armed": self.armed, "calls": self.calls, "taken": self.taken, "samples": len(self.buffer),
                 "dropped": self.dropped, "skipped": self.skipped, "over_budget": self.over_budget,
-                "ring": self.buffer.maxlen, "error": self.error,
+                "ring": self.buffer.maxlen, "error": self.error, "roles": list(self.series),
             }
 
     def detach(self) -> None:
@@ -95,7 +167,7 @@ class Arm:
 
 
 class Sampler:
-    """Arms forward or gradient sampling on a model's modules by key, and keeps what it samples.
+    """Arms sampling of a model's modules by key (their calls, gradients, parameters), and keeps what it samples.
 
     >>> import torch
     >>> from fwdtrace.live.sampler import Sampler
@@ -109,24 +181,24 @@ class Sampler:
 
     ``ring`` samples are kept per key and kind, the oldest dropped first (``dropped`` counts
     them); at most ``pending`` sampled calls wait for the summariser, more are skipped
-    (``skipped`` counts them). A sampled call keeps, per tensor, its shape, dtype, statistics and a ``bins``-bin
-    histogram on bins fixed by the arm's first sample (its min to max and a quarter of that
-    span on each side; values outside are counted as ``underflow``/``overflow``), the same bins as the running statistics; raw
-    values only when armed with ``raw=True`` and at most ``raw_cap`` elements. All of it
+    (``skipped`` counts them). A sample keeps, per tensor, its series (``role``), shape, dtype,
+    statistics and a histogram on its series' :class:`~fwdtrace.bins.SteadyBins` (``bins`` bins
+    from a running range, or the edges given; with given edges values outside are counted as
+    ``underflow``/``overflow``); raw values only when armed with ``raw=True`` and at most ``raw_cap`` elements. All of it
     stays under ``memory`` bytes: a sampled call whose copies do not fit is skipped, raw
     values that do not fit first release the arm's oldest raw values, then are not kept;
     ``over_budget`` counts both.
     """
 
-    def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22,
-                 pending: int = 32, memory: int = 256 << 20) -> None:
-        for name, value in (("ring", ring), ("bins", bins), ("raw_cap", raw_cap), ("pending", pending),
-                            ("memory", memory)):
+    def __init__(self, model: torch.nn.Module, ring: int = 64, bins: int | Iterable[float] = DEFAULT_BINS,
+                 raw_cap: int = 1 << 22, pending: int = 32, memory: int = 256 << 20) -> None:
+        for name, value in (("ring", ring), ("raw_cap", raw_cap), ("pending", pending), ("memory", memory)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise FwdtraceError(f"serve() expected {name} as a positive int, got {value!r}")
         self.model = model
         self.key2module = key2module(model)
-        self.ring, self.bins, self.raw_cap, self.memory = ring, bins, raw_cap, memory
+        self.ring, self.raw_cap, self.memory = ring, raw_cap, memory
+        self.bins = check_bins_spec(bins, "serve()")
         self.rank, self.world_size = distributed_rank()
         self.step = 0  # forwards of the root model, the page's "training step"
         self.arms: dict[tuple[str, str], Arm] = {}
@@ -145,6 +217,8 @@ class Sampler:
         self._worker = threading.Thread(target=self._summarise_queued, name="fwdtrace-live-summaries", daemon=True)
         self._worker.start()
         self._step_handle = model.register_forward_pre_hook(self._count_step)
+        self.scalars = ScalarLog(lambda: self.step)  # fed by fwdtrace.live.log_scalar and health arms
+        self.scalars.register()
 
     def _count_step(self, module: torch.nn.Module, args: tuple) -> None:
         if self.quiet_thread != threading.get_ident():
@@ -155,10 +229,16 @@ class Sampler:
         """The keys a key or glob names; an unknown one raises with the closest keys."""
         return list(select_modules(self.key2module, selector, "serve()", type(self.model).__name__))
 
-    def arm(self, selector: str, kind: str, every: int = 1, count: int | None = None, raw: bool = False) -> list[str]:
-        """Sample every ``every``-th call of the selected modules (``count`` samples, then stop); returns the keys."""
+    def arm(self, selector: str, kind: str, every: int = 1, count: int | None = None, raw: bool = False,
+            bins: int | Iterable[float] | None = None) -> list[str]:
+        """Sample every ``every``-th call of the selected modules (``count`` samples, then stop); returns the keys.
+
+        Parameter kinds (``weight``, ``weight_grad``) count backwards instead of calls, per
+        parameter. ``bins`` overrides the sampler's bins for these arms.
+        """
         if kind not in KINDS:
-            raise FwdtraceError(f"arm() expected kind 'forward' or 'grad', got {kind!r}")
+            raise FwdtraceError(f"arm() expected kind as one of {', '.join(KINDS)}, got {kind!r}")
+        spec = self.bins if bins is None else check_bins_spec(bins, "arm()")
         keys = self.select(selector)
         # Hooks are added under the lock that close() takes: an arm racing stop() either lands
         # before close() (which then removes it) or finds the sampler closed; never in between.
@@ -166,12 +246,18 @@ class Sampler:
             if self.closed:
                 raise SamplerClosed("the live service is stopped: nothing can be armed any more")
             for key in keys:
-                arm = Arm(key, kind, every, count, raw, self.ring, self.bins)
                 module = self.key2module[key]
+                parameters = module_parameters(module) if kind in PARAMETER_KINDS else []
+                arm = Arm(key, kind, every, count, raw, self.ring, spec, [name for name, _ in parameters])
                 if kind == "forward":
                     arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
-                else:
+                elif kind == "grad":
                     arm.handles.append(self._grad_hooks(arm, module))
+                elif kind == "health":
+                    parameters = module_parameters(module)
+                    arm.handles.extend(after_backward(parameters, self._health_hook(arm, parameters)))
+                else:
+                    arm.handles.extend(after_backward(parameters, self._parameter_hook(arm)))
                 old = self.arms.get((key, kind))
                 self.arms[(key, kind)] = arm
                 if old is not None:
@@ -182,7 +268,7 @@ class Sampler:
         return keys
 
     def disarm(self, selector: str, kind: str | None = None) -> list[str]:
-        """Stop sampling the selected keys (one kind, or both); their samples stay readable. Returns the keys."""
+        """Stop sampling the selected keys (one kind, or all); their samples stay readable. Returns the keys."""
         keys = set(self.select(selector))
         done = []
         with self._arms_lock:
@@ -199,21 +285,25 @@ class Sampler:
             for arm in self.arms.values():
                 arm.detach()
         self._step_handle.remove()
+        self.scalars.unregister()
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()
 
     # -- the hooks (training side) ----------------------------------------------------------------
-    def _take(self, arm: Arm) -> int | None:
-        """Count a call; its number when it is to be sampled, else None."""
+    def _take(self, arm: Arm, counter: str = "") -> int | None:
+        """Count a call (of ``counter``: a parameter's name for parameter kinds); its number when it is to be sampled, else None."""
         if not arm.armed or self.quiet_thread == threading.get_ident():
             return None
         with arm.lock:
-            arm.calls += 1
-            call = arm.calls
-            if (call - 1) % arm.every or (arm.count is not None and arm.taken >= arm.count):
+            counts = arm.counters.get(counter)
+            if counts is None:
+                counts = arm.counters[counter] = [0, 0]
+            counts[0] += 1
+            call = counts[0]
+            if (call - 1) % arm.every or (arm.count is not None and counts[1] >= arm.count):
                 return None
-            arm.taken += 1
+            counts[1] += 1
             return call
 
     @staticmethod
@@ -233,22 +323,69 @@ class Sampler:
             call = self._take(arm)
             if call is not None:
                 kwargs = rest[0] if len(rest) == 2 else {}
-                self._submit(arm, call, [("input", tensors_of((args, kwargs))), ("output", tensors_of(rest[-1]))])
+                inputs = [*iter_tensors(args, "input"), *iter_tensors(kwargs, "input")]
+                self._submit(arm, call, _series("input", inputs) + _series("output", list(iter_tensors(rest[-1], "output"))))
 
         return self._guard(arm, "the forward hook", hook)
 
     def _grad_hooks(self, arm: Arm, module: torch.nn.Module) -> Any:
         def on_grads(call: int, grad_input: tuple, grad_output: tuple) -> None:
-            self._submit(arm, call, [("grad_input", [g for g in grad_input if g is not None]),
-                                     ("grad_output", [g for g in grad_output if g is not None])])
+            # grad_input: one slot per positional argument; grad_output: one per tensor of the output.
+            self._submit(arm, call, _series("grad_input", [(f"grad_input[{i}]", g) for i, g in enumerate(grad_input)])
+                         + _series("grad_output", [(f"grad_output[{i}]", g) for i, g in enumerate(grad_output)]))
 
         return register_grad_hook(module, on_grads, begin=lambda m: self._take(arm),
                                   on_error=lambda e: arm.fail("a gradient hook", e))
 
-    def _submit(self, arm: Arm, call: int, groups: list[tuple[str, Iterable[torch.Tensor]]]) -> None:
-        """Copy the tensors (the model may change them in place later) and queue them, never waiting."""
-        groups = [(role, list(tensors)) for role, tensors in groups]
-        size = sum(t.numel() * t.element_size() for _, tensors in groups for t in tensors)
+    def _parameter_hook(self, arm: Arm) -> Any:
+        def hook(name: str, parameter: torch.Tensor) -> None:
+            call = self._take(arm, name)
+            value = None if call is None else parameter_value(parameter, arm.kind)
+            if call is not None and value is not None:
+                self._submit(arm, call, [(name, 0, value)])
+
+        return self._guard(arm, "a parameter hook", hook)
+
+    def _health_hook(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]]) -> Any:
+        """A parameter hook that queues, once per backward, the health scalars for its end.
+
+        Autograd's queued callback runs when the whole backward is done: every gradient of the
+        module is accumulated. The values stay tensors (no device sync in the backward); the
+        scalar log reads them when a client asks.
+        """
+        queued: list[int | None] = [None]  # the step whose backward has the callback queued
+        prefix = arm.key + "/"
+
+        def at_end() -> None:
+            queued[0] = None
+            call = self._take(arm)
+            grads = [p.grad for _, p in parameters if p.grad is not None]
+            if call is None or not grads:
+                return
+            with torch.no_grad():
+                total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+                nan = torch.stack([torch.isnan(g).sum() for g in grads]).sum()
+                inf = torch.stack([torch.isinf(g).sum() for g in grads]).sum()
+            step = self.step
+            for name, value in (("grad_norm", total), ("grad_nan", nan), ("grad_inf", inf)):
+                self.scalars.add(prefix + name, value if value.device.type != "cpu" else float(value), step)
+
+        guarded = self._guard(arm, "the health hook", at_end)
+
+        def hook(name: str, parameter: torch.Tensor) -> None:
+            # (A backward that raised never ran its callback: a later step queues again.)
+            if queued[0] != self.step and arm.armed:
+                queued[0] = self.step
+                torch.autograd.Variable._execution_engine.queue_callback(guarded)
+
+        return self._guard(arm, "a parameter hook", hook)
+
+    def _submit(self, arm: Arm, call: int, tensors: list[tuple[str, int, torch.Tensor]]) -> None:
+        """Copy the tensors (the model may change them in place later) and queue them, never waiting.
+
+        ``tensors``: ``(role, index in its group, tensor)`` for each tensor of the sample.
+        """
+        size = sum(t.numel() * t.element_size() for _, _, t in tensors)
         with self._memory_lock:
             fits = self.retained + self.queued + size <= self.memory
             if fits:
@@ -258,7 +395,7 @@ class Sampler:
                 arm.over_budget += 1
             return
         with torch.no_grad():
-            copies = [(role, [t.detach().clone() for t in tensors]) for role, tensors in groups]
+            copies = [(role, index, t.detach().clone()) for role, index, t in tensors]
         with self._progress:
             self._submitted += 1
         try:
@@ -295,25 +432,16 @@ class Sampler:
             target = self._submitted
             self._progress.wait_for(lambda: self._summarised >= target, timeout)
 
-    def _record(self, arm: Arm, call: int, step: int, when: float, groups: list[tuple[str, list[torch.Tensor]]],
+    def _record(self, arm: Arm, call: int, step: int, when: float, tensors: list[tuple[str, int, torch.Tensor]],
                 size: int) -> None:
+        """Summarise one sampled call and keep it: the one place a sample is made (sinks get it as kept)."""
         summaries: list[dict[str, Any]] = []
         raws: list[torch.Tensor | None] = []
         with torch.no_grad():
-            for role, tensors in groups:
-                running = arm.stats[role]
-                for index, t in enumerate(tensors):
-                    # One pass per tensor: its histogram uses the arm's bins (fixed by the first
-                    # sample), so it is both this sample's and a part of the running statistics.
-                    summary, stats, raw = self._summarise(t, arm.raw, running.range)
-                    summaries.append({"role": role, "index": index, **summary})
-                    raws.append(raw)
-                    if stats is not None:
-                        with arm.lock:
-                            if running.finite == 0 or stats.range == running.range:
-                                running.merge(stats)
-                            else:  # another thread fixed the range first: rare, pay a second pass
-                                running.update(t)
+            for role, index, t in tensors:
+                summary, raw = self._summarise(arm.series_of(role), t, arm.raw)
+                summaries.append({"role": role, "index": index, **summary})
+                raws.append(raw)
             sample = {"step": step, "call": call, "rank": self.rank, "time": when, "tensors": summaries}
             with arm.lock:
                 if self.arms.get((arm.key, arm.kind)) is not arm:  # armed again since: the old samples are gone
@@ -371,27 +499,15 @@ class Sampler:
                 sample, raws = arm.buffer[i]
                 self.retained -= _summary_bytes(sample) + sum(_nbytes(r) for r in raws)
 
-    def _summarise(self, t: torch.Tensor, raw: bool, range: tuple[float, float] | None  # noqa: A002
-                   ) -> tuple[dict[str, Any], RunningStats | None, torch.Tensor | None]:
+    def _summarise(self, series: Series, t: torch.Tensor, raw: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
         out: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "numel": t.numel()}
-        stats = None
-        if t.numel() > 0 and t.dtype != torch.bool and not t.is_complex():
-            if range is None:  # the arm's first sample: its min to max, widened so later steps fit
-                first = RunningStats(1)
-                first.update(t)
-                if first.finite:
-                    pad = (first.max - first.min) * _MARGIN or 0.5
-                    range = (first.min - pad, first.max + pad)
-            stats = RunningStats(self.bins, range)
-            stats.update(t)
-            d = stats.to_dict()
-            for name in ("mean", "std", "min", "max", "nan", "inf", "zero_fraction", "histogram", "bin_edges",
-                         "underflow", "overflow"):
-                out[name] = d[name]
-        out["numeric"] = stats is not None
+        numeric = t.numel() > 0 and t.dtype != torch.bool and not t.is_complex()
+        if numeric:
+            out.update(series.add(t))
+        out["numeric"] = numeric
         keep = raw and t.numel() <= self.raw_cap
         out["raw"] = keep
-        return out, stats, (t.to("cpu") if keep else None)  # t is already our own copy
+        return out, (t.to("cpu") if keep else None)  # t is already our own copy
 
     # -- reading (server side) --------------------------------------------------------------------
     def arm_of(self, key: str, kind: str) -> Arm:
@@ -416,9 +532,11 @@ class Sampler:
         return summary["tensors"][index], raws[index]
 
     def stats(self, key: str, kind: str, role: str) -> dict[str, Any]:
+        """The running statistics of one series of an arm since arming; KeyError for a role it has not seen."""
         arm = self.arm_of(key, kind)
         with arm.lock:
-            return arm.stats[role].to_dict()
+            series = arm.series[role]
+        return series.to_dict()
 
     def memory_info(self) -> dict[str, int]:
         with self._memory_lock:
@@ -429,10 +547,17 @@ class Sampler:
         with self._arms_lock:
             arms = list(self.arms.values())
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "memory": self.memory_info(),
-                "arms": [a.info() for a in arms]}
+                "root": next(k for k, m in self.key2module.items() if m is self.model), "arms": [a.info() for a in arms]}
 
     def __repr__(self) -> str:
         return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+
+
+def _series(group: str, named: Sequence[tuple[str, torch.Tensor | None]]) -> list[tuple[str, int, torch.Tensor]]:
+    """``(role, index, tensor)`` for a group's tensors: one slot is the group's own series, several are named by place."""
+    if len(named) == 1:
+        named = [(group, named[0][1])]
+    return [(role, index, t) for index, (role, t) in enumerate(named) if t is not None]
 
 
 class SamplerClosed(FwdtraceError):

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..keys import closest_keys, key_path
@@ -47,7 +48,8 @@ JOIN_TIMEOUT = 10.0  # stop() waits this long in all for the request threads to 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _WILDCARD = ("0.0.0.0", "::", "")
 _ARM_EXAMPLE = '{"key": "0.Linear", "kind": "forward", "every": 1, "count": null, "raw": false}'
-_WHICH = tuple(f"{kind}_{role.removeprefix('grad_')}" for kind in KINDS for role in ROLES[kind])
+_WHICH = tuple(f"{kind}_{role.removeprefix('grad_')}" for kind in ROLES for role in ROLES[kind])
+_KIND_LIST = "|".join(KINDS)
 
 
 class _Reply(Exception):
@@ -77,7 +79,7 @@ class Server:
     _graph_handle: Any
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, host: str, port: int, token: str | None,
-                 ring: int, bins: int, raw_cap: int, pending: int, memory: int = 256 << 20,
+                 ring: int, bins: int | Sequence[float], raw_cap: int, pending: int, memory: int = 256 << 20,
                  max_connections: int = 32, timeout: float = 10.0, logdir: str | Path | None = None,
                  retention: int | None = None) -> None:
         self.model = model
@@ -281,19 +283,36 @@ class Server:
                              armed=armed, closest=closest_keys(key, armed))
         return key
 
-    def _which(self, query: dict[str, str]) -> tuple[str, str, str]:
-        """``?which=`` of /api/stats: the name, its kind and its role."""
-        which = query.get("which", "forward_output")
-        if which not in _WHICH:
-            raise _Reply(400, f"expected which= one of {', '.join(_WHICH)}, got {which!r}")
-        kind, _, role = which.partition("_")
-        return which, kind, role if kind == "forward" else f"grad_{role}"
+    def _which(self, query: dict[str, str]) -> tuple[str, str | None]:
+        """The kind and the series /api/stats asks for: ``which=forward_output`` (as before series had names)
+        or ``kind=&role=``; None: the arm's output series."""
+        if "which" in query or "kind" not in query:
+            which = query.get("which", "forward_output")
+            if which not in _WHICH:
+                raise _Reply(400, f"expected which= one of {', '.join(_WHICH)} (or kind=&role=), got {which!r}")
+            kind, _, group = which.partition("_")
+            return kind, group if kind == "forward" else f"grad_{group}"
+        return self._kind(query), query.get("role")
 
     def _kind(self, query: dict[str, str]) -> str:
         kind = query.get("kind", "forward")
         if kind not in KINDS:
-            raise _Reply(400, f"expected kind=forward or kind=grad, got {kind!r}")
+            raise _Reply(400, f"expected kind={_KIND_LIST}, got {kind!r}")
         return kind
+
+    def _roles(self, key: str, kind: str) -> list[str]:
+        return self.sampler.arm_of(key, kind).roles()
+
+    def _role(self, key: str, kind: str, role: str | None, unseen_groups: bool = False) -> str:
+        """``role`` if the arm has that series (or, with ``unseen_groups``, is a group it may still
+        see); None: the arm's output (or first) series."""
+        roles = self._roles(key, kind)
+        if role is None:
+            role = next((r for r in roles if r.startswith(("output", "grad_output"))),
+                        roles[0] if roles else ROLES.get(kind, ("",))[-1])
+        if role not in roles and not (unseen_groups and role in ROLES.get(kind, ())):
+            raise _Reply(404, f"{key!r} ({kind}) has no series role={role!r} (yet)", roles=roles)
+        return role
 
     def handle(self, method: str, path: str, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         route = _ROUTES.get((method, path))
@@ -358,37 +377,39 @@ class Server:
             raise _Reply(400, f"expected a JSON object like {_ARM_EXAMPLE}, got invalid JSON ({e})") from None
         if not isinstance(request, dict):
             raise _Reply(400, f"expected a JSON object like {_ARM_EXAMPLE}, got a JSON {type(request).__name__}")
-        unknown = sorted(set(request) - {"key", "kind", "every", "count", "raw"})
+        unknown = sorted(set(request) - {"key", "kind", "every", "count", "raw", "bins"})
         if unknown or not isinstance(request.get("key"), str):
             got = f"unexpected fields {unknown}" if unknown else f"key={request.get('key')!r}"
             raise _Reply(400, f"expected a JSON object like {_ARM_EXAMPLE}, got {got}")
         kind = request.get("kind", "forward")
         if kind not in KINDS:
-            raise _Reply(400, f"expected \"kind\" as \"forward\" or \"grad\", got {kind!r}")
+            raise _Reply(400, f"expected \"kind\" as one of {', '.join(KINDS)}, got {kind!r}")
         raw = request.get("raw", False)
         if not isinstance(raw, bool):
             raise _Reply(400, f"expected \"raw\" as true or false, got {raw!r}")
         try:
             every = check_positive('"every"', request.get("every", 1))
             count = check_positive('"count"', request.get("count"), optional=True)
+            bins = None if request.get("bins") is None else check_bins_spec(request["bins"], '"bins"')
         except FwdtraceError as e:
             raise _Reply(400, str(e)) from None
         key = request["key"]
         try:
-            keys = self.sampler.arm(key, kind, every=every or 1, count=count, raw=raw)
+            keys = self.sampler.arm(key, kind, every=every or 1, count=count, raw=raw, bins=bins)
         except SamplerClosed as e:
             raise _Reply(503, str(e)) from None
         except FwdtraceError:
             raise _Reply(404, f"{key!r} matches no module key or path", closest=self._closest(key)) from None
-        return _json({"armed": keys, "kind": kind, "every": every, "count": count, "raw": raw})
+        return _json({"armed": keys, "kind": kind, "every": every, "count": count, "raw": raw,
+                      "bins": self.sampler.bins if bins is None else bins})
 
     def disarm(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         key = query.get("key")
         if not key:
-            raise _Reply(400, "expected ?key=KEY_OR_GLOB&kind=forward|grad")
+            raise _Reply(400, f"expected ?key=KEY_OR_GLOB&kind={_KIND_LIST}")
         kind = query.get("kind")
         if kind is not None and kind not in KINDS:
-            raise _Reply(400, f"expected kind=forward or kind=grad, got {kind!r}")
+            raise _Reply(400, f"expected kind={_KIND_LIST}, got {kind!r}")
         try:
             keys = self.sampler.disarm(key, kind)
         except FwdtraceError:
@@ -428,21 +449,36 @@ class Server:
         return 200, "application/octet-stream", buffer.getvalue()
 
     def stats(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
-        which, kind, role = self._which(query)
+        kind, asked = self._which(query)
         key = self._key(query, armed_kind=kind)
+        role = self._role(key, kind, asked)
         arm = self.sampler.arm_of(key, kind)
-        return _json({**arm.info(), "which": which, "stats": self.sampler.stats(key, kind, role)})
+        return _json({**arm.info(), "which": f"{kind}_{role}", "role": role,
+                      "stats": self.sampler.stats(key, kind, role)})
 
     def chart(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         from .svg import histogram_svg
 
         kind = self._kind(query)
         key = self._key(query, armed_kind=kind)
-        role = query.get("role", ROLES[kind][1])
-        if role not in ROLES[kind]:
-            raise _Reply(400, f"expected role= one of {', '.join(ROLES[kind])} for kind={kind}, got {role!r}")
+        role = self._role(key, kind, query.get("role"), unseen_groups=True)
         older = "before" in query or "limit" in query or self.read_only
         svg = histogram_svg(self._older(key, kind, query) if older else self.sampler.samples(key, kind), role)
+        return 200, "image/svg+xml", svg.encode()
+
+    def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        log = self.sampler.scalars
+        series = log.read(_int(query, "since", -1))
+        return _json({"names": log.names(), "scalars": series, "seq": log.seq - 1, "refused": log.refused})
+
+    def scalar_chart(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        from .svg import scalar_svg
+
+        name = query.get("name")
+        series = self.sampler.scalars.read().get(name or "")
+        if series is None:
+            raise _Reply(404, f"no scalar named {name!r} (yet)", names=self.sampler.scalars.names())
+        svg = scalar_svg(name or "", list(zip(series["steps"], series["values"], strict=True)))
         return 200, "image/svg+xml", svg.encode()
 
     def graph_text(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
@@ -471,6 +507,8 @@ _ROUTES = {
     ("GET", "/api/samples"): Server.samples,
     ("GET", "/api/stats"): Server.stats,
     ("GET", "/api/chart.svg"): Server.chart,
+    ("GET", "/api/scalars"): Server.scalars,
+    ("GET", "/api/scalar.svg"): Server.scalar_chart,
     ("GET", "/api/graph"): Server.graph_text,
     ("GET", "/api/graph.svg"): Server.graph_drawing,
     ("GET", "/api/history"): Server.history_series,
@@ -721,7 +759,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "127.0.0.1", port: int = 8765,
-          token: str | None = None, ring: int = 64, bins: int = 32, raw_cap: int = 1 << 22,
+          token: str | None = None, ring: int = 64, bins: int | Sequence[float] = DEFAULT_BINS, raw_cap: int = 1 << 22,
           pending: int = 32, memory: int = 256 << 20, max_connections: int = 32, timeout: float = 10.0,
           logdir: str | Path | None = None, retention: int | None = None) -> Server:
     """Serve a live view of ``model`` over HTTP from a daemon thread: arm sampling by module key, read statistics.
@@ -737,7 +775,9 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     the first forward is traced (once more, in eval mode under no_grad). ``port=0`` picks
     a free port; under ``torch.distributed`` rank ``r`` serves on ``port + r``. A bind
     other than loopback needs ``token``: one is generated and printed when it is None.
-    ``ring`` samples are kept per key and kind, histograms have ``bins`` bins, raw values
+    ``ring`` samples are kept per key and kind, histograms have ``bins`` bins from a running
+    range that doubles when a value leaves it (:class:`~fwdtrace.bins.SteadyBins`, as the
+    recorder's), or ``bins`` is a list of fixed edges; raw values
     (armed with ``"raw": true``) are kept for tensors of at most ``raw_cap`` elements. A
     sampled call's tensors are copied and summarised in a background thread; when
     ``pending`` calls already wait for it, the call is skipped (and counted) rather than waited for.

@@ -24,7 +24,7 @@ from urllib.parse import unquote
 from ..errors import FwdtraceError
 from ..graph import Graph
 
-__all__ = ["graph_svg", "histogram_svg", "LayoutProcess"]
+__all__ = ["graph_svg", "histogram_svg", "scalar_svg", "LayoutProcess"]
 
 # Graphviz writes each box and cluster as <g id=".." class="node|cluster <what draw.py wrote>">.
 _BOX = re.compile(r'<g id="([^"]*)" class="(node|cluster)((?: [^" ]+)*)">')
@@ -63,6 +63,46 @@ def _number(x: float) -> str:
     return f"{x:.3g}" if math.isfinite(x) else str(x)
 
 
+def _exact(x: float | None) -> str:
+    """A number as a hover title gives it: enough digits to read it back (six significant)."""
+    return "-" if x is None else f"{x:.6g}" if math.isfinite(x) else str(x)
+
+
+def _ticks(lo: float, hi: float, most: int = 5) -> list[float]:
+    """Round values between ``lo`` and ``hi`` for an axis: at most ``most``, 1, 2 or 5 times a power of ten apart.
+
+    >>> _ticks(-0.7, 1.3)
+    [-0.5, 0.0, 0.5, 1.0]
+    """
+    span = hi - lo
+    if not (span > 0 and math.isfinite(span)):
+        return [lo] if math.isfinite(lo) else []
+    power = 10.0 ** math.floor(math.log10(span / most))
+    step = next(power * m for m in (1, 2, 5, 10) if span / (power * m) <= most)
+    first = math.ceil(lo / step)
+    return [round(i * step, 12) for i in range(first, math.floor(hi / step) + 1)]
+
+
+def _x_labels(steps: list[int], most: int = 6) -> list[int]:
+    """The indices of the columns whose step an axis names: evenly spread, the last included."""
+    every = max(1, math.ceil(len(steps) / most))
+    return sorted({*range(0, len(steps), every), len(steps) - 1})
+
+
+def _axes(left: float, top: float, plot_w: float, plot_h: float, height: float, y: Any, lo: float, hi: float,
+          xs: list[tuple[float, int]]) -> list[str]:
+    """Tick marks and labels: round values on the y axis, the steps of some columns on the x axis."""
+    parts = []
+    for v in _ticks(lo, hi):
+        parts.append(f'<line class="tick" x1="{left - 3}" x2="{left + plot_w}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
+                     f'stroke="#000" stroke-opacity="0.08"/>')
+        parts.append(f'<text class="ytick" x="{left - 5}" y="{y(v) + 3:.1f}" text-anchor="end">{_number(v)}</text>')
+    for x, step in xs:
+        parts.append(f'<text class="xtick" x="{x:.1f}" y="{height - 5}" text-anchor="middle">{step}</text>')
+    parts.append(f'<text x="{left - 5}" y="{height - 5}" text-anchor="end">step</text>')
+    return parts
+
+
 def histogram_svg(samples: list[dict[str, Any]], role: str, width: int = 440, height: int = 150) -> str:
     """Histograms over steps as an SVG heat map: one column per sample, darker where values are denser.
 
@@ -71,16 +111,17 @@ def histogram_svg(samples: list[dict[str, Any]], role: str, width: int = 440, he
     >>> histogram_svg([s], "output").count("<rect class=\\"bin\\"")
     2
 
-    Each sample's first tensor of ``role`` is drawn with its bins on one value axis (the
-    y axis); a line follows the mean, red marks at the top or bottom edge say values fell
-    beyond the bins. The x axis runs from the oldest sample in the buffer to the newest.
+    Each sample's tensor of ``role`` is drawn with its bins on one value axis (the y axis); a
+    line follows the mean, red marks at the top or bottom edge say values fell beyond fixed bins.
+    The x axis runs from the oldest sample in the buffer to the newest. Hovering shows titles:
+    a bin's step, value range and count; a mean point's step and statistics.
     """
     columns = []
     for s in samples:
         t = next((t for t in s["tensors"] if t["role"] == role and t.get("numeric") and t.get("bin_edges")), None)
         if t is not None:
             columns.append((s["step"], t))
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" class="fw-hist" data-role="{role}" '
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" class="fw-hist" data-role="{html.escape(role)}" '
             f'data-samples="{len(columns)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">')
     if not columns:
         return head + f'<text x="8" y="20" class="empty">no {html.escape(role)} samples yet</text></svg>'
@@ -96,8 +137,8 @@ def histogram_svg(samples: list[dict[str, Any]], role: str, width: int = 440, he
         return top + plot_h * (hi - v) / (hi - lo)
 
     parts = [head, f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#f6f7f9" stroke="#ccc"/>']
-    mean_points = []
-    for i, (_, t) in enumerate(columns):
+    mean_points, points = [], []
+    for i, (step, t) in enumerate(columns):
         x = left + i * col_w
         peak = max(t["histogram"]) or 1
         edges = t["bin_edges"]
@@ -105,22 +146,70 @@ def histogram_svg(samples: list[dict[str, Any]], role: str, width: int = 440, he
             if c:
                 y0, y1 = y(edges[b + 1]), y(edges[b])
                 parts.append(f'<rect class="bin" x="{x:.1f}" y="{y0:.1f}" width="{col_w:.1f}" '
-                             f'height="{max(y1 - y0, 0.5):.1f}" fill="#1f5fa8" fill-opacity="{0.1 + 0.9 * c / peak:.2f}"/>')
-        for edge, count in ((top, t.get("overflow")), (top + plot_h - 2, t.get("underflow"))):
-            if count:  # values beyond the arm's bins: a red mark at the edge they left by
-                parts.append(f'<rect class="outside" x="{x:.1f}" y="{edge:.1f}" width="{col_w:.1f}" height="2" fill="#c0392b"/>')
+                             f'height="{max(y1 - y0, 0.5):.1f}" fill="#1f5fa8" fill-opacity="{0.1 + 0.9 * c / peak:.2f}">'
+                             f'<title>step {step}: {c} in [{_exact(edges[b])}, {_exact(edges[b + 1])})</title></rect>')
+        for edge, name in ((top, "overflow"), (top + plot_h - 2, "underflow")):
+            if t.get(name):  # values beyond fixed bins: a red mark at the edge they left by
+                parts.append(f'<rect class="outside" x="{x:.1f}" y="{edge:.1f}" width="{col_w:.1f}" height="2" '
+                             f'fill="#c0392b"><title>step {step}: {t[name]} {name}</title></rect>')
         if t["mean"] is not None and math.isfinite(t["mean"]):
-            mean_points.append(f"{x + col_w / 2:.1f},{y(t['mean']):.1f}")
+            cx, cy = x + col_w / 2, y(t["mean"])
+            mean_points.append(f"{cx:.1f},{cy:.1f}")
+            stats = " ".join(f"{k}={_exact(t.get(k))}" for k in ("mean", "std", "min", "max"))
+            nonfinite = f" nan={t.get('nan', 0)} inf={t.get('inf', 0)}" if t.get("nan") or t.get("inf") else ""
+            points.append(f'<circle class="point" cx="{cx:.1f}" cy="{cy:.1f}" r="2.5" fill="#d35400">'
+                          f'<title>step {step}: {stats}{nonfinite}</title></circle>')
     if mean_points:
         parts.append(f'<polyline class="mean" points="{" ".join(mean_points)}" fill="none" stroke="#d35400" stroke-width="1.5"/>')
-    first, last = columns[0][0], columns[-1][0]
-    parts += [
-        f'<text x="{left - 4}" y="{top + 9}" text-anchor="end">{_number(hi)}</text>',
-        f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{_number(lo)}</text>',
-        f'<text x="{left}" y="{height - 5}">step {first}</text>',
-        f'<text x="{width - right}" y="{height - 5}" text-anchor="end">step {last}</text>',
-        "</svg>",
-    ]
+    parts += points
+    steps = [step for step, _ in columns]
+    parts += _axes(left, top, plot_w, plot_h, height, y, lo, hi,
+                   [(left + (i + 0.5) * col_w, steps[i]) for i in _x_labels(steps)])
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def scalar_svg(name: str, points: list[tuple[int, float]], width: int = 440, height: int = 150) -> str:
+    """A scalar over steps as an SVG line chart; each point's title gives its step and value.
+
+    >>> svg = scalar_svg("loss", [(1, 2.0), (2, 1.5)])
+    >>> svg.count('<circle class="point"'), "<title>step 2: loss=1.5</title>" in svg
+    (2, True)
+
+    NaN and infinite values are not on the line: red marks at the top say where they were.
+    """
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" class="fw-scalar" data-name="{html.escape(name)}" '
+            f'data-points="{len(points)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">')
+    finite = [v for _, v in points if math.isfinite(v)]
+    if not points:
+        return head + f'<text x="8" y="20" class="empty">no {html.escape(name)} values yet</text></svg>'
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    if not hi > lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    lo, hi = lo - (hi - lo) * 0.05, hi + (hi - lo) * 0.05
+    left, right, top, bottom = 52, 8, 8, 20
+    plot_w, plot_h = width - left - right, height - top - bottom
+    first, last = points[0][0], points[-1][0]
+    span = (last - first) or 1
+
+    def x(step: int) -> float:
+        return left + plot_w * ((step - first) / span if last > first else 0.5)
+
+    def y(v: float) -> float:
+        return top + plot_h * (hi - v) / (hi - lo)
+
+    parts = [head, f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#f6f7f9" stroke="#ccc"/>']
+    line = [f"{x(s):.1f},{y(v):.1f}" for s, v in points if math.isfinite(v)]
+    if line:
+        parts.append(f'<polyline class="line" points="{" ".join(line)}" fill="none" stroke="#1f5fa8" stroke-width="1.5"/>')
+    label = html.escape(name)
+    for s, v in points:
+        cy, colour = (y(v), "#1f5fa8") if math.isfinite(v) else (top + 2, "#c0392b")
+        parts.append(f'<circle class="point" cx="{x(s):.1f}" cy="{cy:.1f}" r="2" fill="{colour}">'
+                     f'<title>step {s}: {label}={_exact(v)}</title></circle>')
+    steps = [s for s, _ in points]
+    parts += _axes(left, top, plot_w, plot_h, height, y, lo, hi, [(x(steps[i]), steps[i]) for i in _x_labels(steps)])
+    parts.append("</svg>")
     return "".join(parts)
 
 

@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,8 +126,10 @@ class TopologyReport:
     inputs and their readers are theirs, unchecked. ``status`` is ``'ok'``, ``'mismatch'``
     (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened: neither
     ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` opens them); ``ok`` is
-    ``status == 'ok'``. With ``numeric=True`` the numbers settle what the structure cannot:
-    ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
+    ``status == 'ok'``. ``left_out`` names the outputs of the model the ONNX model does not
+    return (a transformers cache exported without it: ``cache_params.layers[0].conv_states[0]``),
+    by their paths in what the model returned; the others are compared. With ``numeric=True``
+    the numbers settle what the structure cannot: ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
     structure differs but the values after every difference agree; ``ok`` is then
     ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
     answer with ``numeric=True``).
@@ -143,6 +145,7 @@ class TopologyReport:
     exporter: str | None = None
     opened: list[str] = field(default_factory=list)
     not_opened: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
     # check_onnx(numeric=True): every matched call's output against its ONNX value (fwdtrace.onnx.numeric)
     numeric: NumericResult | None = field(default=None, repr=False)
     # What the lists above name, by node id, and the two graphs compared (the trace with the
@@ -219,6 +222,7 @@ class TopologyReport:
             "elided": [{"trace": t, "how": how} for t, how in self.elided],
             "opened": list(self.opened),
             "not_opened": list(self.not_opened),
+            "left_out": list(self.left_out),
             **({"numeric": self.numeric.to_dict()} if self.numeric is not None else {}),
         }
 
@@ -382,9 +386,11 @@ class _Matcher:
         tdata: set[int] = set()
         t_inputs = [n for n in self.tnodes if n.kind == "input"]
         o_inputs = [n for n in self.onodes if n.kind == "input"]
-        pairs, lone_t, lone_o = _pair_inputs(t_inputs, o_inputs)
         # an input nothing reads may be dropped by an exporter (TorchScript does) or kept
         live = self._reaches_an_output()
+        pairs, lone_t, lone_o = _pair_inputs(
+            t_inputs, o_inputs, lambda tn: tn.id in live,
+            lambda on: any(r.obj_id in self.consumers for r in on.outputs))
         for tn in [n for n in lone_t if n.id not in live]:
             self.elided.append((tn.id, "unused input"))
             lone_t.remove(tn)
@@ -1185,8 +1191,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def _pair_inputs(t_inputs: list[Node], o_inputs: list[Node]) -> tuple[list[tuple[Node, Node]], list[Node], list[Node]]:
-    """Trace inputs with ONNX graph inputs: by name where names agree, then in order."""
+def _pair_inputs(
+    t_inputs: list[Node], o_inputs: list[Node], t_read: Callable[[Node], bool], o_read: Callable[[Node], bool],
+) -> tuple[list[tuple[Node, Node]], list[Node], list[Node]]:
+    """Trace inputs with ONNX graph inputs: by name where names agree, then in order.
+
+    In order: the ONNX graph's inputs are the flattened tensor arguments the model was
+    exported with, under the exporter's own names when none were given (TorchScript's
+    ``input.1``, ``onnx::Gemm_0``). TorchScript leaves out an argument nothing reads: when
+    the counts left differ, the inputs each side reads (``t_read``, ``o_read``) pair in order.
+    """
     by_name = {n.name: n for n in o_inputs}
     pairs: list[tuple[Node, Node]] = []
     rest_t: list[Node] = []
@@ -1199,9 +1213,13 @@ def _pair_inputs(t_inputs: list[Node], o_inputs: list[Node]) -> tuple[list[tuple
         else:
             rest_t.append(tn)
     rest_o = [n for n in o_inputs if n.id not in used]
-    pairs += list(zip(rest_t, rest_o, strict=False))
+    unread_t: list[Node] = []
+    unread_o: list[Node] = []
+    if len(rest_t) != len(rest_o):
+        unread_t, rest_t = [n for n in rest_t if not t_read(n)], [n for n in rest_t if t_read(n)]
+        unread_o, rest_o = [n for n in rest_o if not o_read(n)], [n for n in rest_o if o_read(n)]
     k = min(len(rest_t), len(rest_o))
-    return pairs, rest_t[k:], rest_o[k:]
+    return pairs + list(zip(rest_t, rest_o, strict=False)), rest_t[k:] + unread_t, rest_o[k:] + unread_o
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -1410,7 +1428,7 @@ def _build_report(
         for lbl, how in folded:
             lines.append(f"  {lbl.ljust(width)}  <->  {how}")
     return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []),
-                          not_opened, ids=ids, trace=trace, onnx_graph=og)
+                          not_opened, list(result.left_out), ids=ids, trace=trace, onnx_graph=og)
 
 
 def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
@@ -1497,7 +1515,8 @@ def check_onnx(
     ``onnx`` checks a given ONNX model instead of exporting one: a path to a ``.onnx`` file
     (external-data weights are not read) or an ``onnx.ModelProto``. That is how to check a
     file a pipeline produced: ``check_onnx(model, x, onnx="model.onnx")``, with the inputs
-    it was exported for. Otherwise ``exporter`` is one of torch's, ``"dynamo"`` (the
+    it was exported for; its inputs take the tensor arguments by name, else in order (a
+    TorchScript export's own names, ``input.1``). Otherwise ``exporter`` is one of torch's, ``"dynamo"`` (the
     default) or ``"torchscript"``, or ``"fwdtrace"``: fwdtrace's own emission
     (:func:`fwdtrace.to_onnx`), checked against the trace; ``exporter`` and ``onnx``
     together are an error.

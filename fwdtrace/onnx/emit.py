@@ -46,8 +46,10 @@ _UNSET = object()
 # The torch.onnx internals this module drives, as they are in torch 2.13.0 (the version the
 # Makefile pins): _core._translate_fx_graph, _core.TorchTensor, _registration.ONNXRegistry
 # (.from_torchlib, ._register, OnnxDecompMeta), _decomp.create_onnx_friendly_decomposition_table,
-# _fx_passes.remove_assertion_nodes, _ir_passes.add_opset_imports, _constants.ONNX_IR_VERSION.
-_TORCH_INTERNALS = "torch.onnx._internal.exporter (_core, _registration, _decomp, _fx_passes, _ir_passes)"
+# _fx_passes.remove_assertion_nodes, _ir_passes.add_opset_imports, _constants.ONNX_IR_VERSION,
+# and fx.passes.type_promotion (TypePromotionTable, ElementwiseTypePromotionRule).
+_TORCH_INTERNALS = ("torch.onnx._internal.exporter (_core, _registration, _decomp, _fx_passes, _ir_passes) "
+                    "and torch.onnx._internal.fx.passes.type_promotion")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class _Exporter:
     ir_passes: Any
     constants: Any
     ir: Any
+    type_promotion: Any
 
 
 @functools.cache
@@ -75,18 +78,20 @@ def _exporter() -> _Exporter:
             _ir_passes,
             _registration,
         )
+        from torch.onnx._internal.fx.passes import type_promotion
 
         for owner, name in [(_core, "_translate_fx_graph"), (_core, "TorchTensor"),
                             (_registration.ONNXRegistry, "from_torchlib"), (_registration, "OnnxDecompMeta"),
                             (_decomp, "create_onnx_friendly_decomposition_table"),
-                            (_fx_passes, "remove_assertion_nodes"), (_ir_passes, "add_opset_imports")]:
+                            (_fx_passes, "remove_assertion_nodes"), (_ir_passes, "add_opset_imports"),
+                            (type_promotion, "TypePromotionTable"), (type_promotion, "ElementwiseTypePromotionRule")]:
             getattr(owner, name)
     except (ImportError, AttributeError) as e:
         raise FwdtraceError(
             f"to_onnx() needs {_TORCH_INTERNALS} as in torch 2.13, got torch {torch.__version__} where "
             f"{one_line(e)}; install torch==2.13.0, or use fwdtrace.export_onnx()"
         ) from e
-    return _Exporter(_core, _registration, _decomp, _fx_passes, _ir_passes, _constants, ir)
+    return _Exporter(_core, _registration, _decomp, _fx_passes, _ir_passes, _constants, ir, type_promotion)
 
 
 @functools.cache
@@ -377,7 +382,7 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
     inputs = [leaves[i] for i in tensor_at]
     try:
-        gm = _make_graph(run, state_tensors, inputs, registry_table, _module_scopes(model), _boundaries(model))
+        gm = _make_graph(run, state_tensors, inputs, registry_table, model)
     except FwdtraceError:
         raise
     except Exception as e:
@@ -389,16 +394,31 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
 def _make_graph(
     run: Callable[..., Any], state_tensors: list[torch.Tensor], inputs: list[torch.Tensor],
-    registry_table: dict[Any, Callable[..., Any]], scopes: contextlib.AbstractContextManager[None],
-    boundaries: contextlib.AbstractContextManager[None],
+    registry_table: dict[Any, Callable[..., Any]], model: torch.nn.Module,
 ) -> Any:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with scopes, boundaries, _mkldnn_off():
-        # _error_on_data_dependent_ops=False: a value read from a tensor (x.mean() > 0,
-        # a mask's all()) is the example's value from here on; that is what an eager trace is.
-        gm = make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
-                     decomposition_table=registry_table, _error_on_data_dependent_ops=False)(state_tensors, inputs)
+    def record(indices: contextlib.AbstractContextManager[Any]) -> Any:
+        with _module_scopes(model), _boundaries(model), _mkldnn_off(), indices:
+            # _error_on_data_dependent_ops=False: a value read from a tensor (x.mean() > 0,
+            # a mask's all()) is the example's value from here on; that is what an eager trace is.
+            return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
+                           decomposition_table=registry_table, _error_on_data_dependent_ops=False)(
+                state_tensors, inputs)
+
+    indices = _TensorIndices()
+    gm = _functional(record(indices), state_tensors, inputs)
+    if indices.used and not _computes_eagers(gm, run, state_tensors, inputs):
+        # A write through what such an index selected (``row = x[t]; row.zero_()``) would not
+        # reach ``x``: the selection is a copy. The example's indices, fixed, then.
+        gm = _functional(record(contextlib.nullcontext()), state_tensors, inputs)
+    return gm
+
+
+def _functional(gm: Any, state_tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+    """``gm``, recorded once more where writes are left in it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     if _has_mutations(gm):
         # Decompositions run below functionalization (GRU's writes with copy_): one more
         # eager pass over the recorded graph, functionalized, keeps the module metadata.
@@ -428,6 +448,93 @@ def _mkldnn_off() -> Iterator[None]:
 
 def _run_graph(gm: Any, state_values: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
     return torch.fx.Interpreter(gm).run(state_values, inputs)
+
+
+def _computes_eagers(gm: Any, run: Callable[..., Any], state_tensors: list[torch.Tensor],
+                     inputs: list[torch.Tensor]) -> bool:
+    """Whether the recorded graph gives the model's eager outputs on the example inputs."""
+    with torch.no_grad():
+        want, got = run(state_tensors, inputs), _run_graph(gm, state_tensors, inputs)
+    return len(want) == len(got) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        and (torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-4, atol=1e-6, equal_nan=True))
+        for a, b in zip(want, got, strict=True))
+
+
+class _TensorIndices(torch.overrides.TorchFunctionMode):
+    """While active, ``x[..., t, ...]`` with ``t`` a 0-dim integer tensor selects at ``t``'s value in the graph.
+
+    Eager indexing reads ``t`` as a Python int (``t.item()``), which the recording would
+    keep as the example's number: a box picked by ``topk`` would be the example's box for
+    every input. ``torch.jit.trace`` records such a select with its tensor index, and the
+    dynamo exporter with a symbolic one; here it is ``fwdtrace::select``, an ONNX ``Gather``.
+    ``used`` says whether any index was taken so.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
+            out = _select_at_tensors(*args)
+            if out is not None:
+                self.used = True
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def _is_scalar_index(item: Any) -> bool:
+    """A 0-dim integer tensor, which eager indexing reads as an int (bool and uint8 are masks)."""
+    return (isinstance(item, torch.Tensor) and item.dim() == 0 and not item.is_floating_point()
+            and not item.is_complex() and item.dtype not in (torch.bool, torch.uint8))
+
+
+def _select_at_tensors(x: torch.Tensor, index: Any) -> torch.Tensor | None:
+    """``x[index]`` with its 0-dim integer tensors as ``fwdtrace::select``; None where ``index`` has none,
+    or holds other tensors or sequences (advanced indexing, left as it is)."""
+    items = index if isinstance(index, tuple) else (index,)
+    scalar = {k for k, item in enumerate(items) if _is_scalar_index(item)}
+    basic = all(item is None or item is Ellipsis or isinstance(item, slice)
+                or (isinstance(item, int) and not isinstance(item, bool)) for k, item in enumerate(items) if k not in scalar)
+    if not scalar or not basic or sum(item is Ellipsis for item in items) > 1:
+        return None
+    consumed = sum(item is not None and item is not Ellipsis for item in items)
+    if consumed > x.dim():
+        return None  # torch's own error
+    dims: list[tuple[int, torch.Tensor]] = []  # where each selected dimension is in x[basic]
+    at = 0
+    for k, item in enumerate(items):
+        if item is None or isinstance(item, slice) or k in scalar:
+            if k in scalar:
+                dims.append((at, item))
+            at += 1
+        elif item is Ellipsis:
+            at += x.dim() - consumed
+    out = x[tuple(slice(None) if k in scalar else item for k, item in enumerate(items))]
+    for dim, t in reversed(dims):  # the last first: the dimensions before it keep their places
+        out = _select_op()(out, dim, t)
+    return out
+
+
+@functools.cache
+def _select_op() -> Any:
+    """``fwdtrace::select(Tensor x, int dim, Tensor index) -> Tensor``: ``x.select(dim, index)``, index a tensor."""
+
+    @torch.library.custom_op("fwdtrace::select", mutates_args=())
+    def select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        return x.select(dim, int(index)).clone()  # a custom op's output may not alias its input
+
+    return select
+
+
+def _emit_select(x: Any, dim: int, index: Any) -> Any:
+    from onnxscript import ir
+
+    op = _opset()
+    if index.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        index = op.Cast(index, to=ir.DataType.INT64)
+    return op.Gather(x, index, axis=dim)  # a 0-dim index drops the axis, as select does; negative counts from the end
 
 
 def _has_mutations(gm: Any) -> bool:
@@ -686,8 +793,9 @@ def _with_symbolics(base: Any, gm: Any) -> Any:
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
     _layer_op()  # defines torch.ops.fwdtrace.layer
     layer = torch.ops.fwdtrace.layer.default if torch.ops.fwdtrace.layer.default in targets else None
+    select = next((t for t in targets if t.namespace == "fwdtrace" and t.name() == "fwdtrace::select"), None)
     mine = {t: _op_symbolic(t) for t in targets}
-    if layer is None and not any(mine.values()):
+    if layer is None and select is None and not any(mine.values()):
         return base
     ex = _exporter()
     registry = copy.copy(base)
@@ -697,9 +805,10 @@ def _with_symbolics(base: Any, gm: Any) -> Any:
             registry._register(target, ex.registration.OnnxDecompMeta(
                 onnx_function=functools.partial(_call_symbolic_op, fn), fx_target=target, signature=None,
                 is_custom=True, skip_signature_inference=True))
-    if layer is not None:
-        registry._register(layer, ex.registration.OnnxDecompMeta(
-            onnx_function=_emit_layer, fx_target=layer, signature=None, is_custom=True, skip_signature_inference=True))
+    for own, emit in [(layer, _emit_layer), (select, _emit_select)]:
+        if own is not None:
+            registry._register(own, ex.registration.OnnxDecompMeta(
+                onnx_function=emit, fx_target=own, signature=None, is_custom=True, skip_signature_inference=True))
     return registry
 
 
@@ -748,10 +857,11 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
     registry = _with_symbolics(_torchlib(_default_opset())[0], gm)
     gm = ex.fx_passes.remove_assertion_nodes(gm)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     for node in gm.graph.nodes:
         if node.op == "get_attr":  # tensors the forward made from Python data: constants, real values
             node.meta["val"] = getattr(gm, node.target)
+    _promote_types(gm)
+    gm.recompile()
     model = ir.Model(
         graph=ir.Graph([], [], nodes=[], name="main_graph"),
         ir_version=ex.constants.ONNX_IR_VERSION,
@@ -800,6 +910,47 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         _convert_opset(model, opset)
         proto = ir.serde.serialize_model(model)
     return proto
+
+
+def _promote_types(gm: Any) -> None:
+    """Cast the tensor inputs of elementwise ops to the dtype torch computes them in.
+
+    torch promotes mixed dtypes (a float32 tensor times an int64 count is float32, as
+    ``torch.result_type`` says); ONNX's ``Mul``, ``Div``, ``Less`` take one type. The rules
+    are torch's own (the table the dynamo exporter's type-promotion pass reads, generated
+    from ``torch._refs``), applied to the dtypes the eager run recorded. Python numbers are
+    left as they are: torchlib casts them like the tensor they meet.
+    """
+    ex = _exporter()
+    table = ex.type_promotion.TypePromotionTable()  # one per call (under a ms): torch's div rule keeps state
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        rule = table.get_rule(node.target.overloadpacket)
+        if not isinstance(rule, ex.type_promotion.ElementwiseTypePromotionRule):
+            continue
+        values = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        try:
+            promoted = rule.preview_type_promotion(tuple(values(a) for a in node.args),
+                                                   {k: values(a) for k, a in node.kwargs.items()})
+        except (TypeError, ValueError, RuntimeError, AttributeError):  # an argument without a recorded dtype
+            continue
+        args = [_cast_arg(gm, node, a, promoted.args_dtypes.get(i)) for i, a in enumerate(node.args)]
+        kwargs = {k: _cast_arg(gm, node, a, promoted.kwargs_dtypes.get(k)) for k, a in node.kwargs.items()}
+        node.args, node.kwargs = tuple(args), kwargs
+
+
+def _cast_arg(gm: Any, node: Any, arg: Any, dtype: torch.dtype | None) -> Any:
+    """``arg`` cast to ``dtype`` before ``node`` where it is a tensor of another dtype, else ``arg``."""
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    if dtype is None or not isinstance(val, torch.Tensor) or val.dtype == dtype:
+        return arg
+    with gm.graph.inserting_before(node):
+        cast = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (arg, dtype))
+    cast.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
+    if "nn_module_stack" in node.meta:  # the cast belongs to the op that needs it
+        cast.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+    return cast
 
 
 def _cast_to_eager_dtypes(model: Any, proto: onnx.ModelProto) -> onnx.ModelProto:

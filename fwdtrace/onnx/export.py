@@ -693,7 +693,8 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
         if vi.name in initializers:  # old exports list initializers as inputs too
             continue
         data_values.add(vi.name)
-        graph.add_node("input", "input", name=vi.name, outputs=[ref(vi.name)])
+        # the node name is made unique and dot-free (input.1 -> input_1): the name to feed is kept apart
+        graph.add_node("input", "input", name=vi.name, outputs=[ref(vi.name)], meta={"onnx_name": vi.name})
     for i, node in enumerate(g.node):
         data = node.op_type not in _SHAPE_OPS and any(n in data_values for n in node.input if n)
         if data:

@@ -190,6 +190,7 @@ class NumericResult:
         if first is not None and first not in shown and first.kind not in _MISMATCH_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
+        partly = [r for r in self.rows if r.compared and r.note]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
             width = max(len(r.call) for r in shown)
@@ -203,6 +204,9 @@ class NumericResult:
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+        if partly:
+            lines.append(f"  compared in part: {', '.join(f'{r.call} ({r.note})' for r in partly[:4])}"
+                         + (f" and {len(partly) - 4} more" if len(partly) > 4 else ""))
         for m in self.mismatches:
             verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
                        else "DIVERGES" + (" (first)" if m is first else "") if m.compared
@@ -323,7 +327,7 @@ def compare_values(
     structural trace recorded as the calls they make; the value runs do the same.
     """
     from ..registry import qualified_name
-    from .compare import _OUTPUT_GROUP, _trace_label
+    from .compare import _OUTPUT_GROUP, _RECURRENT_OPS, _onnx_name, _trace_label
 
     tols = _check_tolerances(tolerances)
     batches = _as_batches(inputs, args, kwargs)
@@ -338,6 +342,7 @@ def compare_values(
     for n in og.nodes:
         for r in n.inputs:
             readers.setdefault(r.obj_id, []).append(n.id)
+    slot_of: dict[str, int] | None = None  # ONNX value -> its place among its node's outputs, gaps counted
     for gid in sorted(result.groups):
         group = result.groups[gid]
         if gid < 0 or group.key is None or trace.nodes[gid].kind not in ("module", "function"):
@@ -351,7 +356,17 @@ def compare_values(
                        str(on.meta.get("onnx_name", on.name)), ", ".join(names), (), "", kind=tn.kind)
         rows[gid] = row
         t_outs = last.outputs
-        if len(names) == len(t_outs):
+        if on.meta.get("op_type") in _RECURRENT_OPS:
+            if slot_of is None:
+                slot_of = {o: k for node in proto.graph.node for k, o in enumerate(node.output) if o}
+            chosen = _recurrent_carriers(og, readers, group, t_outs, slot_of)
+            left = [str(i) for i in range(len(t_outs)) if i not in {i for i, _ in chosen}]
+            if not chosen:
+                row.compared, row.note = False, f"{len(t_outs)} outputs, none of them an output of the ONNX {on.target}"
+                continue
+            if left:
+                row.note = f"output{'s' if len(left) > 1 else ''} {', '.join(left)} not computed by the ONNX model"
+        elif len(names) == len(t_outs):
             chosen = [(i, _carrier(og, readers, group.key, i, t_outs[i].shape)) for i in range(len(names))]
         elif len(t_outs) == 1 and names:
             chosen = [(0, _carrier(og, readers, group.key, 0, t_outs[0].shape))]
@@ -368,19 +383,18 @@ def compare_values(
     call2gid = {t: gid for gid in rows for t in result.groups[gid].trace_ids}
     out_feeder = {e.dst: call2gid[e.src] for e in trace.edges if e.src in call2gid}
     input_nodes = [n for n in trace.nodes if n.kind == "input"]
-    onnx_inputs: dict[int, str] = {}  # trace input node -> ONNX input name
+    onnx_inputs: dict[int, str] = {}  # trace input node -> the ONNX input it feeds, as the structure paired them
+    by_position = False  # some paired in order, not by name (a TorchScript export's input.1): counts must agree
     for n in input_nodes:
         g = result.groups.get(n.id)
         if g is not None and g.key is not None:
-            onnx_inputs[n.id] = og.nodes[g.key].name
+            onnx_inputs[n.id] = _onnx_name(og.nodes[g.key])
+            by_position = by_position or og.nodes[g.key].name != n.name
+    unpaired = [trace.nodes[t].name for t in result.unmatched_inputs[0]] if by_position else []
 
     session, extra = _session(proto, folder, [n for *_, n in pairs], out_names)
-    ort_inputs = {i.name: _ORT2DTYPE.get(i.type, "") for i in session.get_inputs()}
-    unfed = [name for name in ort_inputs if name not in onnx_inputs.values()]
-    if unfed:
-        raise FwdtraceError(f"check_onnx(numeric=True) cannot feed the ONNX model's input(s) {', '.join(unfed)}: "
-                            f"no traced input pairs with them (traced inputs: "
-                            f"{', '.join(n.name for n in input_nodes) or 'none'})")
+    expected = [(i.name, _ORT2DTYPE.get(i.type, i.type), i.shape) for i in session.get_inputs()]
+    ort_inputs = {name: dtype for name, dtype, _ in expected}
     wanted = {t for _, t, _, _ in pairs}
     numeric = NumericResult(list(rows.values()), len(batches), tols, proto=proto, folder=folder)
     out_rows: list[ValueRow] = []
@@ -393,11 +407,12 @@ def compare_values(
             raise FwdtraceError(f"check_onnx(numeric=True): batch {b} of inputs made the model run other calls "
                                 f"than the example inputs ({len(got.nodes)} nodes against {len(trace.nodes)}): "
                                 "the ONNX model was made for one path through the model")
-        feeds = {}
-        for n in input_nodes:
-            if n.id in onnx_inputs and n.outputs and n.outputs[0].obj_id in tracer.inputs:
-                name = onnx_inputs[n.id]
-                feeds[name] = _to_numpy(tracer.inputs[n.outputs[0].obj_id], ort_inputs.get(name, ""))
+        given = [(n, tracer.inputs[n.outputs[0].obj_id]) for n in input_nodes
+                 if n.outputs and n.outputs[0].obj_id in tracer.inputs]
+        _check_feeds(expected, [(n.name, onnx_inputs.get(n.id), t) for n, t in given], unpaired,
+                     b if inputs is not None else None)
+        feeds = {onnx_inputs[n.id]: _to_numpy(t, ort_inputs[onnx_inputs[n.id]]) for n, t in given
+                 if onnx_inputs.get(n.id) in ort_inputs}
         try:
             values = dict(zip(extra, session.run(extra, feeds), strict=True))
         except Exception as e:
@@ -445,6 +460,51 @@ def compare_values(
     numeric.mismatches = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
     return numeric
+
+
+def _check_feeds(expected: list[tuple[str, str, list[Any]]], given: list[tuple[str, str | None, torch.Tensor]],
+                 unpaired: list[str], batch: int | None) -> None:
+    """Raise unless every input of the ONNX model gets a tensor of its shape and dtype.
+
+    ``expected``: (name, dtype, shape) of the ONNX model's inputs, a dimension a string or
+    None where the file leaves it free; ``given``: (trace input, the ONNX input it pairs with,
+    its tensor); ``unpaired``: traced inputs read by the model and left over when inputs
+    paired in order (the counts differ: feeding by position would be a guess). A float
+    tensor feeds any float input (a float16 file takes the float32 values, cast).
+    """
+    fed = {onnx_name: (name, t) for name, onnx_name, t in given if onnx_name is not None}
+    problems = [f"the file's {name} pairs with no traced input" for name, _, _ in expected if name not in fed]
+    problems += [f"{name} pairs with no input of the file" for name in unpaired]
+    for name, dtype, shape in expected:
+        if name not in fed:
+            continue
+        tname, t = fed[name]
+        dims = list(t.shape)
+        floats = t.is_floating_point() and dtype in _PRECISION
+        if not floats and _dtype_name(t) != dtype:
+            problems.append(f"{name} takes {dtype}, {tname} is {_dtype_name(t)}")
+        if len(shape) != len(dims) or any(isinstance(d, int) and d != g for d, g in zip(shape, dims, strict=False)):
+            problems.append(f"{name} is shaped {_dims(shape)}, {tname} {dims}")
+    if not problems:
+        return
+    where = f" on batch {batch} of inputs" if batch is not None else ""
+    raise FwdtraceError(
+        f"check_onnx(numeric=True) cannot feed the ONNX model{where}: "
+        f"it expects {', '.join(f'{n} {d}{_dims(s)}' for n, d, s in expected) or 'no inputs'}; "
+        f"got {', '.join(f'{n} {_dtype_name(t)}{list(t.shape)}' for n, _, t in given) or 'no tensors'} "
+        f"(paired by name, else in order): {'; '.join(problems)}. Pass tensors the file was made for as "
+        f"inputs=[batch, ...] (each batch a tensor, or a tuple of forward's tensor arguments in order), "
+        f"e.g. check_onnx(model, x, onnx=..., numeric=True, inputs=[x_for_the_file]) "
+        f"(fwdtrace check-onnx: --input-shape the file's)")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _dims(shape: list[Any]) -> str:
+    """An ONNX input's shape as ``[1, 3, batch, 16]``: a free dimension by its name, or ``?``."""
+    return "[" + ", ".join(str(d) if isinstance(d, (int, str)) else "?" for d in shape) + "]"
 
 
 def _judge_mismatches(
@@ -563,6 +623,39 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
                 nxt.append((c, 0))
         frontier = nxt
     return str(names[index])
+
+
+def _recurrent_carriers(og: Graph, readers: dict[int, list[int]], group: Any, t_outs: list[Any],
+                        slot_of: dict[str, int]) -> list[tuple[int, str]]:
+    """(trace output index, ONNX value) of an LSTM, GRU or RNN call, paired by the ONNX op's output slots.
+
+    ONNX's Y, Y_h (and Y_c) are torch's output, h_n (and c_n), in that order. An exporter leaves
+    out the states nothing reads (dynamo keeps only Y when the model drops h_n and c_n), so
+    the slot, not the place among the names left, says which is which. A call of several
+    layers stacks its layers' Y_h (Y_c) with a Concat, which the structural match put in the
+    call's region; its Y is the last layer's (the region's key).
+    """
+    from .compare import _RECURRENT_OPS
+
+    key = og.nodes[group.key]
+    layers = {o for o in group.onodes if og.nodes[o].meta.get("op_type") in _RECURRENT_OPS}
+    made_by = {name: o for o in group.onodes for name in og.nodes[o].meta.get("output_names", [])}
+    pairs: list[tuple[int, str]] = []
+    for index, name in enumerate(key.meta.get("output_names", [])):
+        slot = slot_of.get(name)
+        if slot is None or slot >= len(t_outs):
+            continue
+        if slot == 0 or len(layers) < 2:
+            pairs.append((slot, _carrier(og, readers, group.key, index, t_outs[slot].shape)))
+            continue
+        for o in sorted(group.onodes):
+            on = og.nodes[o]
+            ins = on.meta.get("input_names", [])
+            if on.meta.get("op_type") == "Concat" and ins and all(
+                    slot_of.get(n) == slot and made_by.get(n) in layers for n in ins):
+                pairs.append((slot, str(on.meta["output_names"][0])))
+                break
+    return pairs
 
 
 def _shaped_other(onnx_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:

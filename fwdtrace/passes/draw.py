@@ -11,7 +11,9 @@ Graphviz's layout engine, so no ``dot`` binary is needed.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import contextvars
 import math
 import os
 import sys
@@ -49,17 +51,21 @@ class Digraph(graphviz.Digraph):
     """
 
     def pipe(self, format: str | None = None, *args: Any, encoding: str | None = None, **kwargs: Any) -> Any:
-        data = layout_bytes(self.source, format or self.format or "svg")
+        data = dot_bytes(self, format or self.format or "svg")
         return data.decode(encoding) if encoding else data
 
 
 def layout_bytes(source: str, fmt: str) -> bytes:
     """Lay out DOT ``source`` with Graphviz's ``dot`` engine (bundled in pygraphviz) as ``fmt``."""
-    with _graphviz_messages():
-        # One run of dot, laying out and drawing: pygraphviz's draw() of an AGraph laid out
-        # before re-runs it through `neato -n2`, whose picture came out wider than the layout
-        # measured for the resolution (T5: 4121 px where 4096 were planned)
-        return bytes(_agraph(source).draw(format=fmt, prog="dot"))
+    with _graphviz_messages(), _Layout(source) as layout:
+        return layout.draw(fmt)
+
+
+def dot_bytes(dot: graphviz.Digraph, fmt: str) -> bytes:
+    """``dot`` drawn as ``fmt``: what :func:`to_dot`'s automatic depth drew while measuring it, or a new layout."""
+    drawn: dict[tuple[str, str], bytes] = getattr(dot, "_fwdtrace_drawn", {})
+    data = drawn.get((dot.source, fmt))
+    return data if data is not None else layout_bytes(dot.source, fmt)
 
 
 def _agraph(source: str) -> Any:
@@ -70,11 +76,49 @@ def _agraph(source: str) -> Any:
     return pygraphviz.AGraph(string=source)
 
 
-def _laid_out(source: str) -> Any:
-    """A pygraphviz AGraph of ``source``, laid out; call inside :func:`_graphviz_messages`."""
-    agraph = _agraph(source)
-    agraph.layout(prog="dot")
-    return agraph
+class _Layout:
+    """One run of ``dot``'s layout on a DOT source, its size, and drawings from it.
+
+    Drawing a laid-out AGraph with pygraphviz's ``draw()`` re-runs it through ``neato -n2``,
+    whose picture came out wider than the layout measured for the resolution (T5: 4121 px
+    where 4096 were planned); this keeps ``dot``'s own layout and renders from it, as
+    ``dot -Tpng`` does. Use it inside :func:`_graphviz_messages` and close it there: a
+    layout kept while Graphviz lays out another graph is corrupted (styles lost, then a crash).
+    """
+
+    def __init__(self, source: str) -> None:
+        import pygraphviz.graphviz as gv
+
+        self._gv, self._agraph = gv, _agraph(source)
+        self._context = gv.gvContextWithBuiltins()
+        if gv.gvLayout(self._context, self._agraph.handle, b"dot") != 0:
+            gv.gvFreeContext(self._context)
+            raise ValueError("Graphviz raised a layout error")
+        gv.gvRender(self._context, self._agraph.handle, format=b"dot")  # the positions, as attributes
+        x0, y0, x1, y1 = (float(v) for v in str(self._agraph.graph_attr["bb"]).split(","))
+        self.size = (x1 - x0, y1 - y0)  # points
+
+    def draw(self, fmt: str) -> bytes:
+        error, data = self._gv.gvRenderData(self._context, self._agraph.handle, fmt.encode())
+        if error:
+            raise ValueError(f"Graphviz could not draw {fmt}")
+        return bytes(data)
+
+    def __enter__(self) -> _Layout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._gv.gvFreeLayout(self._context, self._agraph.handle)
+        self._gv.gvFreeContext(self._context)
+
+
+# The sizes of the pictures measured last, by DOT source: rendering a picture as PNG and then as
+# SVG measures its automatic depth once.
+_SIZES: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+_SIZES_KEPT = 32
+# The format render() is drawing, if any: the automatic depth then draws the picture it chose
+# from the layout it measured (one layout, not two).
+_DRAW_FORMAT: contextvars.ContextVar[str | None] = contextvars.ContextVar("fwdtrace_draw_format", default=None)
 
 
 _STDERR_LOCK = threading.Lock()
@@ -128,7 +172,7 @@ def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise FwdtraceError(f"render() expected a path ending in .png, .svg or .pdf, got {str(path)!r}")
-    data = layout_bytes(dot.source, fmt)
+    data = dot_bytes(dot, fmt)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise FwdtraceError(f"render() expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
@@ -149,7 +193,13 @@ def render(graph: Graph, path: str | os.PathLike[str], depth: int | str | None =
     whose picture has at most ``target_nodes`` boxes (250) and fits a PNG of at most
     4096 x 16384 px at a resolution where 10 pt labels stay legible.
     """
-    return render_digraph(to_dot(graph, depth=depth, **options), path)
+    fmt = Path(path).suffix.lower().lstrip(".")
+    token = _DRAW_FORMAT.set(fmt if fmt in FORMATS else None)
+    try:
+        dot = to_dot(graph, depth=depth, **options)
+    finally:
+        _DRAW_FORMAT.reset(token)
+    return render_digraph(dot, path)
 
 
 # -- which box each node is drawn in ------------------------------------------------------------------
@@ -443,12 +493,20 @@ def _max_depth(graph: Graph) -> int:
     return max((len(n.scope) for n in graph.nodes), default=0) + 1
 
 
-def _layout_points(source: str) -> tuple[float, float]:
-    """The width and height of the laid-out picture in points."""
-    with _graphviz_messages():
-        agraph = _laid_out(source)
-    x0, y0, x1, y1 = (float(v) for v in str(agraph.graph_attr["bb"]).split(","))
-    return x1 - x0, y1 - y0
+def _measure(dot: graphviz.Digraph, final: Callable[[float, float], bool]) -> tuple[float, float]:
+    """The width and height of ``dot``'s laid-out picture in points; inside :func:`render`, a picture
+    of a size that makes it ``final`` is drawn from that layout too (kept on ``dot``, see :func:`dot_bytes`)."""
+    source, fmt = dot.source, _DRAW_FORMAT.get()
+    size = _SIZES.get(source)
+    if size is None or (fmt is not None and final(*size)):
+        with _graphviz_messages(), _Layout(source) as layout:
+            size = layout.size
+            if fmt is not None and final(*size):
+                dot._fwdtrace_drawn = {(source, fmt): layout.draw(fmt)}
+        _SIZES[source] = size
+        while len(_SIZES) > _SIZES_KEPT:
+            _SIZES.popitem(last=False)
+    return size
 
 
 def _wrap_edges(keys: list[str], edges: set[tuple[str, str]], width: int) -> list[tuple[str, str]]:
@@ -629,6 +687,11 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nod
     else:
         floor = next(d for d, c in enumerate(counts) if c >= min(MIN_AUTO_BOXES, counts[top]))
     max_w, max_h = (px * 72 / MIN_DPI for px in MAX_PNG)  # in points
+    pad = 2 * 4  # Graphviz's default pad, 4 points a side, around the layout's bounding box
+    fits = lambda w, h: w <= max_w and h <= max_h  # noqa: E731
+    resolution = lambda w, h: min(DPI, MAX_PNG[0] * 72 / (w + pad), MAX_PNG[1] * 72 / (h + pad))  # noqa: E731
+    # the picture chosen as it is: fits, at the default resolution (a lower one changes the DOT source)
+    final = lambda w, h: fits(w, h) and resolution(w, h) >= DPI  # noqa: E731
     for d in range(top, floor - 1, -1):
         if counts[d] > target_nodes and d > floor:
             continue
@@ -636,18 +699,17 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nod
         bound = f"at most {target_nodes}" if counts[d] <= target_nodes else f"at least {MIN_AUTO_BOXES}"
         caption = f"{level}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
         dot = draw(d, caption, wrap)
-        w, h = _layout_points(dot.source)
-        if w <= max_w and h <= max_h:
+        w, h = _measure(dot, final)
+        if fits(w, h):
             break
         if d == floor:
             tries = [max(2, wrap // 2), max(2, wrap // 4)] if w > max_w else [wrap * 2, wrap * 4]
             for other in tries if wrap else []:  # the least scaled down of the wrappings
                 rewrapped = draw(d, caption, other)
-                w2, h2 = _layout_points(rewrapped.source)
+                w2, h2 = _measure(rewrapped, lambda w, h: False)
                 if min(max_w / w2, max_h / h2) > min(max_w / w, max_h / h):
                     dot, w, h = rewrapped, w2, h2
-    pad = 2 * 4  # Graphviz's default pad, 4 points a side, around the layout's bounding box
-    dpi = min(DPI, MAX_PNG[0] * 72 / (w + pad), MAX_PNG[1] * 72 / (h + pad))
+    dpi = resolution(w, h)
     if dpi < DPI:
         dot.attr(dpi=f"{math.floor(dpi * 10) / 10:.1f}")  # rounded down: never a pixel over
     return dot

@@ -34,7 +34,7 @@ from urllib.parse import quote
 import torch
 
 from .._tree import tensors_of
-from ..bins import check_bins_spec
+from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..grads import register_grad_hook
 from ..keys import Selector, key2module, select_modules
@@ -387,7 +387,7 @@ class Recorder:
         timeout: float = 30.0,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         ranks: Iterable[int] | None = None,
-        bins: int | Sequence[float] = 60,
+        bins: int | Sequence[float] = DEFAULT_BINS,
     ) -> None:
         for name, count in (("every", every), ("workers", workers), ("queue_size", queue_size)):
             if isinstance(count, bool) or not isinstance(count, int) or count <= 0:

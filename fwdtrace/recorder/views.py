@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bins import SteadyBins
+from ..bins import DEFAULT_BINS, SteadyBins
 
 __all__ = ["VIEWS", "FRAME_SIZE", "resolve_view", "reduce", "draw_frame", "FrameCanvas"]
 
@@ -25,7 +25,7 @@ FRAME_SIZE = (640, 480)  # width, height in pixels
 # Caps on what crosses to a worker: a picture shows no more than this anyway.
 HEATMAP_MAX = 256  # rows and columns of a heatmap
 HISTOGRAM_MAX = 16384  # values sampled for a histogram of 60 bins
-HISTOGRAM_BINS = 60
+HISTOGRAM_BINS = DEFAULT_BINS  # the live page bins the same way
 PCA_ROWS_MAX = 512  # points of a PCA scatter (the seed's PCA of every row took seconds)
 PCA_FEATURES_MAX = 1024
 

@@ -76,7 +76,7 @@ function addPanel(key, kind) {
   element.querySelector("h3 span").textContent = key + " · " + kind;
   element.querySelector("button").addEventListener("click", () => disarm(key, kind));
   element.querySelector("button").hidden = readOnly;
-  $("panels").prepend(element);
+  $("scalars").after(element);
   const panel = {element, key, kind, before: null};
   // Scroll back over the history on disk: the range picks the newest step shown; at its right end
   // the panel follows the newest samples again.
@@ -106,30 +106,71 @@ function showHistory(series) {
   }
 }
 
-const ROLES = {forward: ["input", "output"], grad: ["grad_input", "grad_output"]};
-const WHICH = {input: "forward_input", output: "forward_output", grad_input: "grad_input", grad_output: "grad_output"};
 const COLUMNS = ["count", "mean", "std", "min", "max", "nan", "inf"];
 
 function number(x) { return x === null || x === undefined ? "-" : (Number.isInteger(x) ? String(x) : x.toPrecision(4)); }
 
+function escape(text) {
+  const div = document.createElement("div");
+  div.textContent = text;
+  return div.innerHTML;
+}
+
+// One chart and one table row per series: a layer's inputs and outputs (output[1][0] for a
+// layer returning several), or a parameter of the module for the weight kinds.
 async function refreshPanel(panel) {
-  const q = "key=" + encodeURIComponent(panel.key) + "&kind=" + panel.kind +
-            (panel.before === null ? "" : "&before=" + panel.before);
+  const q = "key=" + encodeURIComponent(panel.key) + "&kind=" + panel.kind;
+  const info = await api("api/samples?" + q + "&since=" + Number.MAX_SAFE_INTEGER);  // the counts, no samples
+  const calls = panel.kind.startsWith("weight") ? "backwards" : "calls";
+  panel.element.querySelector(".counts").textContent = readOnly ?
+    `${info.taken} sampled · ${info.samples} kept on disk · steps ${info.first_step} to ${info.last_step}` :
+    `every ${info.every} · ${info.taken} sampled of ${info.calls} ${calls} · ${info.samples} kept · ${info.dropped} dropped` +
+    (info.over_budget ? ` · ${info.over_budget} over the memory budget` : "") +
+    (info.armed ? "" : " · disarmed") + (info.error ? " · " + info.error : "");
   const charts = [];
   const rows = [];
-  for (const role of ROLES[panel.kind]) {
-    charts.push('<div class="chart"><div>' + role + "</div>" + await api("api/chart.svg?" + q + "&role=" + role) + "</div>");
-    const stats = await api("api/stats?key=" + encodeURIComponent(panel.key) + "&which=" + WHICH[role]);
-    rows.push("<tr><th>" + role + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
-    panel.element.querySelector(".counts").textContent = readOnly ?
-      `${stats.taken} sampled · ${stats.samples} kept on disk · steps ${stats.first_step} to ${stats.last_step}` :
-      `every ${stats.every} · ${stats.taken} sampled of ${stats.calls} calls · ${stats.samples} kept · ${stats.dropped} dropped` +
-      (stats.over_budget ? ` · ${stats.over_budget} over the memory budget` : "") +
-      (stats.armed ? "" : " · disarmed") + (stats.error ? " · " + stats.error : "");
+  const before = panel.before === null ? "" : "&before=" + panel.before;  // scrolled back: from disk
+  for (const role of info.roles) {
+    const r = q + "&role=" + encodeURIComponent(role);
+    charts.push('<div class="chart"><div>' + escape(role) + "</div>" + await api("api/chart.svg?" + r + before) + "</div>");
+    const stats = await api("api/stats?" + r);
+    rows.push("<tr><th>" + escape(role) + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
   }
+  if (!info.roles.length) charts.push('<p class="note">waiting for the first sample</p>');
   panel.element.querySelector(".charts").innerHTML = charts.join("");
   panel.element.querySelector("table").innerHTML =
     "<tr><th></th>" + COLUMNS.map((c) => "<th>" + c + "</th>").join("") + "</tr>" + rows.join("");
+}
+
+// Scalar curves: log_scalar's and the health arm's, one chart each, drawn by the server.
+async function refreshScalars() {
+  const answer = await api("api/scalars?since=" + Number.MAX_SAFE_INTEGER);  // the names, no points
+  for (const name of answer.names) {
+    let chart = [...$("scalars").children].find((c) => c.dataset.name === name);
+    if (!chart) {
+      chart = document.createElement("div");
+      chart.className = "chart scalar";
+      chart.dataset.name = name;
+      $("scalars").append(chart);
+    }
+    chart.innerHTML = "<div>" + escape(name) + "</div>" + await api("api/scalar.svg?name=" + encodeURIComponent(name));
+  }
+}
+
+let root = null;
+
+async function toggleHealth() {
+  if (!root) return;
+  const q = "api/sample";
+  try {
+    if ($("health").checked) {
+      await api(q, {method: "POST", headers: {"Content-Type": "application/json"},
+                    body: JSON.stringify({key: root, kind: "health", every: Number($("every").value) || 1})});
+    } else {
+      await api(q + "?key=" + encodeURIComponent(root) + "&kind=health", {method: "DELETE"});
+    }
+    say("");
+  } catch (e) { say(e.message); }
 }
 
 async function tick() {
@@ -139,13 +180,17 @@ async function tick() {
     $("rank").textContent = status.rank + " / " + status.world_size;
     $("model").textContent = status.model + (status.read_only ? " · reopened from " + status.history.logdir : "");
     readOnly = status.read_only;
-    for (const arm of status.arms) if (arm.armed || readOnly) addPanel(arm.key, arm.kind);
+    root = status.root;
+    $("health").checked = status.arms.some((a) => a.kind === "health" && a.key === root && a.armed);
+    for (const arm of status.arms) if ((arm.armed || readOnly) && arm.kind !== "health") addPanel(arm.key, arm.kind);
     for (const panel of panels.values()) await refreshPanel(panel);
     if (status.history) showHistory((await api("api/history")).series);
+    await refreshScalars();
   } catch (e) { say(e.message); }
   setTimeout(tick, poll);
 }
 
+$("health").addEventListener("change", toggleHealth);
 $("depth").addEventListener("change", loadGraph);
 loadGraph();
 tick();
