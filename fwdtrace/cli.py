@@ -95,9 +95,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
 INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
 
 
-def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+def add_input_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """``--input-shape`` (repeatable) and ``--dtype``, the same for every subcommand that runs a model."""
-    parser.add_argument("--input-shape", action="append", required=True, metavar="1,3,224,224",
+    parser.add_argument("--input-shape", action="append", required=required, metavar="1,3,224,224",
                         help="shape of one input tensor; repeat for more inputs")
     parser.add_argument("--dtype", default="float32", choices=INPUT_DTYPES,
                         help="dtype of the inputs: floats are seeded normal values, ints token ids in [0, 10) (default float32)")

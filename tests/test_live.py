@@ -406,6 +406,92 @@ def test_ring_buffer_keeps_the_newest_and_counts_drops() -> None:
         assert b'data-samples="3"' in svg and svg.count(b"<polyline") == 1
 
 
+
+def _run_with_history(logdir: Path, steps: int = 7) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """``steps`` training steps served with ring=2 and logdir (retention=5), body.2.Linear's forward armed;
+    the outputs a plain hook saw, and what the API answered before stop()."""
+    model = _model()
+    outputs: list[torch.Tensor] = []
+    model.body[2].register_forward_hook(
+        lambda m, a, out: outputs.append(out.detach().clone()) if torch.is_grad_enabled() else None)
+    seen: dict[str, Any] = {}
+    with fwdtrace.serve(model, port=0, ring=2, logdir=logdir, retention=5) as server:
+        request(server, "POST", "/api/sample", {"key": "body.2.Linear", "kind": "forward"})
+        train_steps(model, steps)
+        seen["ring"] = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward")[1]
+        seen["older"] = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward&before=6&limit=3")[1]
+        seen["all"] = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward&before=100&limit=100")[1]
+        seen["history"] = request(server, "GET", "/api/history")[1]
+        seen["chart"] = request(server, "GET", "/api/chart.svg?key=body.2.Linear&kind=forward&role=output&before=5")[1]
+        seen["status"] = request(server, "GET", "/api/status")[1]
+    return outputs, seen
+
+
+def _assert_output_stats(samples: list[dict[str, Any]], outputs: list[torch.Tensor]) -> None:
+    """Each sample's output summary is the statistics torch computes of the output at that step."""
+    for sample in samples:
+        ref = outputs[sample["step"] - 1].double()
+        out = [t for t in sample["tensors"] if t["role"] == "output"][0]
+        assert out["mean"] == pytest.approx(float(ref.mean()), rel=1e-9)
+        assert out["std"] == pytest.approx(float(ref.std(correction=0)), rel=1e-9)
+        assert (out["min"], out["max"]) == (pytest.approx(float(ref.min())), pytest.approx(float(ref.max())))
+        assert np.histogram(ref.numpy(), bins=out["bin_edges"])[0].tolist() == out["histogram"]
+        assert out["numel"] == ref.numel() and (out["nan"], out["inf"]) == (0, 0)
+
+
+def test_history_on_disk_reaches_back_beyond_the_ring_and_reopens_without_the_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+    from fwdtrace.live import reopen
+
+    outputs, seen = _run_with_history(tmp_path / "run")
+    assert len(outputs) == 7
+    assert [s["step"] for s in seen["ring"]["samples"]] == [6, 7]  # the ring holds 2
+    older = seen["older"]
+    assert older["source"] == "history" and [s["step"] for s in older["samples"]] == [3, 4, 5]
+    _assert_output_stats(older["samples"], outputs)
+    assert [[t["role"] for t in s["tensors"]] for s in older["samples"]] == [["input", "output"]] * 3
+    assert [s["step"] for s in seen["all"]["samples"]] == [3, 4, 5, 6, 7]  # retention=5: steps 1 and 2 dropped
+    series = {(s["role"]): (s["rows"], s["appended"], s["first_step"], s["last_step"]) for s in seen["history"]["series"]}
+    assert series == {"input": (5, 7, 3, 7), "output": (5, 7, 3, 7)}
+    assert b'data-samples="2"' in seen["chart"] and b"step 3" in seen["chart"]  # steps 3 and 4, from disk
+    assert seen["status"]["history"] == {"logdir": str(tmp_path / "run"), "retention": 5}
+
+    # The finished run, reopened from its directory as `fwdtrace serve --logdir` does: graph, keys, history.
+    with reopen(tmp_path / "run", port=0) as server:
+        status, answer = request(server, "GET", "/api/status")
+        assert (answer["read_only"], answer["model"], answer["step"], answer["graph"]) == (True, "Net", 7, "ready")
+        assert [(a["key"], a["kind"], a["samples"], a["taken"]) for a in answer["arms"]] == [
+            ("body.2.Linear", "forward", 5, 7)]
+        status, text = request(server, "GET", "/api/graph", raw=True)
+        assert fwdtrace.Graph.from_json(text.decode()) == fwdtrace.trace(_model(), torch.randn(5, 8))
+        assert [k["key"] for k in request(server, "GET", "/api/keys")[1]] == fwdtrace.module_keys(_model())
+        status, answer = request(server, "GET", "/api/samples?key=body.2&kind=forward&before=6&limit=3")
+        assert answer["samples"] == older["samples"]  # by path, as a live service answers
+        status, answer = request(server, "GET", "/api/stats?key=body.2.Linear&which=forward_output")
+        kept = torch.cat([outputs[i].reshape(-1) for i in range(2, 7)]).double()
+        assert answer["stats"]["count"] == kept.numel()
+        assert answer["stats"]["mean"] == pytest.approx(float(kept.mean()), rel=1e-9)
+        assert answer["stats"]["std"] == pytest.approx(float(kept.std(correction=0)), rel=1e-9)
+        assert (answer["stats"]["min"], answer["stats"]["max"]) == (float(kept.min()), float(kept.max()))
+        status, answer = request(server, "POST", "/api/sample", {"key": "body.0.Linear", "kind": "forward"})
+        assert status == 409 and answer["error"].startswith("this is a finished run reopened read-only from")
+        status, answer = request(server, "DELETE", "/api/sample?key=body.2.Linear")
+        assert status == 409
+        status, answer = request(server, "GET", "/api/samples?key=body.0.Linear&kind=forward")
+        assert status == 404 and answer["error"] == "'body.0.Linear' was never armed for forward sampling; the run kept none of it"
+    with pytest.raises(FwdtraceError, match=r"^reopen\(\) expected logdir as the directory of a fwdtrace live run "
+                                            r"\(holding history.h5\), got '.*', which has no history.h5"):
+        reopen(tmp_path, port=0)
+    assert main(["serve", "--logdir", str(tmp_path / "none"), "--port", "0"]) == 2  # what the CLI calls, refusing
+    assert capsys.readouterr().err.startswith("fwdtrace serve: error: reopen() expected logdir as the directory of")
+    assert main(["serve", "--port", "0"]) == 2
+    assert "expected a model factory ('pkg.module:function') or --logdir DIR" in capsys.readouterr().err
+    with pytest.raises(FwdtraceError, match=r"^serve\(\) expected logdir as a new or empty directory, or a fwdtrace"):
+        fwdtrace.serve(_model(), port=0, logdir=TESTS)
+    with pytest.raises(FwdtraceError, match=r"^serve\(\) expected retention only with logdir="):
+        fwdtrace.serve(_model(), port=0, retention=3)
+
 def test_several_threads_calling_the_model() -> None:
     model = _model()
     calls = []

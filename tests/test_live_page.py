@@ -66,7 +66,8 @@ def _wait(condition, timeout: float = 20.0, what: str = "") -> object:  # type: 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
+def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
+    """The graph loads, a click arms sampling, the panel updates and scrolls back over the history on disk."""
     driver = _browser()
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -86,7 +87,7 @@ def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
 
     trainer = threading.Thread(target=training, daemon=True)
     try:
-        with fwdtrace.serve(model, example_inputs=torch.randn(2, 8), port=0) as server:
+        with fwdtrace.serve(model, example_inputs=torch.randn(2, 8), port=0, ring=4, logdir=tmp_path) as server:
             trainer.start()
             driver.get(server.url + "?poll=300")  # type: ignore[attr-defined]
             find = driver.find_elements  # type: ignore[attr-defined]
@@ -144,6 +145,24 @@ def test_page_shows_the_graph_and_a_click_arms_sampling() -> None:
                        for a in request(server, "GET", "/api/status")[1]["arms"])
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(str(ARTIFACTS / "live_page.png"))  # type: ignore[attr-defined]
+
+            # Scroll back: the ring keeps 4 samples, the range control reaches the first steps kept on disk.
+            panel = 'div.panel[data-key="body.2.Linear"]'
+            back = _wait(lambda: [e for e in find(By.CSS_SELECTOR, panel + " input.back")
+                                  if e.is_displayed() and int(e.get_attribute("max")) - int(e.get_attribute("min")) >= 8],
+                         what="the range control over 9 steps")[0]
+            first = int(back.get_attribute("min"))
+            driver.execute_script(  # type: ignore[attr-defined]
+                "arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))", back, first + 2)
+            on_disk = request(server, "GET", f"/api/samples?key=body.2.Linear&kind=forward&before={first + 3}")[1]
+            want = [s["step"] for s in on_disk["samples"]]
+            assert want and want[0] == first and want[-1] <= first + 2
+            titles = lambda: [t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, chart + " circle title")]  # noqa: E731
+            _wait(lambda: [int(t.split(":")[0].split()[1]) for t in titles()] == want, what=f"the chart of steps {want}")
+            assert find(By.CSS_SELECTOR, chart)[0].get_attribute("data-samples") == str(len(want))
+            ring = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward")[1]["samples"]
+            assert ring[0]["step"] > first + 2  # beyond what memory holds
+            assert find(By.CSS_SELECTOR, panel + " .window")[0].text == f"samples up to step {first + 2}"
             stop.set()
             trainer.join()
     finally:

@@ -3,12 +3,15 @@
 ``sampler.py`` holds the training side (plain torch hooks appending to ring buffers),
 ``server.py`` the HTTP side (stdlib ``ThreadingHTTPServer`` in a daemon thread),
 ``svg.py`` the drawings the page shows, ``static/`` the page itself (plain JS, no CDN),
-``scalars.py`` the scalar curves the training loop logs (:func:`log_scalar`).
+``scalars.py`` the scalar curves the training loop logs (:func:`log_scalar`), ``history.py``
+the run's history on disk (``serve(..., logdir=DIR)``), ``reopen.py`` a finished run served from
+it without the model.
 """
 
 from __future__ import annotations
 
+from .reopen import ReopenedServer, reopen
 from .scalars import log_scalar
 from .server import Server, serve
 
-__all__ = ["serve", "Server", "log_scalar"]
+__all__ = ["serve", "Server", "log_scalar", "reopen", "ReopenedServer"]

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,14 @@ from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..keys import closest_keys, key_path
+from .history import History
 from .sampler import KINDS, ROLES, Sampler, SamplerClosed, check_positive
 
 __all__ = ["Server", "serve"]
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024
+MAX_LIMIT = 10_000  # samples one read of the history may return
 SVG_CACHE = 8  # graph drawings kept, one per depth, the least recently shown dropped first
 JOIN_TIMEOUT = 10.0  # stop() waits this long in all for the request threads to finish
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -72,40 +74,62 @@ def _finite(obj: Any) -> Any:
 class Server:
     """A running live service; see :func:`serve`. Stop it with ``stop()`` or by leaving ``with``."""
 
+    read_only = False  # a finished run reopened from its history (fwdtrace.live.reopen), no model
+    history: History | None  # the run's history on disk, with serve(logdir=...)
+    _graph_handle: Any
+
     def __init__(self, model: torch.nn.Module, example_inputs: Any, host: str, port: int, token: str | None,
                  ring: int, bins: int | Sequence[float], raw_cap: int, pending: int, memory: int = 256 << 20,
-                 max_connections: int = 32, timeout: float = 10.0) -> None:
+                 max_connections: int = 32, timeout: float = 10.0, logdir: str | Path | None = None,
+                 retention: int | None = None) -> None:
         self.model = model
-        self.host = host
         self.sampler = Sampler(model, ring=ring, bins=bins, raw_cap=raw_cap, pending=pending, memory=memory)
-        self.graph: Graph | None = None
-        self.graph_error: str | None = None
-        self.trace_exception: BaseException | None = None  # why the graph's trace failed, for `fwdtrace serve`
-        self._graph_json: str | None = None
-        self._graph_handle: Any = None
-        self._svg_cache: OrderedDict[int | None, str] = OrderedDict()
-        self._layouts: Any = None
-        self._lock = threading.Lock()
-        self.closed = False
+        self._init_state()
         try:
+            if logdir is not None:  # under torch.distributed each rank keeps its own history
+                rank, world_size = self.sampler.rank, self.sampler.world_size
+                folder = Path(logdir) / f"rank{rank}" if world_size > 1 else logdir
+                self.history = History(folder, retention, caller="serve()")
+                self.sampler.sinks.append(self.history.append_sample)
             if example_inputs is not None:
                 self._trace(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})
             else:
                 self._graph_handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
+                self._save_run()
             bind_port = port + self.sampler.rank if port else 0  # under torch.distributed: rank r serves on port + r
             if bind_port > 65535:
                 raise FwdtraceError(f"serve() cannot listen on port {port} + rank {self.sampler.rank} = {bind_port}: "
                                     f"expected a port of at most {65535 - self.sampler.rank} for rank "
                                     f"{self.sampler.rank} (each rank serves on port + rank), or port=0")
-            try:
-                self.httpd = _HTTPServer((host, bind_port), _Handler, max_connections, timeout)
-            except OSError as e:
-                raise FwdtraceError(
-                    f"serve() could not listen on {host}:{bind_port} ({e.strerror or e}); pass port=0 for a free port"
-                ) from None
+            self._listen(host, bind_port, max_connections, timeout)
         except BaseException:
             self._unhook()
             raise
+        self._start(token)
+
+    def _init_state(self) -> None:
+        self.history = None
+        self.graph: Graph | None = None
+        self.graph_error: str | None = None
+        self.trace_exception: BaseException | None = None  # why the graph's trace failed, for `fwdtrace serve`
+        self._graph_json: str | None = None
+        self._graph_handle = None
+        self._svg_cache: OrderedDict[int | None, str] = OrderedDict()
+        self._layouts: Any = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def _listen(self, host: str, bind_port: int, max_connections: int, timeout: float) -> None:
+        self.host = host
+        try:
+            self.httpd = _HTTPServer((host, bind_port), _Handler, max_connections, timeout)
+        except OSError as e:
+            raise FwdtraceError(
+                f"serve() could not listen on {host}:{bind_port} ({e.strerror or e}); pass port=0 for a free port"
+            ) from None
+
+    def _start(self, token: str | None) -> None:
+        host = self.host
         self.httpd.app = self
         self.port: int = self.httpd.server_address[1]
         self.token = token
@@ -134,6 +158,12 @@ class Server:
         finally:
             self.model.train(was_training)
             self.sampler.quiet_thread = None
+        self._save_run()
+
+    def _save_run(self) -> None:
+        """Write the graph and the key table beside the history, so the run reopens without the model."""
+        if self.history is not None:
+            self.history.write_run(self.graph_json() if self.graph is not None else None, self.key_rows())
 
     def _first_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         with self._lock:
@@ -181,6 +211,8 @@ class Server:
         if handle is not None:
             handle.remove()
         self.sampler.close()
+        if self.history is not None:  # after the summariser, its writer, has stopped
+            self.history.close()
 
     def stop(self) -> None:
         """Stop serving, join the server's threads and take every hook off the model; calling it twice is harmless.
@@ -221,26 +253,46 @@ class Server:
 
     def _closest(self, name: str) -> list[str]:
         """The module keys and paths most like an unknown ``name``, best first."""
-        return closest_keys(name, [*self.sampler.key2module, *self._path2key()])
+        return closest_keys(name, [*self._known_keys(), *self._path2key()])
+
+    def _known_keys(self) -> Collection[str]:
+        return self.sampler.key2module
 
     def _path2key(self) -> dict[str, str]:
         """Each module's path (``res.c1``, as in the graph and ``named_modules()``) to its key."""
         key2module = self.sampler.key2module
         return {key_path(k, m) or k: k for k, m in key2module.items()}
 
+    def _sampled(self, kind: str) -> tuple[list[str], str]:
+        """The keys with samples of ``kind`` to read, and what to do about another one."""
+        return sorted(k for k, kd in self.sampler.arms if kd == kind), "POST /api/sample first"
+
     def _key(self, query: dict[str, str], armed_kind: str | None = None) -> str:
         key = query.get("key")
         if not key:
             raise _Reply(400, "expected a module key or path as ?key=KEY (GET /api/keys lists them)")
-        if key not in self.sampler.key2module:
+        known = self._known_keys()
+        if key not in known:
             key = self._path2key().get(key, key)
-        if key not in self.sampler.key2module:
+        if key not in known:
             raise _Reply(404, f"unknown module key or path {key!r}", closest=self._closest(key))
-        if armed_kind is not None and (key, armed_kind) not in self.sampler.arms:
-            armed = sorted(k for k, kd in self.sampler.arms if kd == armed_kind)
-            raise _Reply(404, f"{key!r} was never armed for {armed_kind} sampling; POST /api/sample first",
-                         armed=armed, closest=closest_keys(key, armed))
+        if armed_kind is not None:
+            armed, hint = self._sampled(armed_kind)
+            if key not in armed:
+                raise _Reply(404, f"{key!r} was never armed for {armed_kind} sampling; {hint}",
+                             armed=armed, closest=closest_keys(key, armed))
         return key
+
+    def _which(self, query: dict[str, str]) -> tuple[str, str | None]:
+        """The kind and the series /api/stats asks for: ``which=forward_output`` (as before series had names)
+        or ``kind=&role=``; None: the arm's output series."""
+        if "which" in query or "kind" not in query:
+            which = query.get("which", "forward_output")
+            if which not in _WHICH:
+                raise _Reply(400, f"expected which= one of {', '.join(_WHICH)} (or kind=&role=), got {which!r}")
+            kind, _, group = which.partition("_")
+            return kind, group if kind == "forward" else f"grad_{group}"
+        return self._kind(query), query.get("role")
 
     def _kind(self, query: dict[str, str]) -> str:
         kind = query.get("kind", "forward")
@@ -248,10 +300,13 @@ class Server:
             raise _Reply(400, f"expected kind={_KIND_LIST}, got {kind!r}")
         return kind
 
+    def _roles(self, key: str, kind: str) -> list[str]:
+        return self.sampler.arm_of(key, kind).roles()
+
     def _role(self, key: str, kind: str, role: str | None, unseen_groups: bool = False) -> str:
         """``role`` if the arm has that series (or, with ``unseen_groups``, is a group it may still
         see); None: the arm's output (or first) series."""
-        roles = self.sampler.arm_of(key, kind).roles()
+        roles = self._roles(key, kind)
         if role is None:
             role = next((r for r in roles if r.startswith(("output", "grad_output"))),
                         roles[0] if roles else ROLES.get(kind, ("",))[-1])
@@ -265,7 +320,7 @@ class Server:
             if any(p == path for _, p in _ROUTES):
                 raise _Reply(405, f"{method} is not allowed on {path}")
             raise _Reply(404, f"no such path {path!r}", paths=sorted({p for _, p in _ROUTES}))
-        return route(self, query, body)
+        return getattr(self, route.__name__)(query, body)  # a subclass's override (a reopened run) answers
 
     def page(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         # One self-contained page (script and style inlined), so only this request needs ?token=.
@@ -275,19 +330,45 @@ class Server:
         return 200, "text/html; charset=utf-8", text.encode()
 
     def keys(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        return _json(self.key_rows())
+
+    def key_rows(self) -> list[dict[str, Any]]:
+        """Each module key with its path, class, parameter count and (once traced) the shapes of its first call."""
         shapes: dict[str, dict[str, list[list[int]]]] = {}
         if self.graph is not None:
             for n in self.graph.nodes:
                 if n.kind == "module" and n.module_key not in shapes:
                     shapes[n.module_key] = {"input": [list(r.shape) for r in n.inputs],
                                             "output": [list(r.shape) for r in n.outputs]}
-        rows = [{"key": k, "class": type(m).__name__, "params": sum(p.numel() for p in m.parameters()),
-                 "shapes": shapes.get(k)} for k, m in self.sampler.key2module.items()]
-        return _json(rows)
+        return [{"key": k, "path": key_path(k, m), "class": type(m).__name__,
+                 "params": sum(p.numel() for p in m.parameters()), "shapes": shapes.get(k)}
+                for k, m in self.sampler.key2module.items()]
 
     def status(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         graph = "ready" if self.graph is not None else (self.graph_error or "waiting for the first forward")
-        return _json({**self.sampler.status(), "model": type(self.model).__name__, "graph": graph})
+        return _json({**self.sampler.status(), "model": type(self.model).__name__, "graph": graph,
+                      "history": self._history_info(), "read_only": False})
+
+    def _history_info(self) -> dict[str, Any] | None:
+        history = self.history
+        return None if history is None else {"logdir": str(history.logdir), "retention": history.retention}
+
+    def history_series(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        if self.history is None:
+            raise _Reply(404, "this service keeps no history on disk: serve(model, logdir=DIR) keeps one")
+        return _json({**(self._history_info() or {}), "series": self.history.series(),
+                      "scalars": self.history.scalar_names()})
+
+    def _older(self, key: str, kind: str, query: dict[str, str]) -> list[dict[str, Any]]:
+        """The newest ``limit`` samples with step below ``before``: from the history on disk when there is one,
+        which reaches back beyond the ring, else from the ring."""
+        before = _int(query, "before", None)
+        limit = _int(query, "limit", 64 if self.read_only else self.sampler.ring)
+        if not 1 <= limit <= MAX_LIMIT:
+            raise _Reply(400, f"expected limit= an integer in 1..{MAX_LIMIT}, got {limit}")
+        if self.history is not None:
+            return self.history.samples(key, kind, before, limit)
+        return [s for s in self.sampler.samples(key, kind) if before is None or s["step"] < before][-limit:]
 
     def arm(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         try:
@@ -344,6 +425,9 @@ class Server:
             raise _Reply(400, f"expected format=json or format=npy, got {query['format']!r}")
         since = _int(query, "since", -1)
         arm = self.sampler.arm_of(key, kind)
+        if "before" in query or "limit" in query:
+            return _json({**arm.info(), "rank": self.sampler.rank, "samples": self._older(key, kind, query),
+                          "source": "history" if self.history is not None else "ring"})
         return _json({**arm.info(), "rank": self.sampler.rank, "samples": self.sampler.samples(key, kind, since)})
 
     def _npy(self, key: str, kind: str, query: dict[str, str]) -> tuple[int, str, bytes]:
@@ -365,14 +449,7 @@ class Server:
         return 200, "application/octet-stream", buffer.getvalue()
 
     def stats(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
-        if "which" in query or "kind" not in query:  # which=forward_output, as before series had names
-            which = query.get("which", "forward_output")
-            if which not in _WHICH:
-                raise _Reply(400, f"expected which= one of {', '.join(_WHICH)} (or kind=&role=), got {which!r}")
-            kind, _, group = which.partition("_")
-            asked: str | None = group if kind == "forward" else f"grad_{group}"
-        else:
-            kind, asked = self._kind(query), query.get("role")
+        kind, asked = self._which(query)
         key = self._key(query, armed_kind=kind)
         role = self._role(key, kind, asked)
         arm = self.sampler.arm_of(key, kind)
@@ -385,7 +462,8 @@ class Server:
         kind = self._kind(query)
         key = self._key(query, armed_kind=kind)
         role = self._role(key, kind, query.get("role"), unseen_groups=True)
-        svg = histogram_svg(self.sampler.samples(key, kind), role)
+        older = "before" in query or "limit" in query or self.read_only
+        svg = histogram_svg(self._older(key, kind, query) if older else self.sampler.samples(key, kind), role)
         return 200, "image/svg+xml", svg.encode()
 
     def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
@@ -433,6 +511,7 @@ _ROUTES = {
     ("GET", "/api/scalar.svg"): Server.scalar_chart,
     ("GET", "/api/graph"): Server.graph_text,
     ("GET", "/api/graph.svg"): Server.graph_drawing,
+    ("GET", "/api/history"): Server.history_series,
 }
 
 
@@ -681,7 +760,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "127.0.0.1", port: int = 8765,
           token: str | None = None, ring: int = 64, bins: int | Sequence[float] = DEFAULT_BINS, raw_cap: int = 1 << 22,
-          pending: int = 32, memory: int = 256 << 20, max_connections: int = 32, timeout: float = 10.0) -> Server:
+          pending: int = 32, memory: int = 256 << 20, max_connections: int = 32, timeout: float = 10.0,
+          logdir: str | Path | None = None, retention: int | None = None) -> Server:
     """Serve a live view of ``model`` over HTTP from a daemon thread: arm sampling by module key, read statistics.
 
     >>> import torch, fwdtrace, urllib.request, json
@@ -707,51 +787,86 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     one refused with 503 when all are answering); each is closed after ``timeout`` seconds
     without a whole request. ``stop()`` (or leaving ``with``) joins the threads and takes
     every hook off the model.
+
+    ``logdir`` keeps the run's history on disk (:class:`~fwdtrace.live.history.History`):
+    every summarised sample and scalar, ``retention`` rows per series (10 000 by default), the
+    oldest dropped first, beside the graph; ``/api/samples?before=STEP&limit=N`` reads back
+    beyond the ring, and ``fwdtrace serve --logdir DIR`` (:func:`~fwdtrace.live.reopen.reopen`)
+    shows the run after the process has ended. A logdir holding a run continues it.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"serve() expected a torch.nn.Module as model, got {describe(model)}")
+    token = check_network(host, port, token, max_connections, timeout)
+    if logdir is None and retention is not None:
+        raise FwdtraceError(f"serve() expected retention only with logdir= (it bounds the history on disk), got "
+                            f"retention={retention!r} without a logdir")
+    return Server(model, example_inputs, host, port, token, ring, bins, raw_cap, pending, memory, max_connections,
+                  float(timeout), logdir, retention)
+
+
+def check_network(host: Any, port: Any, token: Any, max_connections: Any, timeout: Any, caller: str = "serve()"
+                  ) -> str | None:
+    """Check what a service takes about the network; the token to use (one made and printed beyond loopback)."""
     if not isinstance(host, str):
-        raise FwdtraceError(f"serve() expected host as a str such as '127.0.0.1', got {describe(host)}")
+        raise FwdtraceError(f"{caller} expected host as a str such as '127.0.0.1', got {describe(host)}")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise FwdtraceError(f"serve() expected port as an int in 0..65535 (0 picks a free one), got {port!r}")
+        raise FwdtraceError(f"{caller} expected port as an int in 0..65535 (0 picks a free one), got {port!r}")
     if token is not None and (not isinstance(token, str) or len(token) < 8):
-        raise FwdtraceError(f"serve() expected token as a str of at least 8 characters or None, got {token!r}")
+        raise FwdtraceError(f"{caller} expected token as a str of at least 8 characters or None, got {token!r}")
     if not isinstance(max_connections, int) or isinstance(max_connections, bool) or max_connections < 1:
-        raise FwdtraceError(f"serve() expected max_connections as a positive int, got {max_connections!r}")
+        raise FwdtraceError(f"{caller} expected max_connections as a positive int, got {max_connections!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise FwdtraceError(f"serve() expected timeout as a positive number of seconds, got {timeout!r}")
+        raise FwdtraceError(f"{caller} expected timeout as a positive number of seconds, got {timeout!r}")
     if host not in _LOOPBACK and token is None:
         token = secrets.token_urlsafe(16)
         print(f"fwdtrace live: serving {host} beyond loopback; token {token}", file=sys.stderr, flush=True)
-    return Server(model, example_inputs, host, port, token, ring, bins, raw_cap, pending, memory, max_connections,
-                  float(timeout))
+    return token
 
 
 # -- the `fwdtrace serve` subcommand ---------------------------------------------------------------------
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     from ..cli import add_input_arguments
 
-    parser.add_argument("factory", help="a function returning the model, as 'pkg.module:function'")
-    add_input_arguments(parser)
+    parser.add_argument("factory", nargs="?", help="a function returning the model, as 'pkg.module:function' "
+                        "(left out with --logdir: reopen that finished run read-only)")
+    add_input_arguments(parser, required=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
     parser.add_argument("--token", default=None, help="token required on every request (generated beyond loopback)")
+    parser.add_argument("--logdir", default=None, help="with a factory: keep the history there; alone: reopen "
+                        "the finished run there, read-only")
+    parser.add_argument("--retention", type=int, default=None, help="rows kept per series in --logdir (default 10000)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace serve`` until Ctrl-C; exit 2 (naming the layer) when the example inputs do not trace."""
     from ..cli import forward_failed, load_factory, make_inputs
 
+    if args.factory is None:
+        if args.logdir is None:
+            raise FwdtraceError("fwdtrace serve expected a model factory ('pkg.module:function') or --logdir DIR "
+                                "of a finished run, got neither")
+        from .reopen import reopen
+
+        with reopen(args.logdir, host=args.host, port=args.port, token=args.token) as reopened:
+            return _serve_until_interrupted(reopened, f"the run in {args.logdir} (read-only)")
+    if not args.input_shape:
+        raise FwdtraceError(f"fwdtrace serve expected --input-shape with the factory {args.factory!r}, got none")
     model = load_factory(args.factory)
     inputs = make_inputs(args)
-    with serve(model, example_inputs=tuple(inputs), host=args.host, port=args.port, token=args.token) as server:
+    with serve(model, example_inputs=tuple(inputs), host=args.host, port=args.port, token=args.token,
+               logdir=args.logdir, retention=args.retention) as server:
         if server.trace_exception is not None:  # a page with no graph helps nobody: stop here, as the other commands do
             raise forward_failed(args.factory, inputs, server.trace_exception) from server.trace_exception
-        query = f"?token={server.token}" if server.token else ""
-        print(f"serving {type(model).__name__} at {server.url}{query}  (Ctrl-C stops)", flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        return _serve_until_interrupted(server, type(model).__name__)
+
+
+def _serve_until_interrupted(server: Server, what: str) -> int:
+    query = f"?token={server.token}" if server.token else ""
+    print(f"serving {what} at {server.url}{query}  (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
     return 0

@@ -3,7 +3,8 @@
 "use strict";
 const token = new URLSearchParams(location.search).get("token");
 const poll = Number(new URLSearchParams(location.search).get("poll") || 1000);
-const panels = new Map();  // "kind key" -> {element, seq}
+const panels = new Map();  // "kind key" -> {element, key, kind, before}; before: null follows the newest samples
+let readOnly = false;  // a finished run reopened from its history: nothing to arm
 const $ = (id) => document.getElementById(id);
 
 async function api(path, options = {}) {
@@ -69,13 +70,40 @@ function addPanel(key, kind) {
   element.dataset.key = key;
   element.dataset.kind = kind;
   element.innerHTML = '<h3><span></span><button>disarm</button></h3><div class="counts"></div>' +
-                      '<div class="charts"></div><table></table>';
+                      '<div class="charts"></div>' +
+                      '<div class="scroll" hidden><input type="range" class="back"> <span class="window"></span></div>' +
+                      '<table></table>';
   element.querySelector("h3 span").textContent = key + " · " + kind;
   element.querySelector("button").addEventListener("click", () => disarm(key, kind));
+  element.querySelector("button").hidden = readOnly;
   $("scalars").after(element);
-  panels.set(id, {element, key, kind});
+  const panel = {element, key, kind, before: null};
+  // Scroll back over the history on disk: the range picks the newest step shown; at its right end
+  // the panel follows the newest samples again.
+  const range = element.querySelector("input.back");
+  range.addEventListener("input", () => {
+    const step = Number(range.value);
+    panel.before = step >= Number(range.max) ? null : step + 1;
+    refreshPanel(panel);
+  });
+  panels.set(id, panel);
   markArmed();
-  refreshPanel(panels.get(id));
+  refreshPanel(panel);
+}
+
+// The history's steps per panel: the range control spans the first to the last step kept on disk.
+function showHistory(series) {
+  for (const panel of panels.values()) {
+    const rows = series.filter((s) => s.key === panel.key && s.kind === panel.kind && s.first_step !== null);
+    if (!rows.length) continue;
+    const range = panel.element.querySelector("input.back");
+    range.min = Math.min(...rows.map((s) => s.first_step));
+    range.max = Math.max(...rows.map((s) => s.last_step));
+    if (panel.before === null) range.value = range.max;
+    panel.element.querySelector(".scroll").hidden = false;
+    panel.element.querySelector(".window").textContent =
+      panel.before === null ? "newest samples" : "samples up to step " + (panel.before - 1);
+  }
 }
 
 const COLUMNS = ["count", "mean", "std", "min", "max", "nan", "inf"];
@@ -94,15 +122,17 @@ async function refreshPanel(panel) {
   const q = "key=" + encodeURIComponent(panel.key) + "&kind=" + panel.kind;
   const info = await api("api/samples?" + q + "&since=" + Number.MAX_SAFE_INTEGER);  // the counts, no samples
   const calls = panel.kind.startsWith("weight") ? "backwards" : "calls";
-  panel.element.querySelector(".counts").textContent =
+  panel.element.querySelector(".counts").textContent = readOnly ?
+    `${info.taken} sampled · ${info.samples} kept on disk · steps ${info.first_step} to ${info.last_step}` :
     `every ${info.every} · ${info.taken} sampled of ${info.calls} ${calls} · ${info.samples} kept · ${info.dropped} dropped` +
     (info.over_budget ? ` · ${info.over_budget} over the memory budget` : "") +
     (info.armed ? "" : " · disarmed") + (info.error ? " · " + info.error : "");
   const charts = [];
   const rows = [];
+  const before = panel.before === null ? "" : "&before=" + panel.before;  // scrolled back: from disk
   for (const role of info.roles) {
     const r = q + "&role=" + encodeURIComponent(role);
-    charts.push('<div class="chart"><div>' + escape(role) + "</div>" + await api("api/chart.svg?" + r) + "</div>");
+    charts.push('<div class="chart"><div>' + escape(role) + "</div>" + await api("api/chart.svg?" + r + before) + "</div>");
     const stats = await api("api/stats?" + r);
     rows.push("<tr><th>" + escape(role) + "</th>" + COLUMNS.map((c) => "<td>" + number(stats.stats[c]) + "</td>").join("") + "</tr>");
   }
@@ -148,11 +178,13 @@ async function tick() {
     const status = await api("api/status");
     $("step").textContent = status.step;
     $("rank").textContent = status.rank + " / " + status.world_size;
-    $("model").textContent = status.model;
+    $("model").textContent = status.model + (status.read_only ? " · reopened from " + status.history.logdir : "");
+    readOnly = status.read_only;
     root = status.root;
     $("health").checked = status.arms.some((a) => a.kind === "health" && a.key === root && a.armed);
-    for (const arm of status.arms) if (arm.armed && arm.kind !== "health") addPanel(arm.key, arm.kind);
+    for (const arm of status.arms) if ((arm.armed || readOnly) && arm.kind !== "health") addPanel(arm.key, arm.kind);
     for (const panel of panels.values()) await refreshPanel(panel);
+    if (status.history) showHistory((await api("api/history")).series);
     await refreshScalars();
   } catch (e) { say(e.message); }
   setTimeout(tick, poll);

@@ -1,0 +1,133 @@
+"""The live history on disk (fwdtrace/live/history.py): rows back as written, retention, reopening, bad logdirs.
+
+References: numpy's own histogram and the values written; the file as h5py reads it from a
+copy taken while the writer is still open (what a crash would leave).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from fwdtrace import FwdtraceError
+from fwdtrace.live.history import HISTORY_FILE, History
+
+
+def _row(rng: np.random.Generator, step: int, bins: int = 4) -> dict:
+    x = rng.normal(size=50) * step
+    edges = np.linspace(x.min(), x.max(), bins + 1)
+    counts = np.histogram(x, bins=edges)[0]
+    return {"step": step, "time": 1000.0 + step, "call": step, "stats": {
+        "numel": x.size, "mean": x.mean(), "std": x.std(), "min": x.min(), "max": x.max(), "nan": 0, "inf": 0,
+        "zero_fraction": 0.0, "underflow": 0, "overflow": 0}, "histogram": counts.tolist(), "bin_edges": edges.tolist()}
+
+
+def test_rows_come_back_as_written_and_retention_keeps_the_newest(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    written = [_row(rng, step) for step in range(1, 12)]
+    with History(tmp_path / "run", retention=5) as history:
+        for i, r in enumerate(written):
+            history.append("0.Linear", "forward", "output", **r)
+            if i == 4:
+                full = history.path.stat().st_size
+        assert history.path.stat().st_size == full  # the file stops growing with the ring: rows are rewritten in place
+        history.append("0.Linear", "forward", "input", **written[0])
+        rows = history.rows("0.Linear", "forward", "output")
+        assert [r["step"] for r in rows] == [7, 8, 9, 10, 11]  # the ring kept the newest 5 of 11
+        assert [r["seq"] for r in rows] == [6, 7, 8, 9, 10]
+        for got, want in zip(rows, written[6:], strict=True):
+            assert got["histogram"] == want["histogram"] and got["bin_edges"] == want["bin_edges"]
+            assert {k: got[k] for k in want["stats"]} == want["stats"]  # float64 on disk: exact
+        assert [r["step"] for r in history.rows("0.Linear", "forward", "output", before=10, limit=2)] == [8, 9]
+        assert history.rows("0.Linear", "forward", "output", before=7) == []
+        assert [(s["role"], s["rows"], s["appended"], s["first_step"], s["last_step"]) for s in history.series()] == [
+            ("output", 5, 11, 7, 11), ("input", 1, 1, 1, 1)]
+        with h5py.File(history.path, "r", swmr=True) as f:  # on disk: no dataset grew past the retention
+            assert all(f[f"series/{n}/meta"].shape[0] <= 5 for n in f["series"])
+
+    # Reopened read-only: the same rows; writing is refused. Reopened to write: the ring goes on.
+    with History(tmp_path / "run", read_only=True) as history:
+        assert history.rows("0.Linear", "forward", "output") == rows
+        with pytest.raises(FwdtraceError, match=r"^History\(\): the run in .* is open read-only"):
+            history.append("0.Linear", "forward", "output", **written[0])
+    with History(tmp_path / "run") as history:
+        history.append("0.Linear", "forward", "output", **_row(rng, 12))
+        assert [r["step"] for r in history.rows("0.Linear", "forward", "output")] == [8, 9, 10, 11, 12]
+    with pytest.raises(FwdtraceError, match=r"^History\(\) expected retention=5 for the run in .*, got retention=6"):
+        History(tmp_path / "run", retention=6)
+
+
+def test_samples_group_the_roles_of_one_call_and_scalars_keep_their_series(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    written = {}
+    with History(tmp_path, retention=3) as history:
+        for step in (1, 2, 3, 4):
+            sample = {"step": step, "call": step, "time": 50.0 + step, "tensors": []}
+            for role in ("input", "output"):
+                r = _row(rng, step)
+                sample["tensors"].append({"role": role, "index": 0, "numeric": True, **r["stats"],
+                                          "histogram": r["histogram"], "bin_edges": r["bin_edges"]})
+            sample["tensors"].append({"role": "output", "index": 1, "numeric": False})  # a bool output: no row
+            history.append_sample("body.Linear", "forward", sample)
+            written[step] = sample
+            history.append_scalar("loss", 1.0 / step, step=step, time=50.0 + step)
+        samples = history.samples("body.Linear", "forward", before=4, limit=1)
+        assert [(s["step"], [t["role"] for t in s["tensors"]]) for s in samples] == [(3, ["input", "output"])]
+        for got, want in zip(samples[0]["tensors"], written[3]["tensors"], strict=False):
+            assert {k: got[k] for k in ("index", "mean", "std", "histogram", "bin_edges")} == \
+                {k: want[k] for k in ("index", "mean", "std", "histogram", "bin_edges")}
+        assert [s["step"] for s in history.samples("body.Linear", "forward")] == [2, 3, 4]
+        assert history.scalars("loss") == [{"step": s, "time": 50.0 + s, "value": 1.0 / s} for s in (2, 3, 4)]
+        assert history.scalars("loss", before=4, limit=1) == [{"step": 3, "time": 53.0, "value": 1.0 / 3}]
+        assert history.scalar_names() == ["loss"] and history.scalars("lr") == []
+        with pytest.raises(FwdtraceError, match=r"^History\(\) expected 4 histogram bins for 'body.Linear'"):
+            history.append("body.Linear", "forward", "input", **_row(rng, 5, bins=3))
+
+
+def test_what_an_append_wrote_is_on_disk_while_the_writer_is_open(tmp_path: Path) -> None:
+    """A copy of the file taken mid-run (what a killed process leaves) opens and holds every row appended."""
+    rng = np.random.default_rng(2)
+    history = History(tmp_path, retention=100)
+    try:
+        for step in range(1, 8):
+            history.append("a.ReLU", "grad", "grad_output", **_row(rng, step))
+        history.append_scalar("lr", 0.1, step=7, time=0.0)
+        shutil.copy(history.path, tmp_path / "copy.h5")
+        with h5py.File(tmp_path / "copy.h5", "r", libver="latest", swmr=True) as f:
+            metas = {f[f"{g}/{n}"].attrs.get("role", "scalar"): f[f"{g}/{n}/meta"][:]
+                     for g in ("series", "scalars") for n in f[g]}
+        assert metas["grad_output"]["step"].tolist() == list(range(1, 8))
+        assert metas["scalar"]["value"].tolist() == [0.1]
+    finally:
+        history.close()
+
+
+BAD_LOGDIRS = [
+    ("a file", lambda p: (p / "f").write_text("x") and p / "f", {},
+     r"^History\(\) expected logdir as a directory \(new, empty, or a fwdtrace live run\), got '.*f', which is a file"),
+    ("a folder of other files", lambda p: (p / "notes.txt").write_text("x") and p, {},
+     r"^History\(\) expected logdir as a new or empty directory, or a fwdtrace live run \(holding history.h5\), "
+     r"got '.*', which holds other files \(notes.txt\)"),
+    ("under a file", lambda p: (p / "f").write_text("x") and p / "f" / "run", {},
+     r"^History\(\) could not make the logdir '.*run'"),
+    ("not HDF5", lambda p: (p / HISTORY_FILE).write_text("x") and p, {},
+     r"^History\(\) could not open the history '.*history.h5'"),
+    ("HDF5, not a history", lambda p: h5py.File(p / HISTORY_FILE, "w").close() or p, {},
+     r"^History\(\) expected '.*history.h5' to be a fwdtrace live history"),
+    ("missing, to reopen", lambda p: p / "nothing", {"read_only": True},
+     r"^History\(\) expected logdir as the directory of a fwdtrace live run, got '.*nothing', which does not exist"),
+    ("no history, to reopen", lambda p: p, {"read_only": True},
+     r"^History\(\) expected logdir as the directory of a fwdtrace live run \(holding history.h5\), got .*, which has no"),
+    ("retention", lambda p: p, {"retention": 0}, r"^History\(\) expected retention as a positive int .*, got int 0"),
+    ("not a path", lambda p: 3, {}, r"^History\(\) expected logdir as a directory path \(str or Path\), got int"),
+]
+
+
+@pytest.mark.parametrize("make, kwargs, message", [b[1:] for b in BAD_LOGDIRS], ids=[b[0] for b in BAD_LOGDIRS])
+def test_a_bad_logdir_says_what_was_expected(tmp_path: Path, make, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FwdtraceError, match=message):
+        History(make(tmp_path), **kwargs)
