@@ -32,7 +32,10 @@ from fwdtrace.onnx import ops as onnx_ops
 
 TORCH_EXPORTERS = ["dynamo", "torchscript"]
 EXPORTERS = [*TORCH_EXPORTERS, "fwdtrace"]  # and fwdtrace's own emission (to_onnx)
-CASES = [(name, exporter) for name in zoo.ZOO for exporter in EXPORTERS]
+# One export per (model, exporter), shared by the tests below: their cases of one export stay on one
+# xdist worker (make test's --dist loadgroup), which then exports it once.
+CASES = [pytest.param(name, exporter, marks=pytest.mark.xdist_group(f"zoo-{name}-{exporter}"))
+         for name in zoo.ZOO for exporter in EXPORTERS]
 # ONNX ops that carry a layer's weights: every one of them must belong to some traced call.
 WEIGHTED_OPS = {"Conv", "Gemm", "MatMul", "LSTM", "GRU", "LayerNormalization", "BatchNormalization", "Gather"}
 
@@ -95,8 +98,8 @@ def test_honest_export_has_the_topology_of_the_trace(exported, name: str, export
     assert all(fwdtrace.onnx.compare._trace_label(n) in accounted for n in layers)
 
 
-@pytest.mark.parametrize("name", ["resnetish", "transformer_encoder", "hand_attention", "lstm_tagger", "shared_weights"])
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize(("name", "exporter"), [
+    c for c in CASES if c.values[0] in ("resnetish", "transformer_encoder", "hand_attention", "lstm_tagger", "shared_weights")])
 def test_honest_export_agrees_without_scope_metadata(exported, name: str, exporter: str) -> None:
     _, _, graph, proto = exported(name, exporter)
     report = fwdtrace.compare_onnx(graph, strip_scopes(proto))
