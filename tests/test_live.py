@@ -1095,6 +1095,20 @@ def test_chart_titles_give_each_bins_count_and_each_steps_statistics() -> None:
     assert xticks == [s["step"] for s in samples]  # four samples: each named
 
 
+def health_step(model: nn.Module, x: torch.Tensor, poisoned: bool = False) -> tuple[torch.Tensor, tuple[float, int, int]]:
+    """One backward of ``model(x).pow(2).mean()`` (``x[0, 0]`` NaN when ``poisoned``: NaN in every gradient) and the
+    health of the gradients as torch computes it: total norm (``get_total_norm``), NaN and Inf counts."""
+    model.zero_grad()
+    if poisoned:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return loss, (float(torch.nn.utils.get_total_norm(grads)), sum(int(torch.isnan(g).sum()) for g in grads),
+                  sum(int(torch.isinf(g).sum()) for g in grads))
+
+
 def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() -> None:
     from fwdtrace.live import log_scalar, scalars
 
@@ -1107,15 +1121,8 @@ def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() ->
         assert root == "Net"
         assert request(server, "POST", "/api/sample", {"key": root, "kind": "health"})[0] == 200
         for i in range(3):
-            model.zero_grad()
-            x = torch.randn(5, 8)
-            if i == 1:
-                x[0, 2] = float("nan")  # NaN in every gradient of this step
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            grads = [p.grad for p in model.parameters()]
-            references.append((float(torch.nn.utils.get_total_norm(grads)),
-                               sum(int(torch.isnan(g).sum()) for g in grads), sum(int(torch.isinf(g).sum()) for g in grads)))
+            loss, reference = health_step(model, torch.randn(5, 8), poisoned=i == 1)
+            references.append(reference)
             log_scalar("loss", loss)  # a 0-d tensor that requires grad
             log_scalar("lr", 0.1, step=100 + i)
         assert references[1][1] > 0 and references[0][1] == 0

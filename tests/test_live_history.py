@@ -1,19 +1,28 @@
 """The live history on disk (fwdtrace/live/history.py): rows back as written, retention, reopening, bad logdirs.
 
 References: numpy's own histogram and the values written; the file as h5py reads it from a
-copy taken while the writer is still open (what a crash would leave).
+copy taken while the writer is still open (what a crash would leave); the scalars a training
+loop logged and the gradient norms torch computes, read back from the reopened run.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import shutil
+import threading
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+import torch
+from test_live import Net, health_step, request
 
+import fwdtrace
+import fwdtrace.live
 from fwdtrace import FwdtraceError
+from fwdtrace.live import sampler
 from fwdtrace.live.history import HISTORY_FILE, History
 
 
@@ -104,6 +113,109 @@ def test_what_an_append_wrote_is_on_disk_while_the_writer_is_open(tmp_path: Path
         assert metas["scalar"]["value"].tolist() == [0.1]
     finally:
         history.close()
+
+
+def test_scalar_batches_wrap_the_ring_and_keep_the_newest(tmp_path: Path) -> None:
+    logged: list[tuple[int, float]] = []
+    with History(tmp_path, retention=5) as history:
+        for batch in (3, 4, 1, 9, 5):  # wraps inside a batch, lands on the ring's edge, overflows it whole
+            points = [(len(logged) + i, 0.5 * (len(logged) + i)) for i in range(batch)]
+            history.append_scalars([("loss", step, 7.0, value) for step, value in points])
+            logged += points
+            assert [(p["step"], p["value"]) for p in history.scalars("loss")] == logged[-5:]
+        with h5py.File(history.path, "r", swmr=True) as f:
+            assert f["scalars/0/meta"].shape == (5,) and sorted(f["scalars/0/meta"]["seq"]) == list(range(17, 22))
+    with History(tmp_path) as history:  # continued: the ring goes on from the newest seq
+        history.append_scalars([("loss", 22, 7.0, 11.0), ("lr", 22, 7.0, 0.1)])
+        assert [p["step"] for p in history.scalars("loss")] == [18, 19, 20, 21, 22]
+        assert history.scalar_names() == ["loss", "lr"]
+
+
+def test_logged_and_health_scalars_are_on_disk_when_the_run_is_reopened(tmp_path: Path) -> None:
+    """Every point log_scalar and the health arm kept while serving comes back from the reopened run; the oldest
+    beyond the retention are dropped."""
+    torch.manual_seed(0)
+    model = Net()
+    losses, lrs, health = [], [], []
+    with fwdtrace.serve(model, port=0, logdir=tmp_path / "run", retention=12) as server:
+        server.sampler.arm("Net", "health")
+        for i in range(8):
+            loss, reference = health_step(model, torch.randn(3, 8), poisoned=i == 5)
+            health.append(reference)
+            fwdtrace.live.log_scalar("loss", loss.detach())  # step: the service's, forwards so far
+            losses.append((i + 1, float(loss.detach())))
+            for k in range(2):  # more points than the retention: the newest 12 are kept
+                fwdtrace.live.log_scalar("lr", 0.1 / (2 * i + k + 1), step=2 * i + k)
+                lrs.append((2 * i + k, 0.1 / (2 * i + k + 1)))
+    norms, nans, infs = (list(column) for column in zip(*health, strict=True))
+    assert nans[5] > 0 and sum(nans) == nans[5]
+
+    with fwdtrace.live.reopen(tmp_path / "run", port=0) as reopened:  # what `fwdtrace serve --logdir` calls
+        answer = request(reopened, "GET", "/api/scalars")[1]
+        svg = request(reopened, "GET", "/api/scalar.svg?name=lr")[1].decode()  # the page's chart, hover titles
+    shown = [(int(s), float(v)) for s, v in re.findall(r"<title>step (\d+): lr=(\S+)</title>", svg)]
+    assert [s for s, _ in shown] == [s for s, _ in lrs[-12:]]
+    assert [v for _, v in shown] == pytest.approx([v for _, v in lrs[-12:]], rel=1e-5)  # six digits shown
+    got = answer["scalars"]
+    assert answer["names"] == ["Net/grad_inf", "Net/grad_nan", "Net/grad_norm", "loss", "lr"]
+    assert got["loss"]["steps"] == [s for s, _ in losses]
+    assert [v if v is not None else math.nan for v in got["loss"]["values"]] == pytest.approx(
+        [v for _, v in losses], rel=1e-6, nan_ok=True)
+    assert list(zip(got["lr"]["steps"], got["lr"]["values"], strict=True)) == lrs[-12:]  # floats: exact
+    assert got["Net/grad_norm"]["steps"] == list(range(1, 9))
+    assert [v if v is not None else math.nan for v in got["Net/grad_norm"]["values"]] == pytest.approx(
+        norms, rel=1e-6, nan_ok=True)
+    assert got["Net/grad_nan"]["values"] == nans and got["Net/grad_inf"]["values"] == infs
+
+
+def test_log_scalar_never_writes_the_file_in_the_calling_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    writers: list[threading.Thread] = []
+    written = threading.Event()
+    append = History.append_scalars
+
+    def recording(self: History, points: list) -> None:  # type: ignore[type-arg]
+        writers.append(threading.current_thread())
+        append(self, points)
+        written.set()
+
+    monkeypatch.setattr(History, "append_scalars", recording)
+    monkeypatch.setattr(sampler, "SCALAR_WRITE_INTERVAL", 0.05)
+    with fwdtrace.serve(Net(), port=0, logdir=tmp_path) as server:
+        summariser = server.sampler._worker
+        for step in range(50):
+            fwdtrace.live.log_scalar("loss", torch.tensor(1.0 / (step + 1)), step=step)
+        assert written.wait(60), "the summariser's periodic pass never wrote the scalars"  # while serving
+        fwdtrace.live.log_scalar("loss", 0.0, step=50)
+        assert server.history is not None and server.history.scalars("loss")[-1]["step"] >= 49
+    assert writers and all(t is summariser for t in writers)  # stop()'s last pass too
+    with History(tmp_path, read_only=True) as history:
+        assert [p["step"] for p in history.scalars("loss")] == list(range(51))
+
+
+def test_a_failing_scalar_write_is_reported_and_the_summariser_goes_on(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [threading.Event(), threading.Event()]
+
+    def full(self: History, points: list) -> None:  # type: ignore[type-arg]
+        calls.pop(0).set()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(History, "append_scalars", full)
+    monkeypatch.setattr(sampler, "SCALAR_WRITE_INTERVAL", 0.05)
+    model = Net()
+    first, second = calls
+    with fwdtrace.serve(model, port=0, logdir=tmp_path) as server:
+        fwdtrace.live.log_scalar("loss", 1.0)
+        assert first.wait(60)
+        fwdtrace.live.log_scalar("loss", 2.0)
+        assert second.wait(60)  # the summariser lived through the first failure, and recorded it before this
+        answer = request(server, "GET", "/api/scalars")[1]
+        assert answer["write_error"] == "writing 1 scalar points failed: OSError: [Errno 28] No space left on device"
+        assert answer["scalars"]["loss"]["values"] == [1.0, 2.0] and answer["lost"] == 0  # still served from memory
+        server.sampler.arm("body.0.Linear", "forward")
+        model(torch.ones(1, 8))
+        assert [s["step"] for s in server.sampler.samples("body.0.Linear", "forward")] == [1]
 
 
 BAD_LOGDIRS = [

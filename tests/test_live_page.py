@@ -111,8 +111,9 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             _wait(lambda: find(By.CSS_SELECTOR, counts)[0].text != first, what="the panel to update")
             bins = find(By.CSS_SELECTOR, chart + " rect.bin")
             assert len(bins) >= 2
-            table = find(By.CSS_SELECTOR, 'div.panel[data-key="body.2.Linear"] table tr')
-            assert [r.text.split()[0] for r in table[1:]] == ["input", "output"]
+            table = 'div.panel[data-key="body.2.Linear"] table tr'  # read whole: each poll redraws it
+            _wait(lambda: [r.text.split()[0] for r in find(By.CSS_SELECTOR, table)[1:]] == ["input", "output"],
+                  what="the table's rows input and output")
 
             # The weight kind, chosen next to forward/grad, arms the parameters of the clicked layer.
             from selenium.webdriver.support.select import Select
@@ -162,7 +163,9 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             assert find(By.CSS_SELECTOR, chart)[0].get_attribute("data-samples") == str(len(want))
             ring = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward")[1]["samples"]
             assert ring[0]["step"] > first + 2  # beyond what memory holds
-            assert find(By.CSS_SELECTOR, panel + " .window")[0].text == f"samples up to step {first + 2}"
+            # the label follows at the page's next poll of the history
+            _wait(lambda: find(By.CSS_SELECTOR, panel + " .window")[0].text == f"samples up to step {first + 2}",
+                  what=f"the label 'samples up to step {first + 2}'")
             stop.set()
             trainer.join()
     finally:

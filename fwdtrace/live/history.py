@@ -19,8 +19,9 @@ place, so the file stops growing. A row takes ``8 * (len(STATS) + 2 * bins + 1) 
 has two (input and output). Rows are not compressed: HDF5 writes a rewritten compressed chunk
 to new space, and the file would outgrow the retention.
 
-Writes come from one thread (the sampler's summariser, or whoever logs a scalar), reads
-from the HTTP threads of the same process; one lock covers the file. The file is written in
+Writes come from one thread (the sampler's summariser: samples as they are summarised, the
+scalars logged since its last pass about once a second and at stop), reads from the HTTP
+threads of the same process; one lock covers the file. The file is written in
 HDF5's single-writer/multiple-reader mode (SWMR) and flushed after every append, so what
 an append wrote is on disk when it returns and the file stays valid if the process dies: a
 hard kill (SIGKILL, a crashed node) loses only the append in flight, and the new series
@@ -233,15 +234,40 @@ class History:
 
     def append_scalar(self, name: str, value: float, step: int, time: float) -> None:
         """One value of scalar series ``name``; on disk when this returns."""
-        if not isinstance(name, str) or not name:
-            raise FwdtraceError(f"{self.caller} expected a scalar's name as a non-empty str, got {describe(name)} {name!r}")
+        self.append_scalars([(name, step, time, value)])
+
+    def append_scalars(self, points: Iterable[tuple[str, int, float, float]]) -> None:
+        """Values of scalar series, ``(name, step, time, value)`` each, in the order logged; on disk when this returns.
+
+        Each series' points are written as one slice (two where its ring wraps), then the file flushed once.
+        """
+        by_name: dict[str, list[tuple[int, float, float]]] = {}
+        for name, step, when, value in points:
+            if not isinstance(name, str) or not name:
+                raise FwdtraceError(f"{self.caller} expected a scalar's name as a non-empty str, got {describe(name)} {name!r}")
+            by_name.setdefault(name, []).append((step, when, _number(value)))
         with self._lock:
             self._writable()
-            ring = self._scalars.get(name)
-            if ring is None:
-                ring = self._scalars[name] = self._create("scalars", {"name": name}, _SCALAR_META, None)
-            self._put(ring, (step, time, _number(value)), None)
+            for name, rows in by_name.items():
+                ring = self._scalars.get(name)
+                if ring is None:
+                    ring = self._scalars[name] = self._create("scalars", {"name": name}, _SCALAR_META, None)
+                self._put_meta(ring, rows)
             self._file.flush()
+
+    def _put_meta(self, ring: _Ring, rows: list[tuple[int, float, float]]) -> None:
+        """Append ``rows`` (``meta`` without ``seq``) to a ring without ``values``: at most two slice writes."""
+        end = ring.appended + len(rows)
+        first = max(ring.appended, end - self.retention)  # of more than the ring holds, only the newest are kept
+        block = np.array([(first + i, *r) for i, r in enumerate(rows[first - end:])], dtype=ring.meta.dtype)
+        if ring.meta.shape[0] < min(end, self.retention):
+            ring.meta.resize((min(end, self.retention),))
+        start = first % self.retention
+        head = min(len(block), self.retention - start)
+        ring.meta[start:start + head] = block[:head]
+        if head < len(block):  # the ring wrapped: the rest overwrites its oldest rows
+            ring.meta[:len(block) - head] = block[head:]
+        ring.appended = end
 
     def write_run(self, graph_json: str | None = None, keys: list[dict[str, Any]] | None = None) -> None:
         """Write the run's graph JSON and key table beside the history (atomically), for reopening without the model."""

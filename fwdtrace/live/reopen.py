@@ -127,7 +127,7 @@ class ReopenedServer(Server):
 
     def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         assert self.history is not None
-        names = self.history.scalar_names()
+        names = sorted(self.history.scalar_names())  # as a live service lists them
         newer = "since" in query  # a finished run has no points newer than those a client saw
         series = {} if newer else {n: _points(self.history.scalars(n)) for n in names}
         return _json({"names": names, "scalars": series, "seq": None, "refused": 0})

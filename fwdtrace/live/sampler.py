@@ -52,6 +52,7 @@ KINDS = ("forward", "grad", *PARAMETER_KINDS, "health")
 # several one series per tensor, named by its place (``output[1][0]``). Parameter kinds: one
 # series per parameter, named as named_parameters() names it under the module (``weight``).
 ROLES = {"forward": ("input", "output"), "grad": ("grad_input", "grad_output")}
+SCALAR_WRITE_INTERVAL = 1.0  # seconds between the summariser's passes writing the scalars logged since the last
 _SUMMARY_BYTES = 64  # a rough cost of one number of a summary kept as Python objects (a float and its slot)
 
 
@@ -208,6 +209,9 @@ class Sampler:
         # Called as sink(key, kind, sample) in the summariser thread after each sample is kept
         # (fwdtrace.tensorboard.log_sampler adds one); a sink that raises sets the arm's error.
         self.sinks: list[Callable[[str, str, dict[str, Any]], None]] = []
+        # Called as scalar_sink(points) in the summariser thread with the scalar points logged since its
+        # last pass, [(name, step, time, value)], every SCALAR_WRITE_INTERVAL s and at close(): see add_scalar_sink.
+        self.scalar_sinks: list[Callable[[list[tuple[str, int, float, float]]], None]] = []
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=pending)
         self._progress = threading.Condition()
         self._submitted = self._summarised = 0
@@ -219,6 +223,15 @@ class Sampler:
         self._step_handle = model.register_forward_pre_hook(self._count_step)
         self.scalars = ScalarLog(lambda: self.step)  # fed by fwdtrace.live.log_scalar and health arms
         self.scalars.register()
+
+    def add_scalar_sink(self, sink: Callable[[list[tuple[str, int, float, float]]], None]) -> None:
+        """Hand every scalar point logged from now on to ``sink``, in batches, from the summariser thread only.
+
+        The training thread only appends to a list (:meth:`~fwdtrace.live.scalars.ScalarLog.hold`);
+        the summariser, already the one writer of samples, writes them too: the file keeps one writer.
+        """
+        self.scalars.hold()
+        self.scalar_sinks.append(sink)
 
     def _count_step(self, module: torch.nn.Module, args: tuple) -> None:
         if self.quiet_thread != threading.get_ident():
@@ -409,10 +422,19 @@ class Sampler:
                 arm.skipped += 1
 
     def _summarise_queued(self) -> None:
+        due = time.monotonic() + SCALAR_WRITE_INTERVAL
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=max(0.0, due - time.monotonic()))
+            except queue.Empty:
+                item = ()
+            if item is None or time.monotonic() >= due:
+                self._write_scalars()  # after close()'s sentinel: the last pass, nothing is logged any more
+                due = time.monotonic() + SCALAR_WRITE_INTERVAL
             if item is None:
                 return
+            if not item:
+                continue
             size = item[-1]
             try:
                 self._record(*item)
@@ -425,6 +447,19 @@ class Sampler:
                 with self._progress:
                     self._summarised += 1
                     self._progress.notify_all()
+
+    def _write_scalars(self) -> None:
+        """Hand the scalar points logged since the last pass to the scalar sinks (in the summariser thread)."""
+        if not self.scalar_sinks:
+            return
+        points = self.scalars.take_unwritten()
+        if not points:
+            return
+        for sink in list(self.scalar_sinks):
+            try:
+                sink(points)
+            except Exception as e:  # a full disk must not end the summariser; /api/scalars shows it
+                self.scalars.write_error = f"writing {len(points)} scalar points failed: {type(e).__name__}: {e}"
 
     def drain(self, timeout: float = 5.0) -> None:
         """Wait (at most ``timeout`` s) until every sample submitted so far is summarised: reads see them."""

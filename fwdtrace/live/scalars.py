@@ -6,12 +6,17 @@ appends to a bounded buffer of each running service (:class:`ScalarLog`, one per
 device sync) when a client asks for it, in the server's thread, never in the training loop.
 With no service running it checks its arguments and returns: nothing is kept for a service
 started later (a buffer nobody reads would only grow stale).
+
+A service with a history on disk also holds each point for its writer (:meth:`ScalarLog.hold`):
+the sampler's summariser thread takes them (:meth:`ScalarLog.take_unwritten`) about once a
+second and at stop, so the training thread never waits on the disk.
 """
 
 from __future__ import annotations
 
 import numbers
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -43,11 +48,28 @@ class ScalarLog:
         self.series: dict[str, deque[tuple[int, int, float | torch.Tensor]]] = {}
         self.seq = 0
         self.refused = 0
+        # Points logged since the writer's last pass, (name, step, time, value), when one takes them.
+        self.unwritten: list[tuple[str, int, float, float | torch.Tensor]] | None = None
+        self.max_unwritten = 0
+        self.lost = 0  # points the writer never got: more than max_unwritten waited for it
+        self.write_error: str | None = None  # why the writer's last pass failed, if it did
+
+    def hold(self, points: int = 1 << 16) -> None:
+        """Hold every point from now on for a writer, at most ``points`` between two of its passes (more are ``lost``).
+
+        >>> log = ScalarLog(step=lambda: 0); log.hold(points=1)
+        >>> log.add("loss", 0.5, step=1); log.add("loss", 0.25, step=2)
+        >>> [(name, step, value) for name, step, _, value in log.take_unwritten()], log.lost
+        ([('loss', 1, 0.5)], 1)
+        """
+        with self.lock:
+            self.unwritten, self.max_unwritten = [], points
 
     def add(self, name: str, value: float | torch.Tensor, step: int | None = None) -> None:
         """Keep one point (``value`` a float or a 0-d tensor already ours); the one place a point is recorded."""
         if step is None:
             step = self.step()
+        now = time.time()
         with self.lock:
             series = self.series.get(name)
             if series is None:
@@ -57,6 +79,22 @@ class ScalarLog:
                 series = self.series[name] = deque(maxlen=self.points)
             series.append((self.seq, step, value))
             self.seq += 1
+            if self.unwritten is not None:
+                if len(self.unwritten) < self.max_unwritten:
+                    self.unwritten.append((name, step, now, value))
+                else:
+                    self.lost += 1
+
+    def take_unwritten(self) -> list[tuple[str, int, float, float]]:
+        """The points held since the last call, oldest first, as ``(name, step, time, value)``; called by the writer.
+
+        Device tensors are read here (their sync), in the writer's thread.
+        """
+        with self.lock:
+            if not self.unwritten:
+                return []
+            points, self.unwritten = self.unwritten, []
+        return [(name, step, when, _float(value)) for name, step, when, value in points]
 
     def read(self, since: int = -1) -> dict[str, dict[str, Any]]:
         """Per name the points with ``seq`` above ``since``: ``{"steps", "values", "seq"}`` (the newest seq)."""

@@ -91,6 +91,7 @@ class Server:
                 folder = Path(logdir) / f"rank{rank}" if world_size > 1 else logdir
                 self.history = History(folder, retention, caller="serve()")
                 self.sampler.sinks.append(self.history.append_sample)
+                self.sampler.add_scalar_sink(self.history.append_scalars)
             if example_inputs is not None:
                 self._trace(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})
             else:
@@ -469,7 +470,8 @@ class Server:
     def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         log = self.sampler.scalars
         series = log.read(_int(query, "since", -1))
-        return _json({"names": log.names(), "scalars": series, "seq": log.seq - 1, "refused": log.refused})
+        return _json({"names": log.names(), "scalars": series, "seq": log.seq - 1, "refused": log.refused,
+                      **({"lost": log.lost, "write_error": log.write_error} if self.history is not None else {})})
 
     def scalar_chart(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         from .svg import scalar_svg
@@ -790,7 +792,9 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
 
     ``logdir`` keeps the run's history on disk (:class:`~fwdtrace.live.history.History`):
     every summarised sample and scalar, ``retention`` rows per series (10 000 by default), the
-    oldest dropped first, beside the graph; ``/api/samples?before=STEP&limit=N`` reads back
+    oldest dropped first, beside the graph. Scalars (:func:`~fwdtrace.live.log_scalar`, the
+    health arms' gradient norms and counts) are written by the summariser thread about once a
+    second and at ``stop()``, never by the thread logging them. ``/api/samples?before=STEP&limit=N`` reads back
     beyond the ring, and ``fwdtrace serve --logdir DIR`` (:func:`~fwdtrace.live.reopen.reopen`)
     shows the run after the process has ended. A logdir holding a run continues it.
     """
