@@ -904,6 +904,32 @@ def test_weight_and_weight_grad_are_each_parameter_read_after_backward() -> None
         assert status == 404 and answer["roles"] == ["weight", "bias"]
 
 
+def test_a_parameter_kind_keeps_one_sample_per_backward_with_every_parameter() -> None:
+    from fwdtrace.live.sampler import Sampler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))  # four parameters under the root
+    grads = []
+    sampler = Sampler(model, ring=2, pending=1)
+    try:
+        sampler.arm("Sequential", "weight_grad")
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(5, 3)).pow(2).sum().backward()
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+            sampler.drain()
+        info = sampler.arm_of("Sequential", "weight_grad").info()
+        assert (info["calls"], info["taken"], info["dropped"], info["skipped"]) == (3, 3, 1, 0)
+        samples = sampler.samples("Sequential", "weight_grad")
+        assert [s["step"] for s in samples] == [2, 3]  # a ring of 2 keeps two steps, not two parameters
+        for sample, ref in zip(samples, grads[1:], strict=True):
+            assert [t["role"] for t in sample["tensors"]] == list(ref)
+            for t in sample["tensors"]:
+                assert t["mean"] == pytest.approx(float(ref[t["role"]].double().mean()), rel=1e-9, abs=1e-15)
+    finally:
+        sampler.close()
+
+
 def test_bins_hold_while_the_range_grows_inside_and_are_the_recorders_edges() -> None:
     from fwdtrace.live.sampler import Sampler
     from fwdtrace.recorder import views
@@ -1020,19 +1046,24 @@ def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() ->
         root = request(server, "GET", "/api/status")[1]["root"]
         assert root == "Net"
         assert request(server, "POST", "/api/sample", {"key": root, "kind": "health"})[0] == 200
-        for i in range(3):
+        for i in range(4):
             model.zero_grad()
             x = torch.randn(5, 8)
             if i == 1:
                 x[0, 2] = float("nan")  # NaN in every gradient of this step
+            # Inf in one gradient, no NaN anywhere: the sampler counts only when the norm is not finite
+            handle = model.body[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf"))) if i == 2 else None
             loss = model(x).pow(2).mean()
             loss.backward()
+            if handle is not None:
+                handle.remove()
             grads = [p.grad for p in model.parameters()]
             references.append((float(torch.nn.utils.get_total_norm(grads)),
                                sum(int(torch.isnan(g).sum()) for g in grads), sum(int(torch.isinf(g).sum()) for g in grads)))
             log_scalar("loss", loss)  # a 0-d tensor that requires grad
             log_scalar("lr", 0.1, step=100 + i)
         assert references[1][1] > 0 and references[0][1] == 0
+        assert (references[2][1:], references[2][0]) == ((0, 1), float("inf"))
         threads = [threading.Thread(target=lambda t=t: [log_scalar(f"thread{t}", float(k)) for k in range(300)])
                    for t in range(4)]
         for t in threads:
@@ -1043,14 +1074,14 @@ def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() ->
         health = [f"{root}/grad_inf", f"{root}/grad_nan", f"{root}/grad_norm"]
         assert answer["names"] == sorted([*health, "loss", "lr", *(f"thread{t}" for t in range(4))])
         got = answer["scalars"]
-        assert got[f"{root}/grad_norm"]["steps"] == [1, 2, 3]
+        assert got[f"{root}/grad_norm"]["steps"] == [1, 2, 3, 4]
         norms = got[f"{root}/grad_norm"]["values"]
-        assert norms[1] is None and np.isnan(references[1][0])  # NaN goes out as JSON null
-        assert [norms[0], norms[2]] == pytest.approx([references[0][0], references[2][0]], rel=1e-6)
+        assert norms[1] is None and norms[2] is None and np.isnan(references[1][0])  # NaN and Inf go out as JSON null
+        assert [norms[0], norms[3]] == pytest.approx([references[0][0], references[3][0]], rel=1e-6)
         assert got[f"{root}/grad_nan"]["values"] == [r[1] for r in references]
         assert got[f"{root}/grad_inf"]["values"] == [r[2] for r in references]
-        assert got["lr"] == {"steps": [100, 101, 102], "values": [0.1] * 3, "seq": got["lr"]["seq"]}
-        assert got["loss"]["steps"] == [1, 2, 3] and got["loss"]["values"][1] is None
+        assert got["lr"] == {"steps": [100, 101, 102, 103], "values": [0.1] * 4, "seq": got["lr"]["seq"]}
+        assert got["loss"]["steps"] == [1, 2, 3, 4] and got["loss"]["values"][1] is None
         for t in range(4):  # every point of every thread, in order
             assert got[f"thread{t}"]["values"] == [float(k) for k in range(300)]
         since = got["lr"]["seq"]
