@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -296,6 +297,7 @@ def main() -> None:
         run_clients(args.client_port, args.clients, args.seconds, args.interval)
         return
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's fwdtrace, not an installed one
     import torch
     from bench_models import ResNet50, TransformerEncoder
 
