@@ -990,6 +990,32 @@ def test_weight_and_weight_grad_are_each_parameter_read_after_backward() -> None
         assert status == 404 and answer["roles"] == ["weight", "bias"]
 
 
+def test_a_parameter_kind_keeps_one_sample_per_backward_with_every_parameter() -> None:
+    from fwdtrace.live.sampler import Sampler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))  # four parameters under the root
+    grads = []
+    sampler = Sampler(model, ring=2, pending=1)
+    try:
+        sampler.arm("Sequential", "weight_grad")
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(5, 3)).pow(2).sum().backward()
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+            sampler.drain()
+        info = sampler.arm_of("Sequential", "weight_grad").info()
+        assert (info["calls"], info["taken"], info["dropped"], info["skipped"]) == (3, 3, 1, 0)
+        samples = sampler.samples("Sequential", "weight_grad")
+        assert [s["step"] for s in samples] == [2, 3]  # a ring of 2 keeps two steps, not two parameters
+        for sample, ref in zip(samples, grads[1:], strict=True):
+            assert [t["role"] for t in sample["tensors"]] == list(ref)
+            for t in sample["tensors"]:
+                assert t["mean"] == pytest.approx(float(ref[t["role"]].double().mean()), rel=1e-9, abs=1e-15)
+    finally:
+        sampler.close()
+
+
 def test_bins_hold_while_the_range_grows_inside_and_are_the_recorders_edges() -> None:
     from fwdtrace.live.sampler import Sampler
     from fwdtrace.recorder import views
@@ -1095,15 +1121,21 @@ def test_chart_titles_give_each_bins_count_and_each_steps_statistics() -> None:
     assert xticks == [s["step"] for s in samples]  # four samples: each named
 
 
-def health_step(model: nn.Module, x: torch.Tensor, poisoned: bool = False) -> tuple[torch.Tensor, tuple[float, int, int]]:
-    """One backward of ``model(x).pow(2).mean()`` (``x[0, 0]`` NaN when ``poisoned``: NaN in every gradient) and the
-    health of the gradients as torch computes it: total norm (``get_total_norm``), NaN and Inf counts."""
+def health_step(model: nn.Module, x: torch.Tensor, poisoned: bool = False,
+                inf_in: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[float, int, int]]:
+    """One backward of ``model(x).pow(2).mean()`` (``x[0, 0]`` NaN when ``poisoned``: NaN in every gradient; an Inf
+    at index 1 of the gradient of the parameter ``inf_in``) and the health of the gradients as torch computes it:
+    total norm (``get_total_norm``), NaN and Inf counts."""
     model.zero_grad()
     if poisoned:
         x = x.clone()
         x[0, 0] = float("nan")
+    handle = None if inf_in is None else inf_in.register_hook(
+        lambda g: g.index_fill(0, torch.tensor([1]), float("inf")))
     loss = model(x).pow(2).mean()
     loss.backward()
+    if handle is not None:
+        handle.remove()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return loss, (float(torch.nn.utils.get_total_norm(grads)), sum(int(torch.isnan(g).sum()) for g in grads),
                   sum(int(torch.isinf(g).sum()) for g in grads))
@@ -1120,12 +1152,16 @@ def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() ->
         root = request(server, "GET", "/api/status")[1]["root"]
         assert root == "Net"
         assert request(server, "POST", "/api/sample", {"key": root, "kind": "health"})[0] == 200
-        for i in range(3):
-            loss, reference = health_step(model, torch.randn(5, 8), poisoned=i == 1)
+        for i in range(4):
+            # step 1: NaN in every gradient; step 2: Inf in one gradient and no NaN anywhere (the sampler
+            # counts only when the norm is not finite)
+            loss, reference = health_step(model, torch.randn(5, 8), poisoned=i == 1,
+                                          inf_in=model.body[2].bias if i == 2 else None)
             references.append(reference)
             log_scalar("loss", loss)  # a 0-d tensor that requires grad
             log_scalar("lr", 0.1, step=100 + i)
         assert references[1][1] > 0 and references[0][1] == 0
+        assert (references[2][1:], references[2][0]) == ((0, 1), float("inf"))
         threads = [threading.Thread(target=lambda t=t: [log_scalar(f"thread{t}", float(k)) for k in range(300)])
                    for t in range(4)]
         for t in threads:
@@ -1136,14 +1172,14 @@ def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() ->
         health = [f"{root}/grad_inf", f"{root}/grad_nan", f"{root}/grad_norm"]
         assert answer["names"] == sorted([*health, "loss", "lr", *(f"thread{t}" for t in range(4))])
         got = answer["scalars"]
-        assert got[f"{root}/grad_norm"]["steps"] == [1, 2, 3]
+        assert got[f"{root}/grad_norm"]["steps"] == [1, 2, 3, 4]
         norms = got[f"{root}/grad_norm"]["values"]
-        assert norms[1] is None and np.isnan(references[1][0])  # NaN goes out as JSON null
-        assert [norms[0], norms[2]] == pytest.approx([references[0][0], references[2][0]], rel=1e-6)
+        assert norms[1] is None and norms[2] is None and np.isnan(references[1][0])  # NaN and Inf go out as JSON null
+        assert [norms[0], norms[3]] == pytest.approx([references[0][0], references[3][0]], rel=1e-6)
         assert got[f"{root}/grad_nan"]["values"] == [r[1] for r in references]
         assert got[f"{root}/grad_inf"]["values"] == [r[2] for r in references]
-        assert got["lr"] == {"steps": [100, 101, 102], "values": [0.1] * 3, "seq": got["lr"]["seq"]}
-        assert got["loss"]["steps"] == [1, 2, 3] and got["loss"]["values"][1] is None
+        assert got["lr"] == {"steps": [100, 101, 102, 103], "values": [0.1] * 4, "seq": got["lr"]["seq"]}
+        assert got["loss"]["steps"] == [1, 2, 3, 4] and got["loss"]["values"][1] is None
         for t in range(4):  # every point of every thread, in order
             assert got[f"thread{t}"]["values"] == [float(k) for k in range(300)]
         since = got["lr"]["seq"]

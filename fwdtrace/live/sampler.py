@@ -10,8 +10,9 @@ slow client hold training up.
 
 Nor break it: every hook body runs guarded (:meth:`Sampler._guard`, ``on_error``), so an error inside one
 disarms its key (the API and the page show why) and never reaches the training code.
-Parameters and their gradients (kinds ``weight`` and ``weight_grad``) are read once per backward,
-after the gradient is accumulated (:mod:`fwdtrace.params`, as the recorder reads them).
+Parameters and their gradients (kinds ``weight`` and ``weight_grad``) are read at the end of a
+backward, every gradient accumulated (:mod:`fwdtrace.params`' hooks, as the recorder's, queue
+autograd's callback), all of a module's in one sample.
 Each tensor of a sample belongs to a series (its ``role``: ``output``, ``output[1][0]`` of a
 layer returning several, ``bias`` for a parameter) whose histogram bins are
 :class:`~fwdtrace.bins.SteadyBins`, the recorder's: steady while values stay inside, doubled when
@@ -26,6 +27,7 @@ an estimate of the summaries), beyond which samples or their raw values are refu
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -109,9 +111,8 @@ class Arm:
                  bins: int | tuple[float, ...], roles: Iterable[str] = ()) -> None:
         self.key, self.kind, self.every, self.count, self.raw = key, kind, every, count, raw
         self.lock = threading.Lock()
-        # [calls seen since arming, calls sampled]: one counter for a module's calls, one per
-        # parameter for parameter kinds (each is called back once per backward).
-        self.counters: dict[str, list[int]] = {}
+        self.calls = 0  # calls seen since arming (backwards for the parameter kinds and health)
+        self.taken = 0  # calls sampled
         self.appended = 0  # samples ever put in the buffer; the ring keeps the newest
         self.skipped = 0  # sampled calls not summarised: the summariser's queue was full
         self.over_budget = 0  # samples, or their raw values, refused for the sampler's memory budget
@@ -125,14 +126,6 @@ class Arm:
     @property
     def dropped(self) -> int:
         return self.appended - len(self.buffer)
-
-    @property
-    def calls(self) -> int:
-        return max((c[0] for c in self.counters.values()), default=0)
-
-    @property
-    def taken(self) -> int:
-        return max((c[1] for c in self.counters.values()), default=0)
 
     def series_of(self, role: str) -> Series:
         with self.lock:
@@ -246,8 +239,8 @@ class Sampler:
             bins: int | Iterable[float] | None = None) -> list[str]:
         """Sample every ``every``-th call of the selected modules (``count`` samples, then stop); returns the keys.
 
-        Parameter kinds (``weight``, ``weight_grad``) count backwards instead of calls, per
-        parameter. ``bins`` overrides the sampler's bins for these arms.
+        Parameter kinds (``weight``, ``weight_grad``) and ``health`` count backwards instead of
+        calls; a parameter kind's sample holds every parameter of the module. ``bins`` overrides the sampler's bins for these arms.
         """
         if kind not in KINDS:
             raise FwdtraceError(f"arm() expected kind as one of {', '.join(KINDS)}, got {kind!r}")
@@ -260,17 +253,16 @@ class Sampler:
                 raise SamplerClosed("the live service is stopped: nothing can be armed any more")
             for key in keys:
                 module = self.key2module[key]
-                parameters = module_parameters(module) if kind in PARAMETER_KINDS else []
-                arm = Arm(key, kind, every, count, raw, self.ring, spec, [name for name, _ in parameters])
+                roles = [name for name, _ in module_parameters(module)] if kind in PARAMETER_KINDS else []
+                arm = Arm(key, kind, every, count, raw, self.ring, spec, roles)
                 if kind == "forward":
                     arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
                 elif kind == "grad":
                     arm.handles.append(self._grad_hooks(arm, module))
-                elif kind == "health":
-                    parameters = module_parameters(module)
-                    arm.handles.extend(after_backward(parameters, self._health_hook(arm, parameters)))
                 else:
-                    arm.handles.extend(after_backward(parameters, self._parameter_hook(arm)))
+                    parameters = module_parameters(module)
+                    at_end = self._health_hook if kind == "health" else self._parameter_hook
+                    arm.handles.extend(self._at_backward_end(arm, parameters, at_end(arm, parameters)))
                 old = self.arms.get((key, kind))
                 self.arms[(key, kind)] = arm
                 if old is not None:
@@ -304,19 +296,16 @@ class Sampler:
             self._worker.join()
 
     # -- the hooks (training side) ----------------------------------------------------------------
-    def _take(self, arm: Arm, counter: str = "") -> int | None:
-        """Count a call (of ``counter``: a parameter's name for parameter kinds); its number when it is to be sampled, else None."""
+    def _take(self, arm: Arm) -> int | None:
+        """Count a call; its number when it is to be sampled, else None."""
         if not arm.armed or self.quiet_thread == threading.get_ident():
             return None
         with arm.lock:
-            counts = arm.counters.get(counter)
-            if counts is None:
-                counts = arm.counters[counter] = [0, 0]
-            counts[0] += 1
-            call = counts[0]
-            if (call - 1) % arm.every or (arm.count is not None and counts[1] >= arm.count):
+            arm.calls += 1
+            call = arm.calls
+            if (call - 1) % arm.every or (arm.count is not None and arm.taken >= arm.count):
                 return None
-            counts[1] += 1
+            arm.taken += 1
             return call
 
     @staticmethod
@@ -350,40 +339,19 @@ class Sampler:
         return register_grad_hook(module, on_grads, begin=lambda m: self._take(arm),
                                   on_error=lambda e: arm.fail("a gradient hook", e))
 
-    def _parameter_hook(self, arm: Arm) -> Any:
-        def hook(name: str, parameter: torch.Tensor) -> None:
-            call = self._take(arm, name)
-            value = None if call is None else parameter_value(parameter, arm.kind)
-            if call is not None and value is not None:
-                self._submit(arm, call, [(name, 0, value)])
-
-        return self._guard(arm, "a parameter hook", hook)
-
-    def _health_hook(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]]) -> Any:
-        """A parameter hook that queues, once per backward, the health scalars for its end.
+    def _at_backward_end(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]], at_end: Any) -> list[Any]:
+        """Hooks on ``parameters`` that run ``at_end()`` once per backward that reaches them, at its end.
 
         Autograd's queued callback runs when the whole backward is done: every gradient of the
-        module is accumulated. The values stay tensors (no device sync in the backward); the
-        scalar log reads them when a client asks.
+        module is accumulated, and the optimizer has not stepped yet.
         """
         queued: list[int | None] = [None]  # the step whose backward has the callback queued
-        prefix = arm.key + "/"
 
-        def at_end() -> None:
+        def run() -> None:
             queued[0] = None
-            call = self._take(arm)
-            grads = [p.grad for _, p in parameters if p.grad is not None]
-            if call is None or not grads:
-                return
-            with torch.no_grad():
-                total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
-                nan = torch.stack([torch.isnan(g).sum() for g in grads]).sum()
-                inf = torch.stack([torch.isinf(g).sum() for g in grads]).sum()
-            step = self.step
-            for name, value in (("grad_norm", total), ("grad_nan", nan), ("grad_inf", inf)):
-                self.scalars.add(prefix + name, value if value.device.type != "cpu" else float(value), step)
+            at_end()
 
-        guarded = self._guard(arm, "the health hook", at_end)
+        guarded = self._guard(arm, f"the {arm.kind} hook", run)
 
         def hook(name: str, parameter: torch.Tensor) -> None:
             # (A backward that raised never ran its callback: a later step queues again.)
@@ -391,7 +359,54 @@ class Sampler:
                 queued[0] = self.step
                 torch.autograd.Variable._execution_engine.queue_callback(guarded)
 
-        return self._guard(arm, "a parameter hook", hook)
+        return after_backward(parameters, self._guard(arm, "a parameter hook", hook))
+
+    def _parameter_hook(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]]) -> Any:
+        """At the end of each ``every``-th backward, one sample of every parameter's value (or ``.grad``).
+
+        One sample a backward, not one per parameter: ``ring`` keeps that many steps and
+        ``pending`` that many sampled backwards, however many parameters the module has.
+        """
+        def at_end() -> None:
+            call = self._take(arm)
+            if call is None:
+                return
+            values = [(name, parameter_value(p, arm.kind)) for name, p in parameters]
+            tensors = [(name, 0, value) for name, value in values if value is not None]
+            if tensors:
+                self._submit(arm, call, tensors)
+
+        return at_end
+
+    def _health_hook(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]]) -> Any:
+        """At the end of each ``every``-th backward, the health scalars of the parameters' gradients.
+
+        A NaN in a gradient makes the norm NaN and an Inf makes it Inf (or NaN), so a finite
+        norm means there is nothing to count: on the CPU the two counting passes over every
+        gradient (ten times the norm's cost on a small transformer) run only when it is not.
+        On another device that branch would wait for the device (a sync in the backward), so
+        all three stay tensors there, read when a client asks.
+        """
+        prefix = arm.key + "/"
+
+        def at_end() -> None:
+            call = self._take(arm)
+            grads = [p.grad for _, p in parameters if p.grad is not None]
+            if call is None or not grads:
+                return
+            with torch.no_grad():
+                total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+                values: tuple[float | torch.Tensor, ...]
+                if total.device.type == "cpu":
+                    norm = float(total)
+                    values = (norm, 0.0, 0.0) if math.isfinite(norm) else (norm, *map(float, _count_nonfinite(grads)))
+                else:
+                    values = (total, *_count_nonfinite(grads))
+            step = self.step
+            for name, value in zip(("grad_norm", "grad_nan", "grad_inf"), values, strict=True):
+                self.scalars.add(prefix + name, value, step)
+
+        return at_end
 
     def _submit(self, arm: Arm, call: int, tensors: list[tuple[str, int, torch.Tensor]]) -> None:
         """Copy the tensors (the model may change them in place later) and queue them, never waiting.
@@ -586,6 +601,13 @@ class Sampler:
 
     def __repr__(self) -> str:
         return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+
+
+def _count_nonfinite(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NaN and the Inf elements of ``grads``, as two 0-d tensors."""
+    nan = torch.stack([torch.isnan(g).sum() for g in grads]).sum()
+    inf = torch.stack([torch.isinf(g).sum() for g in grads]).sum()
+    return nan, inf
 
 
 def _series(group: str, named: Sequence[tuple[str, torch.Tensor | None]]) -> list[tuple[str, int, torch.Tensor]]:
