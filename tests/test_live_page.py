@@ -127,14 +127,16 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             for role in ("weight", "bias"):
                 _wait(lambda role=role: [e for e in find(By.CSS_SELECTOR, f'{panel} svg.fw-hist[data-role="{role}"]')
                                          if int(e.get_attribute("data-samples")) >= 1], what=f"the {role} histogram")
-            title = _wait(lambda: find(By.CSS_SELECTOR, f'{panel} svg.fw-hist[data-role="bias"] rect.bin title'),
-                          what="a bin's title")[0].get_attribute("textContent")
+            first_text = lambda css: next((t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, css)), None)  # noqa: E731
+            last_text = lambda css: next((t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, css)[::-1]), None)  # noqa: E731
+            # read inside the wait, one element: the page redraws its charts at every poll
+            title = _wait(lambda: first_text(f'{panel} svg.fw-hist[data-role="bias"] rect.bin title'), what="a bin's title")
             assert re.fullmatch(r"step \d+: \d+ in \[\S+, \S+\)", title), title
 
             # log_scalar's curve, with hover titles giving the value logged at each step.
             curve = 'div.chart.scalar[data-name="loss"] svg.fw-scalar circle.point title'
-            titles = _wait(lambda: find(By.CSS_SELECTOR, curve), what="the loss curve")
-            step, value = re.fullmatch(r"step (\d+): loss=(\S+)", titles[-1].get_attribute("textContent")).groups()
+            text = _wait(lambda: last_text(curve), what="the loss curve")
+            step, value = re.fullmatch(r"step (\d+): loss=(\S+)", text).groups()
             assert float(value) == pytest.approx(losses[int(step)], rel=1e-5)
 
             # The health toggle arms the gradient norm on the whole model; its curve appears.
@@ -149,10 +151,9 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
 
             # Scroll back: the ring keeps 4 samples, the range control reaches the first steps kept on disk.
             panel = 'div.panel[data-key="body.2.Linear"]'
-            back = _wait(lambda: [e for e in find(By.CSS_SELECTOR, panel + " input.back")
-                                  if e.is_displayed() and int(e.get_attribute("max")) - int(e.get_attribute("min")) >= 8],
-                         what="the range control over 9 steps")[0]
-            first = int(back.get_attribute("min"))
+            back, first = _wait(lambda: [(e, int(e.get_attribute("min"))) for e in find(By.CSS_SELECTOR, panel + " input.back")
+                                         if e.is_displayed() and int(e.get_attribute("max")) - int(e.get_attribute("min")) >= 8],
+                                what="the range control over 9 steps")[0]
             driver.execute_script(  # type: ignore[attr-defined]
                 "arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))", back, first + 2)
             on_disk = request(server, "GET", f"/api/samples?key=body.2.Linear&kind=forward&before={first + 3}")[1]
@@ -160,7 +161,8 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             assert want and want[0] == first and want[-1] <= first + 2
             titles = lambda: [t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, chart + " circle title")]  # noqa: E731
             _wait(lambda: [int(t.split(":")[0].split()[1]) for t in titles()] == want, what=f"the chart of steps {want}")
-            assert find(By.CSS_SELECTOR, chart)[0].get_attribute("data-samples") == str(len(want))
+            _wait(lambda: find(By.CSS_SELECTOR, chart)[0].get_attribute("data-samples") == str(len(want)),
+                  what=f"the chart's data-samples {len(want)}")
             ring = request(server, "GET", "/api/samples?key=body.2.Linear&kind=forward")[1]["samples"]
             assert ring[0]["step"] > first + 2  # beyond what memory holds
             # the label follows at the page's next poll of the history
