@@ -78,6 +78,22 @@ class RunningStats:
         self.underflow = 0
         self.overflow = 0
 
+    @classmethod
+    def from_summary(cls, numel: int, nan: int, inf: int, mean: float, std: float, min: float,  # noqa: A002
+                     max: float) -> RunningStats:  # noqa: A002
+        """The moments of a tensor known only by its summary (no histogram), to :meth:`merge` with others.
+
+        >>> a = RunningStats.from_summary(numel=2, nan=0, inf=0, mean=1.0, std=0.0, min=1.0, max=1.0)
+        >>> a.merge(RunningStats.from_summary(numel=2, nan=0, inf=0, mean=3.0, std=0.0, min=3.0, max=3.0)).std
+        1.0
+        """
+        stats = cls(histogram=False)
+        stats.count, stats.nans, stats.infs = numel, nan, inf
+        finite = numel - nan - inf
+        if finite > 0 and math.isfinite(mean):
+            stats.finite, stats.mean, stats._m2, stats.min, stats.max = finite, mean, std * std * finite, min, max
+        return stats
+
     # -- updating ---------------------------------------------------------------------------------
     def update(self, tensor: torch.Tensor) -> None:
         """Add every element of ``tensor`` (any shape, dtype and device)."""

@@ -7,11 +7,11 @@ graph and scrolls over every series kept. Arming and disarming answer 409: there
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 from ..graph import Graph
+from ..stats import RunningStats
 from .history import History
 from .server import Server, _int, _json, _Reply, check_network
 
@@ -91,10 +91,9 @@ class ReopenedServer(Server):
     # -- routes ---------------------------------------------------------------------------------------
     def status(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         arms = self._arms()
-        root = next((row["class"] for row in self._key_rows if not row.get("path")), "")
+        root = next((row for row in self._key_rows if not row.get("path")), {"class": "", "key": ""})
         steps = [a["last_step"] for a in arms if a["last_step"] is not None]
-        root_key = next((row["key"] for row in self._key_rows if not row.get("path")), "")
-        return _json({"step": max(steps, default=0), "rank": 0, "world_size": 1, "model": root, "root": root_key,
+        return _json({"step": max(steps, default=0), "rank": 0, "world_size": 1, "model": root["class"], "root": root["key"],
                       "graph": "ready" if self.graph is not None else self.graph_error, "arms": arms,
                       "history": self._history_info(), "read_only": True})
 
@@ -152,21 +151,17 @@ def _before(query: dict[str, str]) -> int | None:
 
 
 def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The statistics of the union of the tensors ``rows`` summarise, from their per-row statistics.
+    """The statistics of the union of the tensors ``rows`` summarise, merged from their per-row statistics.
 
     >>> pooled([{"numel": 2, "nan": 0, "inf": 0, "mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0},
     ...         {"numel": 2, "nan": 0, "inf": 0, "mean": 3.0, "std": 0.0, "min": 3.0, "max": 3.0}])["std"]
     1.0
     """
-    finite = [(r["numel"] - r["nan"] - r["inf"], r) for r in rows]
-    finite = [(n, r) for n, r in finite if n > 0 and math.isfinite(r["mean"])]
-    total = sum(n for n, _ in finite)
-    mean = sum(n * r["mean"] for n, r in finite) / total if total else math.nan
-    var = sum(n * (r["std"] ** 2 + (r["mean"] - mean) ** 2) for n, r in finite) / total if total else math.nan
-    return {"count": sum(r["numel"] for r in rows), "mean": mean, "std": math.sqrt(var) if total else math.nan,
-            "min": min((r["min"] for _, r in finite), default=math.nan),
-            "max": max((r["max"] for _, r in finite), default=math.nan),
-            "nan": sum(r["nan"] for r in rows), "inf": sum(r["inf"] for r in rows)}
+    total = RunningStats(histogram=False)
+    for r in rows:
+        total.merge(RunningStats.from_summary(**{k: r[k] for k in ("numel", "nan", "inf", "mean", "std", "min", "max")}))
+    d = total.to_dict()
+    return {name: d[name] for name in ("count", "mean", "std", "min", "max", "nan", "inf")}
 
 
 def reopen(logdir: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
