@@ -311,9 +311,7 @@ class History:
             if ring is None:
                 return []
             meta, where = ring.logical()
-            chosen = np.nonzero(meta["step"] < before)[0] if before is not None else np.arange(len(meta))
-            if limit is not None:
-                chosen = chosen[len(chosen) - limit:] if limit < len(chosen) else chosen
+            chosen = _newest_below(meta, before, limit)
             return self._read(ring, meta[chosen], where[chosen])
 
     def _read(self, ring: _Ring, meta: np.ndarray, where: np.ndarray) -> list[dict[str, Any]]:
@@ -373,10 +371,7 @@ class History:
             if ring is None:
                 return []
             meta, _ = ring.logical()
-        if before is not None:
-            meta = meta[meta["step"] < before]
-        if limit is not None:
-            meta = meta[len(meta) - limit:] if limit < len(meta) else meta
+        meta = meta[_newest_below(meta, before, limit)]
         return [{"step": int(m["step"]), "time": float(m["time"]), "value": float(m["value"])} for m in meta]
 
     def close(self) -> None:
@@ -393,6 +388,12 @@ class History:
 
     def __repr__(self) -> str:
         return f"History({str(self.logdir)!r}, {len(self._series)} series, {len(self._scalars)} scalars)"
+
+
+def _newest_below(meta: np.ndarray, before: int | None, limit: int | None) -> np.ndarray:
+    """The positions in ``meta`` (oldest first) of the newest ``limit`` rows with step below ``before``."""
+    chosen = np.nonzero(meta["step"] < before)[0] if before is not None else np.arange(len(meta))
+    return chosen[len(chosen) - limit:] if limit is not None and limit < len(chosen) else chosen
 
 
 def _number(x: Any) -> float:
