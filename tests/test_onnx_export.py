@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import numpy as np
 import onnx
@@ -402,3 +403,34 @@ def test_an_export_leaves_the_model_as_it_found_it(exporter: str) -> None:
             changed = [k for k, v in attrs.items() if after[path][k] is not v]
             assert not changed, f"{path or 'model'}: {changed}"
         assert fwdtrace.trace(model, *args, **kwargs).to_json() == before
+
+
+def test_the_dynamo_exporters_table_is_built_once_and_each_export_gets_its_own_copy(monkeypatch) -> None:
+    """The ATen -> ONNX table torch rebuilds at every dynamo export is built once; exports from the kept
+    table write the same model as one from a fresh table, and the classmethod is put back each time."""
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    original = vars(ONNXRegistry)["from_torchlib"]
+    builds = []
+
+    def counting(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+        builds.append(args or kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(onnx_export, "_TORCHLIB_REGISTRIES", {})
+    monkeypatch.setattr(ONNXRegistry, "from_torchlib", classmethod(counting))
+    counted = vars(ONNXRegistry)["from_torchlib"]
+    model, x = zoo.BasicBlock(4, 4).eval(), torch.randn(1, 4, 8, 8)
+    protos = []
+    for _ in range(3):
+        protos.append(fwdtrace.export_onnx(model, x, exporter="dynamo"))
+        assert vars(ONNXRegistry)["from_torchlib"] is counted  # restored, the very object
+    assert len(builds) == 1
+    with warnings.catch_warnings():  # torch's own FutureWarnings, which fwdtrace's export keeps quiet
+        warnings.simplefilter("ignore")
+        plain = torch.onnx.export(model, (x,), dynamo=True, verbose=False).model_proto  # a fresh table, no fwdtrace
+    assert len(builds) == 2
+    for proto in protos:
+        assert [(n.op_type, list(n.input), list(n.output)) for n in proto.graph.node] == \
+            [(n.op_type, list(n.input), list(n.output)) for n in plain.graph.node]
+    assert_runs_like_torch(protos[-1], model(x), x)

@@ -230,7 +230,8 @@ def _run_exporter_once(
         args = (*args, {})
     try:
         if exporter == "dynamo":
-            with _export_forward(model, _n_positional(args), (), caches=opened), _quiet_exporter_logs():
+            with _export_forward(model, _n_positional(args), (), caches=opened), _quiet_exporter_logs(), \
+                    _torchlib_registry_kept():
                 program = torch.onnx.export(
                     model, args, kwargs=kwargs or None, dynamo=True, verbose=False, opset_version=opset_version
                 )
@@ -499,6 +500,59 @@ def _quiet_exporter_logs() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+# The dynamo exporter's table of ATen -> ONNX functions, built once per (opset, set of torchlib functions).
+_TORCHLIB_REGISTRIES: dict[tuple[int, ...], Any] = {}
+
+
+def _torchlib_fingerprint(opset_version: int) -> tuple[int, ...]:
+    """What a registry built from torchlib depends on: the opset and how many functions each library holds."""
+    from onnxscript.function_libs.torch_lib import ops, registration  # importing ops registers them
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+    from torch.onnx._internal.exporter._torchlib import ops as torch_ops  # and torch's own
+
+    del ops, torch_ops
+
+    functions = list(registration.default_registry.values())
+    overloads = sum(len(f.overloads) + len(f.complex) for f in functions)
+    return opset_version, len(_torchlib_registry._registry), len(functions), overloads
+
+
+def _registry_once(call: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``ONNXRegistry.from_torchlib`` kept: each call gets its own copy of the function lists (an export
+    may register custom translations into it), sharing the immutable function entries."""
+    from torch.onnx._internal.exporter import _constants
+
+    cls, *rest = args
+    key = _torchlib_fingerprint(int(kwargs.get("opset_version", rest[0] if rest else _constants.TORCHLIB_OPSET)))
+    kept = _TORCHLIB_REGISTRIES.get(key)
+    if kept is None:
+        kept = _TORCHLIB_REGISTRIES[key] = call(*args, **kwargs)
+    registry = cls()
+    registry._opset_version = kept._opset_version
+    registry.functions = {target: list(entries) for target, entries in kept.functions.items()}
+    return registry
+
+
+@contextlib.contextmanager
+def _torchlib_registry_kept() -> Iterator[None]:
+    """Build the dynamo exporter's ATen -> ONNX table once, not at every export.
+
+    ``torch.onnx.export(dynamo=True)`` rebuilds it from onnxscript's torchlib each time, parsing
+    the source of ~500 functions to read their domain: about 1 s of CPU per export, two thirds
+    of a small model's export. The table depends only on the opset and on which torchlib
+    functions are registered (the key; a registration made since builds a new one).
+    """
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    from ..patching import add_function_handler, remove_call_handler
+
+    handle = add_function_handler(ONNXRegistry, "from_torchlib", _registry_once)
+    try:
+        yield
+    finally:
+        remove_call_handler(handle)
 
 
 # -- reading an ONNX model ------------------------------------------------------------------------
