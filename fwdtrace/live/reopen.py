@@ -8,6 +8,7 @@ graph and scrolls over every series kept. Arming and disarming answer 409: there
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from ..graph import Graph
@@ -44,6 +45,9 @@ class ReopenedServer(Server):
     def _unhook(self) -> None:
         if self.history is not None:
             self.history.close()
+
+    def _new_layouts(self) -> _LayoutsHere:
+        return _LayoutsHere(self.graph)
 
     def __repr__(self) -> str:
         return f"ReopenedServer({str(self.logdir)!r}, {self.url})"
@@ -136,6 +140,26 @@ class ReopenedServer(Server):
     def _scalar_names(self) -> list[str]:
         assert self.history is not None
         return sorted(self.history.scalar_names())  # as a live service lists them
+
+
+class _LayoutsHere:
+    """Lays the graph out in this process. A live service lays out in a child process, so that Graphviz, which
+    holds the GIL, never stalls training; a reopened run has no training, and a child interpreter (importing
+    torch) takes seconds to start."""
+
+    def __init__(self, graph: Graph | None) -> None:
+        self.graph = graph
+        self._lock = threading.Lock()
+
+    def svg(self, depth: int | None) -> str:
+        from .svg import graph_svg
+
+        assert self.graph is not None
+        with self._lock:  # one layout at a time, as the child answers them
+            return graph_svg(self.graph, depth)
+
+    def close(self) -> None:
+        pass
 
 
 def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:

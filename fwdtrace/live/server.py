@@ -179,8 +179,6 @@ class Server:
 
     def graph_svg(self, depth: int | None) -> str:
         """The keyed drawing at ``depth``, laid out by a child process (Graphviz holds the GIL) and cached."""
-        from .svg import LayoutProcess
-
         assert self.graph is not None
         with self._lock:
             if self.closed:
@@ -190,7 +188,7 @@ class Server:
                 self._svg_cache.move_to_end(depth)
                 return svg
             if self._layouts is None:
-                self._layouts = LayoutProcess(self.graph_json())
+                self._layouts = self._new_layouts()
             layouts = self._layouts
         try:
             svg = layouts.svg(depth)
@@ -201,6 +199,12 @@ class Server:
             while len(self._svg_cache) > SVG_CACHE:
                 self._svg_cache.popitem(last=False)
         return svg
+
+    def _new_layouts(self) -> Any:
+        """What lays the graph out: ``svg(depth)`` and ``close()``."""
+        from .svg import LayoutProcess
+
+        return LayoutProcess(self.graph_json())
 
     def graph_json(self) -> str:
         assert self.graph is not None
