@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,6 +81,14 @@ def _drag_back(driver: object, view: str) -> int:
     return int(first)
 
 
+def _charted(panels: list[Any]) -> list[str]:
+    """The roles of the histogram charts with samples in ``panels`` (one panel, or none yet), sorted."""
+    from selenium.webdriver.common.by import By
+
+    return sorted(e.get_attribute("data-role") for p in panels for e in p.find_elements(By.CSS_SELECTOR, "svg.fw-hist")
+                  if int(e.get_attribute("data-samples")) >= 1)
+
+
 def _shown(driver: object, titles: str) -> list[tuple[int, str]]:
     """The step and the rest of each hover title ``titles`` selects: 'step 7: loss=0.25' is (7, 'loss=0.25')."""
     from selenium.webdriver.common.by import By
@@ -98,7 +107,9 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
 
     torch.manual_seed(0)
     model = Net()
-    parameters = sorted(name for name, _ in model.body[2].named_parameters())  # ['bias', 'weight']
+    # the parameters of body.0 and body.2 (the same names), one series and chart each in a weight panel
+    parameters = sorted(name for name, _ in model.body[2].named_parameters())
+    assert parameters == sorted(name for name, _ in model.body[0].named_parameters())
     stop = threading.Event()
     losses: dict[int, float] = {}  # what the loop logged, by step: the reference for the page's hover titles
 
@@ -157,34 +168,26 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             _wait(lambda: [r.text.split()[0] for r in find(By.CSS_SELECTOR, table)[1:]] == ["input", "output"],
                   what="the table's rows input and output")
 
-            # The weight kind, chosen next to forward/grad, arms the parameters of the clicked layer.
+            # The weight kinds, chosen next to forward/grad, arm the parameters of the clicked layer: a histogram
+            # per parameter (weight_grad: of its gradient).
             from selenium.webdriver.support.select import Select
 
-            Select(driver.find_element(By.ID, "kind")).select_by_value("weight")  # type: ignore[attr-defined]
-            target = next(n for n in nodes if n.get_attribute("data-key") == "body.0.Linear")
-            ActionChains(driver).move_to_element(target).click().perform()  # type: ignore[arg-type]
-            _wait(lambda: any(a["key"] == "body.0.Linear" and a["kind"] == "weight" and a["armed"]
-                              for a in request(server, "GET", "/api/status")[1]["arms"]), what="the weight arm")
+            for kind, key in (("weight", "body.0.Linear"), ("weight_grad", "body.2.Linear")):
+                Select(driver.find_element(By.ID, "kind")).select_by_value(kind)  # type: ignore[attr-defined]
+                target = next(n for n in nodes if n.get_attribute("data-key") == key)
+                ActionChains(driver).move_to_element(target).click().perform()  # type: ignore[arg-type]
+                _wait(lambda kind=kind, key=key: any((a["key"], a["kind"], a["armed"]) == (key, kind, True)
+                                                     for a in request(server, "GET", "/api/status")[1]["arms"]),
+                      what=f"the {kind} arm of {key}")
+                panel = f'div.panel[data-key="{key}"][data-kind="{kind}"]'
+                _wait(lambda panel=panel: _charted(find(By.CSS_SELECTOR, panel)) == parameters,
+                      what=f"a {kind} histogram per parameter {parameters}")
             panel = 'div.panel[data-key="body.0.Linear"][data-kind="weight"]'
-            for role in ("weight", "bias"):
-                _wait(lambda role=role: [e for e in find(By.CSS_SELECTOR, f'{panel} svg.fw-hist[data-role="{role}"]')
-                                         if int(e.get_attribute("data-samples")) >= 1], what=f"the {role} histogram")
             first_text = lambda css: next((t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, css)), None)  # noqa: E731
             last_text = lambda css: next((t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, css)[::-1]), None)  # noqa: E731
             # read inside the wait, one element: the page redraws its charts at every poll
             title = _wait(lambda: first_text(f'{panel} svg.fw-hist[data-role="bias"] rect.bin title'), what="a bin's title")
             assert re.fullmatch(r"step \d+: \d+ in \[\S+, \S+\)", title), title
-
-            # weight_grad: a histogram per parameter of the clicked layer, of its gradients
-            Select(driver.find_element(By.ID, "kind")).select_by_value("weight_grad")  # type: ignore[attr-defined]
-            target = next(n for n in nodes if n.get_attribute("data-key") == "body.2.Linear")
-            ActionChains(driver).move_to_element(target).click().perform()  # type: ignore[arg-type]
-            _wait(lambda: any(a["key"] == "body.2.Linear" and a["kind"] == "weight_grad" and a["armed"]
-                              for a in request(server, "GET", "/api/status")[1]["arms"]), what="the weight_grad arm")
-            panel = 'div.panel[data-key="body.2.Linear"][data-kind="weight_grad"]'
-            _wait(lambda: sorted(e.get_attribute("data-role") for e in find(By.CSS_SELECTOR, f"{panel} svg.fw-hist")
-                                 if int(e.get_attribute("data-samples")) >= 1) == parameters,
-                  what=f"a weight_grad histogram per parameter {parameters}")
 
             # log_scalar's curve, with hover titles giving the value logged at each step.
             curve = 'div.chart.scalar[data-name="loss"] svg.fw-scalar circle.point title'
@@ -231,13 +234,9 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             armed = {("body.2.Linear", "forward"): ["input", "output"], ("body.0.Linear", "weight"): parameters,
                      ("body.2.Linear", "weight_grad"): parameters}
 
-            def charts() -> dict[tuple[str, str], list[str]]:
-                return {(p.get_attribute("data-key"), p.get_attribute("data-kind")):
-                        sorted(e.get_attribute("data-role") for e in p.find_elements(By.CSS_SELECTOR, "svg.fw-hist")
-                               if int(e.get_attribute("data-samples")) >= 1)
-                        for p in find(By.CSS_SELECTOR, "div.panel")}
-
-            _wait(lambda: charts() == armed, what=f"a panel with its charts per series armed, {armed}")
+            _wait(lambda: {(p.get_attribute("data-key"), p.get_attribute("data-kind")): _charted([p])
+                           for p in find(By.CSS_SELECTOR, "div.panel")} == armed,
+                  what=f"a panel with its charts per series armed, {armed}")
             assert not any(b.is_displayed() for b in find(By.CSS_SELECTOR, "div.panel h3 button"))  # nothing to disarm
             assert "reopened from" in driver.find_element(By.ID, "model").text  # type: ignore[attr-defined]
             text = _wait(lambda: last_text(curve), what="the reopened loss curve")
