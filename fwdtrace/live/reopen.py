@@ -2,7 +2,7 @@
 
 What ``serve(model, logdir=DIR)`` wrote (the history, the graph, the key table; see
 :mod:`fwdtrace.live.history`) is served as the live service serves it, so the page shows the
-graph and scrolls over every series kept. Arming and disarming answer 409: there is no model.
+graph and scrolls over every series and scalar kept. Arming and disarming answer 409: there is no model.
 """
 
 from __future__ import annotations
