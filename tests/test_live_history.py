@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import h5py
@@ -166,6 +167,58 @@ def test_logged_and_health_scalars_are_on_disk_when_the_run_is_reopened(tmp_path
     assert [v if v is not None else math.nan for v in got["Net/grad_norm"]["values"]] == pytest.approx(
         norms, rel=1e-6, nan_ok=True)
     assert got["Net/grad_nan"]["values"] == nans and got["Net/grad_inf"]["values"] == infs
+
+
+def _titles(svg: bytes, name: str) -> list[tuple[int, float]]:
+    """A scalar chart's points as its hover titles give them."""
+    return [(int(s), float(v)) for s, v in re.findall(rf"<title>step (\d+): {name}=(\S+)</title>", svg.decode())]
+
+
+def test_scalar_charts_scroll_back_over_the_history_beyond_the_in_memory_log(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """before=/limit= on /api/scalar.svg and /api/scalars read the history on disk (from memory without one);
+    /api/history spans each scalar's steps kept; bad values answer 400."""
+    monkeypatch.setattr(sampler, "SCALAR_WRITE_INTERVAL", 0.05)
+    logged = [(step, 0.1 / (step + 1)) for step in range(20)]  # the reference: what the loop logged
+    with fwdtrace.serve(Net(), port=0, logdir=tmp_path, retention=12) as server:
+        server.sampler.scalars.points = 4  # the in-memory log keeps the newest 4 points per name
+        for step, value in logged:
+            fwdtrace.live.log_scalar("lr", value, step=step)
+        history = server.history
+        assert history is not None
+        deadline = time.monotonic() + 60  # until the summariser's periodic pass has written them all
+        while [p["step"] for p in history.scalars("lr")][-1:] != [19]:
+            assert time.monotonic() < deadline, "the summariser never wrote the scalars"
+            time.sleep(0.02)
+        assert request(server, "GET", "/api/scalars")[1]["scalars"]["lr"]["steps"] == [16, 17, 18, 19]
+        status, svg = request(server, "GET", "/api/scalar.svg?name=lr&before=12&limit=3")
+        assert status == 200 and [s for s, _ in _titles(svg, "lr")] == [9, 10, 11]
+        assert [v for _, v in _titles(svg, "lr")] == pytest.approx([v for _, v in logged[9:12]], rel=1e-5)  # 6 digits
+        live = request(server, "GET", "/api/scalars?before=12&limit=3")[1]
+        assert list(zip(live["scalars"]["lr"]["steps"], live["scalars"]["lr"]["values"], strict=True)) == logged[9:12]
+        # without limit: the default window, down to the oldest the retention kept (steps 8 to 19 of 20)
+        assert [s for s, _ in _titles(request(server, "GET", "/api/scalar.svg?name=lr&before=12")[1], "lr")] == [8, 9, 10, 11]
+        assert request(server, "GET", "/api/history")[1]["scalars"] == [
+            {"name": "lr", "rows": 12, "appended": 20, "first_step": 8, "last_step": 19}]
+        for path in ("/api/scalar.svg?name=lr&", "/api/scalars?"):
+            for query, error in (("before=x", "expected before= an integer, got 'x'"),
+                                 ("limit=0", "expected limit= an integer in 1..10000, got 0"),
+                                 ("before=5&limit=10001", "expected limit= an integer in 1..10000, got 10001")):
+                assert request(server, "GET", path + query) == (400, {"error": error, "status": 400})
+
+    with fwdtrace.live.reopen(tmp_path, port=0) as reopened:  # the finished run answers the same
+        assert request(reopened, "GET", "/api/scalar.svg?name=lr&before=12&limit=3")[1] == svg
+        assert request(reopened, "GET", "/api/scalars?before=12&limit=3")[1]["scalars"] == live["scalars"]
+        assert request(reopened, "GET", "/api/history")[1]["scalars"][0]["first_step"] == 8
+        assert request(reopened, "GET", "/api/scalar.svg?name=lr&limit=0")[0] == 400
+
+    with fwdtrace.serve(Net(), port=0) as server:  # no history: the window comes from memory
+        for step, value in logged[:6]:
+            fwdtrace.live.log_scalar("lr", value, step=step)
+        shown = _titles(request(server, "GET", "/api/scalar.svg?name=lr&before=4&limit=2")[1], "lr")
+        assert [s for s, _ in shown] == [2, 3] and [v for _, v in shown] == pytest.approx([v for _, v in logged[2:4]], rel=1e-5)
+        answer = request(server, "GET", "/api/scalars?before=4&limit=2")[1]
+        assert answer["scalars"]["lr"] == {"steps": [2, 3], "values": [v for _, v in logged[2:4]], "seq": None}
 
 
 def test_log_scalar_never_writes_the_file_in_the_calling_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

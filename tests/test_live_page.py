@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,14 +67,49 @@ def _wait(condition, timeout: float = 20.0, what: str = "") -> object:  # type: 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _drag_back(driver: object, view: str) -> int:
+    """Drag the range control of ``view`` (a panel or a scalar chart), once it spans 9 steps on disk, to 2 steps
+    after the first step kept; that first step."""
+    from selenium.webdriver.common.by import By
+
+    find = driver.find_elements  # type: ignore[attr-defined]
+    back, first = _wait(lambda: [(e, int(e.get_attribute("min"))) for e in find(By.CSS_SELECTOR, view + " input.back")
+                                 if e.is_displayed() and int(e.get_attribute("max")) - int(e.get_attribute("min")) >= 8],
+                        what=f"the range control of {view} over 9 steps")[0]
+    driver.execute_script(  # type: ignore[attr-defined]
+        "arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))", back, first + 2)
+    return int(first)
+
+
+def _charted(panels: list[Any]) -> list[str]:
+    """The roles of the histogram charts with samples in ``panels`` (one panel, or none yet), sorted."""
+    from selenium.webdriver.common.by import By
+
+    return sorted(e.get_attribute("data-role") for p in panels for e in p.find_elements(By.CSS_SELECTOR, "svg.fw-hist")
+                  if int(e.get_attribute("data-samples")) >= 1)
+
+
+def _shown(driver: object, titles: str) -> list[tuple[int, str]]:
+    """The step and the rest of each hover title ``titles`` selects: 'step 7: loss=0.25' is (7, 'loss=0.25')."""
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, titles)  # type: ignore[attr-defined]
+    return [(int(m[1]), m[2]) for m in (re.fullmatch(r"step (\d+): (.*)", t.get_attribute("textContent")) for t in found)
+            if m]
+
+
 def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
-    """The graph loads, a click arms sampling, the panel updates and scrolls back over the history on disk."""
+    """The graph loads, a click arms sampling (forward, weight, weight_grad), the panel updates, the panels and the
+    loss curve scroll back over the history on disk; reopened, the run shows the same, read-only."""
     driver = _browser()
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
     torch.manual_seed(0)
     model = Net()
+    # the parameters of body.0 and body.2 (the same names), one series and chart each in a weight panel
+    parameters = sorted(name for name, _ in model.body[2].named_parameters())
+    assert parameters == sorted(name for name, _ in model.body[0].named_parameters())
     stop = threading.Event()
     losses: dict[int, float] = {}  # what the loop logged, by step: the reference for the page's hover titles
 
@@ -85,9 +121,26 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             fwdtrace.live.log_scalar("loss", loss.detach(), step=len(losses) - 1)
             time.sleep(0.02)
 
+    def scroll_loss_back() -> None:
+        """The loss chart's range control, dragged back, shows the points logged at the first steps kept on disk."""
+        loss = 'div.chart.scalar[data-name="loss"]'
+        first = _drag_back(driver, loss)
+        steps = list(range(first, first + 3))
+
+        def window() -> list[tuple[int, str]] | None:  # read once: the page redraws the chart at every poll
+            shown = _shown(driver, loss + " circle.point title")
+            return shown if [s for s, _ in shown] == steps else None
+
+        shown = _wait(window, what=f"the loss chart of steps {steps}")
+        # the values the loop logged at those steps, six digits shown
+        assert [float(t.removeprefix("loss=")) for _, t in shown] == pytest.approx([losses[s] for s in steps], rel=1e-5)
+        _wait(lambda: driver.find_elements(By.CSS_SELECTOR, loss + " .window")[0].text  # type: ignore[attr-defined]
+              == f"points up to step {first + 2}", what=f"the label 'points up to step {first + 2}'")
+
     trainer = threading.Thread(target=training, daemon=True)
     try:
         with fwdtrace.serve(model, example_inputs=torch.randn(2, 8), port=0, ring=4, logdir=tmp_path) as server:
+            server.sampler.scalars.points = 8  # the in-memory log keeps 8 points per name: scrolling back reads the disk
             trainer.start()
             driver.get(server.url + "?poll=300")  # type: ignore[attr-defined]
             find = driver.find_elements  # type: ignore[attr-defined]
@@ -115,18 +168,21 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             _wait(lambda: [r.text.split()[0] for r in find(By.CSS_SELECTOR, table)[1:]] == ["input", "output"],
                   what="the table's rows input and output")
 
-            # The weight kind, chosen next to forward/grad, arms the parameters of the clicked layer.
+            # The weight kinds, chosen next to forward/grad, arm the parameters of the clicked layer: a histogram
+            # per parameter (weight_grad: of its gradient).
             from selenium.webdriver.support.select import Select
 
-            Select(driver.find_element(By.ID, "kind")).select_by_value("weight")  # type: ignore[attr-defined]
-            target = next(n for n in nodes if n.get_attribute("data-key") == "body.0.Linear")
-            ActionChains(driver).move_to_element(target).click().perform()  # type: ignore[arg-type]
-            _wait(lambda: any(a["key"] == "body.0.Linear" and a["kind"] == "weight" and a["armed"]
-                              for a in request(server, "GET", "/api/status")[1]["arms"]), what="the weight arm")
+            for kind, key in (("weight", "body.0.Linear"), ("weight_grad", "body.2.Linear")):
+                Select(driver.find_element(By.ID, "kind")).select_by_value(kind)  # type: ignore[attr-defined]
+                target = next(n for n in nodes if n.get_attribute("data-key") == key)
+                ActionChains(driver).move_to_element(target).click().perform()  # type: ignore[arg-type]
+                _wait(lambda kind=kind, key=key: any((a["key"], a["kind"], a["armed"]) == (key, kind, True)
+                                                     for a in request(server, "GET", "/api/status")[1]["arms"]),
+                      what=f"the {kind} arm of {key}")
+                panel = f'div.panel[data-key="{key}"][data-kind="{kind}"]'
+                _wait(lambda panel=panel: _charted(find(By.CSS_SELECTOR, panel)) == parameters,
+                      what=f"a {kind} histogram per parameter {parameters}")
             panel = 'div.panel[data-key="body.0.Linear"][data-kind="weight"]'
-            for role in ("weight", "bias"):
-                _wait(lambda role=role: [e for e in find(By.CSS_SELECTOR, f'{panel} svg.fw-hist[data-role="{role}"]')
-                                         if int(e.get_attribute("data-samples")) >= 1], what=f"the {role} histogram")
             first_text = lambda css: next((t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, css)), None)  # noqa: E731
             last_text = lambda css: next((t.get_attribute("textContent") for t in find(By.CSS_SELECTOR, css)[::-1]), None)  # noqa: E731
             # read inside the wait, one element: the page redraws its charts at every poll
@@ -150,12 +206,9 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             driver.save_screenshot(str(ARTIFACTS / "live_page.png"))  # type: ignore[attr-defined]
 
             # Scroll back: the ring keeps 4 samples, the range control reaches the first steps kept on disk.
-            panel = 'div.panel[data-key="body.2.Linear"]'
-            back, first = _wait(lambda: [(e, int(e.get_attribute("min"))) for e in find(By.CSS_SELECTOR, panel + " input.back")
-                                         if e.is_displayed() and int(e.get_attribute("max")) - int(e.get_attribute("min")) >= 8],
-                                what="the range control over 9 steps")[0]
-            driver.execute_script(  # type: ignore[attr-defined]
-                "arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'))", back, first + 2)
+            panel = 'div.panel[data-key="body.2.Linear"][data-kind="forward"]'
+            chart = panel + ' svg.fw-hist[data-role="output"]'
+            first = _drag_back(driver, panel)
             on_disk = request(server, "GET", f"/api/samples?key=body.2.Linear&kind=forward&before={first + 3}")[1]
             want = [s["step"] for s in on_disk["samples"]]
             assert want and want[0] == first and want[-1] <= first + 2
@@ -168,8 +221,36 @@ def test_page_shows_the_graph_and_a_click_arms_sampling(tmp_path: Path) -> None:
             # the label follows at the page's next poll of the history
             _wait(lambda: find(By.CSS_SELECTOR, panel + " .window")[0].text == f"samples up to step {first + 2}",
                   what=f"the label 'samples up to step {first + 2}'")
+            scroll_loss_back()
+            assert request(server, "GET", "/api/scalars")[1]["scalars"]["loss"]["steps"][0] > 2  # beyond what memory holds
             stop.set()
             trainer.join()
+
+        # The finished run reopened from its logdir: graph, a panel per series armed, the loss curve, read-only.
+        with fwdtrace.live.reopen(tmp_path, port=0) as reopened:
+            driver.get(reopened.url + "?poll=300")  # type: ignore[attr-defined]
+            nodes = _wait(lambda: find(By.CSS_SELECTOR, "#graph g.node[data-key]"), what="the reopened graph")
+            assert sorted(n.get_attribute("data-key") for n in nodes) == ["body.0.Linear", "body.1.ReLU", "body.2.Linear"]
+            armed = {("body.2.Linear", "forward"): ["input", "output"], ("body.0.Linear", "weight"): parameters,
+                     ("body.2.Linear", "weight_grad"): parameters}
+
+            _wait(lambda: {(p.get_attribute("data-key"), p.get_attribute("data-kind")): _charted([p])
+                           for p in find(By.CSS_SELECTOR, "div.panel")} == armed,
+                  what=f"a panel with its charts per series armed, {armed}")
+            assert not any(b.is_displayed() for b in find(By.CSS_SELECTOR, "div.panel h3 button"))  # nothing to disarm
+            assert "reopened from" in driver.find_element(By.ID, "model").text  # type: ignore[attr-defined]
+            text = _wait(lambda: last_text(curve), what="the reopened loss curve")
+            step, value = re.fullmatch(r"step (\d+): loss=(\S+)", text).groups()
+            assert int(step) == max(losses) and float(value) == pytest.approx(losses[int(step)], rel=1e-5)
+
+            target = next(n for n in nodes if n.get_attribute("data-key") == "body.1.ReLU")
+            ActionChains(driver).move_to_element(target).click().perform()  # type: ignore[arg-type]
+            _wait(lambda: driver.find_element(By.ID, "message").text.startswith(  # type: ignore[attr-defined]
+                "this is a finished run reopened read-only"), what="the page saying the run is read-only")
+            assert request(reopened, "POST", "/api/sample", {"key": "body.1.ReLU", "kind": "forward"})[0] == 409
+            assert not find(By.CSS_SELECTOR, 'div.panel[data-key="body.1.ReLU"]')
+            scroll_loss_back()
+            driver.save_screenshot(str(ARTIFACTS / "live_page_reopened.png"))  # type: ignore[attr-defined]
     finally:
         stop.set()
         driver.quit()  # type: ignore[attr-defined]

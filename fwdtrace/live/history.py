@@ -80,6 +80,13 @@ class _Ring:
         self.meta = self.group["meta"]
         self.values = self.group["values"] if "values" in self.group else None
 
+    def span(self) -> dict[str, Any]:
+        """Rows kept, rows ever appended, and the first and last step kept (None when empty)."""
+        steps = self.meta["step"] if self.meta.shape[0] else np.zeros(0, np.int64)
+        return {"rows": len(steps), "appended": self.appended,
+                "first_step": int(steps.min()) if len(steps) else None,
+                "last_step": int(steps.max()) if len(steps) else None}
+
     def logical(self) -> tuple[np.ndarray, np.ndarray]:
         """Every kept ``meta`` row and its physical row number, oldest first."""
         meta = self.meta[:]
@@ -289,15 +296,15 @@ class History:
 
     def series(self) -> list[dict[str, Any]]:
         """Every series: key, kind, role, rows kept, rows appended, first and last step kept."""
-        out = []
         with self._lock:
-            for (key, kind, role), ring in sorted(self._series.items(), key=lambda kv: kv[1].order):
-                steps = ring.meta["step"] if ring.meta.shape[0] else np.zeros(0, np.int64)
-                out.append({"key": key, "kind": kind, "role": role, "rows": int(ring.meta.shape[0]),
-                            "appended": ring.appended,
-                            "first_step": int(steps.min()) if len(steps) else None,
-                            "last_step": int(steps.max()) if len(steps) else None})
-        return out
+            return [{"key": key, "kind": kind, "role": role, **ring.span()}
+                    for (key, kind, role), ring in sorted(self._series.items(), key=lambda kv: kv[1].order)]
+
+    def scalar_series(self) -> list[dict[str, Any]]:
+        """Every scalar: name, rows kept, rows appended, first and last step kept (the span a page can scroll over)."""
+        with self._lock:
+            return [{"name": name, **ring.span()}
+                    for name, ring in sorted(self._scalars.items(), key=lambda kv: kv[1].order)]
 
     def scalar_names(self) -> list[str]:
         with self._lock:

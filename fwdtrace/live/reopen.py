@@ -2,18 +2,19 @@
 
 What ``serve(model, logdir=DIR)`` wrote (the history, the graph, the key table; see
 :mod:`fwdtrace.live.history`) is served as the live service serves it, so the page shows the
-graph and scrolls over every series kept. Arming and disarming answer 409: there is no model.
+graph and scrolls over every series and scalar kept. Arming and disarming answer 409: there is no model.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from ..graph import Graph
 from ..stats import RunningStats
 from .history import History
-from .server import Server, _int, _json, _Reply, check_network
+from .server import Server, _curve, _int, _json, _Reply, check_network
 
 __all__ = ["reopen", "ReopenedServer"]
 
@@ -44,6 +45,9 @@ class ReopenedServer(Server):
     def _unhook(self) -> None:
         if self.history is not None:
             self.history.close()
+
+    def _new_layouts(self) -> _LayoutsHere:
+        return _LayoutsHere(self.graph)
 
     def __repr__(self) -> str:
         return f"ReopenedServer({str(self.logdir)!r}, {self.url})"
@@ -119,35 +123,43 @@ class ReopenedServer(Server):
         key = self._key(query, armed_kind=kind)
         role = self._role(key, kind, asked)
         assert self.history is not None
-        rows = self.history.rows(key, kind, role, _before(query))
+        rows = self.history.rows(key, kind, role, _int(query, "before", None))
         info = next(a for a in self._arms() if (a["key"], a["kind"]) == (key, kind))
         return _json({**info, "which": f"{kind}_{role}", "role": role, "stats": pooled(rows),
                       "over": "the rows kept in the history"})
 
     def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        if "before" in query or "limit" in query:
+            return super().scalars(query, body)
         assert self.history is not None
-        names = sorted(self.history.scalar_names())  # as a live service lists them
+        names = self._scalar_names()
         newer = "since" in query  # a finished run has no points newer than those a client saw
-        series = {} if newer else {n: _points(self.history.scalars(n)) for n in names}
+        series = {} if newer else {n: _curve([(p["step"], p["value"]) for p in self.history.scalars(n)]) for n in names}
         return _json({"names": names, "scalars": series, "seq": None, "refused": 0})
 
-    def scalar_chart(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
-        from .svg import scalar_svg
-
+    def _scalar_names(self) -> list[str]:
         assert self.history is not None
-        name = query.get("name") or ""
-        if name not in self.history.scalar_names():
-            raise _Reply(404, f"no scalar named {name!r} in the run", names=self.history.scalar_names())
-        points = self.history.scalars(name, _before(query))
-        return 200, "image/svg+xml", scalar_svg(name, [(p["step"], p["value"]) for p in points]).encode()
+        return sorted(self.history.scalar_names())  # as a live service lists them
 
 
-def _points(points: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"steps": [p["step"] for p in points], "values": [p["value"] for p in points], "seq": None}
+class _LayoutsHere:
+    """Lays the graph out in this process. A live service lays out in a child process, so that Graphviz, which
+    holds the GIL, never stalls training; a reopened run has no training, and a child interpreter (importing
+    torch) takes seconds to start."""
 
+    def __init__(self, graph: Graph | None) -> None:
+        self.graph = graph
+        self._lock = threading.Lock()
 
-def _before(query: dict[str, str]) -> int | None:
-    return _int(query, "before", None)
+    def svg(self, depth: int | None) -> str:
+        from .svg import graph_svg
+
+        assert self.graph is not None
+        with self._lock:  # one layout at a time, as the child answers them
+            return graph_svg(self.graph, depth)
+
+    def close(self) -> None:
+        pass
 
 
 def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -42,7 +42,10 @@ __all__ = ["Server", "serve"]
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024
-MAX_LIMIT = 10_000  # samples one read of the history may return
+MAX_LIMIT = 10_000  # samples or scalar points one read of the history may return
+# Points a scalar chart shows, the newest or those before the step scrolled to: about one per pixel of
+# its 440-pixel plot, so scrolling moves a window of a steady width rather than zooming out.
+SCALAR_WINDOW = 512
 SVG_CACHE = 8  # graph drawings kept, one per depth, the least recently shown dropped first
 JOIN_TIMEOUT = 10.0  # stop() waits this long in all for the request threads to finish
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -176,8 +179,6 @@ class Server:
 
     def graph_svg(self, depth: int | None) -> str:
         """The keyed drawing at ``depth``, laid out by a child process (Graphviz holds the GIL) and cached."""
-        from .svg import LayoutProcess
-
         assert self.graph is not None
         with self._lock:
             if self.closed:
@@ -187,7 +188,7 @@ class Server:
                 self._svg_cache.move_to_end(depth)
                 return svg
             if self._layouts is None:
-                self._layouts = LayoutProcess(self.graph_json())
+                self._layouts = self._new_layouts()
             layouts = self._layouts
         try:
             svg = layouts.svg(depth)
@@ -198,6 +199,12 @@ class Server:
             while len(self._svg_cache) > SVG_CACHE:
                 self._svg_cache.popitem(last=False)
         return svg
+
+    def _new_layouts(self) -> Any:
+        """What lays the graph out: ``svg(depth)`` and ``close()``."""
+        from .svg import LayoutProcess
+
+        return LayoutProcess(self.graph_json())
 
     def graph_json(self) -> str:
         assert self.graph is not None
@@ -358,15 +365,12 @@ class Server:
         if self.history is None:
             raise _Reply(404, "this service keeps no history on disk: serve(model, logdir=DIR) keeps one")
         return _json({**(self._history_info() or {}), "series": self.history.series(),
-                      "scalars": self.history.scalar_names()})
+                      "scalars": self.history.scalar_series()})
 
     def _older(self, key: str, kind: str, query: dict[str, str]) -> list[dict[str, Any]]:
         """The newest ``limit`` samples with step below ``before``: from the history on disk when there is one,
         which reaches back beyond the ring, else from the ring."""
-        before = _int(query, "before", None)
-        limit = _int(query, "limit", 64 if self.read_only else self.sampler.ring)
-        if not 1 <= limit <= MAX_LIMIT:
-            raise _Reply(400, f"expected limit= an integer in 1..{MAX_LIMIT}, got {limit}")
+        before, limit = _int(query, "before", None), _limit(query, 64 if self.read_only else self.sampler.ring)
         if self.history is not None:
             return self.history.samples(key, kind, before, limit)
         return [s for s in self.sampler.samples(key, kind) if before is None or s["step"] < before][-limit:]
@@ -468,20 +472,46 @@ class Server:
         return 200, "image/svg+xml", svg.encode()
 
     def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        if "before" in query or "limit" in query:  # every scalar's window, as its chart shows it
+            names = self._scalar_names()
+            return _json({"names": names, "scalars": {n: _curve(self._scalar_window(n, query)) for n in names},
+                          "seq": None})
         log = self.sampler.scalars
         series = log.read(_int(query, "since", -1))
         return _json({"names": log.names(), "scalars": series, "seq": log.seq - 1, "refused": log.refused,
                       **({"lost": log.lost, "write_error": log.write_error} if self.history is not None else {})})
 
     def scalar_chart(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        """``?name=N&before=STEP&limit=K``: the chart of the newest ``K`` points (:data:`SCALAR_WINDOW`, 512, by
+        default) of scalar ``N`` with step below ``STEP`` (without ``before``: the newest points)."""
         from .svg import scalar_svg
 
-        name = query.get("name")
-        series = self.sampler.scalars.read().get(name or "")
+        name = query.get("name") or ""
+        names = self._scalar_names()
+        if name not in names:
+            raise _Reply(404, f"no scalar named {name!r} {'in the run' if self.read_only else '(yet)'}", names=names)
+        return 200, "image/svg+xml", scalar_svg(name, self._scalar_window(name, query)).encode()
+
+    def _scalar_names(self) -> list[str]:
+        """The scalars to show: those logged since the service started and (a continued run) those on disk."""
+        names = self.sampler.scalars.names()
+        return names if self.history is None else sorted({*names, *self.history.scalar_names()})
+
+    def _scalar_window(self, name: str, query: dict[str, str]) -> list[tuple[int, float]]:
+        """The newest ``limit`` points (:data:`SCALAR_WINDOW` by default) of scalar ``name`` with step below ``before``.
+
+        Scrolled back (``before=``), they come from the history on disk when there is one, which reaches
+        back beyond the in-memory log; the newest come from memory, which holds the points logged since the
+        writer's last pass (about a second) that the disk has not got yet.
+        """
+        before, limit = _int(query, "before", None), _limit(query, SCALAR_WINDOW)
+        series = None if self.read_only else self.sampler.scalars.read().get(name)
+        if self.history is not None and (before is not None or series is None):
+            return [(p["step"], p["value"]) for p in self.history.scalars(name, before, limit)]
         if series is None:
-            raise _Reply(404, f"no scalar named {name!r} (yet)", names=self.sampler.scalars.names())
-        svg = scalar_svg(name or "", list(zip(series["steps"], series["values"], strict=True)))
-        return 200, "image/svg+xml", svg.encode()
+            return []
+        points = list(zip(series["steps"], series["values"], strict=True))
+        return [p for p in points if before is None or p[0] < before][-limit:]
 
     def graph_text(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         self._ready_graph()
@@ -528,6 +558,23 @@ def _int(query: dict[str, str], name: str, default: Any) -> Any:
         return int(query[name])
     except ValueError:
         raise _Reply(400, f"expected {name}= an integer, got {query[name]!r}") from None
+
+
+def _limit(query: dict[str, str], default: int) -> int:
+    """``limit=``: how many samples or points one read returns, checked against :data:`MAX_LIMIT`."""
+    limit: int = _int(query, "limit", default)
+    if not 1 <= limit <= MAX_LIMIT:
+        raise _Reply(400, f"expected limit= an integer in 1..{MAX_LIMIT}, got {limit}")
+    return limit
+
+
+def _curve(points: list[tuple[int, float]]) -> dict[str, Any]:
+    """A scalar's points as ``/api/scalars`` answers them: ``{"steps", "values", "seq"}`` (no seq: read back).
+
+    >>> _curve([(3, 0.5), (4, 0.25)])
+    {'steps': [3, 4], 'values': [0.5, 0.25], 'seq': None}
+    """
+    return {"steps": [s for s, _ in points], "values": [v for _, v in points], "seq": None}
 
 
 def _allowed_hosts(host: str, port: int) -> set[str]:
@@ -795,8 +842,11 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     oldest dropped first, beside the graph. Scalars (:func:`~fwdtrace.live.log_scalar`, the
     health arms' gradient norms and counts) are written by the summariser thread about once a
     second and at ``stop()``, never by the thread logging them. ``/api/samples?before=STEP&limit=N`` reads back
-    beyond the ring, and ``fwdtrace serve --logdir DIR`` (:func:`~fwdtrace.live.reopen.reopen`)
-    shows the run after the process has ended. A logdir holding a run continues it.
+    beyond the ring, ``/api/scalar.svg?name=NAME&before=STEP&limit=N`` (and ``/api/scalars``) beyond the
+    in-memory log of 4096 points per scalar: a scalar chart shows a window of 512 points
+    (``SCALAR_WINDOW``), the newest or those before the step scrolled to. ``fwdtrace serve --logdir DIR``
+    (:func:`~fwdtrace.live.reopen.reopen`) shows the run after the process has ended. A logdir holding
+    a run continues it.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"serve() expected a torch.nn.Module as model, got {describe(model)}")

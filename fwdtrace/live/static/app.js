@@ -4,6 +4,8 @@
 const token = new URLSearchParams(location.search).get("token");
 const poll = Number(new URLSearchParams(location.search).get("poll") || 1000);
 const panels = new Map();  // "kind key" -> {element, key, kind, before}; before: null follows the newest samples
+const scalarCharts = new Map();  // name -> {element, name, before}, as panels
+const SCROLL = '<div class="scroll" hidden><input type="range" class="back"> <span class="window"></span></div>';
 let readOnly = false;  // a finished run reopened from its history: nothing to arm
 const $ = (id) => document.getElementById(id);
 
@@ -70,40 +72,52 @@ function addPanel(key, kind) {
   element.dataset.key = key;
   element.dataset.kind = kind;
   element.innerHTML = '<h3><span></span><button>disarm</button></h3><div class="counts"></div>' +
-                      '<div class="charts"></div>' +
-                      '<div class="scroll" hidden><input type="range" class="back"> <span class="window"></span></div>' +
-                      '<table></table>';
+                      '<div class="charts"></div>' + SCROLL + '<table></table>';
   element.querySelector("h3 span").textContent = key + " · " + kind;
   element.querySelector("button").addEventListener("click", () => disarm(key, kind));
   element.querySelector("button").hidden = readOnly;
   $("scalars").after(element);
-  const panel = {element, key, kind, before: null};
-  // Scroll back over the history on disk: the range picks the newest step shown; at its right end
-  // the panel follows the newest samples again.
-  const range = element.querySelector("input.back");
-  range.addEventListener("input", () => {
-    const step = Number(range.value);
-    panel.before = step >= Number(range.max) ? null : step + 1;
-    refreshPanel(panel);
-  });
+  const panel = {element, key, kind, before: null, what: "samples"};
+  scrollBack(panel, refreshPanel);
   panels.set(id, panel);
   markArmed();
   refreshPanel(panel);
 }
 
-// The history's steps per panel: the range control spans the first to the last step kept on disk.
-function showHistory(series) {
+// Scroll back over the history on disk (a panel's or a scalar chart's range control): the range picks
+// the newest step shown; at its right end the view follows the newest again.
+function scrollBack(view, redraw) {
+  const range = view.element.querySelector("input.back");
+  range.addEventListener("input", () => {
+    const step = Number(range.value);
+    view.before = step >= Number(range.max) ? null : step + 1;
+    labelWindow(view);
+    redraw(view);
+  });
+}
+
+function labelWindow(view) {
+  view.element.querySelector(".window").textContent =
+    view.before === null ? "newest " + view.what : view.what + " up to step " + (view.before - 1);
+}
+
+// The range control spans the first to the last step kept on disk (spans: /api/history's rows of the view).
+function spanRange(view, spans) {
+  spans = spans.filter((s) => s.first_step !== null);
+  if (!spans.length) return;
+  const range = view.element.querySelector("input.back");
+  range.min = Math.min(...spans.map((s) => s.first_step));
+  range.max = Math.max(...spans.map((s) => s.last_step));
+  if (view.before === null) range.value = range.max;
+  view.element.querySelector(".scroll").hidden = false;
+  labelWindow(view);
+}
+
+function showHistory(history) {
   for (const panel of panels.values()) {
-    const rows = series.filter((s) => s.key === panel.key && s.kind === panel.kind && s.first_step !== null);
-    if (!rows.length) continue;
-    const range = panel.element.querySelector("input.back");
-    range.min = Math.min(...rows.map((s) => s.first_step));
-    range.max = Math.max(...rows.map((s) => s.last_step));
-    if (panel.before === null) range.value = range.max;
-    panel.element.querySelector(".scroll").hidden = false;
-    panel.element.querySelector(".window").textContent =
-      panel.before === null ? "newest samples" : "samples up to step " + (panel.before - 1);
+    spanRange(panel, history.series.filter((s) => s.key === panel.key && s.kind === panel.kind));
   }
+  for (const chart of scalarCharts.values()) spanRange(chart, history.scalars.filter((s) => s.name === chart.name));
 }
 
 const COLUMNS = ["count", "mean", "std", "min", "max", "nan", "inf"];
@@ -142,19 +156,31 @@ async function refreshPanel(panel) {
     "<tr><th></th>" + COLUMNS.map((c) => "<th>" + c + "</th>").join("") + "</tr>" + rows.join("");
 }
 
-// Scalar curves: log_scalar's and the health arm's, one chart each, drawn by the server.
+// Scalar curves: log_scalar's and the health arm's, one chart each, drawn by the server; each
+// scrolls back over the history on disk as the panels do.
 async function refreshScalars() {
   const answer = await api("api/scalars?since=" + Number.MAX_SAFE_INTEGER);  // the names, no points
   for (const name of answer.names) {
-    let chart = [...$("scalars").children].find((c) => c.dataset.name === name);
+    let chart = scalarCharts.get(name);
     if (!chart) {
-      chart = document.createElement("div");
-      chart.className = "chart scalar";
-      chart.dataset.name = name;
-      $("scalars").append(chart);
+      const element = document.createElement("div");
+      element.className = "chart scalar";
+      element.dataset.name = name;
+      element.innerHTML = '<div class="name"></div><div class="plot"></div>' + SCROLL;
+      element.querySelector(".name").textContent = name;
+      $("scalars").append(element);
+      chart = {element, name, before: null, what: "points"};
+      scrollBack(chart, refreshScalar);
+      scalarCharts.set(name, chart);
     }
-    chart.innerHTML = "<div>" + escape(name) + "</div>" + await api("api/scalar.svg?name=" + encodeURIComponent(name));
+    await refreshScalar(chart);
   }
+}
+
+async function refreshScalar(chart) {
+  const before = chart.before === null ? "" : "&before=" + chart.before;  // scrolled back: from disk
+  chart.element.querySelector(".plot").innerHTML =
+    await api("api/scalar.svg?name=" + encodeURIComponent(chart.name) + before);
 }
 
 let root = null;
@@ -184,7 +210,7 @@ async function tick() {
     $("health").checked = status.arms.some((a) => a.kind === "health" && a.key === root && a.armed);
     for (const arm of status.arms) if ((arm.armed || readOnly) && arm.kind !== "health") addPanel(arm.key, arm.kind);
     for (const panel of panels.values()) await refreshPanel(panel);
-    if (status.history) showHistory((await api("api/history")).series);
+    if (status.history) showHistory(await api("api/history"));
     await refreshScalars();
   } catch (e) { say(e.message); }
   setTimeout(tick, poll);
