@@ -41,8 +41,13 @@ browser:
 # The whole suite: unit tests, doctests of the package, notebooks (tests/test_notebooks.py).
 # loadgroup keeps the conformance cases of one model (tests/test_conformance.py) on one worker,
 # so that its build, trace and exports are done once.
-test: $(STAMP) lint typecheck browser
-	$(PY) -m pytest -n 2 --dist loadgroup -q --doctest-modules fwdtrace tests
+# mypy (about 35 s of one core from a cold cache) runs beside the tests, its verdict after them:
+# the run fails if either does, and mypy's report is printed only when it fails.
+test: $(STAMP) lint browser
+	$(VENV)/bin/mypy fwdtrace > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -n 2 --dist loadgroup -q --doctest-modules fwdtrace tests; tests=$$?; \
+	if ! wait $$mypy; then cat $(VENV)/mypy.log; echo "mypy fwdtrace failed (make typecheck)"; exit 1; fi; \
+	exit $$tests
 
 bench: $(STAMP)
 	$(PIP) -e '.[dev,recorder,bench]'
