@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,34 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 
 def test_package_is_typed() -> None:
     assert (Path(fwdtrace.__file__).parent / "py.typed").exists()
+
+
+GROUPED = '''
+import os, pytest
+
+@pytest.fixture(scope="module")
+def run(request):
+    return request.param
+
+@pytest.mark.parametrize("entry", range(4))
+@pytest.mark.parametrize("run", [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in "ab"], indirect=True)
+def test_entry(run, entry):
+    with open(os.environ["GROUPED_LOG"], "a") as log:
+        log.write(f"{run} {os.getpid()}\\n")
+'''
+
+
+def test_xdist_groups_stay_on_one_worker(tmp_path: Path) -> None:
+    """make test's ``--dist loadgroup`` keeps each corpus model's cases on one worker, as test_conformance.py
+    is written for (pytest 9.2 with pytest-xdist 3.8 silently split them, doing each model's work twice)."""
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    log = tmp_path / "log"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-p", "no:cacheprovider",
+                           "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "GROUPED_LOG": str(log)})
+    assert done.returncode == 0, done.stdout[-2000:]
+    workers: dict[str, set[str]] = {}
+    for line in log.read_text().splitlines():
+        group, pid = line.split()
+        workers.setdefault(group, set()).add(pid)
+    assert sorted(workers) == ["a", "b"] and all(len(pids) == 1 for pids in workers.values()), workers
