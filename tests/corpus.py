@@ -272,10 +272,17 @@ def torchvision_model(name: str, size: int | None = None) -> Callable[[], Built]
 
 
 def torchvision_detection(name: str, size: int = 320) -> Callable[[], Built]:
+    """A torchvision detector on one image, keeping every detection whatever its score.
+
+    With random weights no score passes the default thresholds: the model would return no boxes,
+    and onnxruntime's outputs would agree with eager's whatever the file computes (Faster R-CNN's
+    TorchScript export returns boxes up to 64 px off eager's, unseen at the default threshold).
+    """
     def build() -> Built:
         import torchvision
 
-        model = torchvision.models.get_model(name, weights=None, weights_backbone=None).eval()
+        keep_all = {"box_score_thresh": 0.0} if "rcnn" in name else {"score_thresh": 0.0}
+        model = torchvision.models.get_model(name, weights=None, weights_backbone=None, **keep_all).eval()
         return model, ([torch.rand(3, size, size)],), {}
 
     return build
