@@ -53,11 +53,32 @@ class Case:
 
 
 # -- the rows: models of our own ---------------------------------------------------------------------------
+class TinyAnchors(nn.Module):
+    """torchvision's ``AnchorGenerator`` in small: one cell anchor per level, kept in a plain list
+    attribute that every forward sets anew (``.to`` the features' dtype and device), shifted over
+    each level's grid; and ``MultiScaleRoIAlign``'s scales, computed by the first call only."""
+
+    def __init__(self, sizes: tuple[int, ...] = (4, 8, 16)) -> None:
+        super().__init__()
+        self.cell_anchors = [torch.tensor([-s, -s, s, s], dtype=torch.float32) / 2 for s in sizes]
+        self.scales: list[float] | None = None
+
+    def forward(self, batch: torch.Tensor, features: list[torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+        if self.scales is None:
+            self.scales = [2 ** float(torch.tensor(f.shape[-1] / batch.shape[-1]).log2().round()) for f in features]
+        self.cell_anchors = [a.to(dtype=features[0].dtype, device=features[0].device) for a in self.cell_anchors]
+        anchors = []
+        for f, a, scale in zip(features, self.cell_anchors, self.scales, strict=True):
+            ys, xs = torch.meshgrid(torch.arange(f.shape[-2]) / scale, torch.arange(f.shape[-1]) / scale, indexing="ij")
+            anchors.append(torch.stack([xs, ys, xs, ys], -1).reshape(-1, 4) + a)
+        return torch.cat(anchors), self.scales
+
+
 class TinyDetector(nn.Module):
     """A two-stage-detector's skeleton in small: images of different sizes batched as torchvision's
     ``GeneralizedRCNNTransform.batch_images`` does (``new_full``, then ``copy_`` through a view),
-    a backbone, an FPN-like top-down merge, one head run in a loop over the levels, and a loop
-    over the top boxes decoding each."""
+    a backbone, an FPN-like top-down merge, anchors as torchvision makes them, one head run in a
+    loop over the levels, and a loop over the top boxes decoding each against its anchor."""
 
     def __init__(self, width: int = 16, boxes: int = 4) -> None:
         super().__init__()
@@ -65,6 +86,7 @@ class TinyDetector(nn.Module):
         self.c2 = nn.Sequential(nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU())
         self.c3 = nn.Sequential(nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU())
         self.lateral = nn.ModuleList(nn.Conv2d(c, width, 1) for c in (8, 16, 32))
+        self.anchors = TinyAnchors()
         self.head = nn.Conv2d(width, 5, 3, padding=1)  # 4 box deltas and a score per place, shared by levels
         self.boxes = boxes
 
@@ -81,12 +103,13 @@ class TinyDetector(nn.Module):
         p2 = self.lateral[1](f2) + F.interpolate(p3, size=f2.shape[-2:], mode="nearest")
         p1 = self.lateral[0](f1) + F.interpolate(p2, size=f1.shape[-2:], mode="nearest")
         out = torch.cat([self.head(p).flatten(2).transpose(1, 2) for p in (p1, p2, p3)], 1)
+        anchors, scales = self.anchors(batch, [p1, p2, p3])
         scores = out[0, :, 4].sigmoid()
         top = scores.topk(self.boxes).indices
         boxes = []
         for i in range(self.boxes):
-            d = out[0, top[i], :4]
-            boxes.append(torch.stack([d[0], d[1], d[0] + d[2].exp(), d[1] + d[3].exp()]))
+            d, a = out[0, top[i], :4], anchors[top[i]] * scales[0]
+            boxes.append(torch.stack([a[0] + d[0], a[1] + d[1], a[2] + d[2].exp(), a[3] + d[3].exp()]))
         return {"boxes": torch.stack(boxes), "scores": scores[top]}
 
 
@@ -249,10 +272,17 @@ def torchvision_model(name: str, size: int | None = None) -> Callable[[], Built]
 
 
 def torchvision_detection(name: str, size: int = 320) -> Callable[[], Built]:
+    """A torchvision detector on one image, keeping every detection whatever its score.
+
+    With random weights no score passes the default thresholds: the model would return no boxes,
+    and onnxruntime's outputs would agree with eager's whatever the file computes (Faster R-CNN's
+    TorchScript export returns boxes up to 64 px off eager's, unseen at the default threshold).
+    """
     def build() -> Built:
         import torchvision
 
-        model = torchvision.models.get_model(name, weights=None, weights_backbone=None).eval()
+        keep_all = {"box_score_thresh": 0.0} if "rcnn" in name else {"score_thresh": 0.0}
+        model = torchvision.models.get_model(name, weights=None, weights_backbone=None, **keep_all).eval()
         return model, ([torch.rand(3, size, size)],), {}
 
     return build
@@ -337,6 +367,11 @@ class Run:
             torch.manual_seed(0)
             model, args, kwargs = self.case.build()
             vary_constant_weights(model)
+            # One plain forward first, kept as the eager reference: a model may set itself up in its first
+            # call (torchvision's MultiScaleRoIAlign computes its scales then), and every trace and export
+            # must start from the state later calls see, or two traces of one model would differ.
+            with torch.no_grad():
+                self._done["eager"] = (True, model(*args, **kwargs))
             return model, args, kwargs
 
         return self._once("build", build)
@@ -366,11 +401,8 @@ class Run:
 
     @property
     def eager(self) -> Any:
-        def forward() -> Any:
-            with torch.no_grad():
-                return self.model(*self.args, **self.kwargs)
-
-        return self._once("eager", forward)
+        self._built()
+        return self._done["eager"][1]
 
     def exported(self, exporter: str) -> Path:
         """The model exported to a file the public way: ``export_onnx(path=...)`` or ``to_onnx(path=...)``."""
@@ -406,15 +438,50 @@ class Run:
 
 
 def assert_left_as_found(run: Run, state: dict[str, dict[str, Any]], trace_json: str, what: str) -> None:
-    """Nothing ``what`` set on the model remains: each module's attributes are the objects they were
-    (``state``: ``vars()`` of every module before), and a new trace is the trace before (``trace_json``)."""
+    """Nothing ``what`` set on the model remains, and a new trace is the trace before (``trace_json``).
+
+    The reference is what a plain forward leaves (``state``: ``vars()`` of every module before):
+    each module keeps its attributes, and each is the object it was, unless the model's own forward
+    replaces it at every call (torchvision's AnchorGenerator sets ``cell_anchors`` to a new list of
+    the same tensors): then it must hold what a plain forward puts there, alike in type and value.
+    """
     after = {p: dict(vars(m)) for p, m in run.model.named_modules()}
     assert after.keys() == state.keys(), f"{what} changed the modules: {sorted(after.keys() ^ state.keys())[:5]}"
+    replaced = []
     for p, attrs in state.items():
         assert after[p].keys() == attrs.keys(), f"{what} left attributes on {p or 'the model'}: {sorted(after[p].keys() ^ attrs.keys())}"
-        changed = [k for k, v in attrs.items() if after[p][k] is not v]
-        assert not changed, f"{what} replaced attributes of {p or 'the model'}: {changed}"
+        replaced += [(p, k) for k, v in attrs.items() if after[p][k] is not v]
+    if replaced:
+        with torch.no_grad():
+            run.model(*run.args, **run.kwargs)
+        modules = dict(run.model.named_modules())
+        for p, k in replaced:
+            eager = vars(modules[p])[k]
+            assert eager is not after[p][k], f"{what} replaced attributes of {p or 'the model'}: {k!r}, which a plain forward keeps"
+            assert alike(after[p][k], eager), (
+                f"{what} left {describe(after[p][k])} in {p or 'the model'}.{k}, where a plain forward leaves {describe(eager)}")
     assert run.trace().to_json() == trace_json, f"after {what}, a trace of the model differs from the trace before"
+
+
+def alike(a: Any, b: Any) -> bool:
+    """The same types all the way down (no tensor subclass or wrapper for a tensor) and equal values."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device) and bool(torch.equal(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(alike(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(alike(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def describe(obj: Any) -> str:
+    if isinstance(obj, (list, tuple)):
+        return f"a {type(obj).__name__} of [{', '.join(describe(x) for x in obj[:3])}{', ...' if len(obj) > 3 else ''}]"
+    if isinstance(obj, torch.Tensor):
+        return f"a {type(obj).__name__} {tuple(obj.shape)} {obj.dtype}"
+    return repr(obj)[:80]
 
 
 @torch.no_grad()

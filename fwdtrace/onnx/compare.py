@@ -437,6 +437,7 @@ class _Matcher:
             self._new_group(_OUTPUT_GROUP, {o_out.id}, o_out.id)
             self.groups[_OUTPUT_GROUP].trace_ids.extend(n.id for n in out_nodes)
         self._absorb_merges()
+        self._constants_indexed()
         extra = [
             n.id for n in self.onodes
             if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
@@ -454,6 +455,20 @@ class _Matcher:
         return _Result(self.groups, self.missing, extra, self.elided, rewired,
                        ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs, reordered, unopened,
                        outputs_fed, [_output_label(n) for n in self.left_out])
+
+    def _constants_indexed(self) -> None:
+        """A Gather from a constant by a computed index that no call took as its op is wiring.
+
+        Gather from a weight is an Embedding while an embedding call matches it; otherwise it
+        is indexing, which is wiring on the trace side whatever it reads: a detector's anchors,
+        made from shapes alone and folded to a constant, read at the top-scoring places
+        (``anchors[top]``).
+        """
+        for n in self.onodes:
+            if (n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
+                    and self.op(n.id) in ("Gather", "GatherND") and self._data_inputs(n)):
+                self.wiring.add(n.id)
+                n.meta["wiring"] = True
 
     def _compared_outputs(self) -> tuple[list[Node], list[Node]]:
         """The trace outputs the export returns too, and the KV cache outputs it leaves out.
