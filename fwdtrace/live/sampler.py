@@ -84,11 +84,11 @@ class Series:
 
     def add(self, t: torch.Tensor) -> dict[str, Any]:
         """Add a numeric tensor; its own statistics and histogram."""
+        values = t.detach().reshape(-1).to("cpu", torch.float64)  # once, for the moments and the bins
         sample = RunningStats(histogram=False)
-        sample.update(t)
-        values = t.detach().reshape(-1).to("cpu", torch.float64).numpy()
+        sample.update(values)
         with self.lock:
-            counts, under, over = self.bins.add(values)
+            counts, under, over = self.bins.add(values.numpy())
             edges = self.bins.edges
             self.moments.merge(sample)
         d = sample.to_dict()
