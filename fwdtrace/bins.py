@@ -127,10 +127,27 @@ class SteadyBins:
         finite = _finite(values)
         if self._edges is None or finite.size == 0:
             return np.zeros(self.bins, dtype=np.int64)
-        inside = finite[(finite >= self._edges[0]) & (finite < self._edges[-1])] if self.fixed else finite
-        # searchsorted on the edges themselves: the same bin numpy.histogram gives, [a, b) everywhere.
-        index = np.searchsorted(self._edges, inside, side="right") - 1
+        if self.fixed:
+            inside = finite[(finite >= self._edges[0]) & (finite < self._edges[-1])]
+            # searchsorted on the edges themselves: the same bin numpy.histogram gives, [a, b) everywhere.
+            index = np.searchsorted(self._edges, inside, side="right") - 1
+        else:
+            index = self._running_index(finite, round(float(self._edges[0]) / self._width))
+            index = index[(index >= 0) & (index < self.bins)]
         return np.bincount(index, minlength=self.bins).astype(np.int64)[: self.bins]
+
+    def _running_index(self, finite: np.ndarray, start: int) -> np.ndarray:
+        """The bin of each value on a running range's edges (``(start + i) * width``), outside ones beyond ``0..bins-1``.
+
+        A tenth of searchsorted's cost (the live sampler bins every parameter of a model): with
+        ``width`` a power of two ``x / width`` is exact, so its floor is the ``[a, b)`` bin numpy
+        gives. Except where it rounds to -0.0 (a negative x below ``width * 2**-1075``), which
+        needs a subnormal x and a width above 2: corrected then, at the cost of two more passes.
+        """
+        bins = np.floor(finite / self._width)
+        if self._width > 2.0:
+            bins[(bins == 0) & (finite < 0)] = -1
+        return bins.astype(np.int64) - start
 
     def add(self, values: Any) -> tuple[np.ndarray, int, int]:
         """Grow the edges to fit ``values`` if needed, then add their counts to :attr:`counts`.
@@ -155,4 +172,5 @@ class SteadyBins:
 
 def _finite(values: Any) -> np.ndarray:
     flat = np.asarray(values, dtype=np.float64).reshape(-1)
-    return flat[np.isfinite(flat)]
+    finite = np.isfinite(flat)
+    return flat if finite.all() else flat[finite]  # no copy in the common case

@@ -105,25 +105,29 @@ class RunningStats:
                 x = torch.view_as_real(x).reshape(-1)
             x = x.to(torch.float64)
             n_all = x.numel()
-            nan = torch.isnan(x)
-            inf = torch.isinf(x)
             other = RunningStats(self.bins, self.range, self.keeps_histogram)
             other.count = n_all
-            other.nans = int(nan.sum())
-            other.infs = int(inf.sum())
-            # Boolean indexing copies: skipped in the common all-finite case (the live sampler
-            # summarises activations every step).
-            finite = x[~(nan | inf)] if other.nans or other.infs else x
-            other.zeros = int((x == 0).sum())
+            # One pass per statistic, and none of torch's slow boolean passes when the sum is
+            # finite (then no value is NaN or Inf): the live sampler summarises whole models.
+            finite = x
+            if not math.isfinite(float(x.sum())):
+                nan = torch.isnan(x)
+                inf = torch.isinf(x)
+                other.nans = int(nan.sum())
+                other.infs = int(inf.sum())
+                if other.nans or other.infs:  # boolean indexing copies
+                    finite = x[~(nan | inf)]
+            other.zeros = n_all - int(torch.count_nonzero(x))
             n = finite.numel()
             other.finite = n
             if n:
                 mean = finite.mean()
                 other.mean = float(mean)
-                other._m2 = float(((finite - mean) ** 2).sum())
-                other.min = float(finite.min())
-                other.max = float(finite.max())
-                other._sumsq = float((finite * finite).sum())
+                deviation = finite - mean
+                other._m2 = float(torch.dot(deviation, deviation))
+                low, high = torch.aminmax(finite)
+                other.min, other.max = float(low), float(high)
+                other._sumsq = float(torch.dot(finite, finite))
                 if self.keeps_histogram and self.range is None and self.finite == 0:
                     lo, hi = other.min, other.max
                     if lo == hi:

@@ -55,6 +55,21 @@ def test_each_sample_histogram_matches_numpy_on_the_same_edges() -> None:
         assert bins.histogram(sample).tolist() == np.histogram(sample, bins=bins.edges)[0].tolist()
 
 
+def test_a_running_range_bins_edge_values_tiny_values_and_leaves_out_values_outside_as_numpy() -> None:
+    # The running range bins by floor(x / width), not by searching the edges: values on an edge,
+    # a negative subnormal whose quotient rounds to -0.0 (a width above 2), values outside.
+    bins = SteadyBins(8)
+    bins.fit(-40.0, 40.0)
+    edges = bins.edges
+    assert edges[1] - edges[0] > 2
+    tiny = -np.nextafter(0.0, 1.0)  # -5e-324: tiny / width is -0.0
+    sample = np.array([*edges[:-1], tiny, 0.0, -0.0, np.nextafter(edges[3], -np.inf), edges[0] - 1, edges[-1], 1e9])
+    reference = np.histogram(sample, bins=np.append(edges[:-1], np.nextafter(edges[-1], -np.inf)))[0]  # [a, b) last
+    assert bins.histogram(sample).tolist() == reference.tolist()
+    below_zero = int(np.searchsorted(edges, 0.0)) - 1  # the bin [-width, 0)
+    assert bins.histogram(np.array([tiny])).tolist() == np.eye(8, dtype=int)[below_zero].tolist()
+
+
 def test_a_constant_first_sample_gets_a_usable_range() -> None:
     bins = SteadyBins(8)
     bins.add(np.full(10, 3.0))

@@ -1016,6 +1016,43 @@ def test_a_parameter_kind_keeps_one_sample_per_backward_with_every_parameter() -
         sampler.close()
 
 
+def test_a_parameter_kind_counts_every_backward_that_reaches_the_module_and_samples_every_nth() -> None:
+    # Two backwards of one forward, a backward of the layer alone (no step), one that never
+    # reaches it: the hooks count backwards, not steps, and read .grad at the sampled ones' end.
+    from fwdtrace.live.sampler import Sampler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    sampler = Sampler(model)
+    grads = []  # 0.Linear's weight .grad after each backward reaching it
+
+    def backward(loss: torch.Tensor, **kwargs: bool) -> None:
+        loss.backward(**kwargs)
+        grads.append(model[0].weight.grad.clone())
+
+    try:
+        sampler.arm("0.Linear", "weight_grad", every=3)
+        for i in range(3):
+            model.zero_grad()
+            loss = model(x).pow(2).sum()
+            backward(loss, retain_graph=True)
+            backward(loss)
+            model[1](torch.randn(2, 4)).sum().backward()  # does not reach 0.Linear
+            if i < 2:
+                backward(model[0](x).sum())
+        info = sampler.arm_of("0.Linear", "weight_grad").info()
+        assert (info["calls"], info["taken"]) == (len(grads), 3) == (8, 3)
+        samples = sampler.samples("0.Linear", "weight_grad")
+        assert [s["call"] for s in samples] == [1, 4, 7]
+        for sample, ref in zip(samples, (grads[0], grads[3], grads[6]), strict=True):
+            t = next(t for t in sample["tensors"] if t["role"] == "weight")
+            assert t["mean"] == pytest.approx(float(ref.double().mean()), rel=1e-9, abs=1e-15)
+            assert (t["min"], t["max"]) == (pytest.approx(float(ref.min())), pytest.approx(float(ref.max())))
+    finally:
+        sampler.close()
+
+
 def test_bins_hold_while_the_range_grows_inside_and_are_the_recorders_edges() -> None:
     from fwdtrace.live.sampler import Sampler
     from fwdtrace.recorder import views

@@ -45,6 +45,20 @@ def test_update_in_steps_equals_torch_on_the_concatenation() -> None:
     _assert_matches_torch(s, torch.cat([c.reshape(-1) for c in chunks]))
 
 
+def test_update_with_empty_all_nan_and_all_finite_tensors_equals_torch() -> None:
+    # update() counts NaN and Inf only when the sum is not finite: each path against torch.
+    data = [torch.empty(0), torch.full((3,), float("nan")), torch.tensor([0.0, -2.5, 1e-3, 0.0]),
+            torch.tensor([float("inf"), 2.0, 0.0])]
+    s = RunningStats(bins=4, range=(-3.0, 3.0))
+    for i, chunk in enumerate(data):
+        s.update(chunk)
+        seen = torch.cat(data[: i + 1])
+        if torch.isfinite(seen).any():
+            _assert_matches_torch(s, seen)
+        else:
+            assert (s.count, s.finite, s.nans, s.infs, s.zeros) == (seen.numel(), 0, int(torch.isnan(seen).sum()), 0, 0)
+
+
 def test_merge_of_partial_results_equals_one_pass() -> None:
     chunks = _chunks()
     a, b, whole = RunningStats(8, (-3.0, 3.0)), RunningStats(8, (-3.0, 3.0)), RunningStats(8, (-3.0, 3.0))

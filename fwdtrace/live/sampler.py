@@ -84,11 +84,11 @@ class Series:
 
     def add(self, t: torch.Tensor) -> dict[str, Any]:
         """Add a numeric tensor; its own statistics and histogram."""
+        values = t.detach().reshape(-1).to("cpu", torch.float64)  # once, for the moments and the bins
         sample = RunningStats(histogram=False)
-        sample.update(t)
-        values = t.detach().reshape(-1).to("cpu", torch.float64).numpy()
+        sample.update(values)
         with self.lock:
-            counts, under, over = self.bins.add(values)
+            counts, under, over = self.bins.add(values.numpy())
             edges = self.bins.edges
             self.moments.merge(sample)
         d = sample.to_dict()
@@ -339,27 +339,33 @@ class Sampler:
         return register_grad_hook(module, on_grads, begin=lambda m: self._take(arm),
                                   on_error=lambda e: arm.fail("a gradient hook", e))
 
-    def _at_backward_end(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]], at_end: Any) -> list[Any]:
-        """Hooks on ``parameters`` that run ``at_end()`` once per backward that reaches them, at its end.
+    def _at_backward_end(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]],
+                         at_end: Callable[[int], None]) -> list[Any]:
+        """Hooks on ``parameters`` that count each backward reaching them and run ``at_end(call)`` at the end of a sampled one.
 
         Autograd's queued callback runs when the whole backward is done: every gradient of the
-        module is accumulated, and the optimizer has not stepped yet.
+        module is accumulated, and the optimizer has not stepped yet. The hooks run on every
+        parameter of every backward, so they only compare an id until one starts a backward's
+        count; the callback is queued only for a sampled backward (``every=100``: one in 100).
+        A backward that raises after its sampling was decided keeps its count and loses its sample.
         """
-        queued: list[int | None] = [None]  # the step whose backward has the callback queued
+        counted = [-1]  # the backward (autograd's graph task id) last counted
 
-        def run() -> None:
-            queued[0] = None
-            at_end()
+        def count(graph_task: int) -> None:
+            counted[0] = graph_task
+            call = self._take(arm)
+            if call is not None:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._guard(arm, f"the {arm.kind} hook", lambda: at_end(call)))
 
-        guarded = self._guard(arm, f"the {arm.kind} hook", run)
+        guarded = self._guard(arm, "a parameter hook", count)
 
         def hook(name: str, parameter: torch.Tensor) -> None:
-            # (A backward that raised never ran its callback: a later step queues again.)
-            if queued[0] != self.step and arm.armed:
-                queued[0] = self.step
-                torch.autograd.Variable._execution_engine.queue_callback(guarded)
+            graph_task = torch._C._current_graph_task_id()
+            if graph_task != counted[0]:
+                guarded(graph_task)
 
-        return after_backward(parameters, self._guard(arm, "a parameter hook", hook))
+        return after_backward(parameters, hook)
 
     def _parameter_hook(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]]) -> Any:
         """At the end of each ``every``-th backward, one sample of every parameter's value (or ``.grad``).
@@ -367,10 +373,7 @@ class Sampler:
         One sample a backward, not one per parameter: ``ring`` keeps that many steps and
         ``pending`` that many sampled backwards, however many parameters the module has.
         """
-        def at_end() -> None:
-            call = self._take(arm)
-            if call is None:
-                return
+        def at_end(call: int) -> None:
             values = [(name, parameter_value(p, arm.kind)) for name, p in parameters]
             tensors = [(name, 0, value) for name, value in values if value is not None]
             if tensors:
@@ -389,10 +392,9 @@ class Sampler:
         """
         prefix = arm.key + "/"
 
-        def at_end() -> None:
-            call = self._take(arm)
+        def at_end(call: int) -> None:
             grads = [p.grad for _, p in parameters if p.grad is not None]
-            if call is None or not grads:
+            if not grads:
                 return
             with torch.no_grad():
                 total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
