@@ -10,6 +10,9 @@ STAMP := $(VENV)/.installed
 # --no-compile: pip would byte-compile every module of every package (about 40 s, most of the set-up);
 # Python compiles the ones a run imports, once, as it imports them. The venv's own pip (Python
 # 3.11's, 23.2 or later) installs everything here: upgrading it first cost 10 s.
+# That needs Python to write its bytecode caches: with PYTHONDONTWRITEBYTECODE set (as some images
+# do), each of the suite's ~200 Python processes would compile torch from source again.
+unexport PYTHONDONTWRITEBYTECODE
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
 
 $(STAMP): pyproject.toml
