@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import statistics
 import sys
 import time
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exporters = args.exporter or ["dynamo", "torchscript"]
     warnings.filterwarnings("ignore")
+    # torch's own exporter logs a line per torchvision op when torchvision is absent (export_onnx keeps it quiet)
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     torch.manual_seed(0)
 
     header = (f"{'model':26s} {'exporter':12s} {'trace ms':>9s} {'export ms':>10s} {'torch ms':>9s} {'compare ms':>11s} "
