@@ -467,6 +467,16 @@ _register(
     + _nn("Flatten", "Unflatten", "Identity"),
     optional=True,
 )
+
+
+def _getitem(node: Node) -> RuleResult:
+    # x[mask] selects by a boolean mask: exporters take the mask's indices with a NonZero first
+    return ["NonZero+GatherND", "NonZero+Gather", "NonZero"] if any(r.dtype == "bool" for r in node.inputs[1:]) else None
+
+
+_set_rule("torch.Tensor.__getitem__", _Rule(_getitem, True, frozenset()))  # optional: one NonZero may serve two
+
+
 # New tensors shaped like their input carry none of its values: not an edge from it (the
 # comparison takes them for constants; a random one may stay in the export as *Like ops).
 _register(OVERWRITE_FUNCTIONS, optional=True)
@@ -598,13 +608,29 @@ _register(_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"
 for _name, _op in {
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "erf": "Erf", "abs": "Abs", "reciprocal": "Reciprocal",
     "sin": "Sin", "cos": "Cos", "floor": "Floor", "ceil": "Ceil", "round": "Round", "sign": "Sign",
-    "where": "Where", "masked_fill": "Where", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
+    "masked_fill": "Where", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
     "amin": "ReduceMin", "argmax": "ArgMax", "argmin": "ArgMin", "cumsum": "CumSum",
     "topk": "TopK", "minimum": "Min", "maximum": "Max", "logsumexp": "ReduceLogSumExp", "tan": "Tan",
     "atan": "Atan", "asin": "Asin", "acos": "Acos", "sinh": "Sinh", "cosh": "Cosh",
     "prod": "ReduceProd",
 }.items():
     _register(_functions(_name, f"{_name}_"), _op)
+_register(_functions("where_") + ["torch.Tensor.where"], "Where")
+
+
+@onnx_equivalent("torch.where")
+def _where(node: Node) -> RuleResult:
+    # torch.where(cond) alone is torch.nonzero(cond, as_tuple=True): the indices, not a selection
+    return "NonZero" if len(node.inputs) == 1 and not node.attrs.get("args") else "Where"
+
+
+# a % b: ONNX's Mod, or (the TorchScript exporter on floats) written out as a - floor(a / b) * b
+_register(_functions("remainder", "remainder_", "fmod", "fmod_") + _binary("mod")[2:], "Mod", "Div+Floor+Mul+Sub")
+# torchvision's operators (named by their torch.library namespace: no import of torchvision here),
+# as its ONNX symbolics write them (torchvision/ops/_register_onnx_ops.py)
+_register(["torchvision.nms"], "NonMaxSuppression")
+_register(["torchvision.roi_align"], "RoiAlign")
+_register(["torchvision.roi_pool"], "MaxRoiPool")
 # einsum is ONNX's Einsum, or, recorded below it (to_onnx), the batched matmul it contracts with
 _register(_functions("einsum"), "Einsum", "MatMul")
 # Comparisons and boolean logic (masks): ``a > b`` is traced as ``torch.Tensor.__gt__`` or ``gt``.
