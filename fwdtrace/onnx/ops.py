@@ -28,7 +28,7 @@ from ..registry import qualified_name
 
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS", "QUANTIZED_OPS",
-    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "PAD_FUNCTIONS", "OVERWRITE_FUNCTIONS", "written_through_a_view",
+    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "BATCHED_NMS", "PAD_FUNCTIONS", "OVERWRITE_FUNCTIONS", "written_through_a_view",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -631,6 +631,12 @@ _register(_functions("remainder", "remainder_", "fmod", "fmod_") + _binary("mod"
 _register(["torchvision.nms"], "NonMaxSuppression")
 _register(["torchvision.roi_align"], "RoiAlign")
 _register(["torchvision.roi_pool"], "MaxRoiPool")
+# torchvision's batched_nms loops over the classes in eager mode (over 1000 boxes on CPU) and offsets
+# each class's boxes apart when traced for export: one result, two computations. check_onnx records it
+# as one call (fwdtrace.onnx.compare), compared with the offsets (max + 1, times the class, added) and
+# the NonMaxSuppression the export writes, or (TorchScript: torchvision scripts it) the If that holds them.
+BATCHED_NMS = "torchvision.ops.boxes.batched_nms"
+_register([BATCHED_NMS], "NonMaxSuppression+ReduceMax+Add*2+Mul+Gather", "NonMaxSuppression", "If")
 # einsum is ONNX's Einsum, or, recorded below it (to_onnx), the batched matmul it contracts with
 _register(_functions("einsum"), "Einsum", "MatMul")
 # Comparisons and boolean logic (masks): ``a > b`` is traced as ``torch.Tensor.__gt__`` or ``gt``.
