@@ -329,10 +329,11 @@ class PostProcess(torch.nn.Module):
         keep = torch.where(scores.flatten() > 0.5)[0]  # torch.where of one argument: NonZero
         flat = torch.topk(scores.flatten(), 4).indices
         labels = flat % 3  # integer Mod
+        anchors = torch.div(flat, 3, rounding_mode="floor")  # integers: written out with Mod, Xor, Where...
         phase = scores.remainder(0.3)  # float: TorchScript writes it out as a - floor(a / b) * b
         padded = F.pad(boxes, (0, 1))
         picked = boxes[scores[0] > 0.5]  # a boolean mask: NonZero, then a gather
-        return boxes.flatten()[keep] * 2, labels + 1, phase * 2, padded + 1, picked - 1
+        return boxes.flatten()[keep] * 2, labels + anchors, phase * 2, padded + 1, picked - 1
 
 
 def test_detection_post_processing_ops_match_their_onnx_ops() -> None:
@@ -350,3 +351,4 @@ def test_detection_post_processing_ops_match_their_onnx_ops() -> None:
     assert matched["remainder"] == ["Mod"]
     assert matched["remainder_1"] == ["Div", "Floor", "Mul", "Sub"]
     assert matched["getitem_1"] == ["NonZero"]
+    assert "Mod" in matched["div"] and "Where" in matched["div"]

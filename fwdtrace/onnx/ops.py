@@ -601,7 +601,21 @@ _register(PAD_FUNCTIONS, "Pad", optional=True)
 _register(_binary("add"), "Add", "Sum")
 _register(_binary("sub") + _functions("rsub"), "Sub")
 _register(_binary("mul") + _functions("multiply"), "Mul")
-_register(_binary("div") + _binary("truediv") + _functions("divide"), "Div", "Mul")
+_register(_binary("truediv"), "Div", "Mul")
+# Rounding down: a Floor after the Div on floats; on integers (the TorchScript exporter) a Div put
+# right where the signs differ and a remainder is left (Less, Xor, Mod, Equal, Not, And, Sub, Where).
+_FLOOR_DIVIDE = ("Div+Floor", "Div+Less*2+Xor+Mod+Equal+Not+And+Sub+Where", "Div")
+_register(_binary("floordiv") + _functions("floor_divide", "floor_divide_"), *_FLOOR_DIVIDE)
+
+
+def _div(node: Node) -> RuleResult:
+    return {"floor": _FLOOR_DIVIDE, "trunc": ("Div", "Div+Floor+Ceil+Less+Where")}.get(
+        str(node.attrs.get("rounding_mode")), ("Div", "Mul")
+    )
+
+
+for _target in _binary("div") + _functions("divide"):
+    onnx_equivalent(_target)(_div)
 _register(_binary("pow"), "Pow", "Mul", "Sqrt")
 _register(_functions("neg") + ["torch.Tensor.__neg__"], "Neg")
 _register(_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"), "Concat")
