@@ -180,7 +180,9 @@ class Tracer:
     id when its tensor dies, so CPython's reuse of ``id()`` can never confuse two tensors;
     ``pin=True`` keeps every tensor seen alive until the trace ends (for callbacks that
     want them). Both give the same graph. ``through`` names layer classes (subclasses
-    included) recorded as the calls they make instead of one node, for this trace only.
+    included) recorded as the calls they make instead of one node, for this trace only;
+    ``atomic`` names functions (:class:`~fwdtrace.registry.FunctionTarget`) recorded as one
+    node each, for this trace only (a function registered already keeps its registration).
 
     Only calls made in the thread that entered the tracer are recorded; other threads run
     as if nothing were traced, and may trace at the same time. Leaving puts everything
@@ -189,13 +191,18 @@ class Tracer:
     once per trace with a warning that names their paths.
     """
 
-    def __init__(self, pin: bool = False, *, through: tuple[type, ...] = ()) -> None:
+    def __init__(
+        self, pin: bool = False, *, through: tuple[type, ...] = (), atomic: tuple[_registry.FunctionTarget, ...] = ()
+    ) -> None:
         if not isinstance(through, tuple) or not all(
             isinstance(c, type) and issubclass(c, torch.nn.Module) for c in through
         ):
             raise FwdtraceError(f"Tracer() expected through as a tuple of torch.nn.Module classes, got {through!r}")
+        if not isinstance(atomic, tuple) or not all(isinstance(t, _registry.FunctionTarget) for t in atomic):
+            raise FwdtraceError(f"Tracer() expected atomic as a tuple of FunctionTarget, got {atomic!r}")
         self.pin = pin
         self.through = through
+        self.atomic = atomic
         self.graph = Graph()
         self._handle: Any = None
         self._function_handles: list[Any] = []
@@ -245,7 +252,9 @@ class Tracer:
                 self._entered_from = (entered_from, entered_from.f_lasti)
                 _local.tracer = self
                 self._handle = add_call_handler(self._on_call)
-                self._function_handles = add_function_handlers(self._function_handler)
+                registered = _registry.REGISTRY.functions
+                targets = [*registered.values(), *(t for t in self.atomic if t.path not in registered)]
+                self._function_handles = add_function_handlers(self._function_handler, targets=targets)
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
         except BaseException:

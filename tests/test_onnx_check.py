@@ -320,3 +320,35 @@ def test_an_lstm_encoder_and_lstmcell_decoder_match_and_a_rewired_state_is_caugh
 
 def onnx_op(proto: onnx.ModelProto, name: str) -> str:
     return next(n.op_type for n in proto.graph.node if n.name == name)
+
+
+class PostProcess(torch.nn.Module):
+    """A detector's post-processing in miniature: indices over a threshold, the class of flat top-k indices, padding."""
+
+    def forward(self, scores: torch.Tensor, boxes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        keep = torch.where(scores.flatten() > 0.5)[0]  # torch.where of one argument: NonZero
+        flat = torch.topk(scores.flatten(), 4).indices
+        labels = flat % 3  # integer Mod
+        anchors = torch.div(flat, 3, rounding_mode="floor")  # integers: written out with Mod, Xor, Where...
+        phase = scores.remainder(0.3)  # float: TorchScript writes it out as a - floor(a / b) * b
+        padded = F.pad(boxes, (0, 1))
+        picked = boxes[scores[0] > 0.5]  # a boolean mask: NonZero, then a gather
+        return boxes.flatten()[keep] * 2, labels + anchors, phase * 2, padded + 1, picked - 1
+
+
+def test_detection_post_processing_ops_match_their_onnx_ops() -> None:
+    # TorchScript only: a dynamo export of data-dependent shapes costs ~15 s here (it writes the same ops)
+    torch.manual_seed(0)
+    model, scores, boxes = PostProcess().eval(), torch.rand(2, 5), torch.rand(5, 4)
+    proto = fwdtrace.export_onnx(model, scores, boxes, exporter="torchscript")
+    want = model(scores, boxes)
+    for got, expected in zip(run_ort(proto, scores, boxes), want, strict=True):
+        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)  # the export is right
+    report = fwdtrace.check_onnx(model, scores, boxes, onnx=proto)
+    assert report.ok, report.text
+    matched = {call.split(" = ")[0]: sorted(onnx_op(proto, n) for n in names) for call, names in report.matched}
+    assert matched["where"] == ["NonZero"]
+    assert matched["remainder"] == ["Mod"]
+    assert matched["remainder_1"] == ["Div", "Floor", "Mul", "Sub"]
+    assert matched["getitem_1"] == ["NonZero"]
+    assert "Mod" in matched["div"] and "Where" in matched["div"]

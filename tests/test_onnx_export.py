@@ -434,3 +434,30 @@ def test_the_dynamo_exporters_table_is_built_once_and_each_export_gets_its_own_c
         assert [(n.op_type, list(n.input), list(n.output)) for n in proto.graph.node] == \
             [(n.op_type, list(n.input), list(n.output)) for n in plain.graph.node]
     assert_runs_like_torch(protos[-1], model(x), x)
+
+
+@torch.jit._script_if_tracing
+def _doubled_unless_empty(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:  # scripted when traced: TorchScript writes an If whose branches read x from outside
+        return x
+    return x * 2
+
+
+class DoublesUnlessEmpty(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _doubled_unless_empty(x[x > 0.5] + 1)  # data-dependent size: the If is not folded away
+
+
+def test_onnx_graph_gives_an_if_the_values_its_branches_read() -> None:
+    # torchvision's batched_nms exports this way: the If's only input is its condition
+    x = torch.tensor([0.2, 0.7, 0.9])
+    proto = fwdtrace.export_onnx(DoublesUnlessEmpty(), x, exporter="torchscript")
+    assert_runs_like_torch(proto, DoublesUnlessEmpty()(x), x)
+    (if_node,) = [n for n in proto.graph.node if n.op_type == "If"]
+    add_out = next(n.output[0] for n in proto.graph.node if n.op_type == "Add")
+    assert add_out not in if_node.input  # read only from inside its else-branch
+    og = fwdtrace.onnx_graph(proto)
+    (if_og,) = [n for n in og.nodes if n.target == "onnx.If"]
+    (add_og,) = [n for n in og.nodes if n.target == "onnx.Add"]
+    assert add_og.outputs[0].obj_id in {r.obj_id for r in if_og.inputs}
+    assert if_og.meta["data"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import sys
 import weakref
 from typing import Any
 
@@ -939,3 +940,27 @@ def test_a_tensor_reshaped_in_place_is_read_with_its_new_shape(pin: bool) -> Non
     # the same tensor all along: one obj_id, and each write is the producer of the next read
     assert len({ops[k].outputs[0].obj_id for k in ("mul", "unsqueeze_", "squeeze_")}) == 1
     assert graph.in_edges(ops["add"].id)[0].src == ops["squeeze_"].id
+
+
+def _scaled_sum(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum()
+
+
+class _CallsScaledSum(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled_sum(x) + 1
+
+
+def test_a_tracer_records_functions_named_atomic_as_one_node_for_that_trace_only() -> None:
+    from fwdtrace.registry import REGISTRY, FunctionTarget
+
+    here = sys.modules[__name__]
+    target = FunctionTarget(f"{__name__}._scaled_sum", here, "_scaled_sum", atomic=True)
+    model, x = _CallsScaledSum(), torch.ones(3)
+    with fwdtrace.Tracer(atomic=(target,)) as tracer:
+        y = model(x)
+    assert y.item() == 7.0  # the function still ran
+    assert [n.target for n in tracer.graph.nodes if n.kind == "function"] == [target.path, "torch.Tensor.add"]
+    assert target.path not in REGISTRY.functions and vars(here)["_scaled_sum"] is _scaled_sum  # nothing stays
+    plain = [n.target for n in fwdtrace.trace(model, x).nodes if n.kind == "function"]
+    assert plain == ["torch.Tensor.mul", "torch.Tensor.sum", "torch.Tensor.add"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ from .._files import not_a_regular_file
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..node import Node, TensorRef
-from ..registry import qualified_name
+from ..registry import FunctionTarget, qualified_name
 from .export import EXPORTERS, _export, onnx_graph
 from .ops import (
+    BATCHED_NMS,
     NEW_TENSOR_FUNCTIONS,
     ONNX_WIRING_OPS,
     OVERWRITE_FUNCTIONS,
@@ -1604,7 +1606,13 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
     """
     from ..tracer import Tracer, trace
 
-    graph = trace(model, *args, **kwargs)
+    whole = _whole_functions()
+    if whole:
+        with Tracer(atomic=whole) as tracer:
+            model(*args, **kwargs)
+        graph = tracer.graph
+    else:
+        graph = trace(model, *args, **kwargs)
     path2module = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
     note_classes(type(m) for m in path2module.values())
     opened: dict[type, None] = {}
@@ -1617,10 +1625,24 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
         if not ruleless:
             break
         opened.update(ruleless)
-        with Tracer(through=tuple(opened)) as tracer:  # this trace only: other threads are not affected
+        with Tracer(through=tuple(opened), atomic=whole) as tracer:  # this trace only: other threads are not affected
             model(*args, **kwargs)
         graph = tracer.graph
     return graph, [qualified_name(c) for c in opened]
+
+
+def _whole_functions() -> tuple[FunctionTarget, ...]:
+    """Functions a check records as one call each: those that compute one result by another route when exported.
+
+    Only those of modules the model has imported: a check never imports torchvision.
+    """
+    out = []
+    for path in (BATCHED_NMS,):
+        module, _, name = path.rpartition(".")
+        owner = sys.modules.get(module)
+        if owner is not None and callable(vars(owner).get(name)):
+            out.append(FunctionTarget(path, owner, name, atomic=True, everywhere=True))
+    return tuple(out)
 
 
 def render_side_by_side(

@@ -697,6 +697,24 @@ def _read_only_as_shapes(g: Any) -> dict[int, str]:
     return found
 
 
+def _outer_reads(node: Any) -> list[str]:
+    """The values of the enclosing graph that an If's or a Loop's subgraphs read: its data inputs too.
+
+    The TorchScript exporter puts a scripted function (torchvision's ``batched_nms``) in an If
+    whose only input is its condition; the boxes it works on are read from inside.
+    """
+    reads: list[str] = []
+    for a in node.attribute:
+        for sub in [a.g] if a.HasField("g") else list(a.graphs):
+            made = {v.name for v in sub.input} | {t.name for t in sub.initializer}
+            for inner in sub.node:
+                for name in [*inner.input, *_outer_reads(inner)]:
+                    if name and name not in made and name not in reads:
+                        reads.append(name)
+                made.update(inner.output)
+    return reads
+
+
 def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool = False) -> Graph:
     """An ONNX model as a :class:`~fwdtrace.Graph`: one node per ONNX node, edges by value.
 
@@ -750,7 +768,9 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
         # the node name is made unique and dot-free (input.1 -> input_1): the name to feed is kept apart
         graph.add_node("input", "input", name=vi.name, outputs=[ref(vi.name)], meta={"onnx_name": vi.name})
     for i, node in enumerate(g.node):
-        data = node.op_type not in _SHAPE_OPS and any(n in data_values for n in node.input if n)
+        reads = [n for n in node.input if n]
+        reads += [n for n in _outer_reads(node) if n not in reads]
+        data = node.op_type not in _SHAPE_OPS and any(n in data_values for n in reads)
         if data:
             data_values.update(o for o in node.output if o)
         if prune and not data:
@@ -766,12 +786,12 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
             f"{domain}.{node.op_type}",
             name=node.name or f"{node.op_type}_{i}",
             module_path=scope_path or "",
-            inputs=[ref(n) for n in node.input if n],
+            inputs=[ref(n) for n in reads],
             outputs=[ref(n) for n in node.output if n],
             attrs=attrs,
             scope=scopes,
             meta={"onnx_name": node.name or f"{node.op_type}_{i}", "op_type": node.op_type, "data": data,
-                  "scope": scope_path, "input_names": [n for n in node.input if n], "output_names": [o for o in node.output if o], **meta},
+                  "scope": scope_path, "input_names": reads, "output_names": [o for o in node.output if o], **meta},
         )
     graph.add_node("output", "output", inputs=[ref(o.name) for o in g.output], meta={"names": [o.name for o in g.output]})
     return graph

@@ -28,7 +28,7 @@ from ..registry import qualified_name
 
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS", "QUANTIZED_OPS",
-    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "PAD_FUNCTIONS", "OVERWRITE_FUNCTIONS", "written_through_a_view",
+    "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "BATCHED_NMS", "PAD_FUNCTIONS", "OVERWRITE_FUNCTIONS", "written_through_a_view",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -467,6 +467,16 @@ _register(
     + _nn("Flatten", "Unflatten", "Identity"),
     optional=True,
 )
+
+
+def _getitem(node: Node) -> RuleResult:
+    # x[mask] selects by a boolean mask: exporters take the mask's indices with a NonZero first
+    return ["NonZero+GatherND", "NonZero+Gather", "NonZero"] if any(r.dtype == "bool" for r in node.inputs[1:]) else None
+
+
+_set_rule("torch.Tensor.__getitem__", _Rule(_getitem, True, frozenset()))  # optional: one NonZero may serve two
+
+
 # New tensors shaped like their input carry none of its values: not an edge from it (the
 # comparison takes them for constants; a random one may stay in the export as *Like ops).
 _register(OVERWRITE_FUNCTIONS, optional=True)
@@ -591,20 +601,56 @@ _register(PAD_FUNCTIONS, "Pad", optional=True)
 _register(_binary("add"), "Add", "Sum")
 _register(_binary("sub") + _functions("rsub"), "Sub")
 _register(_binary("mul") + _functions("multiply"), "Mul")
-_register(_binary("div") + _binary("truediv") + _functions("divide"), "Div", "Mul")
+_register(_binary("truediv"), "Div", "Mul")
+# Rounding down: a Floor after the Div on floats; on integers (the TorchScript exporter) a Div put
+# right where the signs differ and a remainder is left (Less, Xor, Mod, Equal, Not, And, Sub, Where).
+_FLOOR_DIVIDE = ("Div+Floor", "Div+Less*2+Xor+Mod+Equal+Not+And+Sub+Where", "Div")
+_register(_binary("floordiv") + _functions("floor_divide", "floor_divide_"), *_FLOOR_DIVIDE)
+
+
+def _div(node: Node) -> RuleResult:
+    return {"floor": _FLOOR_DIVIDE, "trunc": ("Div", "Div+Floor+Ceil+Less+Where")}.get(
+        str(node.attrs.get("rounding_mode")), ("Div", "Mul")
+    )
+
+
+for _target in _binary("div") + _functions("divide"):
+    onnx_equivalent(_target)(_div)
 _register(_binary("pow"), "Pow", "Mul", "Sqrt")
 _register(_functions("neg") + ["torch.Tensor.__neg__"], "Neg")
 _register(_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"), "Concat")
 for _name, _op in {
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "erf": "Erf", "abs": "Abs", "reciprocal": "Reciprocal",
     "sin": "Sin", "cos": "Cos", "floor": "Floor", "ceil": "Ceil", "round": "Round", "sign": "Sign",
-    "where": "Where", "masked_fill": "Where", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
+    "masked_fill": "Where", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
     "amin": "ReduceMin", "argmax": "ArgMax", "argmin": "ArgMin", "cumsum": "CumSum",
     "topk": "TopK", "minimum": "Min", "maximum": "Max", "logsumexp": "ReduceLogSumExp", "tan": "Tan",
     "atan": "Atan", "asin": "Asin", "acos": "Acos", "sinh": "Sinh", "cosh": "Cosh",
     "prod": "ReduceProd",
 }.items():
     _register(_functions(_name, f"{_name}_"), _op)
+_register(_functions("where_") + ["torch.Tensor.where"], "Where")
+
+
+@onnx_equivalent("torch.where")
+def _where(node: Node) -> RuleResult:
+    # torch.where(cond) alone is torch.nonzero(cond, as_tuple=True): the indices, not a selection
+    return "NonZero" if len(node.inputs) == 1 and not node.attrs.get("args") else "Where"
+
+
+# a % b: ONNX's Mod, or (the TorchScript exporter on floats) written out as a - floor(a / b) * b
+_register(_functions("remainder", "remainder_", "fmod", "fmod_") + _binary("mod")[2:], "Mod", "Div+Floor+Mul+Sub")
+# torchvision's operators (named by their torch.library namespace: no import of torchvision here),
+# as its ONNX symbolics write them (torchvision/ops/_register_onnx_ops.py)
+_register(["torchvision.nms"], "NonMaxSuppression")
+_register(["torchvision.roi_align"], "RoiAlign")
+_register(["torchvision.roi_pool"], "MaxRoiPool")
+# torchvision's batched_nms loops over the classes in eager mode (over 1000 boxes on CPU) and offsets
+# each class's boxes apart when traced for export: one result, two computations. check_onnx records it
+# as one call (fwdtrace.onnx.compare), compared with the offsets (max + 1, times the class, added) and
+# the NonMaxSuppression the export writes, or (TorchScript: torchvision scripts it) the If that holds them.
+BATCHED_NMS = "torchvision.ops.boxes.batched_nms"
+_register([BATCHED_NMS], "NonMaxSuppression+ReduceMax+Add*2+Mul+Gather", "NonMaxSuppression", "If")
 # einsum is ONNX's Einsum, or, recorded below it (to_onnx), the batched matmul it contracts with
 _register(_functions("einsum"), "Einsum", "MatMul")
 # Comparisons and boolean logic (masks): ``a > b`` is traced as ``torch.Tensor.__gt__`` or ``gt``.
