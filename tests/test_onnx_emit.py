@@ -35,6 +35,8 @@ def assert_matches(proto: onnx.ModelProto, feeds: dict[str, torch.Tensor], want:
     for name, expected in want.items():
         expected_np = expected.detach().numpy()
         assert got[name].shape == expected_np.shape, name
+        if not expected_np.size:
+            continue
         scale = max(float(np.abs(expected_np).max()), 1e-6)
         assert float(np.abs(got[name] - expected_np).max()) / scale < 1e-4, name
 
@@ -185,6 +187,28 @@ def test_a_0_dim_tensor_index_stays_an_input_of_the_graph() -> None:
     scores, feats = example[0], example[1][0]
     proto = fwdtrace.to_onnx(WriteThroughPicked(), scores, feats)
     assert_matches(proto, {"scores": scores, "feats": feats}, {"output": WriteThroughPicked()(scores, feats)})
+
+
+class KeptBoxes(nn.Module):
+    """A detector's post-processing in small: per image, the boxes whose score passes a threshold, then all
+    images' together (with random weights, the example often keeps none: FCOS at 320 px)."""
+
+    def forward(self, scores: torch.Tensor, boxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = [boxes[i][scores[i] > 0.5] for i in range(scores.shape[0])]
+        confident = [scores[i][scores[i] > 0.99] for i in range(scores.shape[0])]
+        return torch.cat(kept) * 2, torch.cat(confident)
+
+
+def test_sizes_that_depend_on_values_are_not_fixed_to_the_examples() -> None:
+    torch.manual_seed(0)
+    scores, boxes = torch.rand(3, 8) * 0.9, torch.randn(3, 8, 4)
+    model = KeptBoxes()
+    proto = fwdtrace.to_onnx(model, scores, boxes)  # the example keeps no confident score: a cat of empty tensors
+    dims = [[d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in proto.graph.output]
+    assert [len(d) for d in dims] == [2, 1] and all(isinstance(d, str) for d in dims[0][:1] + dims[1])
+    for other in (scores, torch.rand(3, 8), scores + 0.095):  # as many boxes as the example, more, all
+        want = model(other, boxes)
+        assert_matches(proto, {"scores": other, "boxes": boxes}, {"output_0": want[0], "output_1": want[1]})
 
 
 def test_multihead_attention_fast_path_under_no_grad() -> None:
@@ -422,6 +446,16 @@ def test_a_symbolic_that_returns_nothing_is_named(restore_rules) -> None:
     with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) could not emit the recorded graph: the ONNX symbolic '<lambda>' "
                        r"expected to return ONNX values \(op.Add\(...\)\), got None"):
         fwdtrace.to_onnx(Twice(), torch.randn(3))
+
+
+def test_an_op_that_cannot_be_emitted_is_named_with_where_it_ran(restore_rules) -> None:
+    def broken(op, x):
+        raise ValueError("no ONNX for this")
+
+    fwdtrace.onnx_symbolic("fwdtrace_test.twice")(broken)
+    with pytest.raises(FwdtraceError, match=r"^to_onnx\(\) could not emit the recorded graph at fwdtrace_test\.twice "
+                       r"in '0\.0' \(test_onnx_emit\.Twice\): .*no ONNX for this"):
+        fwdtrace.to_onnx(nn.Sequential(nn.Sequential(Twice())), torch.randn(3))
 
 
 class Gate(nn.Module):

@@ -301,7 +301,10 @@ def to_onnx(
     The model runs on the real inputs, so Python control flow follows their values (an
     ``if x.mean() > 0:`` takes the branch the example takes) and the ONNX model holds that
     path only. Shapes are static, those of the example inputs: the model answers other
-    inputs of the same shapes and dtypes. Inputs are named after ``forward``'s parameters
+    inputs of the same shapes and dtypes. Sizes that depend on the values (the boxes a
+    detector keeps, ``x[x > 0]``, NMS) are declared unknown, and the ops on them follow
+    the values; but a size the model computed from them in Python (a ``view``'s shape,
+    ``topk``'s k) stays the example's. Inputs are named after ``forward``'s parameters
     (keyword inputs by their keywords); non-tensor inputs (``use_cache=True``) are fixed
     to their values. Outputs are the tensors of what the model returns, flattened from
     tuples, dicts, dataclasses, ``ModelOutput`` s and caches, named by their paths
@@ -825,8 +828,7 @@ def _check_supported(gm: Any, registry: Any) -> None:
             continue
         if registry.is_registered(target) or target.namespace == "onnx":
             continue
-        stack = list(node.meta.get("nn_module_stack", {}).values())
-        where = "the model's forward" if len(stack) <= 1 else f"'{stack[-1][0]}' ({_class_text(stack[-1][1])})"
+        where = _where(node)
         entry = missing.setdefault(_op_name(target), (target, []))
         if where not in entry[1]:
             entry[1].append(where)
@@ -842,6 +844,12 @@ def _check_supported(gm: Any, registry: Any) -> None:
                   f"def {re.sub(r'[^0-9A-Za-z_]', '_', name)}(op, {', '.join(params)}):",
                   f"    return op.Identity({params[0] if params else ''})  # the ONNX ops that compute {name}"]
     raise FwdtraceError("\n".join(lines))
+
+
+def _where(node: Any) -> str:
+    """The module call an FX node was recorded in: ``'head.conv' (mypkg.Head)``, or the model's forward."""
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    return "the model's forward" if len(stack) <= 1 else f"'{stack[-1][0]}' ({_class_text(stack[-1][1])})"
 
 
 def _class_text(cls: Any) -> str:
@@ -861,6 +869,7 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         if node.op == "get_attr":  # tensors the forward made from Python data: constants, real values
             node.meta["val"] = getattr(gm, node.target)
     _promote_types(gm)
+    _unfix_data_dependent_sizes(gm)
     gm.recompile()
     model = ir.Model(
         graph=ir.Graph([], [], nodes=[], name="main_graph"),
@@ -878,7 +887,8 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         mine = next((c for c in _cause_chain(e) if isinstance(c, FwdtraceError)), None)
         if mine is not None:  # a symbolic's own error, raised inside torch's translator
             raise FwdtraceError(f"to_onnx() could not emit the recorded graph: {mine}") from e
-        raise FwdtraceError(f"to_onnx() could not emit the recorded graph: {_cause_text(e)}") from e
+        raise FwdtraceError(f"to_onnx() could not emit the recorded graph{_failed_node_text(gm, e)}: "
+                            f"{_cause_text(e)}") from e
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_state = len(record.state_names)
@@ -910,6 +920,76 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         _convert_opset(model, opset)
         proto = ir.serde.serialize_model(model)
     return proto
+
+
+def _unfix_data_dependent_sizes(gm: Any) -> None:
+    """Give every value whose size depends on the input's values (boxes kept by a score, NMS) unknown dims.
+
+    The recording saw the example's sizes; declared in the ONNX model, they would be promises
+    that such values keep them: onnxruntime then plans its Reshapes by them and fails where
+    its own arithmetic keeps one box more or less, and torchlib drops from a ``cat`` the
+    inputs that were empty in the example (all of them, in a detector with random weights,
+    where it then has nothing to emit). Each such value and all that is computed from it
+    keep their rank and dtype and get one unknown dim per axis (``u0``, ``u1``, ... as the
+    dynamo exporter names them); sizes the model computed from them in Python (a ``view``'s
+    shape, ``topk``'s k) stay the example's.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    varies: set[Any] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if not (any(a in varies for a in node.all_input_nodes) or _sizes_depend_on_values(node, mode)):
+            continue
+        varies.add(node)
+        val = node.meta.get("val")
+        with mode:
+            if isinstance(val, torch.Tensor):
+                node.meta["val"] = _unknown_sizes(val, shape_env)
+            elif isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in val):
+                node.meta["val"] = type(val)(_unknown_sizes(v, shape_env) for v in val)
+
+
+def _unknown_sizes(val: torch.Tensor, shape_env: Any) -> torch.Tensor:
+    return torch.empty([shape_env.create_unbacked_symint() for _ in val.shape], dtype=val.dtype)
+
+
+def _sizes_depend_on_values(node: Any, mode: Any) -> bool:
+    """Whether the op's output sizes depend on its inputs' values, not only on their sizes.
+
+    ATen says so by a tag (``nonzero``, ``masked_select``, ``unique``; ``index`` only with a
+    mask); another library's op (``torchvision::nms``) by the size its fake kernel gives:
+    one it cannot know (an unbacked symbol).
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.dynamic_output_shape in target.tags:
+        if target.overloadpacket is torch.ops.aten.index:
+            indices = node.args[1] if len(node.args) > 1 else []
+            return any(isinstance(i, torch.fx.Node) and getattr(i.meta.get("val"), "dtype", None) in (torch.bool, torch.uint8)
+                       for i in indices)
+        return True
+    if target.namespace in ("aten", "prims", "fwdtrace", "onnx"):
+        return False
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    def fake(a: Any) -> Any:
+        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype) if isinstance(val, torch.Tensor) else val
+
+    from torch.utils import _pytree as pytree
+
+    try:
+        with mode:
+            out = target(*pytree.tree_map(fake, node.args), **pytree.tree_map(fake, node.kwargs))
+    except Exception:  # no fake kernel: the op is taken to keep the sizes the example gave
+        return False
+    return any(free_unbacked_symbols(t.shape) for t in tensors_of(out))
 
 
 def _promote_types(gm: Any) -> None:
@@ -1033,6 +1113,17 @@ def _convert_opset(model: Any, opset: int) -> None:
         onnxscript.version_converter.convert_version(model, target_version=opset)
     except Exception as e:
         raise FwdtraceError(f"to_onnx() could not convert the model to opset {opset}: {one_line(e)}") from e
+
+
+def _failed_node_text(gm: Any, e: BaseException) -> str:
+    """`` at aten.cat.default in 'head' (mypkg.Head)``: the op torch's translator stopped at and where it ran."""
+    for cause in _cause_chain(e):
+        found = re.search(r"Error when translating node %(\w+)", str(cause))
+        node = next((n for n in gm.graph.nodes if found and n.name == found.group(1)), None)
+        if node is not None:
+            what = _op_name(node.target) if isinstance(node.target, torch._ops.OpOverload) else str(node.target)
+            return f" at {what} in {_where(node)}"
+    return ""
 
 
 def _cause_text(e: BaseException) -> str:

@@ -84,12 +84,19 @@ class _Layout:
     where 4096 were planned); this keeps ``dot``'s own layout and renders from it, as
     ``dot -Tpng`` does. Use it inside :func:`_graphviz_messages` and close it there: a
     layout kept while Graphviz lays out another graph is corrupted (styles lost, then a crash).
+
+    Every layout ranks the whole graph at once (``newrank=true``, which :func:`to_dot` also
+    writes): ``dot``'s default ranks each cluster apart and then merges them, which on
+    pictures of many nested clusters with edges between them takes minutes (timm's
+    ``swinv2_cr_tiny_224`` at depth 6, 728 boxes in 59 clusters: 105 s, and 6 s ranked at
+    once; a side-by-side picture's outer graph, made elsewhere, gets it here).
     """
 
     def __init__(self, source: str) -> None:
         import pygraphviz.graphviz as gv
 
         self._gv, self._agraph = gv, _agraph(source)
+        self._agraph.graph_attr["newrank"] = "true"
         self._context = gv.gvContextWithBuiltins()
         if gv.gvLayout(self._context, self._agraph.handle, b"dot") != 0:
             gv.gvFreeContext(self._context)
@@ -306,6 +313,7 @@ def _tooltip(unit: _Unit, nodes: list[Node]) -> str:
         lines += [f"in: {', '.join((r.param + ' ' if r.param else '') + _shape_text(r.shape) + ' ' + r.dtype for r in n.inputs) or '-'}",
                   f"out: {', '.join(_shape_text(r.shape) + ' ' + r.dtype for r in n.outputs) or '-'}"]
         lines += [f"{k}: {v}" for k, v in sorted(n.attrs.items())]
+        lines += [f"with its input {_node_line(other)}" for other in nodes[1:]]  # constants drawn inside it
         return "\n".join(lines)
     lines = [unit.about] + [_node_line(n) for n in nodes[:_TOOLTIP_LINES]]
     if len(nodes) > _TOOLTIP_LINES:
@@ -361,7 +369,8 @@ class _Picture:
 
 
 def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: bool, fold_loops: bool,
-           fold_side: bool, show_path: bool, open_leaf_layers: bool) -> _Picture:
+           fold_side: bool, show_path: bool, open_leaf_layers: bool, opened: frozenset[Scope] = frozenset()) -> _Picture:
+    """The boxes at ``depth``; the module calls in ``opened`` (at that depth's last level) drawn one level deeper."""
     node2unit: dict[int, _Unit] = {}
     units: dict[str, _Unit] = {}
     loop2key = {id(loop): f"l:{i}" for i, loop in enumerate(folds.loops)}
@@ -394,7 +403,7 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
                 key = f"g:{s.module_path}:{s.call_index}"
                 unit = units.get(key) or units.setdefault(key, _leaf_unit(key, s, n.scope[:i], show_path))
                 break
-            if depth is not None and i == depth - 1:
+            if depth is not None and i >= depth - 1 and s not in opened:
                 key = f"g:{s.module_path}:{s.call_index}"
                 unit = units.get(key) or units.setdefault(
                     key, _Unit(key, n.scope[:i], "group", _scope_label(s), about=f"{_scope_label(s)}, collapsed",
@@ -479,6 +488,33 @@ def _fold_side(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
                      about=f"{kind}: {len(group)} ops off the data path" + (f", feeding {fed}" if fed else ""))
         for i in group:
             node2unit[i] = unit
+    _fold_lone_constants(graph, folds, node2unit)
+
+
+def _fold_lone_constants(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
+    """Draw a side op that reads nothing and feeds one box (an ONNX ``Constant``: an axis, a shape)
+    inside that box, as Netron draws a constant input inside its node.
+
+    An ONNX graph has one per ``Unsqueeze``, ``Slice`` or ``Reshape``: torchvision's RetinaNet
+    exported by TorchScript draws 218 of its 742 boxes at depth 1 for them.
+    """
+    reads = {e.dst for e in graph.edges}
+    consumers: dict[int, set[str]] = {}
+    key2unit: dict[str, _Unit] = {}
+    for e in graph.edges:
+        unit = node2unit[e.dst]
+        consumers.setdefault(e.src, set()).add(unit.key)
+        key2unit[unit.key] = unit
+    for i in folds.side:
+        own = node2unit[i]
+        feeds = consumers.get(i, set())
+        if own.key != f"n:{i}" or i in reads or len(feeds) != 1 or own.key in feeds:
+            continue
+        into = key2unit[next(iter(feeds))]
+        if into.kind == "side" or into.key.startswith("n:") and into.members[0] in folds.side:
+            continue  # a side box of its own: the lone op stays beside it
+        into.members.append(i)
+        node2unit[i] = into
 
 
 # -- fitting the picture ---------------------------------------------------------------------------------
@@ -657,35 +693,51 @@ def to_dot(
     if not isinstance(target_nodes, int) or target_nodes < 1:
         raise FwdtraceError(f"to_dot() expected target_nodes as an integer >= 1, got {target_nodes!r}")
     folds = find_folds(graph)
-    options = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path,
+    options: dict[str, Any] = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path,
                    open_leaf_layers=open_leaf_layers)
-    draw = lambda d, caption, wrap: _dot(graph, _units(graph, folds, d, **options), caption, wrap=wrap,  # noqa: E731
-                                         show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir,
-                                         title=title, name_prefix=name_prefix, cluster_name=cluster_name,
-                                         fills=dict(fills or {}), notes=dict(notes or {}))
-    if depth != "auto":
+    def draw(d: int | None, caption: str | None, wrap: int, opened: frozenset[Scope] = frozenset()) -> Digraph:
+        return _dot(graph, _units(graph, folds, d, **options, opened=opened), caption, wrap=wrap,
+                    show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir, title=title,
+                    name_prefix=name_prefix, cluster_name=cluster_name, fills=dict(fills or {}), notes=dict(notes or {}))
+
+    if not isinstance(depth, str):  # "auto", the one string checked above
         return draw(depth, None, wrap)
     return _auto_depth(graph, folds, options, target_nodes, wrap, draw)
 
 
-def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nodes: int, wrap: int,
-                draw: Callable[[int, str, int], Digraph]) -> Digraph:
+def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_nodes: int, wrap: int,
+                draw: Callable[..., Digraph]) -> Digraph:
     """The picture at the deepest depth with at most ``target_nodes`` boxes that fits ``MAX_PNG`` at
     ``MIN_DPI``, but never shallower than the first depth that shows the model's parts.
 
     That floor is the first depth with at least ``MIN_AUTO_BOXES`` boxes (all there are, if
     fewer), even if it has more than ``target_nodes``: a detector whose top level is one
     wrapper, or whose every deeper picture is too large, would otherwise collapse to one
-    "model" box. Only a target below ``MIN_AUTO_BOXES`` is honoured as asked. At the floor, a
-    picture too large is re-wrapped (wider rows when too tall, narrower when too wide) and
-    drawn at the resolution that fits, below ``MIN_DPI`` if it must.
+    "model" box. Where the floor has more than ``target_nodes`` boxes (a Swin's blocks hold
+    their ops directly: 24 boxes at depth 3, 268 at depth 4), the depth above it is drawn
+    with as many of its module calls opened one level deeper, in execution order, as the
+    target allows (see :func:`_partly_opened`). Only a target below ``MIN_AUTO_BOXES`` is
+    honoured as asked. At the floor, a picture too large is re-wrapped (wider rows when too
+    tall, narrower when too wide) and drawn at the resolution that fits, below ``MIN_DPI``
+    if it must.
     """
     top = _max_depth(graph)
     counts = [len(_units(graph, folds, d, **options).units) for d in range(top + 1)]
+    least = min(MIN_AUTO_BOXES, counts[top])
     if target_nodes < MIN_AUTO_BOXES:  # asked for a small picture: the deepest depth within it
         floor = max((d for d, c in enumerate(counts) if c <= target_nodes), default=0)
     else:
-        floor = next(d for d, c in enumerate(counts) if c >= min(MIN_AUTO_BOXES, counts[top]))
+        floor = next(d for d, c in enumerate(counts) if c >= least)
+    opened: frozenset[Scope] = frozenset()
+    partly = ""
+    if counts[floor] > target_nodes >= least and floor >= 2:
+        opened, count, candidates = _partly_opened(graph, folds, options, floor - 1, target_nodes)
+        if count >= least:
+            partly = f", {len(opened)} of {candidates} module calls opened to depth {floor}"
+            floor -= 1
+            counts[floor] = count
+        else:
+            opened = frozenset()
     max_w, max_h = (px * 72 / MIN_DPI for px in MAX_PNG)  # in points
     pad = 2 * 4  # Graphviz's default pad, 4 points a side, around the layout's bounding box
     fits = lambda w, h: w <= max_w and h <= max_h  # noqa: E731
@@ -697,15 +749,16 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nod
             continue
         level = "full detail" if d == top else f"depth {d} of {top}"
         bound = f"at most {target_nodes}" if counts[d] <= target_nodes else f"at least {MIN_AUTO_BOXES}"
-        caption = f"{level}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
-        dot = draw(d, caption, wrap)
+        mine = opened if d == floor else frozenset()
+        caption = f"{level}{partly if mine else ''}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
+        dot = draw(d, caption, wrap, mine)
         w, h = _measure(dot, final)
         if fits(w, h):
             break
         if d == floor:
             tries = [max(2, wrap // 2), max(2, wrap // 4)] if w > max_w else [wrap * 2, wrap * 4]
             for other in tries if wrap else []:  # the least scaled down of the wrappings
-                rewrapped = draw(d, caption, other)
+                rewrapped = draw(d, caption, other, mine)
                 w2, h2 = _measure(rewrapped, lambda w, h: False)
                 if min(max_w / w2, max_h / h2) > min(max_w / w, max_h / h):
                     dot, w, h = rewrapped, w2, h2
@@ -713,6 +766,32 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, bool], target_nod
     if dpi < DPI:
         dot.attr(dpi=f"{math.floor(dpi * 10) / 10:.1f}")  # rounded down: never a pixel over
     return dot
+
+
+def _partly_opened(graph: Graph, folds: Folds, options: dict[str, Any], depth: int,
+                   target_nodes: int) -> tuple[frozenset[Scope], int, int]:
+    """Which module calls collapsed at ``depth`` to open one level deeper, in execution order, each
+    that keeps the picture within ``target_nodes`` boxes; with the picture's box count and how
+    many calls could have been opened.
+
+    A call opened adds the boxes it holds at ``depth + 1``, less its own; folds that span
+    several calls (side computations) make that an estimate, so the picture is counted and the
+    last call opened is closed again while it is over.
+    """
+    shallow, deep = _units(graph, folds, depth, **options), _units(graph, folds, depth + 1, **options)
+    collapsed = [u for u in shallow.units if u.kind == "group" and u.key.startswith("g:") and len(u.placement) == depth - 1]
+    chosen: list[Scope] = []
+    count = len(shallow.units)
+    for unit in collapsed:
+        grows = len({deep.node2unit[i].key for i in unit.members}) - 1
+        if count + grows <= target_nodes:
+            chosen.append(graph.nodes[unit.members[0]].scope[depth - 1])
+            count += grows
+    while True:
+        count = len(_units(graph, folds, depth, **options, opened=frozenset(chosen)).units)
+        if count <= target_nodes or not chosen:
+            return frozenset(chosen), count, len(collapsed)
+        chosen.pop()
 
 
 def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, show_shapes: bool,
@@ -723,6 +802,8 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
 
     dot = Digraph(name=cluster_name or "fwdtrace", format="svg")
     dot.attr(rankdir=rankdir, fontname="Helvetica", fontsize="11", nodesep="0.25", ranksep="0.35")
+    if not cluster_name:  # a root graph's attribute (see _Layout): what a user's own dot needs to lay it out fast
+        dot.attr(newrank="true")
     label = "\n".join(t for t in (title, caption) if t)
     if label:
         dot.attr(label=label, labelloc="t" if title else "b")
