@@ -496,6 +496,18 @@ def test_rendering_prints_nothing_and_graphviz_speaks_in_fwdtrace_words(tmp_path
         assert b"<svg" in layout_bytes("digraph { a [shape=nonsense] }", "svg")
 
 
+def test_a_png_over_cairos_size_limit_is_a_warning_not_a_line_on_stderr(capfd: pytest.CaptureFixture[str]) -> None:
+    """Graphviz prints "(null): graph is too large for cairo-renderer bitmaps. Scaling by 0.85 to fit" on the
+    process's stderr for a bitmap over its limit (a 400-inch-wide box here): fwdtrace says it once, as a warning."""
+    from fwdtrace.passes.draw import layout_bytes
+
+    with pytest.warns(UserWarning, match=r"^Graphviz: the picture is over cairo's bitmap size limit and was drawn at "
+                                         r"0\.85 of its size; the SVG keeps every detail$"):
+        png = layout_bytes('digraph { a [shape=box, width=400, height=0.3, fixedsize=true, label=""] }', "png")
+    assert png.startswith(b"\x89PNG")
+    assert capfd.readouterr().err == ""
+
+
 def test_leaf_layers_are_one_box_and_the_empty_cache_is_folded() -> None:
     graph = trace_model("gpt2")
     folded, opened = graph.to_dot(None), graph.to_dot(None, open_leaf_layers=True)

@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -129,6 +130,8 @@ _DRAW_FORMAT: contextvars.ContextVar[str | None] = contextvars.ContextVar("fwdtr
 
 
 _STDERR_LOCK = threading.Lock()
+# What Graphviz's cairo renderer prints, with no "Warning:", when a bitmap would exceed its size limit.
+_SCALED = re.compile(r"graph is too large for cairo-renderer bitmaps\. Scaling by ([0-9.]+) to fit")
 
 
 @contextlib.contextmanager
@@ -157,7 +160,8 @@ def _graphviz_messages() -> Iterator[None]:
         lines = caught.read().decode(errors="replace").splitlines()
     messages = [line for line in lines if line.strip() and not line.startswith("Fontconfig ")]
     graphviz_lines = [line for line in messages if line.startswith(("Warning:", "Error:"))]
-    others = [line for line in messages if line not in graphviz_lines]
+    scaled = [m for m in map(_SCALED.search, messages) if m]
+    others = [line for line in messages if line not in graphviz_lines and not _SCALED.search(line)]
     if others and sys.stderr is not None:
         sys.stderr.write("\n".join(others) + "\n")
     if isinstance(failure, FwdtraceError):
@@ -168,6 +172,9 @@ def _graphviz_messages() -> Iterator[None]:
         raise FwdtraceError(f"Graphviz could not lay out the picture: {said}") from failure
     for line in graphviz_lines:
         warnings.warn(f"Graphviz: {line.removeprefix('Warning:').strip()}", UserWarning, stacklevel=3)
+    for m in scaled:
+        warnings.warn(f"Graphviz: the picture is over cairo's bitmap size limit and was drawn at {float(m[1]):.2g} "
+                      "of its size; the SVG keeps every detail", UserWarning, stacklevel=3)
 
 
 def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
