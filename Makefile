@@ -79,8 +79,10 @@ $(REAL_VENV)/.installed: pyproject.toml
 	$(REAL_VENV)/bin/python -m pip install -q --disable-pip-version-check huggingface_hub safetensors pyyaml
 	touch $(REAL_VENV)/.installed
 
+# JOBS=N runs N models at once, each in its own process with one torch thread (memory: a few GiB each).
+JOBS ?= 1
 bench-real: $(REAL_VENV)/.installed
-	$(REAL_VENV)/bin/python benchmarks/conformance_real.py run
+	$(REAL_VENV)/bin/python benchmarks/conformance_real.py run --jobs $(JOBS)
 	$(REAL_VENV)/bin/python benchmarks/conformance_real.py table
 	$(REAL_VENV)/bin/python benchmarks/render_real_models.py
 

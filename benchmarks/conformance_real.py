@@ -2,6 +2,7 @@
 
     python benchmarks/conformance_real.py run [--family torchvision-detection ...] [--start 0 --stop 20]
         [--only NAME ...] [--entry trace --entry to_onnx ...] [--out out/conformance_real.jsonl] [--again]
+        [--jobs N]
     python benchmarks/conformance_real.py table [--out out/conformance_real.jsonl]
 
 The models are ``tests/corpus.py``'s :func:`real_cases` (built from their constructors with
@@ -12,6 +13,10 @@ the pairs already there (``--again`` runs them anew), so a long run can go in ch
 ``table`` writes the Markdown summary beside it (``.md``) and prints it: per family and
 entry point, how many models pass, fail an invariant or raise, then every failing cell
 with its message. Each entry point gets ``--entry-timeout`` seconds (a timeout is a row).
+``--jobs N`` runs each model in a child process of its own, N at a time (one torch thread each): a
+machine with many cores gets through the table in a fraction of the time, and a model whose
+process dies (a crash in a native library, the memory killer) leaves a row saying so instead of
+ending the run.
 
 Needs torchvision and timm beside fwdtrace: ``make bench-real`` sets up ``.venv-real``
 (torch 2.14.1 with torchvision 0.29.1, whose wheel runs on this CPU) and runs it.
@@ -25,6 +30,7 @@ import gc
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -96,6 +102,36 @@ def run_case(case: corpus.Case, entries: list[str], out: Path, timeout: int) -> 
     gc.collect()
 
 
+def run_in_children(cases: list[corpus.Case], entries: list[str], argv: list[str], out: Path, jobs: int) -> None:
+    """Each case by a child process ``run --only NAME`` with the same options, ``jobs`` at a time.
+
+    A child that dies leaves one ``error`` row for the entry point it was on (the first it had not
+    written), so that the table shows it and a resumed run goes on past it.
+    """
+    pending = list(cases)
+    running: dict[subprocess.Popen[bytes], corpus.Case] = {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            case = pending.pop(0)
+            command = [sys.executable, __file__, "run", *argv, *(f"--entry={e}" for e in entries),
+                       "--only", case.name, "--jobs", "1"]
+            running[subprocess.Popen(command)] = case
+        child = next((p for p in running if p.poll() is not None), None)
+        if child is None:
+            time.sleep(0.5)
+            continue
+        case = running.pop(child)
+        if child.returncode != 0:
+            written = {e for m, e in _done(out) if m == case.name}
+            entry = next((e for e in entries if e not in written), entries[0])
+            how = f"signal {-child.returncode}" if child.returncode < 0 else f"exit status {child.returncode}"
+            row = {"model": case.name, "family": case.family, "entry": entry, "status": "error",
+                   "message": f"the process running this model died ({how})", "seconds": 0.0}
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{case.name:50s} {entry:26s} died ({how})", flush=True)
+
+
 def table(path: Path) -> str:
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     with path.open() as f:
@@ -134,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--entry-timeout", type=int, default=600)
     run.add_argument("--again", action="store_true", help="run pairs already in --out again")
     run.add_argument("--out", type=Path, default=OUT)
+    run.add_argument("--jobs", type=int, default=1,
+                     help="models run at once, each in a child process (default 1: in this process)")
     tab = sub.add_parser("table")
     tab.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
@@ -148,10 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.name in args.only or c.name.split("/", 1)[-1] in args.only]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = set() if args.again else _done(args.out)
-    for case in cases[args.start:args.stop]:
+    todo = [c for c in cases[args.start:args.stop]
+            if any((c.name, e) not in done for e in args.entry or corpus.ENTRIES)]
+    if args.jobs > 1:
+        passed = [f"--entry-timeout={args.entry_timeout}", f"--out={args.out}", *(["--again"] if args.again else [])]
+        run_in_children(todo, list(args.entry or corpus.ENTRIES), passed, args.out, args.jobs)
+        return 0
+    for case in todo:
         entries = [e for e in args.entry or corpus.ENTRIES if (case.name, e) not in done]
-        if entries:
-            run_case(case, entries, args.out, args.entry_timeout)
+        run_case(case, entries, args.out, args.entry_timeout)
     return 0
 
 
