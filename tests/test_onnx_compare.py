@@ -1675,3 +1675,27 @@ def test_a_graph_alone_compares_as_check_onnx_does_across_batched_nms(monkeypatc
     assert not any(n.target == "torch.unique" for n in graph.nodes)  # the loop is inside the one call
     counts = lambda r: (r.ok, len(r.missing), len(r.extra), len(r.rewired))  # noqa: E731
     assert counts(compared) == counts(checked) == (True, 0, 0, 0), str(compared)
+
+
+class PicksByClass(torch.nn.Module):
+    """batched_nms's eager loop in small: the classes present, and the places of each class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        classes = torch.unique(idxs)
+        rows = torch.where(idxs == classes[0])[0]
+        return y[rows].relu() + classes.max()
+
+
+def test_to_onnx_of_unique_and_where_agrees_with_the_trace() -> None:
+    # to_onnx writes torch.where(mask)'s index rows as SplitToSequence/SequenceAt (wiring) and unique as Unique
+    model, x, idxs = PicksByClass().eval(), torch.randn(6, 4), torch.tensor([2, 0, 2, 1, 0, 2])
+    proto = fwdtrace.to_onnx(model, x, idxs)
+    assert {"SplitToSequence", "Unique"} <= {n.op_type for n in proto.graph.node}
+    assert_runs_like_torch(proto, model(x, idxs), x, idxs)
+    report = fwdtrace.check_onnx(model, x, idxs, onnx=proto)
+    assert report.ok, str(report)
