@@ -60,6 +60,31 @@ def default_atomic_classes() -> list[type[torch.nn.Module]]:
     return out
 
 
+# Functions every trace records as one call, once their module is imported (never imported here):
+# each takes a route that depends on the values in eager mode and another when exported, for one
+# result. torchvision's batched_nms loops over the classes present (over 1000 boxes on CPU) and
+# offsets each class's boxes apart when exported: traced through, the trace holds the loop, which
+# no export has, and its length is the example's number of classes.
+BATCHED_NMS = "torchvision.ops.boxes.batched_nms"
+WHOLE_FUNCTIONS = (BATCHED_NMS,)
+_WHOLE_TARGETS: dict[str, FunctionTarget] = {}  # kept, so their holders are looked for once per new import
+
+
+def whole_functions() -> tuple[FunctionTarget, ...]:
+    """The :data:`WHOLE_FUNCTIONS` whose module is imported, each as an atomic target patched everywhere."""
+    out = []
+    for path in WHOLE_FUNCTIONS:
+        module, _, name = path.rpartition(".")
+        owner = sys.modules.get(module)
+        if owner is None or not callable(vars(owner).get(name)):
+            continue
+        target = _WHOLE_TARGETS.get(path)
+        if target is None or target.owner is not owner:
+            target = _WHOLE_TARGETS[path] = FunctionTarget(path, owner, name, atomic=True, everywhere=True)
+        out.append(target)
+    return tuple(out)
+
+
 def qualified_name(cls: type) -> str:
     """``torch.nn.Conv2d`` for torch's own layers, ``module.QualName`` otherwise."""
     if getattr(torch.nn, cls.__name__, None) is cls:

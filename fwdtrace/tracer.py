@@ -183,6 +183,9 @@ class Tracer:
     included) recorded as the calls they make instead of one node, for this trace only;
     ``atomic`` names functions (:class:`~fwdtrace.registry.FunctionTarget`) recorded as one
     node each, for this trace only (a function registered already keeps its registration).
+    Functions that compute one result by a route the values decide in eager mode and by
+    another when exported (:data:`fwdtrace.registry.WHOLE_FUNCTIONS`: torchvision's
+    ``batched_nms``) are one node in every trace, so that a graph alone compares with an export.
 
     Only calls made in the thread that entered the tracer are recorded; other threads run
     as if nothing were traced, and may trace at the same time. Leaving puts everything
@@ -253,7 +256,8 @@ class Tracer:
                 _local.tracer = self
                 self._handle = add_call_handler(self._on_call)
                 registered = _registry.REGISTRY.functions
-                targets = [*registered.values(), *(t for t in self.atomic if t.path not in registered)]
+                added = {t.path: t for t in (*_registry.whole_functions(), *self.atomic) if t.path not in registered}
+                targets = [*registered.values(), *added.values()]
                 self._function_handles = add_function_handlers(self._function_handler, targets=targets)
                 self._mode = _Recorder(self)
                 self._mode.__enter__()

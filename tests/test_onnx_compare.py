@@ -1608,3 +1608,94 @@ def test_a_max_on_the_data_path_is_extra(exported_patterns) -> None:
     assert not np.allclose(run_ort(p, *inputs)[0], model(*inputs).detach().numpy(), atol=1e-4)
     report = fwdtrace.compare_onnx(graph, p)
     assert not report.ok and report.missing == [] and report.extra == ["tampered_op"], report.text
+
+
+# torchvision's batched_nms, in miniature (a score threshold stands in for the NMS): in eager mode
+# over a few boxes it loops over the classes present; traced for export it offsets each class's
+# boxes apart in a scripted function, which TorchScript exports as an If. One result, two routes.
+def _batched_keep(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, threshold: float) -> torch.Tensor:
+    if boxes.numel() > 8 and not torch.jit.is_tracing():
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        for class_id in torch.unique(idxs):
+            where = torch.where(idxs == class_id)[0]
+            keep[where[scores[where] > threshold]] = True
+        kept = torch.where(keep)[0]
+        return kept[scores[kept].sort(descending=True)[1]]
+    return _offset_keep(boxes, scores, idxs, threshold)
+
+
+@torch.jit._script_if_tracing
+def _offset_keep(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, threshold: float) -> torch.Tensor:
+    if boxes.numel() == 0:
+        return torch.empty((0,), dtype=torch.int64, device=boxes.device)
+    offsets = idxs.to(boxes) * (boxes.max() + 1)
+    shifted = boxes + offsets[:, None]  # what the NMS would compare: no two classes overlap
+    kept = torch.where((scores > threshold) & (shifted[:, 2] >= shifted[:, 0] - 1e9))[0]
+    return kept[scores[kept].sort(descending=True)[1]]
+
+
+class Detects(torch.nn.Module):
+    """A detector's head and post-processing: boxes and class scores, the confident ones kept by class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.boxes = torch.nn.Linear(6, 4)
+        self.score = torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
+        scores = self.score(x).sigmoid()[:, 0]
+        confident = torch.where(scores > 0.2)[0]  # a data-dependent number of boxes: the If stays
+        boxes, scores, idxs = self.boxes(x)[confident], scores[confident], idxs[confident]
+        from torchvision.ops import boxes as box_ops  # the stand-in below
+
+        return boxes[box_ops.batched_nms(boxes, scores, idxs, 0.4)] * 2
+
+
+def test_a_graph_alone_compares_as_check_onnx_does_across_batched_nms(monkeypatch) -> None:
+    # Every trace records batched_nms as one call, as check_onnx's does: compare_onnx on a graph
+    # traced through it would count the eager loop (unique, where, ...) as missing.
+    import types
+
+    stand_in = types.ModuleType("torchvision.ops.boxes")
+    stand_in.batched_nms = _batched_keep  # type: ignore[attr-defined]
+    for name in ("torchvision", "torchvision.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "torchvision.ops.boxes", stand_in)
+    monkeypatch.setattr(sys.modules["torchvision.ops"], "boxes", stand_in, raising=False)
+    torch.manual_seed(0)
+    model, x, idxs = Detects().eval(), torch.randn(12, 6), torch.arange(12) % 3
+    with torch.no_grad():
+        expected = model(x, idxs)
+        proto = fwdtrace.export_onnx(model, x, idxs, exporter="torchscript")
+        assert_runs_like_torch(proto, expected, x, idxs)
+        graph = fwdtrace.trace(model, x, idxs)
+        compared = fwdtrace.compare_onnx(graph, proto)
+        checked = fwdtrace.check_onnx(model, x, idxs, onnx=proto)
+    assert [n.target for n in graph.nodes if "batched_nms" in n.target] == ["torchvision.ops.boxes.batched_nms"]
+    assert not any(n.target == "torch.unique" for n in graph.nodes)  # the loop is inside the one call
+    counts = lambda r: (r.ok, len(r.missing), len(r.extra), len(r.rewired))  # noqa: E731
+    assert counts(compared) == counts(checked) == (True, 0, 0, 0), str(compared)
+
+
+class PicksByClass(torch.nn.Module):
+    """batched_nms's eager loop in small: the classes present, and the places of each class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        classes = torch.unique(idxs)
+        rows = torch.where(idxs == classes[0])[0]
+        return y[rows].relu() + classes.max()
+
+
+def test_to_onnx_of_unique_and_where_agrees_with_the_trace() -> None:
+    # to_onnx writes torch.where(mask)'s index rows as SplitToSequence/SequenceAt (wiring) and unique as Unique
+    model, x, idxs = PicksByClass().eval(), torch.randn(6, 4), torch.tensor([2, 0, 2, 1, 0, 2])
+    proto = fwdtrace.to_onnx(model, x, idxs)
+    assert {"SplitToSequence", "Unique"} <= {n.op_type for n in proto.graph.node}
+    assert_runs_like_torch(proto, model(x, idxs), x, idxs)
+    report = fwdtrace.check_onnx(model, x, idxs, onnx=proto)
+    assert report.ok, str(report)

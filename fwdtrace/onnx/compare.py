@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,10 +34,9 @@ from .._files import not_a_regular_file
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..node import Node, TensorRef
-from ..registry import FunctionTarget, qualified_name
+from ..registry import qualified_name
 from .export import EXPORTERS, _export, onnx_graph
 from .ops import (
-    BATCHED_NMS,
     NEW_TENSOR_FUNCTIONS,
     ONNX_WIRING_OPS,
     OVERWRITE_FUNCTIONS,
@@ -87,6 +85,8 @@ _CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
 # Calls whose index argument the trace may not keep (``x[:, t]``): without it, no two are alike.
 _INDEXING = frozenset({"torch.Tensor.__getitem__", "torch.Tensor.__setitem__"})
 _RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
+# Ops whose results their branches or bodies compute: their sizes, where stated at all, are not the example's.
+_CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 # Random draws besides dropout and rand*: two on the same input are two draws.
 _SAMPLERS = frozenset({"bernoulli", "multinomial", "normal", "uniform", "exponential", "poisson", "cauchy",
                        "geometric", "log_normal", "rrelu"})
@@ -287,6 +287,14 @@ class _Matcher:
             for r in n.inputs:
                 if r.obj_id in self.producer:
                     self.consumers.setdefault(r.obj_id, []).append(n.id)
+        # The sizes an exporter states for what an If computes, and for what follows, are not the
+        # example's (TorchScript gives torchvision's batched_nms If the empty branch's [0]).
+        self.sized_by_branches: set[int] = set()
+        for n in og.nodes:
+            if self.op_types[n.id] in _CONTROL_FLOW_OPS or any(
+                self.producer.get(r.obj_id, -1) in self.sized_by_branches for r in n.inputs
+            ):
+                self.sized_by_branches.add(n.id)
         self.wiring = {n.id for n in og.nodes if n.kind == "function" and self._is_wiring(n)}
         self.wiring |= self._index_arithmetic() | self._quantization_scaling()
         for oid in self.wiring:
@@ -966,7 +974,7 @@ class _Matcher:
             tvl = list(tv) if isinstance(tv, list) else [tv] * len(ovl)
             if tvl != ovl:
                 return False
-        if tn.outputs and on.outputs:
+        if tn.outputs and on.outputs and oid not in self.sized_by_branches:
             # a write through a view makes the whole tensor viewed
             t_shape, o_shape = self.partial_writes.get(tn.id, tn.outputs[0].shape), on.outputs[0].shape
             # an LSTM fed a PackedSequence returns the packed steps, no padding: as many features
@@ -1606,13 +1614,7 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
     """
     from ..tracer import Tracer, trace
 
-    whole = _whole_functions()
-    if whole:
-        with Tracer(atomic=whole) as tracer:
-            model(*args, **kwargs)
-        graph = tracer.graph
-    else:
-        graph = trace(model, *args, **kwargs)
+    graph = trace(model, *args, **kwargs)
     path2module = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
     note_classes(type(m) for m in path2module.values())
     opened: dict[type, None] = {}
@@ -1625,24 +1627,10 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
         if not ruleless:
             break
         opened.update(ruleless)
-        with Tracer(through=tuple(opened), atomic=whole) as tracer:  # this trace only: other threads are not affected
+        with Tracer(through=tuple(opened)) as tracer:  # this trace only: other threads are not affected
             model(*args, **kwargs)
         graph = tracer.graph
     return graph, [qualified_name(c) for c in opened]
-
-
-def _whole_functions() -> tuple[FunctionTarget, ...]:
-    """Functions a check records as one call each: those that compute one result by another route when exported.
-
-    Only those of modules the model has imported: a check never imports torchvision.
-    """
-    out = []
-    for path in (BATCHED_NMS,):
-        module, _, name = path.rpartition(".")
-        owner = sys.modules.get(module)
-        if owner is not None and callable(vars(owner).get(name)):
-            out.append(FunctionTarget(path, owner, name, atomic=True, everywhere=True))
-    return tuple(out)
 
 
 def render_side_by_side(

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import FwdtraceError, describe
 from ..node import Node
-from ..registry import qualified_name
+from ..registry import BATCHED_NMS, qualified_name
 
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS", "QUANTIZED_OPS",
@@ -40,6 +40,8 @@ RuleResult = str | Sequence[str] | None
 ONNX_WIRING_OPS = frozenset({
     "Identity", "Cast", "CastLike", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
     "Expand", "Dropout", "Slice", "Split", "Tile",
+    # a tensor split into a sequence, one part taken (to_onnx's unbind: torch.where(mask)'s index rows)
+    "SplitToSequence", "SequenceAt",
     # quantization retypes data (float <-> int8 with a scale): onnxruntime's quantize_dynamic, QDQ files
     "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear",
 })
@@ -56,6 +58,7 @@ ARITHMETIC_OPS = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Max", "Min", "Sum", "Where", "Not", "And",
     "Or", "Xor", "Equal", "Less", "Greater", "IsNaN",
 })
+_PICKING_OPS = frozenset({"Gather", "GatherND", "GatherElements"})
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class Pattern:
         if key not in budget or any(budget.get(op, 0) < n for op, n in ops.items()):
             return False
         telling = [op for op in budget if op not in ARITHMETIC_OPS]
+        # indexing tells only a pattern that is all indexing: a lone Gather (x[keep]) is no batched_nms
+        telling = [op for op in telling if op not in _PICKING_OPS] or telling
         return any(ops.get(op) for op in telling) if telling else all(ops.get(op) for op in budget)
 
 
@@ -646,11 +651,13 @@ _register(["torchvision.nms"], "NonMaxSuppression")
 _register(["torchvision.roi_align"], "RoiAlign")
 _register(["torchvision.roi_pool"], "MaxRoiPool")
 # torchvision's batched_nms loops over the classes in eager mode (over 1000 boxes on CPU) and offsets
-# each class's boxes apart when traced for export: one result, two computations. check_onnx records it
-# as one call (fwdtrace.onnx.compare), compared with the offsets (max + 1, times the class, added) and
-# the NonMaxSuppression the export writes, or (TorchScript: torchvision scripts it) the If that holds them.
-BATCHED_NMS = "torchvision.ops.boxes.batched_nms"
+# each class's boxes apart when traced for export: one result, two computations. Every trace records
+# it as one call (fwdtrace.registry.WHOLE_FUNCTIONS), compared with the offsets (max + 1, times the
+# class, added) and the NonMaxSuppression the export writes, or (TorchScript: torchvision scripts it)
+# the If that holds them.
 _register([BATCHED_NMS], "NonMaxSuppression+ReduceMax+Add*2+Mul+Gather", "NonMaxSuppression", "If")
+# the sorted distinct values (batched_nms's classes, in eager mode and to_onnx's record of it)
+_register(_functions("unique"), "Unique")
 # einsum is ONNX's Einsum, or, recorded below it (to_onnx), the batched matmul it contracts with
 _register(_functions("einsum"), "Einsum", "MatMul")
 # Comparisons and boolean logic (masks): ``a > b`` is traced as ``torch.Tensor.__gt__`` or ``gt``.
