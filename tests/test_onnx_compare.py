@@ -1009,6 +1009,41 @@ class BatchImages(torch.nn.Module):
         return self.conv2(torch.relu(self.conv(batched)))
 
 
+class PadsWhenTraced(torch.nn.Module):
+    """torchvision's batch_images as it runs: new_full and copy_ eagerly, F.pad by sizes from shapes when traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:  # img: (C, H, W), at most (3, 8, 8)
+        if torch.jit.is_tracing():
+            c, h, w = img.shape
+            batched = torch.nn.functional.pad(img, (0, 8 - w, 0, 8 - h, 0, 3 - c))[None]
+        else:
+            batched = img.new_full((1, 3, 8, 8), 0.0)
+            batched[0, : img.shape[0], : img.shape[1], : img.shape[2]].copy_(img)
+        return self.conv(batched)
+
+
+class DecodesAgainstRepeatedAnchors(torch.nn.Module):
+    """SSD's box decoding: deltas scaled by anchor sizes repeated per place, a count ONNX cannot infer a rank from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.register_buffer("wh", torch.tensor([[0.5, 0.25]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.conv(torch.nn.functional.interpolate(x, scale_factor=2.0, recompute_scale_factor=True))
+        d = f.flatten(2)[0].t()  # (places, 4)
+        wh = self.wh.repeat(f.shape[-2] * f.shape[-1], 1)  # the export's Expand has a shape of unknown length
+        w, h = wh[:, 0], wh[:, 1]
+        cx, cy = d[:, 0] / 10 * w, d[:, 1] / 10 * h
+        pw, ph = torch.exp(d[:, 2] / 5) * w, torch.exp(d[:, 3] / 5) * h
+        return torch.stack([cx - 0.5 * pw, cy - 0.5 * ph, cx + 0.5 * pw, cy + 0.5 * ph], 1)
+
+
 class WritesThroughViews(torch.nn.Module):
     """Writes the dynamo exporter turns into ScatterND: zero_ through a view, x[i] = v, a getitem then a write."""
 
@@ -1384,6 +1419,45 @@ def test_a_conv_reading_the_empty_buffer_is_caught(exported_patterns, exporter: 
     report = fwdtrace.compare_onnx(graph, p)
     # the copy left dangling (TorchScript's is pruned), or the Conv with no path from it
     assert not report.ok and {"copy = torch.Tensor.copy_", "conv (Conv2d)"} & set(report.missing)
+
+
+@pytest.mark.parametrize("size", [(3, 8, 8), (3, 6, 5)])
+def test_a_copy_into_a_new_buffer_is_the_pad_it_exports_as(size: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    model, img = PadsWhenTraced().eval(), torch.randn(*size)
+    proto = export(model, img, exporter="torchscript")
+    assert [n.op_type for n in proto.graph.node if n.op_type in ("Pad", "ScatterND")] == ["Pad"]
+    assert_runs_like_torch(proto, model(img), img)
+    report = fwdtrace.check_onnx(model, img, onnx=proto)
+    assert report.ok, report.text
+    assert report.matched[0] == ("copy = torch.Tensor.copy_", ("/Pad",))
+    if size == (3, 8, 8):
+        return  # the copy fills the whole buffer: the Pad's amounts are all zero, and no Pad is wiring too
+    # padded in part, the Pad is needed: an export without it computes something else and is caught
+    tampered = _bypass(proto, "Pad")
+    assert run_ort(tampered, img)[0].shape != model(img).shape
+    report = fwdtrace.check_onnx(model, img, onnx=tampered)
+    assert not report.ok and report.missing == ["copy = torch.Tensor.copy_"], report.text
+
+
+@pytest.mark.filterwarnings("ignore:the torchscript exporter traced the model with values read")  # interpolate's sizes
+def test_values_of_unknown_rank_are_no_scalars() -> None:
+    torch.manual_seed(0)
+    model, x = DecodesAgainstRepeatedAnchors().eval(), torch.randn(1, 3, 4, 5)
+    proto = export(model, x, exporter="torchscript")
+    assert_runs_like_torch(proto, model(x), x)
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.ok, report.text
+    # the pattern's point: neither the export nor ONNX inference states the rank of the decoded values
+    mul = next(n for n in fwdtrace.onnx_graph(proto).nodes if n.meta.get("op_type") == "Mul" and n.meta.get("unknown_rank"))
+    assert mul.outputs[0].shape == ()
+    assert Counter(t.split(" = ")[1] for t, _ in report.matched if " = " in t)["torch.Tensor.mul"] == 6
+    # still checked: a dropped Exp is missing, not hidden behind the unknown sizes
+    tampered = _bypass(proto, "Exp")
+    assert _differs(tampered, model, (x,))
+    report = fwdtrace.check_onnx(model, x, onnx=tampered)
+    # (which of the two alike Exps is named missing is the matcher's guess; that one is, is not)
+    assert not report.ok and [m.split(" = ")[1] for m in report.missing] == ["torch.exp"], report.text
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)

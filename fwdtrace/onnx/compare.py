@@ -37,6 +37,8 @@ from ..node import Node, TensorRef
 from ..registry import qualified_name
 from .export import EXPORTERS, _export, onnx_graph
 from .ops import (
+    COPY_FUNCTIONS,
+    FILL_FUNCTIONS,
     NEW_TENSOR_FUNCTIONS,
     ONNX_WIRING_OPS,
     OVERWRITE_FUNCTIONS,
@@ -45,6 +47,7 @@ from .ops import (
     SHAPE_ONLY_AFTER_FIRST,
     Equivalence,
     canonical_target,
+    copied_into_a_fill,
     equivalence_for,
     note_classes,
     rule_target,
@@ -319,6 +322,11 @@ class _Matcher:
             dict(model.named_modules()) if isinstance(model, torch.nn.Module) else None
         )
         self.also_written, self.partial_writes = self._writes_through_views()
+        self.made_by: dict[int, int] = {}  # trace obj_id -> the node that first returned it
+        for n in trace.nodes:
+            for r in n.outputs:
+                self.made_by.setdefault(r.obj_id, n.id)
+        self.fill_copies: set[int] = set()  # copies into a tensor still holding one value: pads
         self.trace_succ: dict[int, list[int]] = {}
         for e in trace.edges:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
@@ -426,6 +434,8 @@ class _Matcher:
                 tdata.difference_update(r.obj_id for r in tn.outputs)  # what it wrote in place is constant now
                 tdata.difference_update(self.also_written.get(tn.id, ()))
                 continue
+            if self._copies_into_a_fill(tn, tdata):  # before the write makes its buffer data
+                self.fill_copies.add(tn.id)
             tdata.update(r.obj_id for r in tn.outputs)
             reqs = list(dict.fromkeys(self.tensor_groups[r.obj_id] for r in data_in if r.obj_id in self.tensor_groups))
             self.reqs[tn.id] = reqs
@@ -574,6 +584,20 @@ class _Matcher:
             target in OVERWRITE_FUNCTIONS and len(tn.inputs) == 1 and tn.id not in self.partial_writes
         )
 
+    def _copies_into_a_fill(self, tn: Node, tdata: set[int]) -> bool:
+        """Whether ``tn`` copies data into (a view of) a new tensor that holds one value yet: a constant pad.
+
+        ``img.new_full(size, 0)[0, :c, :h, :w].copy_(img)`` is ``F.pad(img, ...)`` written
+        out, as torchvision's ``batch_images`` does eagerly and pads when traced.
+        """
+        if canonical_target(tn.target) not in COPY_FUNCTIONS or not tn.inputs or tn.inputs[0].obj_id in tdata:
+            return False
+        written = [tn.inputs[0].obj_id, *self.also_written.get(tn.id, ())]
+        return any(
+            (maker := self.made_by.get(obj)) is not None and canonical_target(self.tnodes[maker].target) in FILL_FUNCTIONS
+            for obj in written
+        )
+
     def _writes_through_views(self) -> tuple[dict[int, list[int]], dict[int, tuple[int, ...]]]:
         """Tensors that in-place calls wrote besides the ones they returned, and the calls that wrote part of one.
 
@@ -628,7 +652,9 @@ class _Matcher:
 
     def _match(self, tn: Node, reqs: list[frozenset[int]], data_in: list[TensorRef]) -> None:
         eq = equivalence_for(tn)
-        if tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
+        if tn.id in self.fill_copies:  # a pad written out: a Pad, or the write put back
+            eq = copied_into_a_fill(eq, len(self.partial_writes[tn.id]) if tn.id in self.partial_writes else None)
+        elif tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
             eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
         call_key = self._call_key(tn)
         earlier = self._earlier_call(tn, call_key)
@@ -677,7 +703,8 @@ class _Matcher:
                 self.elided.append((tn.id, f"would fold into {_trace_label(self.tnodes[missing_feeder])}, missing"))
                 tn_out = passthrough
             elif eq.optional:
-                self.elided.append((tn.id, "wiring" if not eq.patterns else "removed by the exporter"))
+                wiring = not eq.patterns or tn.id in self.fill_copies  # a copy filling all of the buffer
+                self.elided.append((tn.id, "wiring" if wiring else "removed by the exporter"))
                 tn_out = passthrough
             else:
                 self._add_missing(tn)
@@ -974,7 +1001,7 @@ class _Matcher:
             tvl = list(tv) if isinstance(tv, list) else [tv] * len(ovl)
             if tvl != ovl:
                 return False
-        if tn.outputs and on.outputs and oid not in self.sized_by_branches:
+        if tn.outputs and on.outputs and oid not in self.sized_by_branches and 0 not in on.meta.get("unknown_rank", ()):
             # a write through a view makes the whole tensor viewed
             t_shape, o_shape = self.partial_writes.get(tn.id, tn.outputs[0].shape), on.outputs[0].shape
             # an LSTM fed a PackedSequence returns the packed steps, no padding: as many features

@@ -729,7 +729,9 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
     (``TensorRef.param`` is their name). ``module_path`` is the module scope the exporter
     recorded, if any. ``meta`` holds ``onnx_name``, ``op_type`` and ``data`` (False for
     constants and shape arithmetic, which ``prune=True`` leaves out) and ``shape_only``
-    (why, for an op fed by data whose results are read only as shapes). Shapes come from ONNX
+    (why, for an op fed by data whose results are read only as shapes) and ``unknown_rank``
+    (the indices of outputs whose rank neither the model nor inference states: their shape
+    reads ``()``, which is no scalar). Shapes come from ONNX
     shape inference; unknown dimensions are -1. A file with external data is read without
     the weights' bytes (only the few small tensors shape inference reads).
     """
@@ -743,13 +745,19 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
         raise FwdtraceError(f"onnx_graph() expected an onnx.ModelProto or a path to a .onnx file, got {describe(proto)}")
     g = proto.graph
     info: dict[str, tuple[tuple[int, ...], str]] = {}
+    ranked: set[str] = set()  # values whose rank is known: the others read () and are not scalars
     for vi in [*g.input, *g.value_info, *g.output, *_inferred_value_info(proto)]:
         t = vi.type.tensor_type
+        if vi.name in ranked and not t.HasField("shape"):
+            continue  # what inference could not follow does not hide what the model states
         dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
         info[vi.name] = (dims, _dtype_name(t.elem_type))
+        if t.HasField("shape"):
+            ranked.add(vi.name)
     initializers = {init.name: init for init in g.initializer}
     for name, init in initializers.items():
         info[name] = (tuple(init.dims), _dtype_name(init.data_type))
+        ranked.add(name)
 
     name2id: dict[str, int] = {}
 
@@ -778,6 +786,8 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
         meta: dict[str, Any] = {}
         if data and node.output and i in shape_only:
             meta["shape_only"] = f"shape arithmetic: its result is read only as a shape, by {shape_only[i]}"
+        if unranked := [j for j, o in enumerate(o for o in node.output if o) if o not in ranked]:
+            meta["unknown_rank"] = unranked
         scope_path, scopes = onnx_scope(node)
         domain = node.domain if node.domain not in ("", "ai.onnx") else "onnx"
         attrs = {a.name: v for a in node.attribute if (v := _attr_value(a)) is not None}

@@ -29,6 +29,7 @@ from ..registry import BATCHED_NMS, qualified_name
 __all__ = [
     "onnx_equivalent", "Equivalence", "Pattern", "equivalence_for", "canonical_target", "ONNX_WIRING_OPS", "QUANTIZED_OPS",
     "NEW_TENSOR_FUNCTIONS", "SHAPE_ONLY_AFTER_FIRST", "BATCHED_NMS", "PAD_FUNCTIONS", "OVERWRITE_FUNCTIONS", "written_through_a_view",
+    "FILL_FUNCTIONS", "COPY_FUNCTIONS", "copied_into_a_fill",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -703,6 +704,33 @@ def written_through_a_view(eq: Equivalence | None, dims: int) -> Equivalence:
         folds_into=eq.folds_into if eq is not None else frozenset(),
         source=eq.source if eq is not None else "",
     )
+
+
+# New tensors holding one value everywhere, and the call that copies into them.
+FILL_FUNCTIONS = frozenset(_functions("zeros", "ones", "full", "zeros_like", "ones_like", "full_like",
+                                      "new_zeros", "new_ones", "new_full"))
+COPY_FUNCTIONS = frozenset(_functions("copy_"))
+
+
+def copied_into_a_fill(eq: Equivalence | None, dims: int | None) -> Equivalence:
+    """What a copy into (a view of) a tensor filled with one value may become: a constant Pad of what is copied.
+
+    >>> [p.text for p in copied_into_a_fill(None, None).patterns], copied_into_a_fill(None, None).optional
+    (['Pad'], True)
+
+    ``buf = img.new_full(size, 0); buf[0, :c, :h, :w].copy_(img)`` computes a zero pad of
+    ``img``, and torchvision's detectors export it as one when traced (``F.pad`` by sizes
+    computed from shapes). ``dims`` is how many dimensions the write indexes when it fills
+    part of the buffer: the Pad, or the write put back (:func:`written_through_a_view`). A
+    copy that fills all of it is wiring, or a Pad by amounts the export computes (all zero).
+    """
+    pad = Pattern.parse("Pad")
+    if dims is None:
+        return Equivalence((pad,), optional=True, source=eq.source if eq is not None else "")
+    back = written_through_a_view(eq, dims)
+    return Equivalence((pad, *back.patterns), folds_into=back.folds_into, source=back.source)
+
+
 _register(_functions("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"),
           "ScatterElements", "ScatterND")
 _register(_functions("index_add", "index_add_", "index_copy", "index_copy_", "masked_scatter"),
