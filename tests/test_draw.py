@@ -659,3 +659,19 @@ def test_a_constant_feeding_one_op_is_drawn_inside_its_box() -> None:
     assert tooltips["add"].endswith("with its input (root): ones (- → 1)")
     assert "tensor" in tooltips  # a dead end feeds no box
     assert len(dot_labels(graph.to_dot(None, fold_side=False))) == len(graph.nodes)  # fold_side=False draws each
+
+
+def test_side_by_side_draws_each_side_at_its_automatic_depth(tmp_path: Path) -> None:
+    # Full detail on both sides took Graphviz over 300 s on timm's swinv2_cr_tiny_224: each side is
+    # drawn at the depth render() would choose for it alone, an explicit depth at that depth.
+    model, x = Wrapped(6).eval(), torch.randn(1, 4)
+    graph = fwdtrace.trace(model, x)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    og = fwdtrace.onnx_graph(proto, prune=True)
+    captions = [re.search(r'label="([^"]*\(auto, [^"]*)"', g.to_dot().source) for g in (graph, og)]
+    assert all(captions)
+    svg = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "auto.svg")).read_text()
+    for caption in captions:
+        assert f">{caption[1]}</text>" in svg  # type: ignore[index]
+    explicit = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "one.svg", depth=1)).read_text()
+    assert "(auto," not in explicit and "model (Detector)" in explicit
