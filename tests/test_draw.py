@@ -675,3 +675,33 @@ def test_side_by_side_draws_each_side_at_its_automatic_depth(tmp_path: Path) -> 
         assert f">{caption[1]}</text>" in svg  # type: ignore[index]
     explicit = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "one.svg", depth=1)).read_text()
     assert "(auto," not in explicit and "model (Detector)" in explicit
+
+
+class Branches(nn.Module):
+    """A layer, then 30 short branches of plain ops: in an ONNX file they sit outside every module scope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(30, 30)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        first = [torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.neg, torch.abs]
+        last = [torch.exp, torch.relu, torch.square, torch.sqrt, torch.log1p]  # no run of equal branches: no loop
+        return torch.stack([last[k // 6](first[k % 6](h[:, k]) * (k + 1)) for k in range(30)])
+
+
+def test_ops_outside_every_module_are_drawn_as_chains_when_no_depth_fits(tmp_path: Path) -> None:
+    # An ONNX file's post-processing is hundreds of ops no depth collapses (torchvision's RetinaNet by
+    # to_onnx: 270 boxes at the first depth of 30 or more). Each chain of single ops becomes one box.
+    model, x = Branches().eval(), torch.randn(2, 30)
+    og = fwdtrace.onnx_graph(fwdtrace.export_onnx(model, x, exporter="torchscript"))
+    target = 60
+    first = len(dot_labels(og.to_dot(1)))  # the first depth of 30 boxes or more, and the last
+    assert first > target
+    dot = og.to_dot(target_nodes=target)
+    boxes = assert_nothing_lost(og, dot)
+    assert 30 <= boxes <= target and f"chains of single ops drawn as one box: {boxes} boxes" in dot.source
+    chains = [label for label in dot_labels(dot) if " → " in label]
+    assert len(chains) == 30 and all(label.endswith(" ops") for label in chains), chains[:3]
+    png_size(render_digraph(dot, tmp_path / "g.png"))
