@@ -705,3 +705,18 @@ def test_ops_outside_every_module_are_drawn_as_chains_when_no_depth_fits(tmp_pat
     chains = [label for label in dot_labels(dot) if " → " in label]
     assert len(chains) == 30 and all(label.endswith(" ops") for label in chains), chains[:3]
     png_size(render_digraph(dot, tmp_path / "g.png"))
+
+
+def test_a_large_layout_bounds_its_network_simplex_passes() -> None:
+    # timm's swinv2_cr_tiny_224 side by side at full detail (1335 boxes): 18 s of a 20 s layout
+    # were network simplex; bounded, 4 s and a picture of the same size. Small pictures stay exact.
+    from fwdtrace.passes.draw import LARGE_LAYOUT, NSLIMIT, layout_bytes
+
+    def limits(boxes: int, own: str = "") -> dict[str, str]:
+        edges = " ".join(f"n{i} -> n{i + 1};" for i in range(0, boxes - 1, 2))
+        laid = layout_bytes(f"digraph {{ {own} {' '.join(f'n{i};' for i in range(boxes))} {edges} }}", "dot").decode()
+        return dict(re.findall(r"\b(nslimit1?)=(\w+)", laid.split("];", 1)[0]))  # the graph's attributes
+
+    assert limits(LARGE_LAYOUT + 1) == {"nslimit": str(NSLIMIT), "nslimit1": str(NSLIMIT)}
+    assert limits(LARGE_LAYOUT) == {}
+    assert limits(LARGE_LAYOUT + 1, "nslimit=7;") == {"nslimit": "7", "nslimit1": str(NSLIMIT)}  # a user's own stands
