@@ -857,7 +857,9 @@ def _side_by_side(exporter: str) -> Callable[[Run], None]:
         titles = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}title")]
         assert any(t.startswith("t_") for t in titles) and any(t.startswith("o_") for t in titles)
         # The ONNX side draws its data path: the ops matched to the trace's layers are not folded away as
-        # side computations (what the side-by-side draws for the ONNX side is the pruned graph at full depth).
+        # side computations. The side-by-side draws the pruned graph at its automatic depth; checked at full
+        # depth, which bounds it: a shallower depth only collapses side ops into module boxes, so every op
+        # in a side box at that depth is in one at full depth too.
         og = fwdtrace.onnx_graph(path, prune=True)
         side = side_boxes(og.to_dot(None))
         name2id = {str(n.meta.get("onnx_name", n.name)): n.id for n in og.nodes}

@@ -659,3 +659,64 @@ def test_a_constant_feeding_one_op_is_drawn_inside_its_box() -> None:
     assert tooltips["add"].endswith("with its input (root): ones (- → 1)")
     assert "tensor" in tooltips  # a dead end feeds no box
     assert len(dot_labels(graph.to_dot(None, fold_side=False))) == len(graph.nodes)  # fold_side=False draws each
+
+
+def test_side_by_side_draws_each_side_at_its_automatic_depth(tmp_path: Path) -> None:
+    # Full detail on both sides took Graphviz over 300 s on timm's swinv2_cr_tiny_224: each side is
+    # drawn at the depth render() would choose for it alone, an explicit depth at that depth.
+    model, x = Wrapped(6).eval(), torch.randn(1, 4)
+    graph = fwdtrace.trace(model, x)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    og = fwdtrace.onnx_graph(proto, prune=True)
+    captions = [re.search(r'label="([^"]*\(auto, [^"]*)"', g.to_dot().source) for g in (graph, og)]
+    assert all(captions)
+    svg = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "auto.svg")).read_text()
+    for caption in captions:
+        assert f">{caption[1]}</text>" in svg  # type: ignore[index]
+    explicit = Path(fwdtrace.render_side_by_side(graph, proto, tmp_path / "one.svg", depth=1)).read_text()
+    assert "(auto," not in explicit and "model (Detector)" in explicit
+
+
+class Branches(nn.Module):
+    """A layer, then 30 short branches of plain ops: in an ONNX file they sit outside every module scope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(30, 30)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        first = [torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.neg, torch.abs]
+        last = [torch.exp, torch.relu, torch.square, torch.sqrt, torch.log1p]  # no run of equal branches: no loop
+        return torch.stack([last[k // 6](first[k % 6](h[:, k]) * (k + 1)) for k in range(30)])
+
+
+def test_ops_outside_every_module_are_drawn_as_chains_when_no_depth_fits(tmp_path: Path) -> None:
+    # An ONNX file's post-processing is hundreds of ops no depth collapses (torchvision's RetinaNet by
+    # to_onnx: 270 boxes at the first depth of 30 or more). Each chain of single ops becomes one box.
+    model, x = Branches().eval(), torch.randn(2, 30)
+    og = fwdtrace.onnx_graph(fwdtrace.export_onnx(model, x, exporter="torchscript"))
+    target = 60
+    first = len(dot_labels(og.to_dot(1)))  # the first depth of 30 boxes or more, and the last
+    assert first > target
+    dot = og.to_dot(target_nodes=target)
+    boxes = assert_nothing_lost(og, dot)
+    assert 30 <= boxes <= target and f"chains of single ops drawn as one box: {boxes} boxes" in dot.source
+    chains = [label for label in dot_labels(dot) if " → " in label]
+    assert len(chains) == 30 and all(label.endswith(" ops") for label in chains), chains[:3]
+    png_size(render_digraph(dot, tmp_path / "g.png"))
+
+
+def test_a_large_layout_bounds_its_network_simplex_passes() -> None:
+    # timm's swinv2_cr_tiny_224 side by side at full detail (1335 boxes): 18 s of a 20 s layout
+    # were network simplex; bounded, 4 s and a picture of the same size. Small pictures stay exact.
+    from fwdtrace.passes.draw import LARGE_LAYOUT, NSLIMIT, layout_bytes
+
+    def limits(boxes: int, own: str = "") -> dict[str, str]:
+        edges = " ".join(f"n{i} -> n{i + 1};" for i in range(0, boxes - 1, 2))
+        laid = layout_bytes(f"digraph {{ {own} {' '.join(f'n{i};' for i in range(boxes))} {edges} }}", "dot").decode()
+        return dict(re.findall(r"\b(nslimit1?)=(\w+)", laid.split("];", 1)[0]))  # the graph's attributes
+
+    assert limits(LARGE_LAYOUT + 1) == {"nslimit": str(NSLIMIT), "nslimit1": str(NSLIMIT)}
+    assert limits(LARGE_LAYOUT) == {}
+    assert limits(LARGE_LAYOUT + 1, "nslimit=7;") == {"nslimit": "7", "nslimit1": str(NSLIMIT)}  # a user's own stands

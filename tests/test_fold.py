@@ -6,6 +6,7 @@ data path, the results it never uses, the loops it runs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,3 +157,75 @@ def test_different_blocks_and_short_repeats_are_not_loops() -> None:
             return q @ k.transpose(-1, -2) @ v
 
     assert find_folds(fwdtrace.trace(Heads(), torch.ones(2, 6, 8))).loops == []
+
+
+def test_onnx_shape_arithmetic_is_a_side_computation() -> None:
+    # A reshape to a shape computed from the input's (Shape, Gather, Unsqueeze, Concat), as exporters
+    # write it for dynamic sizes. The trace of the model has no node for it (a shape is a Python int
+    # there); the ONNX picture drew it on the data path, hundreds of boxes in a detector's post-processing.
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    int64 = lambda name, values: helper.make_tensor(name, TensorProto.INT64, [len(values)], values)  # noqa: E731
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="/lin/MatMul"),
+             helper.make_node("Shape", ["x"], ["s"], name="/Shape"),
+             helper.make_node("Gather", ["s", "zero"], ["n"], name="/Gather", axis=0),
+             helper.make_node("Concat", ["n", "rest"], ["shape"], name="/Concat", axis=0),
+             helper.make_node("Reshape", ["y", "shape"], ["out"], name="/Reshape")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 6])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 2, 3])],
+                              initializer=[numpy_helper.from_array(np.ones((6, 6), np.float32), "w"),
+                                           int64("zero", [0]), int64("rest", [2, 3])])
+    og = fwdtrace.onnx_graph(onnx.helper.make_model(graph))
+    side = find_folds(og).side
+    op2id = {str(n.meta["op_type"]): n.id for n in og.nodes if n.kind == "function"}
+    assert {op2id["Shape"], op2id["Gather"], op2id["Concat"]} <= set(side)
+    assert {op2id["MatMul"], op2id["Reshape"]}.isdisjoint(side)
+
+
+def test_a_run_of_constants_is_no_loop_and_hides_no_module_call() -> None:
+    # An ONNX file's axes and shapes are Constant nodes; a run of them, with the module calls between
+    # them taken for odd iterations, was a "loop of Constant" holding a RetinaNet's backbone and head.
+    import onnx
+    from onnx import TensorProto, helper
+
+    const = lambda name: helper.make_node("Constant", [], [name], name=f"/{name}",  # noqa: E731
+                                          value=helper.make_tensor(name, TensorProto.FLOAT, [1], [1.0]))
+    nodes = [const(f"k{i}") for i in range(3)]
+    nodes += [helper.make_node("Relu", ["x"], ["b1"], name="/backbone/stem/Relu"),
+              helper.make_node("Relu", ["b1"], ["b2"], name="/backbone/body/Relu")]
+    nodes += [const(f"k{i}") for i in range(3, 6)]
+    nodes += [helper.make_node("Relu", ["b2"], ["h"], name="/head/Relu")]
+    nodes += [const(f"k{i}") for i in range(6, 10)]
+    last = "h"
+    for i in range(10):
+        nodes.append(helper.make_node("Add", [last, f"k{i}"], [f"a{i}"], name=f"/Add_{i}"))
+        last = f"a{i}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info(last, TensorProto.FLOAT, [1])])
+    og = fwdtrace.onnx_graph(onnx.helper.make_model(graph))
+    folds = find_folds(og)
+    assert not [loop for loop in folds.loops if all(og.nodes[i].target == "onnx.Constant"
+                                                    for i in loop.body if isinstance(i, int))]
+    labels = box_labels(og.to_dot(1))
+    assert "backbone" in labels and "head" in labels
+
+
+def test_a_loop_body_of_more_than_128_calls_is_found() -> None:
+    # A detector's per-level post-processing in an ONNX file is ~140 nodes a level, constants included.
+    ops = [torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.exp, torch.neg, torch.abs, torch.relu, torch.square]
+    body = [ops[(k * k + 3 * k) % len(ops)] for k in range(150)]
+
+    class Levels(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = []
+            for level in range(4):
+                y = x[level]
+                for op in body:
+                    y = op(y)
+                out.append(y)
+            return torch.stack(out)
+
+    graph = fwdtrace.trace(Levels(), torch.randn(4, 2))
+    loops = find_folds(graph).loops
+    assert [(len(loop.body), loop.count) for loop in loops] == [(151, 4)]

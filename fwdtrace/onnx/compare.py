@@ -1661,8 +1661,8 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
 
 
 def render_side_by_side(
-    graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str], path: str | os.PathLike[str], depth: int | None = None,
-    report: TopologyReport | None = None,
+    graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str], path: str | os.PathLike[str],
+    depth: int | str | None = "auto", report: TopologyReport | None = None,
 ) -> str:
     """Draw the trace and the ONNX graph in one picture (PNG, SVG or PDF by suffix), differences in red.
 
@@ -1676,6 +1676,9 @@ def render_side_by_side(
     ...     os.path.getsize(out) > 0
     True
 
+    Each side is drawn at the depth :func:`fwdtrace.render` would choose for it alone (``"auto"``,
+    with its caption), so that a large model stays readable and lays out in seconds; an explicit
+    ``depth`` (``None``: full detail) draws both sides at it.
     Missing trace calls, extra ONNX nodes and both ends of rewired edges are highlighted.
     With ``report`` from ``check_onnx(..., numeric=True)`` on the same model and file, matched
     boxes on both sides are coloured by their relative error (:data:`ERROR_COLORS`, from

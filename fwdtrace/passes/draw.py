@@ -77,6 +77,10 @@ def _agraph(source: str) -> Any:
     return pygraphviz.AGraph(string=source)
 
 
+LARGE_LAYOUT = 500  # boxes: above this, the layout's network simplex passes are bounded (see _Layout)
+NSLIMIT = 2  # ...to this many iterations per box
+
+
 class _Layout:
     """One run of ``dot``'s layout on a DOT source, its size, and drawings from it.
 
@@ -91,6 +95,12 @@ class _Layout:
     pictures of many nested clusters with edges between them takes minutes (timm's
     ``swinv2_cr_tiny_224`` at depth 6, 728 boxes in 59 clusters: 105 s, and 6 s ranked at
     once; a side-by-side picture's outer graph, made elsewhere, gets it here).
+
+    A graph of more than ``LARGE_LAYOUT`` boxes (only an explicit depth draws one) has its two
+    network-simplex passes, ranking and x coordinates, bounded (``nslimit1``, ``nslimit``: at
+    most that many iterations per box): on timm's ``swinv2_cr_tiny_224`` side by side at full
+    detail, 1335 boxes, they were 18 s of the layout's 20 and end at a picture of the same size.
+    Crossing minimisation, which decides how readable it is, is left whole.
     """
 
     def __init__(self, source: str) -> None:
@@ -98,6 +108,10 @@ class _Layout:
 
         self._gv, self._agraph = gv, _agraph(source)
         self._agraph.graph_attr["newrank"] = "true"
+        if self._agraph.number_of_nodes() > LARGE_LAYOUT:
+            for name in ("nslimit", "nslimit1"):
+                if not self._agraph.graph_attr.get(name):  # a user's own limit stands
+                    self._agraph.graph_attr[name] = str(NSLIMIT)
         self._context = gv.gvContextWithBuiltins()
         if gv.gvLayout(self._context, self._agraph.handle, b"dot") != 0:
             gv.gvFreeContext(self._context)
@@ -376,8 +390,10 @@ class _Picture:
 
 
 def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: bool, fold_loops: bool,
-           fold_side: bool, show_path: bool, open_leaf_layers: bool, opened: frozenset[Scope] = frozenset()) -> _Picture:
-    """The boxes at ``depth``; the module calls in ``opened`` (at that depth's last level) drawn one level deeper."""
+           fold_side: bool, show_path: bool, open_leaf_layers: bool, opened: frozenset[Scope] = frozenset(),
+           chain_ops: bool = False) -> _Picture:
+    """The boxes at ``depth``; the module calls in ``opened`` (at that depth's last level) drawn one level deeper;
+    with ``chain_ops``, each chain of single-op boxes one box (see :func:`_chain_ops`)."""
     node2unit: dict[int, _Unit] = {}
     units: dict[str, _Unit] = {}
     loop2key = {id(loop): f"l:{i}" for i, loop in enumerate(folds.loops)}
@@ -423,6 +439,8 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
         node2unit[n.id] = unit
     if fold_side:
         _fold_side(graph, folds, node2unit)
+    if chain_ops:
+        _chain_ops(graph, node2unit)
     ordered: dict[str, _Unit] = {}
     for n in graph.nodes:  # execution order, side boxes where their first op ran
         u = node2unit[n.id]
@@ -496,6 +514,52 @@ def _fold_side(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
         for i in group:
             node2unit[i] = unit
     _fold_lone_constants(graph, folds, node2unit)
+
+
+def _chain_ops(graph: Graph, node2unit: dict[int, _Unit]) -> None:
+    """Draw each chain of single-op boxes outside every module, where each box is the only reader of
+    the one before and reads only it, as one box (``Sigmoid → Reshape → Greater``).
+
+    The last resort of the automatic depth: an ONNX file's post-processing is hundreds of ops
+    outside any module scope (torchvision's RetinaNet exported by ``to_onnx``: 237 at depth 1),
+    which no depth collapses. Contracting a chain keeps every branch and join of the picture and
+    closes no cycle: nothing enters or leaves a chain but at its ends.
+    """
+    succ: dict[str, set[str]] = {}
+    pred: dict[str, set[str]] = {}
+    key2unit: dict[str, _Unit] = {}
+    for e in graph.edges:
+        u, v = node2unit[e.src], node2unit[e.dst]
+        key2unit[u.key], key2unit[v.key] = u, v
+        if u is not v:
+            succ.setdefault(u.key, set()).add(v.key)
+            pred.setdefault(v.key, set()).add(u.key)
+    single = lambda u: u.kind == "function" and not u.placement  # noqa: E731
+    key2chain: dict[str, list[_Unit]] = {}
+    for n in graph.nodes:  # execution order: a box after the one it reads
+        unit = node2unit[n.id]
+        if not single(unit) or unit.key in key2chain or n.id != unit.members[0]:
+            continue
+        before = pred.get(unit.key, set())
+        p = key2unit[next(iter(before))] if len(before) == 1 else None
+        if p is not None and single(p) and succ.get(p.key) == {unit.key} and p.key in key2chain:
+            key2chain[p.key].append(unit)
+            key2chain[unit.key] = key2chain[p.key]
+        else:
+            key2chain[unit.key] = [unit]
+    done: set[int] = set()
+    for chain in key2chain.values():
+        if len(chain) < 2 or id(chain) in done:
+            continue
+        done.add(id(chain))
+        names = [u.label.split("\n")[0] for u in chain]
+        shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
+        label = " → ".join(shown) + f"\n{len(chain)} ops"
+        members = [i for u in chain for i in u.members]
+        merged = _Unit(f"c:{chain[0].key}", chain[0].placement, "ops", label, members,
+                       about=f"{len(chain)} ops one after the other: {' → '.join(names)}")
+        for i in members:
+            node2unit[i] = merged
 
 
 def _fold_lone_constants(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
@@ -702,8 +766,9 @@ def to_dot(
     folds = find_folds(graph)
     options: dict[str, Any] = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path,
                    open_leaf_layers=open_leaf_layers)
-    def draw(d: int | None, caption: str | None, wrap: int, opened: frozenset[Scope] = frozenset()) -> Digraph:
-        return _dot(graph, _units(graph, folds, d, **options, opened=opened), caption, wrap=wrap,
+    def draw(d: int | None, caption: str | None, wrap: int, opened: frozenset[Scope] = frozenset(),
+             chain_ops: bool = False) -> Digraph:
+        return _dot(graph, _units(graph, folds, d, **options, opened=opened, chain_ops=chain_ops), caption, wrap=wrap,
                     show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir, title=title,
                     name_prefix=name_prefix, cluster_name=cluster_name, fills=dict(fills or {}), notes=dict(notes or {}))
 
@@ -723,7 +788,9 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
     "model" box. Where the floor has more than ``target_nodes`` boxes (a Swin's blocks hold
     their ops directly: 24 boxes at depth 3, 268 at depth 4), the depth above it is drawn
     with as many of its module calls opened one level deeper, in execution order, as the
-    target allows (see :func:`_partly_opened`). Only a target below ``MIN_AUTO_BOXES`` is
+    target allows (see :func:`_partly_opened`); where the floor is still over the target (ops
+    outside every module: an ONNX file's post-processing), its chains of single ops are drawn as
+    one box each (see :func:`_chain_ops`). Only a target below ``MIN_AUTO_BOXES`` is
     honoured as asked. At the floor, a picture too large is re-wrapped (wider rows when too
     tall, narrower when too wide) and drawn at the resolution that fits, below ``MIN_DPI``
     if it must.
@@ -745,6 +812,12 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
             counts[floor] = count
         else:
             opened = frozenset()
+    chained = False
+    if counts[floor] > target_nodes >= least:  # no depth collapses ops outside every module (see _chain_ops)
+        count = len(_units(graph, folds, floor, **options, opened=opened, chain_ops=True).units)
+        if count >= least:
+            chained, counts[floor] = True, count
+            partly += ", chains of single ops drawn as one box"
     max_w, max_h = (px * 72 / MIN_DPI for px in MAX_PNG)  # in points
     pad = 2 * 4  # Graphviz's default pad, 4 points a side, around the layout's bounding box
     fits = lambda w, h: w <= max_w and h <= max_h  # noqa: E731
@@ -756,16 +829,16 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
             continue
         level = "full detail" if d == top else f"depth {d} of {top}"
         bound = f"at most {target_nodes}" if counts[d] <= target_nodes else f"at least {MIN_AUTO_BOXES}"
-        mine = opened if d == floor else frozenset()
-        caption = f"{level}{partly if mine else ''}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
-        dot = draw(d, caption, wrap, mine)
+        mine, chains = (opened, chained) if d == floor else (frozenset(), False)
+        caption = f"{level}{partly if d == floor else ''}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
+        dot = draw(d, caption, wrap, mine, chains)
         w, h = _measure(dot, final)
         if fits(w, h):
             break
         if d == floor:
             tries = [max(2, wrap // 2), max(2, wrap // 4)] if w > max_w else [wrap * 2, wrap * 4]
             for other in tries if wrap else []:  # the least scaled down of the wrappings
-                rewrapped = draw(d, caption, other, mine)
+                rewrapped = draw(d, caption, other, mine, chains)
                 w2, h2 = _measure(rewrapped, lambda w, h: False)
                 if min(max_w / w2, max_h / h2) > min(max_w / w, max_h / h):
                     dot, w, h = rewrapped, w2, h2

@@ -28,7 +28,7 @@ __all__ = ["Folds", "Loop", "find_folds", "side_components"]
 
 MIN_REPEATS = 3  # a run of this many identical blocks or loop iterations is folded
 MIN_LOOP_HIDDEN = 6  # ...and a loop only when folding hides at least this many calls
-MAX_LOOP_BODY = 128  # the longest loop body looked for, in calls
+MAX_LOOP_BODY = 256  # the longest loop body looked for, in calls
 MAX_ODD_ITERATIONS = 8  # a loop's run of iterations may be broken by this many that took other branches
 
 # An item of a module call's sequence: a child module call, or one of its own nodes (by id).
@@ -100,10 +100,16 @@ def _side_nodes(graph: Graph) -> dict[int, str]:
         node2dsts[e.src].append(e.dst)
     by_id = {n.id: n for n in graph.nodes}
 
+    # An ONNX op the reading of the file found to be shape arithmetic (``Shape`` and what it feeds, or
+    # an op whose results are read only as shapes) computes no value of the model's: the trace of the
+    # same model has no node for it (a shape is a Python int there), so it is drawn as a side
+    # computation, never on the data path.
+    shapes = {n.id for n in graph.nodes if n.meta.get("data") is False or n.meta.get("shape_only")}
+
     def propagate(seeds: set[int]) -> set[int]:
         data = set(seeds)
         for n in graph.nodes:  # execution order is a topological order
-            if n.kind == "function" and any(s in data for s in node2srcs[n.id]):
+            if n.kind == "function" and n.id not in shapes and any(s in data for s in node2srcs[n.id]):
                 data.add(n.id)
         return data
 
@@ -235,6 +241,11 @@ def _loops(graph: Graph) -> tuple[dict[Item, Loop], list[Loop]]:
         seq = [signature(it, chain) for it in items]
         for start, period, count, end in _runs(seq, MAX_LOOP_BODY, tolerate=True):
             if end - start - period < MIN_LOOP_HIDDEN:
+                continue
+            if all(isinstance(it, int) and not by_id[it].inputs for it in items[start : start + period]):
+                # a run of constants (an ONNX file's axes and shapes) is no loop: with the odd
+                # iterations tolerated it would swallow the module calls between them (a RetinaNet's
+                # backbone and head drawn as "a loop of Constant"); each is drawn with its reader
                 continue
             loop = Loop(chain, items[start : start + period], count, items[start + period : end])
             loops.append(loop)
