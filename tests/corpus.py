@@ -671,20 +671,15 @@ def members_of(agraph: Any) -> dict[int, str]:
 
 def assert_nothing_lost(graph: fwdtrace.Graph, dot: Any) -> int:
     """Every node in exactly one box; the drawn edges are those of the graph contracted by box
-    (networkx's quotient graph). Returns the number of boxes."""
-    import networkx as nx
+    (an edge between two boxes wherever the graph has one between their members: the quotient
+    graph, computed from the edges directly; networkx's ``quotient_graph`` took 85 of the 98 s of
+    an ONNX picture cell on RetinaNet). Returns the number of boxes."""
     import pygraphviz
 
     agraph = pygraphviz.AGraph(string=dot.source)
     node2box = members_of(agraph)
     assert sorted(node2box) == [n.id for n in graph.nodes], "some nodes are in no box"
-    full = nx.DiGraph(graph.to_networkx())
-    box2nodes: dict[str, set[int]] = {}
-    for i, box in node2box.items():
-        box2nodes.setdefault(box, set()).add(i)
-    quotient = nx.quotient_graph(full, list(box2nodes.values()), relabel=False)
-    set2box = {frozenset(nodes): box for box, nodes in box2nodes.items()}
-    contracted = {(set2box[u], set2box[v]) for u, v in quotient.edges() if u != v}
+    contracted = {(node2box[u], node2box[v]) for u, v in graph.to_networkx().edges() if node2box[u] != node2box[v]}
     drawn = [(str(u), str(v)) for u, v in agraph.edges() if agraph.get_edge(u, v).attr.get("style") != "invis"]
     assert len(drawn) == len(set(drawn)), "two edges between one pair of boxes"
     assert set(drawn) == contracted, "the drawn edges are not the graph's contracted by box"

@@ -69,3 +69,18 @@ def test_the_onnxruntime_reference_skips_only_what_is_declared_left_out(tmp_path
         assert not corpus.ort_agrees(tmp_path / "m.onnx", run, cache[:1])[0]  # the file lacks an undeclared one
     with pytest.raises(AssertionError, match="names no tensor of a returned cache"):
         corpus.ort_agrees(tmp_path / "m.onnx", run, ["out"])  # only a cache's tensors may be left out
+
+
+def test_the_picture_invariant_finds_a_lost_edge_and_a_lost_node() -> None:
+    import fwdtrace
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    graph = fwdtrace.trace(model, torch.randn(1, 4))
+    dot = graph.to_dot(None)
+    corpus.assert_nothing_lost(graph, dot)
+    edge = next(line for line in dot.source.splitlines() if "->" in line and "invis" not in line)
+    with pytest.raises(AssertionError, match="contracted by box"):
+        corpus.assert_nothing_lost(graph, SimpleNamespace(source=dot.source.replace(edge + "\n", "", 1)))
+    box = next(line for line in dot.source.splitlines() if "fwdtrace_members" in line)
+    with pytest.raises(AssertionError, match="no box"):
+        corpus.assert_nothing_lost(graph, SimpleNamespace(source=dot.source.replace(box + "\n", "", 1)))
