@@ -84,3 +84,32 @@ def test_the_picture_invariant_finds_a_lost_edge_and_a_lost_node() -> None:
     box = next(line for line in dot.source.splitlines() if "fwdtrace_members" in line)
     with pytest.raises(AssertionError, match="no box"):
         corpus.assert_nothing_lost(graph, SimpleNamespace(source=dot.source.replace(box + "\n", "", 1)))
+
+
+def test_the_onnxruntime_reference_lets_rows_swap_only_where_eager_scores_tie(tmp_path: Path) -> None:
+    """A detector's rows sorted by score may come out of onnxruntime swapped where eager's scores tie within
+    float tolerance (RetinaNet, FCOS, SSDlite with random weights); any other difference still disagrees."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    torch.manual_seed(0)
+    boxes, labels = torch.rand(5, 4) * 300, torch.tensor([3, 7, 1, 7, 2])
+    scores = torch.tensor([0.9, 0.0265497, 0.0265493, 0.02, 0.01])  # rows 1 and 2 tie within tolerance
+    features = torch.randn(2, 3)
+    run = SimpleNamespace(model=torch.nn.Identity(), args=(torch.zeros(1),), kwargs={})
+    run.eager = ({"boxes": boxes, "scores": scores, "labels": labels}, features)
+
+    def agrees(order: list[int], labels_order: list[int] | None = None, more: torch.Tensor = features) -> bool:
+        outputs = [boxes[order], scores[order], labels[labels_order or order], more]
+        nodes = [helper.make_node("Constant", [], [f"out{i}"], value=numpy_helper.from_array(t.numpy()))
+                 for i, t in enumerate(outputs)]
+        graph = helper.make_graph(nodes, "detections", [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [1])],
+                                  [helper.make_empty_tensor_value_info(f"out{i}") for i in range(len(outputs))])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "d.onnx")
+        return corpus.ort_agrees(tmp_path / "d.onnx", run)[0]
+
+    assert agrees([0, 1, 2, 3, 4])
+    assert agrees([0, 2, 1, 3, 4])  # the tied rows swapped, whole
+    assert not agrees([1, 0, 2, 3, 4])  # scores 0.9 and 0.0265 do not tie
+    assert not agrees([0, 2, 1, 3, 4], labels_order=[0, 1, 2, 3, 4])  # a row's label stays with its box
+    assert not agrees([0, 2, 1, 3, 4], more=features + 1)  # the outputs after the detections are still compared

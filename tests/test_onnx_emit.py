@@ -211,6 +211,43 @@ def test_sizes_that_depend_on_values_are_not_fixed_to_the_examples() -> None:
         assert_matches(proto, {"scores": other, "boxes": boxes}, {"output_0": want[0], "output_1": want[1]})
 
 
+class RefinedBoxes(nn.Module):
+    """The boxes a score keeps, then ``steps`` ops on them: a detector's post-processing, in any length."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def forward(self, scores: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        kept = boxes[scores > 0.5]
+        for _ in range(self.steps):
+            kept = kept * 1.01 + 0.1
+        return kept
+
+
+def test_the_work_of_an_emission_per_op_is_no_fake_mode_and_no_symbol() -> None:
+    """torch made a fake mode per recorded op (each taking a stack trace) and the emission two symbols
+    with guards per value after a data-dependent size: Keypoint R-CNN's to_onnx took over 300 s."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    torch.manual_seed(0)
+    scores, boxes = torch.rand(8), torch.randn(8, 4)
+    made = []
+    for steps in (2, 12):
+        model = RefinedBoxes(steps)
+        with mock.patch.object(FakeTensorMode, "__init__", autospec=True, side_effect=FakeTensorMode.__init__) as modes, \
+                mock.patch.object(ShapeEnv, "create_unbacked_symint", autospec=True,
+                                  side_effect=ShapeEnv.create_unbacked_symint) as symbols:
+            proto = fwdtrace.to_onnx(model, scores, boxes)
+        made.append((modes.call_count, symbols.call_count))
+        other = torch.rand(8)
+        assert_matches(proto, {"scores": other, "boxes": boxes}, {"output": model(other, boxes)})
+    assert made[0] == made[1], f"(fake modes, symbols) made for 2 and for 12 ops: {made}"
+
+
 def test_multihead_attention_fast_path_under_no_grad() -> None:
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()

@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import itertools
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -402,7 +403,7 @@ def _make_graph(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def record(indices: contextlib.AbstractContextManager[Any]) -> Any:
-        with _module_scopes(model), _boundaries(model), _mkldnn_off(), indices:
+        with _module_scopes(model), _boundaries(model), _mkldnn_off(), _one_fake_mode(), indices:
             # _error_on_data_dependent_ops=False: a value read from a tensor (x.mean() > 0,
             # a mask's all()) is the example's value from here on; that is what an eager trace is.
             return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="real",
@@ -428,12 +429,26 @@ def _functional(gm: Any, state_tensors: list[torch.Tensor], inputs: list[torch.T
         import torch.fx.traceback as fx_traceback
 
         replay = functools.partial(_run_graph, gm)
-        with fx_traceback.preserve_node_meta():
+        with fx_traceback.preserve_node_meta(), _one_fake_mode():
             gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="real",
                          _error_on_data_dependent_ops=False)(
                 state_tensors, inputs
             )
     return gm
+
+
+@contextlib.contextmanager
+def _one_fake_mode() -> Iterator[None]:
+    """While active, make_fx describes the real tensors it records (each node's ``val``) in one fake mode.
+
+    With none in sight, it makes a new fake mode for every op's output, and each records a
+    stack trace as it is made: a fifth of the recording of a detector's thousands of ops.
+    """
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
 
 
 @contextlib.contextmanager
@@ -937,9 +952,9 @@ def _unfix_data_dependent_sizes(gm: Any) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)  # for other libraries' fake kernels
     varies: set[Any] = set()
+    names = (f"u{i}" for i in itertools.count())
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -947,15 +962,42 @@ def _unfix_data_dependent_sizes(gm: Any) -> None:
             continue
         varies.add(node)
         val = node.meta.get("val")
-        with mode:
-            if isinstance(val, torch.Tensor):
-                node.meta["val"] = _unknown_sizes(val, shape_env)
-            elif isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in val):
-                node.meta["val"] = type(val)(_unknown_sizes(v, shape_env) for v in val)
+        if isinstance(val, torch.Tensor):
+            node.meta["val"] = _UnknownSizes.like(val, names)
+        elif isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in val):
+            node.meta["val"] = type(val)(_UnknownSizes.like(v, names) for v in val)
 
 
-def _unknown_sizes(val: torch.Tensor, shape_env: Any) -> torch.Tensor:
-    return torch.empty([shape_env.create_unbacked_symint() for _ in val.shape], dtype=val.dtype)
+class _UnknownDim:
+    """One unknown size, as torch's translator reads a symbolic one: ``str(dim.node)`` is its ONNX name."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, name: str) -> None:
+        self.node = name
+
+
+class _UnknownSizes(torch.Tensor):
+    """A value's dtype and rank with unknown sizes: what torch's translator reads of an FX node's ``val``.
+
+    The translator needs ``isinstance(val, torch.Tensor)``, ``val.dtype`` and, per dim of
+    ``val.shape``, an int or a symbol's name. Fake tensors with fresh unbacked symbols say
+    the same at about 10 ms each (the shape environment records a traceback per symbol and
+    guards on every size); over the thousands of post-processing values of a detector
+    (Keypoint R-CNN) that was minutes. This stands in for no computation: it is never run.
+    """
+
+    _dims: tuple[_UnknownDim, ...]
+
+    @classmethod
+    def like(cls, val: torch.Tensor, names: Iterator[str]) -> _UnknownSizes:
+        out = torch.empty([0] * val.dim(), dtype=val.dtype, device="meta").as_subclass(cls)
+        out._dims = tuple(_UnknownDim(next(names)) for _ in range(val.dim()))
+        return out
+
+    @property
+    def shape(self) -> tuple[_UnknownDim, ...]:  # type: ignore[override]
+        return self._dims
 
 
 def _sizes_depend_on_values(node: Any, mode: Any) -> bool:
