@@ -284,9 +284,37 @@ def torchvision_detection(name: str, size: int = 320) -> Callable[[], Built]:
 
         keep_all = {"box_score_thresh": 0.0} if "rcnn" in name else {"score_thresh": 0.0}
         model = torchvision.models.get_model(name, weights=None, weights_backbone=None, **keep_all).eval()
-        return model, ([torch.rand(3, size, size)],), {}
+        images = [torch.rand(3, size, size) for _ in range(4)]
+        vary_constant_weights(model)  # before the statistics are taken: it moves the norms' weights and biases
+        calibrate_batchnorm(model, images)
+        return model, (images[:1],), {}
 
     return build
+
+
+@torch.no_grad()
+def calibrate_batchnorm(model: nn.Module, *args: Any) -> None:
+    """Set every BatchNorm's running statistics to those of one forward on ``args``, as training leaves them.
+
+    A fresh BatchNorm's statistics (mean 0, variance 1) do not match what reaches it: through the
+    many BatchNorms of a randomly initialized detector the activations vanish (SSDlite's to about
+    1e-13), every class score comes out 1/91, and which of the hundreds of boxes tied at that score
+    a TopK keeps is each runtime's own choice, so no reference could judge the export. Statistics
+    of real inputs give each layer a trained network's scale. ``args`` should hold a batch of a few
+    images: on a 1x1 feature map (SSDlite's last extra layers) one image gives one value per channel.
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: after one forward, exactly that forward's statistics
+        m.train()
+    try:
+        model(*args)
+    finally:
+        for m, momentum in zip(norms, momenta, strict=True):
+            m.momentum = momentum
+            m.eval()
 
 
 def torchvision_segmentation(name: str, size: int = 224) -> Callable[[], Built]:

@@ -71,6 +71,40 @@ def test_the_onnxruntime_reference_skips_only_what_is_declared_left_out(tmp_path
         corpus.ort_agrees(tmp_path / "m.onnx", run, ["out"])  # only a cache's tensors may be left out
 
 
+def test_calibrated_batchnorms_give_a_random_network_a_trained_networks_scale() -> None:
+    """A deep random conv stack's activations vanish through fresh BatchNorms (mean 0, variance 1); with
+    the statistics of a batch each norm's output has unit scale, down to a 1x1 map, and the model is left
+    in eval mode with its momenta. Reference: the statistics computed by hand from plain hooks."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Conv2d(8, 8, 3, 2, 1), torch.nn.BatchNorm2d(8, momentum=0.03)]
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), *layers).eval()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            torch.nn.init.normal_(m.weight, std=0.03)  # a tiny init: each layer shrinks what it sees
+            torch.nn.init.zeros_(m.bias)
+    images = torch.rand(4, 3, 64, 64)
+    scale = lambda: float(model(images[:1]).abs().mean())  # noqa: E731
+    norms = [m for m in model if isinstance(m, torch.nn.BatchNorm2d)]
+    seen: dict[torch.nn.Module, list[torch.Tensor]] = {m: [] for m in norms}
+    hooks = [m.register_forward_hook(lambda m, i, o: seen[m].append(i[0])) for m in norms]
+    with torch.no_grad():
+        before = scale()
+        corpus.calibrate_batchnorm(model, images)  # seen[m][1]: what each norm saw in that forward
+        out = {m: m(seen[m][1]) for m in norms}
+        after = scale()
+    for h in hooks:
+        h.remove()
+    assert before < 1e-4 < 0.1 < after
+    for bn in norms:
+        assert not bn.training and bn.momentum == 0.03
+        assert torch.allclose(bn.running_mean, seen[bn][1].mean((0, 2, 3)), atol=1e-6)
+        assert torch.allclose(bn.running_var, seen[bn][1].var((0, 2, 3)), rtol=1e-4)
+        assert 0.5 < float(out[bn].std()) < 1.5
+    assert seen[norms[-1]][1].shape[-2:] == (1, 1)  # the last norm sees 4 values per channel, one per image
+
+
 def test_the_picture_invariant_finds_a_lost_edge_and_a_lost_node() -> None:
     import fwdtrace
 
