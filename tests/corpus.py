@@ -278,6 +278,8 @@ def torchvision_detection(name: str, size: int = 320) -> Callable[[], Built]:
     With random weights no score passes the default thresholds: the model would return no boxes,
     and onnxruntime's outputs would agree with eager's whatever the file computes (Faster R-CNN's
     TorchScript export returns boxes up to 64 px off eager's, unseen at the default threshold).
+    Its BatchNorms get the statistics of a few images (:func:`calibrate_batchnorm`): with a fresh
+    norm's, SSDlite's scores all tie and no reference can say which boxes an export should keep.
     """
     def build() -> Built:
         import torchvision
