@@ -1773,3 +1773,65 @@ def test_to_onnx_of_unique_and_where_agrees_with_the_trace() -> None:
     assert_runs_like_torch(proto, model(x, idxs), x, idxs)
     report = fwdtrace.check_onnx(model, x, idxs, onnx=proto)
     assert report.ok, str(report)
+
+
+def centred_per_class(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each score less its class's maximum, class by class as batched_nms loops: as many steps as classes present."""
+    out = torch.zeros_like(scores)
+    for c in torch.unique(labels):
+        rows = torch.where(labels == c)[0]
+        out[rows] = scores[rows] - scores[rows].max()
+    return out
+
+
+class LoopsPerClass(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return centred_per_class(self.fc(x)[:, 0], labels).relu()
+
+
+def test_check_onnx_matches_all_that_to_onnx_emitted_for_an_atomic_functions_loop() -> None:
+    # The trace holds the function as one call; to_onnx emits its loop, one step per class (here 3).
+    # Each emitted node says which call it came from, and all of them are that call's.
+    fwdtrace.register_atomic(centred_per_class)
+    model, x, labels = LoopsPerClass().eval(), torch.randn(6, 4), torch.tensor([2, 0, 2, 1, 0, 2])
+    proto = fwdtrace.to_onnx(model, x, labels)
+    assert_runs_like_torch(proto, model(x, labels), x, labels)
+    report = fwdtrace.check_onnx(model, x, labels, onnx=proto)
+    assert report.ok, str(report)
+    matched = dict(report.matched)
+    emitted = matched[f"centred_per_class = {__name__}.centred_per_class"]
+    assert sum(1 for n in proto.graph.node if n.name in emitted and n.op_type == "ScatterND") == 3
+    # an export missing the function's ops still shows: the call is missing, the ops around it not
+    without = onnx.ModelProto()
+    without.CopyFrom(proto)
+    for n in without.graph.node:
+        del n.metadata_props[:]  # no provenance: the loop is no pattern the comparison knows
+    assert not fwdtrace.check_onnx(model, x, labels, onnx=without).ok
+
+
+class FillsItsBuffer(torch.nn.Module):
+    """torchvision's batch_images where the image fills the whole buffer: the copy is all the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:  # img: (3, 8, 8)
+        batched = img.new_full((1, 3, 8, 8), 0.0)
+        batched[0, : img.shape[0], : img.shape[1], : img.shape[2]].copy_(img)
+        return self.conv(batched)
+
+
+def test_check_onnx_matches_to_onnxs_scatter_of_a_copy_filling_its_buffer() -> None:
+    # recorded functionally, the copy is a select_scatter into the buffer: one ScatterElements
+    model, img = FillsItsBuffer().eval(), torch.randn(3, 8, 8)
+    proto = fwdtrace.to_onnx(model, img)
+    assert "ScatterElements" in {n.op_type for n in proto.graph.node}
+    assert_runs_like_torch(proto, model(img), img)
+    report = fwdtrace.check_onnx(model, img, onnx=proto)
+    assert report.ok, str(report)
+    assert [o for t, o in report.matched if "copy_" in t] == [("node_select_scatter",)]

@@ -333,6 +333,20 @@ class _Matcher:
         self.unopened: list[int] = []  # layers no rule knows, which a graph alone cannot open
         self.unopened_values: set[int] = set()  # trace obj_ids computed through one of them
         self.out_nodes, self.left_out = self._compared_outputs()
+        # to_onnx's provenance: the ONNX nodes it emitted for a call the trace records as one node
+        # (batched_nms's loop over the classes), by the call's "<target>#<k>" (fwdtrace.onnx.export.CALL_KEY)
+        self.emitted_for: dict[str, list[int]] = {}
+        for n in og.nodes:
+            if call := n.meta.get("call"):
+                self.emitted_for.setdefault(str(call), []).append(n.id)
+        self.call_tags: dict[int, str] = {}  # trace node id -> its tag, where the ONNX graph has it
+        calls_of: Counter[str] = Counter()
+        for tn in trace.nodes if self.emitted_for else ():
+            if tn.kind == "function":
+                tag = f"{tn.target}#{calls_of[tn.target]}"
+                calls_of[tn.target] += 1
+                if tag in self.emitted_for:
+                    self.call_tags[tn.id] = tag
 
     # -- ONNX helpers -----------------------------------------------------------------------------
     def op(self, oid: int) -> str:
@@ -598,6 +612,11 @@ class _Matcher:
             for obj in written
         )
 
+    def _written_rank(self, tn: Node) -> int | None:
+        """The rank of the largest tensor a call wrote through a view (``buf`` of ``buf[0].copy_(img)``)."""
+        also = set(self.also_written.get(tn.id, ()))
+        return max((len(e.shape) for e in self.t.edges if e.src == tn.id and e.obj_id in also), default=None)
+
     def _writes_through_views(self) -> tuple[dict[int, list[int]], dict[int, tuple[int, ...]]]:
         """Tensors that in-place calls wrote besides the ones they returned, and the calls that wrote part of one.
 
@@ -653,7 +672,8 @@ class _Matcher:
     def _match(self, tn: Node, reqs: list[frozenset[int]], data_in: list[TensorRef]) -> None:
         eq = equivalence_for(tn)
         if tn.id in self.fill_copies:  # a pad written out: a Pad, or the write put back
-            eq = copied_into_a_fill(eq, len(self.partial_writes[tn.id]) if tn.id in self.partial_writes else None)
+            eq = copied_into_a_fill(eq, len(self.partial_writes[tn.id]) if tn.id in self.partial_writes else None,
+                                    self._written_rank(tn))
         elif tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
             eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
         call_key = self._call_key(tn)
@@ -663,7 +683,11 @@ class _Matcher:
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
         outs: list[frozenset[int]] | None = None
         through_unopened = any(r.obj_id in self.unopened_values for r in data_in)
-        if eq is None and tn.kind == "module":  # a layer no rule knows: a graph alone cannot open it
+        emitted = self._emitted(tn)
+        if emitted is not None:  # the exporter says which ops it wrote for this call: all of them
+            self._new_group(tn.id, emitted[1], emitted[0])
+            tn_out = frozenset({tn.id})
+        elif eq is None and tn.kind == "module":  # a layer no rule knows: a graph alone cannot open it
             self.unopened.append(tn.id)
             through_unopened = True
             tn_out = passthrough
@@ -719,6 +743,27 @@ class _Matcher:
         if through_unopened and tn.id not in self.groups:  # passed on, still behind the unknown ops
             self.unopened_values.update(r.obj_id for r in tn.outputs)
         self.calls.setdefault(call_key, []).append(tn.id)
+
+    def _emitted(self, tn: Node) -> tuple[int, set[int]] | None:
+        """The ONNX ops to_onnx emitted for this call, by their provenance, and the last whose result leaves them.
+
+        A call recorded as one node may run a loop whose length the example decides (the
+        classes batched_nms meets): no pattern counts its ops, but the emitter knows them.
+        None where the ONNX graph does not say, or holds none of the call's ops (an export
+        that dropped them: the call is then missing as any other).
+        """
+        tag = self.call_tags.get(tn.id)
+        if tag is None:
+            return None
+        region = {oid for oid in self.emitted_for[tag] if oid not in self.matched and oid not in self.value_free}
+        ops = [oid for oid in region if oid not in self.wiring]
+        if not ops:
+            return None
+        leaving = [
+            oid for oid in ops
+            if any(c not in region for r in self.onodes[oid].outputs for c in self.consumers.get(r.obj_id, ()))
+        ]
+        return max(leaving or ops), region
 
     def _final_states(self, region: set[int]) -> set[int]:
         """The Concats that stack a multi-layer recurrent call's per-layer final states (its h_n, c_n).

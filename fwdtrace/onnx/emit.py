@@ -36,7 +36,7 @@ from .._tree import tensors_of
 from ..errors import FwdtraceError, describe, one_line, shapes_text
 from ..names import UniqueNames
 from ._quiet import quiet
-from .export import _cause_chain, _import_onnx, _input_names, _quiet_exporter_logs, _write_onnx
+from .export import CALL_KEY, _cause_chain, _import_onnx, _input_names, _quiet_exporter_logs, _write_onnx
 
 if TYPE_CHECKING:
     import onnx
@@ -569,21 +569,47 @@ def _module_scopes(model: torch.nn.Module) -> Iterator[None]:
     A handler on fwdtrace's module-call dispatch point (this thread's calls only) keeps a
     stack of ``(module path, class)`` for the model's own modules, written into the metadata
     torch.fx copies onto each new node (``nn_module_stack``, the key ``torch.export`` fills
-    the same way).
+    the same way). A call of a function every trace records as one node (an atomic
+    function target, :data:`fwdtrace.registry.WHOLE_FUNCTIONS`) tags the nodes made inside
+    it with ``CALL_KEY``: ``"<target>#<k>"``, its k-th call, which :func:`_emit` writes on the
+    ONNX nodes so that the comparison matches all of them (batched_nms's loop over the
+    classes) to that one traced call.
     """
     import torch.fx.traceback as fx_traceback
 
     from ..patching import add_call_handler, remove_call_handler
+    from ..registry import REGISTRY, whole_functions
+    from ..tracer import add_function_handlers, remove_handlers
 
     paths: dict[torch.nn.Module, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         paths.setdefault(module, name)
     stack: list[tuple[str, type]] = []
+    calls: list[str] = []  # the atomic function call being recorded: the outermost only, as a trace has it
+    counts: dict[str, int] = {}
 
     def publish() -> None:
-        fx_traceback.get_current_meta()["nn_module_stack"] = {
-            f"fwdtrace_{i}": entry for i, entry in enumerate(stack)
-        }
+        meta = fx_traceback.get_current_meta()
+        meta["nn_module_stack"] = {f"fwdtrace_{i}": entry for i, entry in enumerate(stack)}
+        if calls:
+            meta["custom"] = {CALL_KEY: calls[0]}
+        else:
+            meta.pop("custom", None)
+
+    def on_function(target: Any) -> Callable[..., Any]:
+        def handler(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            if calls or not stack:  # inside another one, or outside the model: no node of a trace's
+                return call(*args, **kwargs)
+            k = counts[target.path] = counts.get(target.path, -1) + 1
+            calls.append(f"{target.path}#{k}")
+            publish()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                calls.pop()
+                publish()
+
+        return handler
 
     def on_call(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         path = paths.get(module)
@@ -597,11 +623,14 @@ def _module_scopes(model: torch.nn.Module) -> Iterator[None]:
             stack.pop()
             publish()
 
+    atomic = {t.path: t for t in (*REGISTRY.functions.values(), *whole_functions()) if t.atomic}
     with fx_traceback.preserve_node_meta():
         handle = add_call_handler(on_call)
+        function_handles = add_function_handlers(on_function, targets=list(atomic.values()))
         try:
             yield
         finally:
+            remove_handlers(function_handles)
             remove_call_handler(handle)
 
 
@@ -905,6 +934,11 @@ def _emit(gm: Any, record: _Record, opset: int | None) -> onnx.ModelProto:
         raise FwdtraceError(f"to_onnx() could not emit the recorded graph{_failed_node_text(gm, e)}: "
                             f"{_cause_text(e)}") from e
 
+    for ir_node in model.graph.all_nodes():
+        fx_node = ir_node.meta.get("node")
+        call = fx_node.meta.get("custom", {}).get(CALL_KEY) if fx_node is not None else None
+        if call is not None:
+            ir_node.metadata_props[CALL_KEY] = call
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_state = len(record.state_names)
     model.graph.inputs.clear()

@@ -556,6 +556,11 @@ def _torchlib_registry_kept() -> Iterator[None]:
 
 
 # -- reading an ONNX model ------------------------------------------------------------------------
+# The metadata key to_onnx writes on the ONNX nodes it emitted for a call a trace records as one
+# node (an atomic function): "<target>#<k>", the target's k-th call in the run.
+CALL_KEY = "pkg.fwdtrace.call"
+
+
 def onnx_scope(node: onnx.NodeProto) -> tuple[str | None, tuple[Scope, ...]]:
     """The module path an ONNX node came from, and its enclosing scopes, when the export says so.
 
@@ -789,6 +794,8 @@ def onnx_graph(proto: onnx.ModelProto | str | os.PathLike[str], *, prune: bool =
         if unranked := [j for j, o in enumerate(o for o in node.output if o) if o not in ranked]:
             meta["unknown_rank"] = unranked
         scope_path, scopes = onnx_scope(node)
+        if call := next((p.value for p in node.metadata_props if p.key == CALL_KEY), None):
+            meta["call"] = call
         domain = node.domain if node.domain not in ("", "ai.onnx") else "onnx"
         attrs = {a.name: v for a in node.attribute if (v := _attr_value(a)) is not None}
         graph.add_node(

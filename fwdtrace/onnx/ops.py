@@ -712,7 +712,7 @@ FILL_FUNCTIONS = frozenset(_functions("zeros", "ones", "full", "zeros_like", "on
 COPY_FUNCTIONS = frozenset(_functions("copy_"))
 
 
-def copied_into_a_fill(eq: Equivalence | None, dims: int | None) -> Equivalence:
+def copied_into_a_fill(eq: Equivalence | None, dims: int | None, rank: int | None = None) -> Equivalence:
     """What a copy into (a view of) a tensor filled with one value may become: a constant Pad of what is copied.
 
     >>> [p.text for p in copied_into_a_fill(None, None).patterns], copied_into_a_fill(None, None).optional
@@ -722,11 +722,14 @@ def copied_into_a_fill(eq: Equivalence | None, dims: int | None) -> Equivalence:
     ``img``, and torchvision's detectors export it as one when traced (``F.pad`` by sizes
     computed from shapes). ``dims`` is how many dimensions the write indexes when it fills
     part of the buffer: the Pad, or the write put back (:func:`written_through_a_view`). A
-    copy that fills all of it is wiring, or a Pad by amounts the export computes (all zero).
+    copy that fills all of it is wiring, or a Pad by amounts the export computes (all zero),
+    or, given the buffer's ``rank``, the write put back through the view's indices
+    (``buf[0].copy_(img)`` recorded functionally is a ``select_scatter``: to_onnx's ScatterElements).
     """
     pad = Pattern.parse("Pad")
     if dims is None:
-        return Equivalence((pad,), optional=True, source=eq.source if eq is not None else "")
+        back_patterns = written_through_a_view(None, rank).patterns if rank else ()
+        return Equivalence((pad, *back_patterns), optional=True, source=eq.source if eq is not None else "")
     back = written_through_a_view(eq, dims)
     return Equivalence((pad, *back.patterns), folds_into=back.folds_into, source=back.source)
 
