@@ -1725,7 +1725,28 @@ class Detects(torch.nn.Module):
         return boxes[box_ops.batched_nms(boxes, scores, idxs, 0.4)] * 2
 
 
-def test_a_graph_alone_compares_as_check_onnx_does_across_batched_nms(monkeypatch) -> None:
+class DetectsByClass(torch.nn.Module):
+    """torchvision's RoI heads in small: a score per box and class, the class labels made from shapes alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.boxes = torch.nn.Linear(6, 3 * 4)  # a box per class
+        self.score = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.score(x).softmax(-1)
+        # the labels come from arange and scores' shape: the export computes them from no data of the
+        # model's, and its Gather of the confident ones is indexing, as it is on the trace side
+        labels = torch.arange(3).view(1, -1).expand_as(scores).reshape(-1)
+        boxes, scores = self.boxes(x).reshape(-1, 4), scores.reshape(-1)
+        confident = torch.where(scores > 0.2)[0]
+        boxes, scores, labels = boxes[confident], scores[confident], labels[confident]
+        from torchvision.ops import boxes as box_ops  # the stand-in below
+        return boxes[box_ops.batched_nms(boxes, scores, labels, 0.4)] * 2
+
+
+@pytest.mark.parametrize("by_class", [False, True], ids=["given-classes", "labels-from-shapes"])
+def test_a_graph_alone_compares_as_check_onnx_does_across_batched_nms(monkeypatch, by_class: bool) -> None:
     # Every trace records batched_nms as one call, as check_onnx's does: compare_onnx on a graph
     # traced through it would count the eager loop (unique, where, ...) as missing.
     import types
@@ -1737,14 +1758,15 @@ def test_a_graph_alone_compares_as_check_onnx_does_across_batched_nms(monkeypatc
     monkeypatch.setitem(sys.modules, "torchvision.ops.boxes", stand_in)
     monkeypatch.setattr(sys.modules["torchvision.ops"], "boxes", stand_in, raising=False)
     torch.manual_seed(0)
-    model, x, idxs = Detects().eval(), torch.randn(12, 6), torch.arange(12) % 3
+    x = torch.randn(12, 6)
+    model, args = (DetectsByClass(), (x,)) if by_class else (Detects(), (x, torch.arange(12) % 3))
     with torch.no_grad():
-        expected = model(x, idxs)
-        proto = fwdtrace.export_onnx(model, x, idxs, exporter="torchscript")
-        assert_runs_like_torch(proto, expected, x, idxs)
-        graph = fwdtrace.trace(model, x, idxs)
+        expected = model.eval()(*args)
+        proto = fwdtrace.export_onnx(model, *args, exporter="torchscript")
+        assert_runs_like_torch(proto, expected, *args)
+        graph = fwdtrace.trace(model, *args)
         compared = fwdtrace.compare_onnx(graph, proto)
-        checked = fwdtrace.check_onnx(model, x, idxs, onnx=proto)
+        checked = fwdtrace.check_onnx(model, *args, onnx=proto)
     assert [n.target for n in graph.nodes if "batched_nms" in n.target] == ["torchvision.ops.boxes.batched_nms"]
     assert not any(n.target == "torch.unique" for n in graph.nodes)  # the loop is inside the one call
     counts = lambda r: (r.ok, len(r.missing), len(r.extra), len(r.rewired))  # noqa: E731

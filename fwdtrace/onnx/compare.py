@@ -360,8 +360,10 @@ class _Matcher:
         if op in ONNX_WIRING_OPS or n.meta.get("shape_only"):  # shape arithmetic computes no value of the model's
             return True
         data = self._data_inputs(n)
-        if op in ("Gather", "GatherND"):  # select/index on data is wiring; Gather from a weight is an Embedding
-            return bool(n.inputs) and n.inputs[0].obj_id in self.producer
+        if op in ("Gather", "GatherND"):  # select/index is wiring; Gather from a weight is an Embedding
+            # indexing a tensor made in forward from shapes alone (torchvision's anchor levels, class
+            # labels: torch.full, arange().expand_as) is wiring too, as it is on the trace side
+            return bool(n.inputs) and (n.inputs[0].obj_id in self.producer or not n.inputs[0].param)
         if op == "Concat":  # of one tensor, or with empty ones (a key/value cache's first step)
             return len(data) == 1 and all(0 in r.shape for r in n.inputs if r.obj_id not in self.producer)
         return False
