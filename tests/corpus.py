@@ -440,7 +440,7 @@ class Run:
         def export() -> Path:
             path = self.path(f"{exporter}.onnx")
             before = self.graph.to_json()
-            state = {p: dict(vars(m)) for p, m in self.model.named_modules()}
+            state = module_state(self.model)
             with torch.no_grad():
                 if exporter == "fwdtrace":
                     fwdtrace.to_onnx(self.model, *self.args, path=path, **self.kwargs)
@@ -481,6 +481,13 @@ class Run:
         return self._once(f"compare:{exporter}", lambda: fwdtrace.compare_onnx(self.graph, self.exported(exporter)))
 
 
+def module_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """``vars()`` of every module, each entry of its ``_parameters`` and ``_buffers`` one more (``"_parameters:weight"``):
+    an exporter that swaps a parameter keeps the dict and changes what it holds."""
+    return {p: {**vars(m), **{f"{kind}:{k}": t for kind in ("_parameters", "_buffers") for k, t in vars(m)[kind].items()}}
+            for p, m in model.named_modules()}
+
+
 def assert_left_as_found(run: Run, state: dict[str, dict[str, Any]], trace_json: str, what: str) -> None:
     """Nothing ``what`` set on the model remains, and a new trace is the trace before (``trace_json``).
 
@@ -489,7 +496,7 @@ def assert_left_as_found(run: Run, state: dict[str, dict[str, Any]], trace_json:
     replaces it at every call (torchvision's AnchorGenerator sets ``cell_anchors`` to a new list of
     the same tensors): then it must hold what a plain forward puts there, alike in type and value.
     """
-    after = {p: dict(vars(m)) for p, m in run.model.named_modules()}
+    after = module_state(run.model)
     assert after.keys() == state.keys(), f"{what} changed the modules: {sorted(after.keys() ^ state.keys())[:5]}"
     replaced = []
     for p, attrs in state.items():
@@ -498,9 +505,9 @@ def assert_left_as_found(run: Run, state: dict[str, dict[str, Any]], trace_json:
     if replaced:
         with torch.no_grad():
             run.model(*run.args, **run.kwargs)
-        modules = dict(run.model.named_modules())
+        eager_state = module_state(run.model)
         for p, k in replaced:
-            eager = vars(modules[p])[k]
+            eager = eager_state[p][k]
             assert eager is not after[p][k], f"{what} replaced attributes of {p or 'the model'}: {k!r}, which a plain forward keeps"
             assert alike(after[p][k], eager), (
                 f"{what} left {describe(after[p][k])} in {p or 'the model'}.{k}, where a plain forward leaves {describe(eager)}")

@@ -85,6 +85,30 @@ def test_tied_weights_are_one_initializer_and_outputs_get_their_names() -> None:
     assert_matches(proto, {"input": ids}, {"output": tied(ids)})
 
 
+class _SharesAPositionEncoding(nn.Module):
+    """timm's CoaT in small: one depthwise conv reached by two paths (the model's and a block's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpe = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.blocks = nn.ModuleList([nn.Sequential(self.cpe, nn.ReLU())])
+        self.register_buffer("scale", torch.full((1, 4, 1, 1), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x) * self.scale + self.cpe(x)
+
+
+def test_a_module_reached_by_two_paths_keeps_its_own_parameters() -> None:
+    # torch's functional_call, which records the model, put the recording's tensors in such a module
+    model, x = _SharesAPositionEncoding(), torch.randn(1, 4, 5, 5)
+    held = {name: t for name, t in [*model.named_parameters(remove_duplicate=False),
+                                    *model.named_buffers(remove_duplicate=False)]}
+    proto = fwdtrace.to_onnx(model, x)
+    assert all(t is held[name] for name, t in [*model.named_parameters(remove_duplicate=False),
+                                               *model.named_buffers(remove_duplicate=False)])
+    assert_matches(proto, {"x": x}, {"output": model(x)})
+
+
 def test_dataclass_output_and_an_input_returned_as_it_is() -> None:
     class PassThrough(nn.Module):
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

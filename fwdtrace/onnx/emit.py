@@ -351,6 +351,24 @@ class _Record:
     output_names: list[str] = field(default_factory=list)
 
 
+
+def _functional_call(module: torch.nn.Module, weights: dict[str, torch.Tensor], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+    """``torch.func.functional_call``, every module's own parameters and buffers put back afterwards.
+
+    functional_call leaves the tensors it swapped in inside a module the model reaches by two paths
+    (timm's CoaT shares one convolutional position encoding between blocks): torch 2.13 restores
+    each path in turn, so the user's model would keep the recording's tensors.
+    """
+    held: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        (d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers)]
+    try:
+        return torch.func.functional_call(module, weights, args, kwargs, strict=False)
+    finally:
+        for d, before in held:
+            d.clear()
+            d.update(before)
+
 def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, _Record]:
     """The model's ATen calls on these inputs as a functional FX graph: weights first, then inputs."""
     from torch.utils import _pytree as pytree
@@ -379,7 +397,7 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             values[i] = t
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
         weights = {name: state_values[i] for name, i in name2index.items()}
-        out = torch.func.functional_call(model, weights, tuple(call_args), call_kwargs, strict=False)
+        out = _functional_call(model, weights, tuple(call_args), call_kwargs)
         named = list(_named_outputs(out))
         record.output_names = _unique([n for n, _ in named])
         return [t for _, t in named]
@@ -738,8 +756,7 @@ def _layer_op() -> Any:
         args, kwargs = pytree.tree_unflatten(values, call.spec)
         token = _running_layer.set(True)
         try:
-            out = torch.func.functional_call(call.module, dict(zip(call.param_names, tensors[n:], strict=True)),
-                                             tuple(args), kwargs, strict=False)
+            out = _functional_call(call.module, dict(zip(call.param_names, tensors[n:], strict=True)), tuple(args), kwargs)
         finally:
             _running_layer.reset(token)
         call.out_leaves, call.out_spec = pytree.tree_flatten(out)
