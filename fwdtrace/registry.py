@@ -85,6 +85,14 @@ def whole_functions() -> tuple[FunctionTarget, ...]:
     return tuple(out)
 
 
+def function_targets(extra: tuple[FunctionTarget, ...] = ()) -> list[FunctionTarget]:
+    """Every function a trace patches: the registered ones, then :data:`WHOLE_FUNCTIONS` and ``extra``
+    where not registered already (a registration keeps its own callbacks and atomicity)."""
+    registered = REGISTRY.functions
+    added = {t.path: t for t in (*whole_functions(), *extra) if t.path not in registered}
+    return [*registered.values(), *added.values()]
+
+
 def qualified_name(cls: type) -> str:
     """``torch.nn.Conv2d`` for torch's own layers, ``module.QualName`` otherwise."""
     if getattr(torch.nn, cls.__name__, None) is cls:

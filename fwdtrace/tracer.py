@@ -255,10 +255,8 @@ class Tracer:
                 self._entered_from = (entered_from, entered_from.f_lasti)
                 _local.tracer = self
                 self._handle = add_call_handler(self._on_call)
-                registered = _registry.REGISTRY.functions
-                added = {t.path: t for t in (*_registry.whole_functions(), *self.atomic) if t.path not in registered}
-                targets = [*registered.values(), *added.values()]
-                self._function_handles = add_function_handlers(self._function_handler, targets=targets)
+                self._function_handles = add_function_handlers(
+                    self._function_handler, targets=_registry.function_targets(self.atomic))
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
         except BaseException:

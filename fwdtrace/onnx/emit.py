@@ -351,7 +351,6 @@ class _Record:
     output_names: list[str] = field(default_factory=list)
 
 
-
 def _functional_call(module: torch.nn.Module, weights: dict[str, torch.Tensor], args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
     """``torch.func.functional_call``, every module's own parameters and buffers put back afterwards.
@@ -368,6 +367,7 @@ def _functional_call(module: torch.nn.Module, weights: dict[str, torch.Tensor], 
         for d, before in held:
             d.clear()
             d.update(before)
+
 
 def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, _Record]:
     """The model's ATen calls on these inputs as a functional FX graph: weights first, then inputs."""
@@ -596,7 +596,7 @@ def _module_scopes(model: torch.nn.Module) -> Iterator[None]:
     import torch.fx.traceback as fx_traceback
 
     from ..patching import add_call_handler, remove_call_handler
-    from ..registry import REGISTRY, whole_functions
+    from ..registry import function_targets
     from ..tracer import add_function_handlers, remove_handlers
 
     paths: dict[torch.nn.Module, str] = {}
@@ -641,10 +641,10 @@ def _module_scopes(model: torch.nn.Module) -> Iterator[None]:
             stack.pop()
             publish()
 
-    atomic = {t.path: t for t in (*REGISTRY.functions.values(), *whole_functions()) if t.atomic}
+    atomic = [t for t in function_targets() if t.atomic]  # the calls a trace records as one node
     with fx_traceback.preserve_node_meta():
         handle = add_call_handler(on_call)
-        function_handles = add_function_handlers(on_function, targets=list(atomic.values()))
+        function_handles = add_function_handlers(on_function, targets=atomic)
         try:
             yield
         finally:
@@ -1070,12 +1070,11 @@ def _sizes_depend_on_values(node: Any, mode: Any) -> bool:
     if target.namespace in ("aten", "prims", "fwdtrace", "onnx"):
         return False
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch.utils import _pytree as pytree
 
     def fake(a: Any) -> Any:
         val = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
         return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype) if isinstance(val, torch.Tensor) else val
-
-    from torch.utils import _pytree as pytree
 
     try:
         with mode:

@@ -796,7 +796,8 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
     if it must.
     """
     top = _max_depth(graph)
-    counts = [len(_units(graph, folds, d, **options).units) for d in range(top + 1)]
+    pictures = [_units(graph, folds, d, **options) for d in range(top + 1)]
+    counts = [len(p.units) for p in pictures]
     least = min(MIN_AUTO_BOXES, counts[top])
     if target_nodes < MIN_AUTO_BOXES:  # asked for a small picture: the deepest depth within it
         floor = max((d for d, c in enumerate(counts) if c <= target_nodes), default=0)
@@ -805,7 +806,8 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
     opened: frozenset[Scope] = frozenset()
     partly = ""
     if counts[floor] > target_nodes >= least and floor >= 2:
-        opened, count, candidates = _partly_opened(graph, folds, options, floor - 1, target_nodes)
+        opened, count, candidates = _partly_opened(graph, folds, options, floor - 1, pictures[floor - 1],
+                                                   pictures[floor], target_nodes)
         if count >= least:
             partly = f", {len(opened)} of {candidates} module calls opened to depth {floor}"
             floor -= 1
@@ -848,17 +850,16 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
     return dot
 
 
-def _partly_opened(graph: Graph, folds: Folds, options: dict[str, Any], depth: int,
+def _partly_opened(graph: Graph, folds: Folds, options: dict[str, Any], depth: int, shallow: _Picture, deep: _Picture,
                    target_nodes: int) -> tuple[frozenset[Scope], int, int]:
-    """Which module calls collapsed at ``depth`` to open one level deeper, in execution order, each
-    that keeps the picture within ``target_nodes`` boxes; with the picture's box count and how
-    many calls could have been opened.
+    """Which module calls collapsed at ``depth`` (its picture: ``shallow``) to open one level deeper
+    (``deep``, the picture at ``depth + 1``), in execution order, each that keeps the picture within
+    ``target_nodes`` boxes; with the picture's box count and how many calls could have been opened.
 
     A call opened adds the boxes it holds at ``depth + 1``, less its own; folds that span
     several calls (side computations) make that an estimate, so the picture is counted and the
     last call opened is closed again while it is over.
     """
-    shallow, deep = _units(graph, folds, depth, **options), _units(graph, folds, depth + 1, **options)
     collapsed = [u for u in shallow.units if u.kind == "group" and u.key.startswith("g:") and len(u.placement) == depth - 1]
     chosen: list[Scope] = []
     count = len(shallow.units)
