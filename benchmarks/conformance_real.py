@@ -110,26 +110,39 @@ def run_in_children(cases: list[corpus.Case], entries: list[str], argv: list[str
     """
     pending = list(cases)
     running: dict[subprocess.Popen[bytes], corpus.Case] = {}
-    while pending or running:
-        while pending and len(running) < jobs:
-            case = pending.pop(0)
-            command = [sys.executable, __file__, "run", *argv, *(f"--entry={e}" for e in entries),
-                       "--only", case.name, "--jobs", "1"]
-            running[subprocess.Popen(command)] = case
-        child = next((p for p in running if p.poll() is not None), None)
-        if child is None:
-            time.sleep(0.5)
-            continue
-        case = running.pop(child)
-        if child.returncode != 0:
-            written = {e for m, e in _done(out) if m == case.name}
-            entry = next((e for e in entries if e not in written), entries[0])
-            how = f"signal {-child.returncode}" if child.returncode < 0 else f"exit status {child.returncode}"
-            row = {"model": case.name, "family": case.family, "entry": entry, "status": "error",
-                   "message": f"the process running this model died ({how})", "seconds": 0.0}
-            with out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"{case.name:50s} {entry:26s} died ({how})", flush=True)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                case = pending.pop(0)
+                command = [sys.executable, __file__, "run", *argv, *(f"--entry={e}" for e in entries),
+                           "--only", case.name, "--jobs", "1"]
+                running[subprocess.Popen(command, preexec_fn=_die_with_parent)] = case
+            child = next((p for p in running if p.poll() is not None), None)
+            if child is None:
+                time.sleep(0.5)
+                continue
+            case = running.pop(child)
+            if child.returncode != 0:
+                written = {e for m, e in _done(out) if m == case.name}
+                entry = next((e for e in entries if e not in written), entries[0])
+                how = f"signal {-child.returncode}" if child.returncode < 0 else f"exit status {child.returncode}"
+                row = {"model": case.name, "family": case.family, "entry": entry, "status": "error",
+                       "message": f"the process running this model died ({how})", "seconds": 0.0}
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"{case.name:50s} {entry:26s} died ({how})", flush=True)
+    finally:  # Ctrl-C or an error here: no model goes on running without the run that started it
+        for child in running:
+            child.kill()
+            child.wait()
+
+
+def _die_with_parent() -> None:
+    """In a child, before it runs: the kernel ends it when this process dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def table(path: Path) -> str:
