@@ -15,9 +15,10 @@ import torch
 
 _DTYPE2NAME: dict[torch.dtype, str] = {}
 # Plain objects opened like containers when asked (``caches=True``): transformers' KV caches
-# (DynamicCache and its layers), which models return as ``past_key_values``. Other objects stay
-# closed: their attributes may be anything. Only a model's outputs open them: the trace's output
-# nodes and the flattening of an export (see fwdtrace.onnx.export), which must agree.
+# (DynamicCache and its layers), which models return as ``cache`` (``past_key_values`` before
+# transformers 5.24). Other objects stay closed: their attributes may be anything. Only a model's
+# outputs open them: the trace's output nodes and the flattening of an export (see
+# fwdtrace.onnx.export), which must agree.
 _CACHE_MODULES = ("transformers.cache_utils",)
 
 
@@ -37,7 +38,7 @@ def tensor_text(t: torch.Tensor) -> str:
 def iter_tensors(obj: Any, path: str = "", caches: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor leaf of ``obj``, depth first, in order.
 
-    ``caches=True`` also opens transformers' KV caches (``output.past_key_values.layers[0].keys``).
+    ``caches=True`` also opens transformers' KV caches (``output.cache.layers[0].keys``).
     """
     if isinstance(obj, torch.Tensor):
         yield path, obj

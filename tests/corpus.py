@@ -622,6 +622,15 @@ def _input_names(run: Run) -> dict[str, torch.Tensor]:
     return named
 
 
+def cache_field(out: Mapping[str, Any]) -> str:
+    """The field of a transformers model's output that holds its cache: ``cache`` since transformers 5.24,
+    ``past_key_values`` (Mamba: ``cache_params``) before; output names and report labels start with it."""
+    from transformers.cache_utils import Cache
+
+    (name,) = [key for key, value in out.items() if isinstance(value, Cache)]
+    return name
+
+
 def output_at(out: Any, path: str) -> Any:
     """What ``path`` (``cache_params.layers[0].conv_states[0]``, ``['a b']``) names in a model's output,
     by attribute, key and index."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import zoo
-from corpus import assert_nothing_lost, png_size  # the conformance suite's box-membership checks, shared
+from corpus import assert_nothing_lost, cache_field, png_size  # box-membership checks, shared with the corpus
 from torch import nn
 
 import fwdtrace
@@ -510,6 +510,8 @@ def test_a_png_over_cairos_size_limit_is_a_warning_not_a_line_on_stderr(capfd: p
 
 def test_leaf_layers_are_one_box_and_the_empty_cache_is_folded() -> None:
     graph = trace_model("gpt2")
+    model, args, *kwargs = models()["gpt2"]()  # type: ignore[operator]
+    cache = cache_field(model(*args, **(kwargs[0] if kwargs else {})))
     folded, opened = graph.to_dot(None), graph.to_dot(None, open_leaf_layers=True)
     assert_nothing_lost(graph, folded)
     assert_nothing_lost(graph, opened)
@@ -529,7 +531,7 @@ def test_leaf_layers_are_one_box_and_the_empty_cache_is_folded() -> None:
     assert "cat" not in labels and "tensor" not in labels and "cat" in dot_labels(graph.to_dot(None, fold_side=False))
     # ... feeding the attention and the cache tensors the model returns (outputs of the trace)
     fed = sorted(label for label in dot_labels(folded) if label.startswith("empty cache, 2 ops\n"))
-    assert fed == [f"empty cache, 2 ops\n→ h.0.attn, output: output_past_key_values_layers[0]_{kv}" for kv in ("keys", "values")]
+    assert fed == [f"empty cache, 2 ops\n→ h.0.attn, output: output_{cache}_layers[0]_{kv}" for kv in ("keys", "values")]
     # every output is a box of its own: a cache's run of outputs (two per layer) is no loop
     outputs = {str(n.id) for n in graph.nodes if n.kind == "output"}
     assert len(outputs) == 7 and outputs <= {str(n.attr["fwdtrace_members"]) for n in agraph.nodes()}

@@ -15,6 +15,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from corpus import cache_field
 from test_onnx_export import run_ort
 
 import fwdtrace
@@ -152,23 +153,24 @@ def test_a_model_returning_its_cache_agrees_with_every_exporter(exporter: str) -
 
 def test_a_cache_output_wired_elsewhere_is_named() -> None:
     model, ids = _gpt2()
+    cache = cache_field(model(ids))
     proto = fwdtrace.to_onnx(model, ids)
     p = onnx.ModelProto()
     p.CopyFrom(proto)
     names = [o.name for o in p.graph.output]
     for what in ("keys", "values"):  # layer 0's cache outputs now copy layer 1's
-        mine, other = f"past_key_values.layers.0.{what}", f"past_key_values.layers.1.{what}"
+        mine, other = f"{cache}.layers.0.{what}", f"{cache}.layers.1.{what}"
         for n in p.graph.node:  # the model's own readers keep the original value
             n.output[:] = [f"{o}_kept" if o == mine else o for o in n.output]
             n.input[:] = [f"{o}_kept" if o == mine else o for o in n.input]
         p.graph.node.append(onnx.helper.make_node("Identity", [other], [mine], name=f"copy_{what}"))
-    keys0 = names.index("past_key_values.layers.0.keys")
+    keys0 = names.index(f"{cache}.layers.0.keys")
     assert not np.allclose(run_ort(p, ids)[keys0], run_ort(proto, ids)[keys0])  # the tampering is real
     report = fwdtrace.check_onnx(model, ids, onnx=p)
     assert report.status == "mismatch"
     (edge,) = report.rewired
     assert edge.startswith("trace edge addmm = torch.addmm in transformer.h.0.attn.c_attn -> output "
-                           "(past_key_values.layers[0].keys, past_key_values.layers[0].values) has no ONNX path"), edge
+                           f"({cache}.layers[0].keys, {cache}.layers[0].values) has no ONNX path"), edge
 
 
 def test_an_export_without_the_cache_leaves_it_out_and_says_so() -> None:
@@ -180,8 +182,9 @@ def test_an_export_without_the_cache_leaves_it_out_and_says_so() -> None:
     np.testing.assert_allclose(logits, model(ids, use_cache=False).logits.detach().numpy(), rtol=1e-4, atol=1e-5)
     report = fwdtrace.check_onnx(model, ids, onnx=proto)  # the model returns its cache: 5 outputs
     assert report.ok, report.text
-    assert "outputs the export does not return, left out: past_key_values.layers[0].keys" in report.text
-    assert report.left_out == [f"past_key_values.layers[{i}].{kv}" for i in range(2) for kv in ("keys", "values")]
+    cache = cache_field(model(ids))
+    assert f"outputs the export does not return, left out: {cache}.layers[0].keys" in report.text
+    assert report.left_out == [f"{cache}.layers[{i}].{kv}" for i in range(2) for kv in ("keys", "values")]
     assert report.to_dict()["left_out"] == report.left_out
 
 
@@ -199,7 +202,8 @@ def test_mamba_with_its_cache_stays_ok(exporter: str) -> None:
     ours = [str(w.message) for w in caught if w.category is FwdtraceWarning]
     if exporter == "torchscript":  # it cannot export Mamba's cache writes (aten::copy): exported without
         assert any("could not export MambaForCausalLM's returned cache" in m for m in ours), ours
-        assert "outputs the export does not return, left out: cache_params" in report.text
+        cache = cache_field(model(ids, use_cache=True))
+        assert f"outputs the export does not return, left out: {cache}.layers[0]" in report.text
 
 
 # -- symbolics ------------------------------------------------------------------------------------

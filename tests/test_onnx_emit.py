@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import zoo
+from corpus import cache_field
 from onnxscript import FLOAT, script
 from onnxscript import opset18 as script_op
 from torch import nn
@@ -322,7 +323,7 @@ def test_gpt2_with_and_without_cache(hf, use_cache: bool) -> None:
     out = model(ids, use_cache=use_cache)
     want = {"logits": out.logits}
     if use_cache:
-        want.update(_cache_tensors("past_key_values", out.past_key_values))
+        want.update(_cache_tensors(cache_field(out), out.past_key_values))
         assert len(want) == 5  # two layers' keys and values
     assert_matches(proto, {"input_ids": ids}, want)
 
@@ -335,8 +336,9 @@ def test_t5_encoder_decoder(hf) -> None:
     proto = fwdtrace.to_onnx(model, ids, decoder_input_ids=decoder_ids)
     out = model(ids, decoder_input_ids=decoder_ids)
     want = {"last_hidden_state": out.last_hidden_state}
-    want.update(_cache_tensors("past_key_values.self_attention_cache", out.past_key_values.self_attention_cache))
-    want.update(_cache_tensors("past_key_values.cross_attention_cache", out.past_key_values.cross_attention_cache))
+    cache = cache_field(out)
+    want.update(_cache_tensors(f"{cache}.self_attention_cache", out.past_key_values.self_attention_cache))
+    want.update(_cache_tensors(f"{cache}.cross_attention_cache", out.past_key_values.cross_attention_cache))
     want["encoder_last_hidden_state"] = out.encoder_last_hidden_state
     assert_matches(proto, {"input_ids": ids, "decoder_input_ids": decoder_ids}, want)
 

@@ -132,7 +132,7 @@ class TopologyReport:
     (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened: neither
     ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` opens them); ``ok`` is
     ``status == 'ok'``. ``left_out`` names the outputs of the model the ONNX model does not
-    return (a transformers cache exported without it: ``cache_params.layers[0].conv_states[0]``),
+    return (a transformers cache exported without it: ``cache.layers[0].conv_states[0]``),
     by their paths in what the model returned; the others are compared. With ``numeric=True``
     the numbers settle what the structure cannot: ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
     structure differs but the values after every difference agree; ``ok`` is then
@@ -1323,7 +1323,7 @@ def _pair_inputs(
 
 # -- the report -----------------------------------------------------------------------------------
 def _output_label(n: Node) -> str:
-    """``logits``, ``past_key_values.layers[0].keys``: which of the model's outputs a trace output node is."""
+    """``logits``, ``cache.layers[0].keys``: which of the model's outputs a trace output node is."""
     return str(n.meta.get("cache") or n.name.removeprefix("output_").removeprefix("output"))
 
 
@@ -1365,7 +1365,7 @@ class _Texts:
         return f"'{_onnx_name(n)}' [{n.meta.get('op_type')}]" + (f" in {scope or '<root>'}" if scope is not None else "")
 
     def outputs_of(self, side: str, gid: int) -> str:
-        """`` (past_key_values.layers[0].keys, ...)``: which graph outputs a group feeds, on one side."""
+        """`` (cache.layers[0].keys, ...)``: which graph outputs a group feeds, on one side."""
         if side == "trace":
             names = self.r.outputs_fed.get(gid, [])
         else:
@@ -1623,8 +1623,9 @@ def check_onnx(
     BatchNorm and drop dropout only in eval mode, and the trace runs the model as it is.
     Layers no ONNX rule knows (a custom layer with a forward of its own) are traced again
     as the torch calls they make and compared as those; ``report.opened`` names them.
-    A returned transformers cache (``past_key_values``) is compared when the ONNX model
-    returns its tensors, and left out (said in the report) when it returns the other outputs only.
+    A returned transformers cache (``cache``; ``past_key_values`` before transformers 5.24) is compared
+    when the ONNX model returns its tensors, and left out (said in the report) when it returns the other
+    outputs only.
     The exporters' own warnings and prints are kept quiet (see :func:`fwdtrace.export_onnx`);
     ``verbose=True`` shows them.
 

@@ -309,7 +309,7 @@ def to_onnx(
     (keyword inputs by their keywords); non-tensor inputs (``use_cache=True``) are fixed
     to their values. Outputs are the tensors of what the model returns, flattened from
     tuples, dicts, dataclasses, ``ModelOutput`` s and caches, named by their paths
-    (``logits``, ``past_key_values.layers.0.keys``; ``output`` for a single tensor,
+    (``logits``, ``cache.layers.0.keys``; ``output`` for a single tensor,
     ``output_0``, ``output_1`` for a tuple). Parameters and buffers are initializers named
     by their state-dict names; every node carries the module path and class it ran in
     (the metadata torch's dynamo exporter writes, read back by :func:`fwdtrace.onnx_graph`).
