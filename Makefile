@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck browser bench bench-real clean
+.PHONY: demo test lint typecheck browser bench bench-real constraints clean
 
 # --no-compile: pip would byte-compile every module of every package (about 40 s, most of the set-up);
 # Python compiles the ones a run imports, once, as it imports them. The venv's own pip (Python
@@ -13,14 +13,26 @@ STAMP := $(VENV)/.installed
 # That needs Python to write its bytecode caches: with PYTHONDONTWRITEBYTECODE set (as some images
 # do), each of the suite's ~200 Python processes would compile torch from source again.
 unexport PYTHONDONTWRITEBYTECODE
-PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+# Every package at the version in constraints.txt, the set the suite last passed with.
+PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt
+EXTRAS := dev,recorder,model-explorer,tensorboard
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	@# The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,recorder,model-explorer,tensorboard]'
+	$(PIP) -e '.[$(EXTRAS)]'
 	touch $(STAMP)
+
+# Resolve the newest releases again into constraints.txt (its comment lines kept), in a venv of its
+# own; then make test says whether the suite passes with them.
+constraints:
+	rm -rf .venv-resolve && $(PYTHON) -m venv .venv-resolve
+	.venv-resolve/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
+	.venv-resolve/bin/python -m pip install -q --disable-pip-version-check --no-compile -e '.[$(EXTRAS)]'
+	grep '^#' constraints.txt > constraints.new
+	.venv-resolve/bin/python -m pip freeze --exclude-editable | sort -f >> constraints.new
+	mv constraints.new constraints.txt && rm -rf .venv-resolve
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
