@@ -1857,3 +1857,76 @@ def test_check_onnx_matches_to_onnxs_scatter_of_a_copy_filling_its_buffer() -> N
     report = fwdtrace.check_onnx(model, img, onnx=proto)
     assert report.ok, str(report)
     assert [o for t, o in report.matched if "copy_" in t] == [("node_select_scatter",)]
+
+
+class DetectsPerClass(torch.nn.Module):
+    """SSD's postprocess_detections in small: per class, the scores over a threshold, their boxes and
+    the top ones, then one concatenation of all the classes' boxes and one of their scores.
+
+    ``reorders`` indexes each class's boxes a few more times (wiring on both sides): 12 classes
+    then put as many ONNX view ops between the per-class results and the boxes' Concat (about
+    500) as SSD's 90 classes do (540).
+    """
+
+    def __init__(self, classes: int, reorders: int) -> None:
+        super().__init__()
+        self.classes, self.reorders = classes, reorders
+        self.head = torch.nn.Linear(4, 4 + classes)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.head(x)
+        boxes, scores = out[:, :4], out[:, 4:].softmax(-1)
+        image_boxes, image_scores = [], []
+        for label in range(self.classes):
+            score = scores[:, label]
+            keep = score > 0.05
+            score, box = score[keep], boxes[keep]
+            score, idxs = score.topk(min(3, score.numel()))
+            box = box[idxs]
+            order = score.topk(score.numel(), largest=False)[1]
+            for _ in range(self.reorders):
+                box = box[order]
+            image_boxes.append(box)
+            image_scores.append(score)
+        return torch.cat(image_boxes), torch.cat(image_scores)
+
+
+def _concat_returning(proto: onnx.ModelProto, k: int) -> str:
+    """The name of the Concat that makes the k-th graph output."""
+    (concat,) = [n.name for n in proto.graph.node if n.op_type == "Concat" and proto.graph.output[k].name in n.output]
+    return concat
+
+
+def test_check_onnx_pairs_the_concatenations_of_many_per_class_results() -> None:
+    # The boxes' Concat is reached from each class through its own view ops, 500 in all: the
+    # comparison must not give up on it (it paired the boxes' cat with the scores' Concat, and the
+    # scores' cat with the boxes', 48 edges rewired; SSD300 and SSDlite 193).
+    torch.manual_seed(0)
+    model, x = DetectsPerClass(classes=12, reorders=6).eval(), torch.randn(8, 4)
+    proto = fwdtrace.to_onnx(model, x)
+    assert_runs_like_torch(proto, model(x), x)
+    report = fwdtrace.check_onnx(model, x, onnx=proto)  # as exporter="fwdtrace" does, exporting once
+    assert report.ok, str(report)
+    matched = dict(report.matched)
+    assert _concat_returning(proto, 0) in matched["cat = torch.cat"]
+    assert matched["cat_1 = torch.cat"] == (_concat_returning(proto, 1),)
+
+
+def test_a_concatenation_is_paired_with_the_concat_reached_from_all_its_inputs() -> None:
+    # box[idxs] is wiring: it passes on both the boxes and the top-k indices, so the scores'
+    # Concat (of the top-k values alone) is also reached from the boxes' cat inputs. In a file
+    # whose scores' Concat comes first, the one reached from the boxes too is the boxes'.
+    torch.manual_seed(0)
+    model, x = DetectsPerClass(classes=3, reorders=0).eval(), torch.randn(8, 4)
+    proto = fwdtrace.to_onnx(model, x)
+    boxes_at, scores_at = (next(i for i, n in enumerate(proto.graph.node) if n.name == _concat_returning(proto, k))
+                           for k in (0, 1))
+    nodes = list(proto.graph.node)
+    nodes.insert(boxes_at, nodes.pop(scores_at))  # still in topological order: the scores are all made before
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    onnx.checker.check_model(proto)
+    assert_runs_like_torch(proto, model(x), x)
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.ok, str(report)
+    assert dict(report.matched)["cat_1 = torch.cat"] == (_concat_returning(proto, 1),)

@@ -69,6 +69,9 @@ __all__ = ["TopologyReport", "ReportIds", "compare_onnx", "check_onnx", "render_
 MAX_SKIPPED = 2
 # ...and this many after a layer the graph does not open, whose ONNX ops are unknown.
 _UNOPENED_SKIPPED = 64
+# A region gives up past this many nodes per input of the call: each input has its own wiring
+# to the call (SSD's cat of 90 per-class results reaches them through 540 view ops).
+_REGION_PER_INPUT = 400
 # Trace attributes and the ONNX attributes that must agree with them when both exist.
 _ATTR_PAIRS = (("kernel_size", "kernel_shape"), ("stride", "strides"), ("groups", "group"), ("dilation", "dilations"))
 _OUTPUT_GROUP = -1
@@ -889,9 +892,12 @@ class _Matcher:
             region = self._region(cand, sources, reqs, ops, budget, eq, max_skipped)
             if region is None:
                 continue
-            nodes, skipped = region
+            nodes, skipped, touched = region
             size = sum(1 for oid in nodes if oid not in self.wiring)
-            score = (self._anchor(cand, nodes, scopes, params), -len(skipped), size, -cand)
+            # then the one reached from more of the calls behind the inputs: a call the trace
+            # elided passes both its inputs on (SSD's box[idxs] stands for box and topk), and a
+            # Concat of the topks alone is the scores', not the boxes'
+            score = (self._anchor(cand, nodes, scopes, params), -len(skipped), len(touched), size, -cand)
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
         if best is None and anchored:
@@ -931,8 +937,8 @@ class _Matcher:
         budget: Counter[str],
         eq: Equivalence,
         max_skipped: int,
-    ) -> tuple[set[int], set[int]] | None:
-        """The ONNX nodes between the sources and ``key`` that implement the call, or None."""
+    ) -> tuple[set[int], set[int], set[int]] | None:
+        """The ONNX nodes between the sources and ``key`` that implement the call, the ops skipped, the groups reached; or None."""
         region = {key}
         counts: Counter[str] = Counter({self.op(key): 1})
         skipped: set[int] = set()
@@ -960,7 +966,7 @@ class _Matcher:
                     skipped.add(p)
                     if len(skipped) > max_skipped:
                         return None
-                if len(region) > 400:
+                if len(region) > _REGION_PER_INPUT * max(1, len(reqs)):
                     return None
                 stack.append(p)
         if not all(req & touched for req in reqs):
@@ -977,7 +983,7 @@ class _Matcher:
                     trimmed = True
         if not any(p.admits(counts, self.op(key)) for p in eq.patterns):
             return None
-        return region, skipped
+        return region, skipped, touched
 
     def _anchored_fallback(
         self, tn: Node, eq: Equivalence, ops: frozenset[str], budget: Counter[str], scopes: set[str], params: set[str]
