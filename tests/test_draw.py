@@ -722,3 +722,44 @@ def test_a_large_layout_bounds_its_network_simplex_passes() -> None:
     assert limits(LARGE_LAYOUT + 1) == {"nslimit": str(NSLIMIT), "nslimit1": str(NSLIMIT)}
     assert limits(LARGE_LAYOUT) == {}
     assert limits(LARGE_LAYOUT + 1, "nslimit=7;") == {"nslimit": "7", "nslimit1": str(NSLIMIT)}  # a user's own stands
+    # edges count too: DenseNet-121 at depth 4 has 433 boxes and 967 edges
+    assert limits(LARGE_LAYOUT // 4, " ".join(f"n0 -> n{i % 8 + 1};" for i in range(LARGE_LAYOUT + 1))) == {
+        "nslimit": str(NSLIMIT), "nslimit1": str(NSLIMIT)}
+
+
+class _DenseBlock(nn.Module):
+    """DenseNet's pattern: each layer reads the concatenation of every earlier output."""
+
+    def __init__(self, layers: int = 8, growth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Conv2d(growth * (i + 1), growth, 1) for i in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(torch.cat(features, 1)))
+        return torch.cat(features, 1)
+
+
+def test_a_dense_layout_places_its_shape_labels_after_ranking(tmp_path: Path) -> None:
+    # A label ranked in doubles the ranks its edge crosses: routing DenseNet-121 at depth 4 (433 boxes,
+    # 967 edges) took Graphviz over 10 minutes. Dense pictures place each box's shapes after the layout.
+    import pygraphviz
+
+    from fwdtrace.passes.draw import DENSE_EDGES, layout_bytes
+
+    graph = fwdtrace.trace(_DenseBlock(), torch.randn(1, 4, 3, 3))
+    source = graph.to_dot(None).source
+    agraph = pygraphviz.AGraph(string=source)
+    assert agraph.number_of_edges() > DENSE_EDGES * agraph.number_of_nodes()
+    wanted = {(e[0], e.attr["label"]) for e in agraph.edges() if e.attr.get("label")}
+    assert len(wanted) < agraph.number_of_edges()  # fan-outs repeat a shape
+    laid = pygraphviz.AGraph(string=layout_bytes(source, "dot").decode())
+    assert not [e for e in laid.edges() if e.attr.get("label")]
+    assert sorted((e[0], e.attr["xlabel"]) for e in laid.edges() if e.attr.get("xlabel")) == sorted(wanted)
+    svg = Path(graph.render(tmp_path / "dense.svg", depth=None)).read_text()
+    assert {label for _, label in wanted} <= set(re.findall(r">([^<>]+)</text>", svg))
+    # a chain keeps its labels ranked in, between the boxes
+    chain = fwdtrace.trace(nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU()), torch.randn(1, 4, 3, 3)).to_dot(None).source
+    kept = pygraphviz.AGraph(string=layout_bytes(chain, "dot").decode())  # alive while its edges are read
+    assert len(kept.edges()) == 3 and all(e.attr.get("label") and not e.attr.get("xlabel") for e in kept.edges())
