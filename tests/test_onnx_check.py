@@ -356,3 +356,74 @@ def test_detection_post_processing_ops_match_their_onnx_ops() -> None:
     assert matched["remainder_1"] == ["Div", "Floor", "Mul", "Sub"]
     assert matched["getitem_1"] == ["NonZero"]
     assert "Mod" in matched["div"] and "Where" in matched["div"]
+
+
+class RetinaPostProcess(torch.nn.Module):
+    """RetinaNet's head and ``postprocess_detections`` in small, on two levels.
+
+    Per level, the top (place, class) scores; ``torch.div(index, classes, rounding_mode="floor")``
+    picks the anchors and deltas the boxes are decoded from. Then ``batched_nms``'s trick: each
+    class's boxes offset apart, a box kept where no higher-scoring one overlaps it (weighted, not
+    selected, so that the sizes stay those of the example).
+    """
+
+    def __init__(self, classes: int = 3, boxes: int = 4) -> None:
+        from corpus import TinyAnchors
+
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, 2, 1)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, 2, 1)
+        self.anchors = TinyAnchors((4, 8))
+        self.head = torch.nn.Conv2d(8, 4 + classes, 3, padding=1)
+        self.classes, self.boxes = classes, boxes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        f1 = torch.relu(self.c1(x))
+        features = [f1, torch.relu(self.c2(f1))]
+        anchors, _ = self.anchors(x, features)
+        sizes = [f.shape[-2] * f.shape[-1] for f in features]
+        out = torch.cat([self.head(f).flatten(2).transpose(1, 2) for f in features], 1)[0]
+        boxes, scores, labels = [], [], []
+        for o, a in zip(out.split(sizes), anchors.split(sizes), strict=True):
+            s, idx = o[:, 4:].sigmoid().flatten().topk(self.boxes)
+            place = torch.div(idx, self.classes, rounding_mode="floor")
+            d, a = o[place, :4], a[place]
+            w, h = a[:, 2] - a[:, 0], a[:, 3] - a[:, 1]
+            cx, cy = a[:, 0] + 0.5 * w + d[:, 0] * w, a[:, 1] + 0.5 * h + d[:, 1] * h
+            pw, ph = d[:, 2].exp() * w, d[:, 3].exp() * h
+            boxes.append(torch.stack([cx - pw / 2, cy - ph / 2, cx + pw / 2, cy + ph / 2], -1))
+            scores.append(s)
+            labels.append(idx % self.classes)
+        box, score, label = torch.cat(boxes), torch.cat(scores), torch.cat(labels)
+        apart = box + (label.to(box.dtype) * (box.max() + 1))[:, None]
+        lt = torch.max(apart[:, None, :2], apart[None, :, :2])
+        rb = torch.min(apart[:, None, 2:], apart[None, :, 2:])
+        inter = (rb - lt).clamp(min=0).prod(-1)
+        area = (apart[:, 2:] - apart[:, :2]).prod(-1)
+        iou = inter / (area[:, None] + area[None, :] - inter)
+        beaten = (score[None, :] > score[:, None]) & (iou > 0.5)
+        return box, score * ~beaten.any(1), label
+
+
+def test_anchors_picked_by_a_floor_division_are_decoded_by_the_next_calls() -> None:
+    # The TorchScript exporter writes each level's floor division out (Div, Less, Xor, Mod, ...,
+    # Where); its Div, Sub and Where only compute where Gathers read, so they are wiring, and the
+    # region grown up from the box decoder's first Sub through the anchors' Gather held one op
+    # more than the division's own: the division took the decoder's Sub, and every call after was
+    # paired one op off (torchvision's RetinaNet: 3 missing, 18 extra, 457 rewired).
+    torch.manual_seed(0)
+    model, x = RetinaPostProcess().eval(), torch.rand(1, 3, 16, 16)
+    with torch.no_grad():
+        want = model(x)  # TinyAnchors' scales, taken by the first call: the export reads no tensor as a number
+        proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+        for got, expected in zip(run_ort(proto, x), want, strict=True):
+            np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-5)  # the export is right
+        report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.ok, report.text
+    ops = [(call.partition(" = ")[2], sorted(onnx_op(proto, n) for n in names)) for call, names in report.matched]
+    divisions = [found for target, found in ops if target == "torch.div"]
+    # one a level, with no Sub of the decoder's (its Div, Sub and Where are wiring: the report leaves them out)
+    assert divisions == [["And", "Equal", "Less", "Mod", "Not", "Xor"]] * 2, ops
+    subs = [found for target, found in ops if target.startswith("torch.Tensor.sub")]
+    # a level's width, height and two corners, and the suppression's three, each its own Sub
+    assert len(subs) == 2 * 4 + 3 and all(found == ["Sub"] for found in subs), subs

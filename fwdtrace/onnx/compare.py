@@ -713,8 +713,6 @@ class _Matcher:
             found = self._find(tn, eq, reqs, max_skipped=skipped, anchored=simpler is None) if eq.patterns else None
             if found is not None:
                 key, region = found
-                if self.op(key) in _RECURRENT_OPS:
-                    region |= self._final_states(region)
                 self._new_group(tn.id, region, key)
                 tn_out = frozenset({tn.id})
             elif simpler is not None:
@@ -893,16 +891,40 @@ class _Matcher:
             if region is None:
                 continue
             nodes, skipped, touched = region
+            results = {cand} | (self._final_states(nodes) if self.op(cand) in _RECURRENT_OPS else set())
+            nodes |= results
             size = sum(1 for oid in nodes if oid not in self.wiring)
-            # then the one reached from more of the calls behind the inputs: a call the trace
-            # elided passes both its inputs on (SSD's box[idxs] stands for box and topk), and a
-            # Concat of the topks alone is the scores', not the boxes'
-            score = (self._anchor(cand, nodes, scopes, params), -len(skipped), len(touched), size, -cand)
+            # After the scope and the ops skipped: the region reached from more of the calls behind
+            # the inputs (a call the trace elided passes both its inputs on: SSD's box[idxs] stands
+            # for box and topk, and a Concat of the topks alone is the scores', not the boxes');
+            # then one whose own work nothing outside reads, for a larger region may have taken in
+            # the next call's op (a box decoder's Sub, reached through the anchors' Gather by the
+            # index); then the larger; then, of two alike but for wiring, the one that ends the call
+            # (floor division's Where after its And, where its Div, Sub and Where only index).
+            leaks = len(self._read_outside(results, nodes))
+            score = (self._anchor(cand, nodes, scopes, params), -len(skipped), len(touched), -leaks, size, len(nodes),
+                     -cand)
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
         if best is None and anchored:
             best = self._anchored_fallback(tn, eq, ops, budget, scopes, params)
         return None if best is None else (best[1], best[2])
+
+    def _read_outside(self, results: set[int], region: set[int]) -> set[int]:
+        """The region's nodes besides ``results`` that compute from its own work and are read outside it.
+
+        A call's results leave through its last op (and a recurrent call's stacked final
+        states); what its other ops compute is its own. What the region computes from the
+        call's inputs alone may be shared (an exporter computes one attention mask's additive
+        form for every layer: :meth:`_prelude`).
+        """
+        found = set()
+        for oid in region:
+            if oid in results or not any(self.producer[v] in region for v in self._data_inputs(self.onodes[oid])):
+                continue
+            if any(c not in region for r in self.onodes[oid].outputs for c in self.consumers.get(r.obj_id, ())):
+                found.add(oid)
+        return found
 
     def _reachable(self, sources: frozenset[int], ops: frozenset[str], max_skipped: int) -> list[tuple[int, int]]:
         """Unmatched ONNX nodes of the wanted op types downstream of ``sources``, with skip counts."""
