@@ -427,3 +427,29 @@ def test_anchors_picked_by_a_floor_division_are_decoded_by_the_next_calls() -> N
     subs = [found for target, found in ops if target.startswith("torch.Tensor.sub")]
     # a level's width, height and two corners, and the suppression's three, each its own Sub
     assert len(subs) == 2 * 4 + 3 and all(found == ["Sub"] for found in subs), subs
+
+
+class PastesMasks(torch.nn.Module):
+    """torchvision's ``paste_mask_in_image`` in small: each mask resized, then written into a slice of an empty image."""
+
+    def forward(self, masks: torch.Tensor, corners: torch.Tensor) -> torch.Tensor:
+        images = []
+        for i in range(masks.shape[0]):
+            mask = F.interpolate(masks[i:i + 1], size=(6, 6), mode="bilinear", align_corners=False)[0][0]
+            image = torch.zeros(10, 10, dtype=masks.dtype)
+            y, x = int(corners[i, 0]), int(corners[i, 1])
+            image[y:y + 3, x:x + 4] = mask[1:4, 2:6]
+            images.append(image)
+        return torch.stack(images)
+
+
+def test_a_write_into_a_slice_of_two_dimensions_is_one_call() -> None:
+    # Recorded functionally, im[y0:y1, x0:x1] = m is a slice_scatter per sliced dimension: to_onnx's
+    # two ScatterNDs, of which the check matched one and reported the other extra (100 in Mask R-CNN)
+    model, masks, corners = PastesMasks(), torch.randn(2, 1, 4, 4), torch.tensor([[2.0, 3.0], [1.0, 5.0]])
+    proto = fwdtrace.to_onnx(model, masks, corners)
+    np.testing.assert_allclose(run_ort(proto, masks, corners)[0], model(masks, corners).numpy(), rtol=1e-5, atol=1e-6)
+    report = fwdtrace.check_onnx(model, masks, corners, onnx=proto)
+    assert report.ok, report.text
+    setitems = {name: ops for name, ops in report.matched if "__setitem__" in name}
+    assert len(setitems) == 2 and all(any("ScatterND" in o or "slice_scatter" in o for o in ops) for ops in setitems.values())

@@ -44,6 +44,7 @@ from .ops import (
     OVERWRITE_FUNCTIONS,
     PAD_FUNCTIONS,
     QUANTIZED_OPS,
+    SETITEM_FUNCTIONS,
     SHAPE_ONLY_AFTER_FIRST,
     Equivalence,
     canonical_target,
@@ -51,6 +52,7 @@ from .ops import (
     equivalence_for,
     note_classes,
     rule_target,
+    scattered_per_dimension,
     written_through_a_view,
 )
 
@@ -681,6 +683,8 @@ class _Matcher:
                                     self._written_rank(tn))
         elif tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
             eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
+        elif eq is not None and canonical_target(tn.target) in SETITEM_FUNCTIONS and len(tn.inputs) == 2:
+            eq = scattered_per_dimension(eq, _indexed_dims(tn.inputs[0].shape, tn.inputs[1].shape))
         call_key = self._call_key(tn)
         earlier = self._earlier_call(tn, call_key)
         passthrough = frozenset().union(*reqs) if reqs else frozenset()
@@ -1309,6 +1313,20 @@ def _pads_with(reader: Node, on: Node, op: str, amounts: list[int]) -> bool:
     before = [own[i] + extra[2 * (n - 1 - i)] for i in range(n)]
     after = [own[i] + extra[2 * (n - 1 - i) + 1] for i in range(n)]
     return pads == before + after
+
+
+def _indexed_dims(written: tuple[int, ...], value: tuple[int, ...]) -> int:
+    """How many dimensions of ``written`` a write of ``value`` into part of it indexes, at least.
+
+    >>> _indexed_dims((10, 10), (3, 4)), _indexed_dims((10, 10), (10,)), _indexed_dims((2, 5), (1, 5))
+    (2, 1, 1)
+
+    ``im[2:5, 3:7] = m`` indexes two (each a ``slice_scatter`` when recorded functionally),
+    ``im[:, 1] = v`` one: the dimensions, aligned from the right as broadcasting does, where
+    the value is smaller or missing.
+    """
+    padded = (1,) * (len(written) - len(value)) + tuple(value[-len(written):]) if written else ()
+    return sum(1 for w, v in zip(written, padded, strict=True) if v != w)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

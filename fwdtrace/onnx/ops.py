@@ -17,7 +17,7 @@ import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, overload
 
 import torch
@@ -678,10 +678,27 @@ _register(_functions("gather", "take_along_dim"), "GatherElements", "Gather", op
 _register(_functions("index_select", "take"), "Gather", optional=True)
 # torch.roll is slices put back together; ``x[i] = v`` a scatter, or slices and a Concat
 _register(_functions("roll"), "Concat", "Concat*2", "Concat*3", optional=True)
+SETITEM_FUNCTIONS = frozenset(["torch.Tensor.__setitem__", *_functions("index_put", "index_put_")])
 _register(
-    ["torch.Tensor.__setitem__"] + _functions("index_put", "index_put_", "slice_scatter", "select_scatter"),
+    sorted(SETITEM_FUNCTIONS) + _functions("slice_scatter", "select_scatter"),
     "ScatterND", "ScatterElements", "Concat", "Concat*2", "Where", "Expand+ScatterND", optional=True,
 )
+
+
+def scattered_per_dimension(eq: Equivalence, rank: int) -> Equivalence:
+    """A write by index into a tensor of ``rank`` dimensions: a scatter per indexed dimension at most.
+
+    >>> eq = Equivalence((Pattern.parse("ScatterND"),))
+    >>> [p.text for p in scattered_per_dimension(eq, 2).patterns]
+    ['ScatterND', 'ScatterND*2+ScatterElements*2', 'Expand+ScatterND*2']
+
+    ``im[y0:y1, x0:x1] = m`` (torchvision's ``paste_mask_in_image``) is a ``slice_scatter``
+    per sliced dimension when recorded functionally (to_onnx's two ScatterNDs), where
+    TorchScript writes one ScatterND.
+    """
+    more = (f"ScatterND*{rank}+ScatterElements*{rank}", f"Expand+ScatterND*{rank}")
+    return replace(eq, patterns=eq.patterns + tuple(Pattern.parse(t) for t in more if t not in
+                                                    {p.text for p in eq.patterns}))
 
 
 def written_through_a_view(eq: Equivalence | None, dims: int) -> Equivalence:
