@@ -730,7 +730,7 @@ def test_a_large_layout_bounds_its_network_simplex_passes() -> None:
 class _DenseBlock(nn.Module):
     """DenseNet's pattern: each layer reads the concatenation of every earlier output."""
 
-    def __init__(self, layers: int = 8, growth: int = 4) -> None:
+    def __init__(self, layers: int = 8, growth: int = 2) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Conv2d(growth * (i + 1), growth, 1) for i in range(layers))
 
@@ -741,17 +741,32 @@ class _DenseBlock(nn.Module):
         return torch.cat(features, 1)
 
 
-def test_a_dense_layout_places_its_shape_labels_after_ranking(tmp_path: Path) -> None:
+def test_a_dense_layout_places_its_shape_labels_after_ranking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A label ranked in doubles the ranks its edge crosses: routing DenseNet-121 at depth 4 (433 boxes,
-    # 967 edges) took Graphviz over 10 minutes. Dense pictures place each box's shapes after the layout.
+    # 967 edges, 156 abreast) took Graphviz over 10 minutes. Dense pictures place each box's shapes after the layout.
     import pygraphviz
 
-    from fwdtrace.passes.draw import DENSE_EDGES, layout_bytes
+    from fwdtrace.passes import draw
+    from fwdtrace.passes.draw import DENSE_WIDTH, _widest_skip, layout_bytes
 
-    graph = fwdtrace.trace(_DenseBlock(), torch.randn(1, 4, 3, 3))
+    def dot(model: nn.Module) -> str:
+        return fwdtrace.trace(model, torch.randn(1, 2, 3, 3)).to_dot(None).source
+
+    # a 24-layer block's middle: x and the 11 outputs before it, each read by the 12 layers after it
+    # and by the last concatenation, pass over it, as 156 edges do in DenseNet-121's largest block
+    assert _widest_skip(pygraphviz.AGraph(string=dot(_DenseBlock(24)))) == 12 * 13 > DENSE_WIDTH
+    # a few long edges abreast keep their labels ranked in, between the boxes, as a chain does
+    graph = fwdtrace.trace(_DenseBlock(8), torch.randn(1, 2, 3, 3))
     source = graph.to_dot(None).source
     agraph = pygraphviz.AGraph(string=source)
-    assert agraph.number_of_edges() > DENSE_EDGES * agraph.number_of_nodes()
+    assert _widest_skip(agraph) == 4 * 5 <= DENSE_WIDTH
+    laid_small = pygraphviz.AGraph(string=layout_bytes(source, "dot").decode())
+    assert all(e.attr.get("label") and not e.attr.get("xlabel") for e in laid_small.edges())
+    chain = dot(nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU()))
+    kept = pygraphviz.AGraph(string=layout_bytes(chain, "dot").decode())  # alive while its edges are read
+    assert len(kept.edges()) == 3 and all(e.attr.get("label") and not e.attr.get("xlabel") for e in kept.edges())
+    # over the width (lowered here, to keep the test fast), each box's shapes are placed after ranking
+    monkeypatch.setattr(draw, "DENSE_WIDTH", 4 * 5 - 1)
     wanted = {(e[0], e.attr["label"]) for e in agraph.edges() if e.attr.get("label")}
     assert len(wanted) < agraph.number_of_edges()  # fan-outs repeat a shape
     laid = pygraphviz.AGraph(string=layout_bytes(source, "dot").decode())
@@ -759,7 +774,3 @@ def test_a_dense_layout_places_its_shape_labels_after_ranking(tmp_path: Path) ->
     assert sorted((e[0], e.attr["xlabel"]) for e in laid.edges() if e.attr.get("xlabel")) == sorted(wanted)
     svg = Path(graph.render(tmp_path / "dense.svg", depth=None)).read_text()
     assert {label for _, label in wanted} <= set(re.findall(r">([^<>]+)</text>", svg))
-    # a chain keeps its labels ranked in, between the boxes
-    chain = fwdtrace.trace(nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU()), torch.randn(1, 4, 3, 3)).to_dot(None).source
-    kept = pygraphviz.AGraph(string=layout_bytes(chain, "dot").decode())  # alive while its edges are read
-    assert len(kept.edges()) == 3 and all(e.attr.get("label") and not e.attr.get("xlabel") for e in kept.edges())
