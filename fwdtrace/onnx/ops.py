@@ -787,7 +787,9 @@ def _multihead_attention(node: Node) -> RuleResult:
 
 @onnx_equivalent("torch.nn.functional.scaled_dot_product_attention")
 def _sdpa(node: Node) -> RuleResult:
-    return ["MatMul*2+Mul*3+Div+Sqrt*2+Softmax+Add*2+Where*3+IsNaN+Not+And+Or", "Attention"]
+    # torch's math decomposition (to_onnx's) guards the softmax of a masked row: where every
+    # score is -inf (Equal, all() as ReduceMin), the row is zeros
+    return ["MatMul*2+Mul*3+Div+Sqrt*2+Softmax+Add*2+Where*3+IsNaN+Not+And+Or+Equal+ReduceMin", "Attention"]
 
 
 def _recurrent(op: str) -> Callable[[Node], RuleResult]:
