@@ -741,6 +741,38 @@ class _DenseBlock(nn.Module):
         return torch.cat(features, 1)
 
 
+class _DenseNet(nn.Module):
+    """DenseNet's layout in small: a stem, two small dense blocks and a large one, with transitions."""
+
+    def __init__(self, growth: int = 2) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, growth, 1), _DenseBlock(6, growth), nn.Conv2d(7 * growth, growth, 1),
+            _DenseBlock(6, growth), nn.Conv2d(7 * growth, growth, 1), _DenseBlock(24, growth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+
+def test_the_automatic_picture_keeps_a_dense_block_closed() -> None:
+    # torchvision's DenseNet-201 by default: depth 3, 125 boxes and 1927 edges, 600 abreast: Graphviz
+    # took 100 s to draw a tangle. Its parts are opened call by call, the blocks that make it dense closed.
+    import pygraphviz
+
+    from fwdtrace.passes.draw import DENSE_WIDTH, MIN_AUTO_BOXES, _widest_skip
+
+    graph = fwdtrace.trace(_DenseNet(), torch.randn(1, 3, 3, 3))
+    full = pygraphviz.AGraph(string=graph.to_dot(3).source)
+    assert _widest_skip(full) > DENSE_WIDTH and full.number_of_nodes() < 250  # within the box target, yet dense
+    dot = graph.to_dot()
+    assert "depth 2 of 3, 2 of 3 module calls opened to depth 3" in dot.source, re.findall(r"depth [^\"]*", dot.source)
+    boxes = assert_nothing_lost(graph, dot)
+    assert boxes >= MIN_AUTO_BOXES and _widest_skip(pygraphviz.AGraph(string=dot.source)) <= DENSE_WIDTH
+    convs = [label for label in dot_labels(dot) if label.startswith("Conv2d")]
+    assert len(convs) == 3 + 2 * 6  # the stem, transitions and small blocks' layers drawn, the large block one box
+    assert any(label.startswith("features.5") for label in dot_labels(dot)), dot_labels(dot)
+
+
 def test_a_dense_layout_places_its_shape_labels_after_ranking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A label ranked in doubles the ranks its edge crosses: routing DenseNet-121 at depth 4 (433 boxes,
     # 967 edges, 156 abreast) took Graphviz over 10 minutes. Dense pictures place each box's shapes after the layout.

@@ -844,7 +844,10 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
     "model" box. Where the floor has more than ``target_nodes`` boxes (a Swin's blocks hold
     their ops directly: 24 boxes at depth 3, 268 at depth 4), the depth above it is drawn
     with as many of its module calls opened one level deeper, in execution order, as the
-    target allows (see :func:`_partly_opened`); where the floor is still over the target (ops
+    target allows (see :func:`_partly_opened`). A dense floor (more than ``DENSE_WIDTH`` edges
+    abreast: DenseNet-201's 125 boxes at depth 3, 1927 edges, took Graphviz 100 s to draw as a
+    tangle) is opened the same way, its calls that make the picture dense left closed, and no
+    deeper depth is tried (DenseNet-201: 45 boxes, 2 s); where the floor is still over the target (ops
     outside every module: an ONNX file's post-processing), its chains of single ops are drawn as
     one box each (see :func:`_chain_ops`). Only a target below ``MIN_AUTO_BOXES`` is
     honoured as asked. At the floor, a picture too large is re-wrapped (wider rows when too
@@ -861,9 +864,13 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
         floor = next(d for d, c in enumerate(counts) if c >= least)
     opened: frozenset[Scope] = frozenset()
     partly = ""
-    if counts[floor] > target_nodes >= least and floor >= 2:
+    # a dense floor (DenseNet: more than DENSE_WIDTH edges abreast, see _Layout) is as unreadable as an
+    # over-full one, and takes Graphviz minutes: the calls that make it so stay closed
+    dense = floor >= 2 and target_nodes >= least and _widest_skip(_agraph(draw(floor, None, 0).source)) > DENSE_WIDTH
+    if floor >= 2 and target_nodes >= least and (counts[floor] > target_nodes or dense):
+        keeps_dense = lambda o: dense and _widest_skip(_agraph(draw(floor - 1, None, 0, o).source)) > DENSE_WIDTH  # noqa: E731
         opened, count, candidates = _partly_opened(graph, folds, options, floor - 1, pictures[floor - 1],
-                                                   pictures[floor], target_nodes)
+                                                   pictures[floor], target_nodes, keeps_dense)
         if count >= least:
             partly = f", {len(opened)} of {candidates} module calls opened to depth {floor}"
             floor -= 1
@@ -883,7 +890,7 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
     # the picture chosen as it is: fits, at the default resolution (a lower one changes the DOT source)
     final = lambda w, h: fits(w, h) and resolution(w, h) >= DPI  # noqa: E731
     for d in range(top, floor - 1, -1):
-        if counts[d] > target_nodes and d > floor:
+        if (counts[d] > target_nodes or dense) and d > floor:  # a depth below a dense one is dense
             continue
         level = "full detail" if d == top else f"depth {d} of {top}"
         bound = f"at most {target_nodes}" if counts[d] <= target_nodes else f"at least {MIN_AUTO_BOXES}"
@@ -907,14 +914,17 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
 
 
 def _partly_opened(graph: Graph, folds: Folds, options: dict[str, Any], depth: int, shallow: _Picture, deep: _Picture,
-                   target_nodes: int) -> tuple[frozenset[Scope], int, int]:
+                   target_nodes: int, dense: Callable[[frozenset[Scope]], bool]) -> tuple[frozenset[Scope], int, int]:
     """Which module calls collapsed at ``depth`` (its picture: ``shallow``) to open one level deeper
     (``deep``, the picture at ``depth + 1``), in execution order, each that keeps the picture within
-    ``target_nodes`` boxes; with the picture's box count and how many calls could have been opened.
+    ``target_nodes`` boxes and not ``dense``; with the picture's box count and how many calls could
+    have been opened.
 
     A call opened adds the boxes it holds at ``depth + 1``, less its own; folds that span
     several calls (side computations) make that an estimate, so the picture is counted and the
-    last call opened is closed again while it is over.
+    last call opened is closed again while it is over. A call whose boxes make the picture
+    dense (DenseNet's larger blocks, every layer reading each earlier one: see ``_Layout``)
+    stays closed.
     """
     collapsed = [u for u in shallow.units if u.kind == "group" and u.key.startswith("g:") and len(u.placement) == depth - 1]
     chosen: list[Scope] = []
@@ -923,6 +933,9 @@ def _partly_opened(graph: Graph, folds: Folds, options: dict[str, Any], depth: i
         grows = len({deep.node2unit[i].key for i in unit.members}) - 1
         if count + grows <= target_nodes:
             chosen.append(graph.nodes[unit.members[0]].scope[depth - 1])
+            if dense(frozenset(chosen)):
+                chosen.pop()
+                continue
             count += grows
     while True:
         count = len(_units(graph, folds, depth, **options, opened=frozenset(chosen)).units)
