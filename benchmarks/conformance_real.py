@@ -66,6 +66,18 @@ def _time_limit(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def _timed_out(error: BaseException) -> bool:
+    """Whether ``error`` was caused, at any remove, by the cell's time limit."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, EntryTimeout):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def _done(path: Path) -> set[tuple[str, str]]:
     if not path.exists():
         return set()
@@ -87,8 +99,10 @@ def run_case(case: corpus.Case, entries: list[str], out: Path, timeout: int) -> 
             except EntryTimeout as e:
                 row.update(status="timeout", message=str(e))
             except fwdtrace.FwdtraceError as e:  # an exporter that cannot export the model is not fwdtrace's defect
-                exporter_failed = "ONNX exporter failed" in str(e)
-                row.update(status="exporter failed" if exporter_failed else "error", message=f"FwdtraceError: {e}"[:600])
+                # a limit that fired inside an export or a layout, said in fwdtrace's words, is still a timeout
+                status = ("timeout" if _timed_out(e) else
+                          "exporter failed" if "ONNX exporter failed" in str(e) else "error")
+                row.update(status=status, message=f"FwdtraceError: {e}"[:600])
             except Exception as e:
                 row.update(status="error", message=f"{type(e).__name__}: {e}"[:600])
             else:
