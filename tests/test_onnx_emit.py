@@ -366,6 +366,31 @@ def test_path_writes_the_model_whole(tmp_path) -> None:
         fwdtrace.to_onnx(model, x, path=tmp_path / "missing" / "model.onnx")
 
 
+def test_a_model_over_protobufs_limit_has_its_weights_written_beside_it(tmp_path, monkeypatch) -> None:
+    # torchvision's vit_h_14 and regnet_y_128gf (2.5 GB of weights) by to_onnx(path=...): protobuf's
+    # "Failed to serialize proto" (make bench-real). The limit is lowered here to a small model's size.
+    from fwdtrace.onnx import export as onnx_export
+
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)), torch.randn(2, 64)
+    whole = fwdtrace.to_onnx(model, x)
+    monkeypatch.setattr(onnx_export, "PROTOBUF_LIMIT", whole.ByteSize() - 1)
+    target = tmp_path / "model.onnx"
+    proto = fwdtrace.to_onnx(model, x, path=target)
+    assert sorted(os.listdir(tmp_path)) == ["model.onnx", "model.onnx.data"]
+    assert os.path.getsize(target) < whole.ByteSize() / 2  # the weights are in the data file
+    moved = [t.name for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert moved and all(e.value == "model.onnx.data" for t in proto.graph.initializer
+                         for e in t.external_data if e.key == "location")
+    loaded = onnx.load(target)  # with its data file
+    assert {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in loaded.graph.initializer} == \
+        {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in whole.graph.initializer}
+    with torch.no_grad():
+        expected = model(x).numpy()
+    session = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_opset_is_converted_to() -> None:
     model, (x,) = zoo.mobilenetish()
     proto = fwdtrace.to_onnx(model, x, opset=20)

@@ -315,7 +315,9 @@ def to_onnx(
     (the metadata torch's dynamo exporter writes, read back by :func:`fwdtrace.onnx_graph`).
 
     ``opset`` is the ONNX opset, 18 (torchlib's) to 23; the model is emitted at 18 and converted.
-    ``path`` also writes the model there, whole or not at all. Ops that ONNX has no
+    ``path`` also writes the model there, whole or not at all; a model over protobuf's 2 GiB
+    (torchvision's ``vit_h_14``) has its weights written to ``path`` + ``.data`` beside it, and the
+    returned model refers to that file. Ops that ONNX has no
     translation for raise a :class:`~fwdtrace.FwdtraceError` naming each of them, with the
     module it ran in and a stub to register with :func:`fwdtrace.onnx_symbolic`. What torch
     and onnxscript warn and print meanwhile goes to the ``fwdtrace.onnx`` logger at DEBUG;

@@ -42,6 +42,7 @@ EXPORTERS = ("dynamo", "torchscript")
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 # Tensors smaller than this stay inside the .onnx file (shape constants, small biases): readers
 # need them without opening the data file, as onnx's own convert_model_to_external_data does.
+PROTOBUF_LIMIT = 2**31 - 1  # bytes: one protobuf message, the largest ONNX file without a data file beside it
 _INLINE_BYTES = 1024
 # ONNX ops whose output describes a tensor's shape, not its values: what they feed is
 # shape arithmetic, folded away by the comparison.
@@ -292,14 +293,22 @@ def _replacing(path: str, caller: str = "export_onnx()") -> Iterator[BinaryIO]:
         raise
 
 
+def _over_protobuf_limit(proto: onnx.ModelProto) -> bool:
+    """Whether ``proto`` is too large for one protobuf message (2 GiB): its weights must be written apart."""
+    return bool(proto.ByteSize() > PROTOBUF_LIMIT)
+
+
 def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None, caller: str = "export_onnx()") -> None:
     """Write ``proto`` to ``path``; with ``source_dir``, tensors of 1 KiB or more go to ``path`` + ``.data``.
 
     ``source_dir`` is where the external data ``proto`` already refers to lies. The data file
     is complete before the model that refers to it appears; ``proto`` is changed to refer to
-    the new data file.
+    the new data file. A model over protobuf's 2 GiB limit gets its data file too (as torch's
+    exporters write one), its tensors moved out of ``proto``.
     """
     what = f"{caller} could not write {path!r}"
+    if source_dir is None and _over_protobuf_limit(proto):  # torchvision's vit_h_14, regnet_y_128gf by to_onnx
+        source_dir = os.path.dirname(os.path.abspath(path))  # nothing refers to a file yet: inline tensors move
     try:
         if source_dir is not None:
             data_name = os.path.basename(path) + ".data"
