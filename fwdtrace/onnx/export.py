@@ -295,7 +295,12 @@ def _replacing(path: str, caller: str = "export_onnx()") -> Iterator[BinaryIO]:
 
 def _over_protobuf_limit(proto: onnx.ModelProto) -> bool:
     """Whether ``proto`` is too large for one protobuf message (2 GiB): its weights must be written apart."""
-    return bool(proto.ByteSize() > PROTOBUF_LIMIT)
+    from google.protobuf.message import EncodeError
+
+    try:
+        return bool(proto.ByteSize() > PROTOBUF_LIMIT)
+    except EncodeError:  # the upb backend does not even count past it: "Failed to serialize proto"
+        return True
 
 
 def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None, caller: str = "export_onnx()") -> None:
