@@ -366,14 +366,14 @@ def test_path_writes_the_model_whole(tmp_path) -> None:
         fwdtrace.to_onnx(model, x, path=tmp_path / "missing" / "model.onnx")
 
 
-def test_a_model_over_protobufs_limit_has_its_weights_written_beside_it(tmp_path, monkeypatch) -> None:
+def test_a_large_model_has_its_weights_written_beside_it(tmp_path, monkeypatch) -> None:
     # torchvision's vit_h_14 and regnet_y_128gf (2.5 GB of weights) by to_onnx(path=...): protobuf's
-    # "Failed to serialize proto" (make bench-real). The limit is lowered here to a small model's size.
+    # "Failed to serialize proto" (make bench-real). The threshold export_onnx uses is lowered here.
     from fwdtrace.onnx import export as onnx_export
 
     model, x = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)), torch.randn(2, 64)
     whole = fwdtrace.to_onnx(model, x)
-    monkeypatch.setattr(onnx_export, "PROTOBUF_LIMIT", whole.ByteSize() - 1)
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", (64 * 64 + 64 + 64 * 8 + 8) * 4 - 1)
     target = tmp_path / "model.onnx"
     proto = fwdtrace.to_onnx(model, x, path=target)
     assert sorted(os.listdir(tmp_path)) == ["model.onnx", "model.onnx.data"]

@@ -36,7 +36,15 @@ from .._tree import tensors_of
 from ..errors import FwdtraceError, describe, one_line, shapes_text
 from ..names import UniqueNames
 from ._quiet import quiet
-from .export import CALL_KEY, _cause_chain, _import_onnx, _input_names, _quiet_exporter_logs, _write_onnx
+from .export import (
+    CALL_KEY,
+    _cause_chain,
+    _import_onnx,
+    _input_names,
+    _large,
+    _quiet_exporter_logs,
+    _write_onnx,
+)
 
 if TYPE_CHECKING:
     import onnx
@@ -315,9 +323,10 @@ def to_onnx(
     (the metadata torch's dynamo exporter writes, read back by :func:`fwdtrace.onnx_graph`).
 
     ``opset`` is the ONNX opset, 18 (torchlib's) to 23; the model is emitted at 18 and converted.
-    ``path`` also writes the model there, whole or not at all; a model over protobuf's 2 GiB
-    (torchvision's ``vit_h_14``) has its weights written to ``path`` + ``.data`` beside it, and the
-    returned model refers to that file. Ops that ONNX has no
+    ``path`` also writes the model there, whole or not at all; a model whose parameters and
+    buffers exceed :data:`~fwdtrace.onnx.export.EXTERNAL_DATA_THRESHOLD` (1 GiB; protobuf stops at
+    2 GiB: torchvision's ``vit_h_14``) has its weights written to ``path`` + ``.data`` beside it,
+    as :func:`fwdtrace.export_onnx` does, and the returned model refers to that file. Ops that ONNX has no
     translation for raise a :class:`~fwdtrace.FwdtraceError` naming each of them, with the
     module it ran in and a stub to register with :func:`fwdtrace.onnx_symbolic`. What torch
     and onnxscript warn and print meanwhile goes to the ``fwdtrace.onnx`` logger at DEBUG;
@@ -338,7 +347,7 @@ def to_onnx(
     finally:
         _symbolic_calls.reset(token)
     if path is not None:
-        _write_onnx(proto, os.fspath(path), None, caller="to_onnx()")
+        _write_onnx(proto, os.fspath(path), None, caller="to_onnx()", large=_large(model))
     return proto
 
 

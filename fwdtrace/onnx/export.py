@@ -42,7 +42,6 @@ EXPORTERS = ("dynamo", "torchscript")
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 # Tensors smaller than this stay inside the .onnx file (shape constants, small biases): readers
 # need them without opening the data file, as onnx's own convert_model_to_external_data does.
-PROTOBUF_LIMIT = 2**31 - 1  # bytes: one protobuf message, the largest ONNX file without a data file beside it
 _INLINE_BYTES = 1024
 # ONNX ops whose output describes a tensor's shape, not its values: what they feed is
 # shape arithmetic, folded away by the comparison.
@@ -126,7 +125,7 @@ def _export(
     if exporter not in EXPORTERS:
         raise FwdtraceError(f"export_onnx() expected exporter 'dynamo' or 'torchscript', got {exporter!r}")
     onnx_mod = _import_onnx()
-    if _weight_bytes(model) <= EXTERNAL_DATA_THRESHOLD:
+    if not _large(model):
         proto = _run_exporter(model, args, kwargs, exporter, opset_version, None, verbose)
         if path is not None:
             _write_onnx(proto, os.fspath(path), None)
@@ -148,9 +147,10 @@ def _export(
     return cast("onnx.ModelProto", proto)
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
+def _large(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters and buffers exceed :data:`EXTERNAL_DATA_THRESHOLD`: its file keeps its weights apart."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in tensors.values()) > EXTERNAL_DATA_THRESHOLD
 
 
 def _run_exporter(
@@ -293,29 +293,17 @@ def _replacing(path: str, caller: str = "export_onnx()") -> Iterator[BinaryIO]:
         raise
 
 
-def _over_protobuf_limit(proto: onnx.ModelProto) -> bool:
-    """Whether ``proto`` is too large for one protobuf message (2 GiB): its weights must be written apart."""
-    from google.protobuf.message import EncodeError
+def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None, caller: str = "export_onnx()",
+                large: bool = False) -> None:
+    """Write ``proto`` to ``path``; with ``source_dir`` or ``large``, tensors of 1 KiB or more go to ``path`` + ``.data``.
 
-    try:
-        return bool(proto.ByteSize() > PROTOBUF_LIMIT)
-    except EncodeError:  # the upb backend does not even count past it: "Failed to serialize proto"
-        return True
-
-
-def _write_onnx(proto: onnx.ModelProto, path: str, source_dir: str | None, caller: str = "export_onnx()") -> None:
-    """Write ``proto`` to ``path``; with ``source_dir``, tensors of 1 KiB or more go to ``path`` + ``.data``.
-
-    ``source_dir`` is where the external data ``proto`` already refers to lies. The data file
-    is complete before the model that refers to it appears; ``proto`` is changed to refer to
-    the new data file. A model over protobuf's 2 GiB limit gets its data file too (as torch's
-    exporters write one), its tensors moved out of ``proto``.
+    ``source_dir`` is where the external data ``proto`` already refers to lies; ``large`` moves
+    tensors ``proto`` holds (to_onnx's, see :func:`_large`). The data file is complete before
+    the model that refers to it appears; ``proto`` is changed to refer to the new data file.
     """
     what = f"{caller} could not write {path!r}"
-    if source_dir is None and _over_protobuf_limit(proto):  # torchvision's vit_h_14, regnet_y_128gf by to_onnx
-        source_dir = os.path.dirname(os.path.abspath(path))  # nothing refers to a file yet: inline tensors move
     try:
-        if source_dir is not None:
+        if source_dir is not None or large:
             data_name = os.path.basename(path) + ".data"
             with _replacing(os.path.join(os.path.dirname(os.path.abspath(path)), data_name), caller) as data:
                 for tensor in _tensors(proto):
@@ -343,10 +331,11 @@ def _tensors(proto: onnx.ModelProto) -> Iterator[Any]:
                 graphs.extend(attr.graphs)
 
 
-def _move_to_data_file(tensor: Any, source_dir: str, data: BinaryIO, data_name: str) -> None:
+def _move_to_data_file(tensor: Any, source_dir: str | None, data: BinaryIO, data_name: str) -> None:
     onnx_mod = _import_onnx()
     external = tensor.data_location == onnx_mod.TensorProto.EXTERNAL
     if external:
+        assert source_dir is not None, f"tensor {tensor.name!r} refers to a file, but no folder was given to read it"
         info = onnx_mod.external_data_helper.ExternalDataInfo(tensor)
         source = os.path.join(source_dir, info.location)
         offset = info.offset or 0
