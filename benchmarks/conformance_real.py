@@ -44,6 +44,7 @@ import corpus  # noqa: E402
 import torch  # noqa: E402
 
 import fwdtrace  # noqa: E402
+from fwdtrace.onnx.export import _cause_chain  # noqa: E402
 
 OUT = Path("out/conformance_real.jsonl")
 
@@ -64,18 +65,6 @@ def _time_limit(seconds: int) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-
-
-def _timed_out(error: BaseException) -> bool:
-    """Whether ``error`` was caused, at any remove, by the cell's time limit."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, EntryTimeout):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
 
 
 def _done(path: Path) -> set[tuple[str, str]]:
@@ -100,7 +89,7 @@ def run_case(case: corpus.Case, entries: list[str], out: Path, timeout: int) -> 
                 row.update(status="timeout", message=str(e))
             except fwdtrace.FwdtraceError as e:  # an exporter that cannot export the model is not fwdtrace's defect
                 # a limit that fired inside an export or a layout, said in fwdtrace's words, is still a timeout
-                status = ("timeout" if _timed_out(e) else
+                status = ("timeout" if any(isinstance(c, EntryTimeout) for c in _cause_chain(e)) else
                           "exporter failed" if "ONNX exporter failed" in str(e) else "error")
                 row.update(status=status, message=f"FwdtraceError: {e}"[:600])
             except Exception as e:
