@@ -83,6 +83,11 @@ DENSE_WIDTH = 64  # edges passing over one rank: above this, edge labels are pla
 MIN_MCLIMIT = 0.05  # ...and crossing minimisation gets DENSE_WIDTH / that many of its iterations, at least this share
 
 
+def _dense(dot: Digraph) -> bool:
+    """Whether a picture has more than ``DENSE_WIDTH`` edges abreast (see :class:`_Layout`)."""
+    return _widest_skip(_agraph(dot.source)) > DENSE_WIDTH
+
+
 def _widest_skip(agraph: Any) -> int:
     """The most edges that pass over one rank, ranked by longest path: how many long edges run abreast."""
     succ: dict[str, list[str]] = collections.defaultdict(list)
@@ -864,13 +869,14 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
         floor = next(d for d, c in enumerate(counts) if c >= least)
     opened: frozenset[Scope] = frozenset()
     partly = ""
+    openable = floor >= 2 and target_nodes >= least
     # a dense floor (DenseNet: more than DENSE_WIDTH edges abreast, see _Layout) is as unreadable as an
     # over-full one, and takes Graphviz minutes: the calls that make it so stay closed
-    dense = floor >= 2 and target_nodes >= least and _widest_skip(_agraph(draw(floor, None, 0).source)) > DENSE_WIDTH
-    if floor >= 2 and target_nodes >= least and (counts[floor] > target_nodes or dense):
-        keeps_dense = lambda o: dense and _widest_skip(_agraph(draw(floor - 1, None, 0, o).source)) > DENSE_WIDTH  # noqa: E731
+    dense = openable and _dense(draw(floor, None, 0))
+    if openable and (counts[floor] > target_nodes or dense):
         opened, count, candidates = _partly_opened(graph, folds, options, floor - 1, pictures[floor - 1],
-                                                   pictures[floor], target_nodes, keeps_dense)
+                                                   pictures[floor], target_nodes,
+                                                   lambda o: dense and _dense(draw(floor - 1, None, 0, o)))
         if count >= least:
             partly = f", {len(opened)} of {candidates} module calls opened to depth {floor}"
             floor -= 1
