@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck browser bench bench-real constraints clean
+.PHONY: demo test docs lint typecheck browser bench bench-real constraints clean
 
 # --no-compile: pip would byte-compile every module of every package (about 40 s, most of the set-up);
 # Python compiles the ones a run imports, once, as it imports them. The venv's own pip (Python
@@ -53,12 +53,19 @@ browser:
 	  else echo "chromium or chromedriver missing and no root apt-get: the live page test will skip"; fi; \
 	fi
 
-# The whole suite: unit tests, doctests of the package, notebooks (tests/test_notebooks.py).
+# The docs site into site/ (git-ignored): mkdocs-material, the API reference read from the docstrings
+# by mkdocstrings. --strict turns every warning (a broken link, a page missing from the nav, a
+# docstring it cannot read) into a failure. A few seconds; make test builds it first.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
+
+# The whole suite: unit tests, doctests of the package, notebooks (tests/test_notebooks.py), every
+# Python example of README.md and docs/ (tests/test_docs.py); before it, lint and the docs build.
 # loadgroup keeps the conformance cases of one model (tests/test_conformance.py) on one worker,
 # so that its build, trace and exports are done once.
 # mypy (about 35 s of one core from a cold cache) runs beside the tests, its verdict after them:
 # the run fails if either does, and mypy's report is printed only when it fails.
-test: $(STAMP) lint browser
+test: $(STAMP) lint docs browser
 	$(VENV)/bin/mypy fwdtrace > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
 	$(PY) -m pytest -n 2 --dist loadgroup -q --doctest-modules fwdtrace tests; tests=$$?; \
 	if ! wait $$mypy; then cat $(VENV)/mypy.log; echo "mypy fwdtrace failed (make typecheck)"; exit 1; fi; \
@@ -99,4 +106,4 @@ bench-real: $(REAL_VENV)/.installed
 	$(REAL_VENV)/bin/python benchmarks/render_real_models.py
 
 clean:
-	rm -rf $(VENV) $(REAL_VENV) graph.png graph.svg
+	rm -rf $(VENV) $(REAL_VENV) site graph.png graph.svg

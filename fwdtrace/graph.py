@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import FwdtraceError
@@ -246,17 +246,124 @@ class Graph:
         return g
 
     # -- drawing (a pass; imported lazily) --------------------------------------------------------
-    def to_dot(self, depth: int | str | None = "auto", **options: Any) -> Digraph:
-        """A ``graphviz.Digraph`` of this graph; see :func:`fwdtrace.passes.draw.to_dot`."""
+    # The draw pass's options are spelled out here (tests/test_docs.py checks they match
+    # fwdtrace.passes.draw.to_dot's, defaults included) so that IDEs and the reference show them.
+    def to_dot(
+        self,
+        depth: int | str | None = "auto",
+        *,
+        target_nodes: int = 250,
+        fold_side: bool = True,
+        fold_loops: bool = True,
+        collapse_repeats: bool = True,
+        open_leaf_layers: bool = False,
+        wrap: int = 12,
+        show_shapes: bool = True,
+        show_path: bool = True,
+        highlight: Iterable[int] = (),
+        rankdir: str = "TB",
+        title: str | None = None,
+        name_prefix: str = "",
+        cluster_name: str | None = None,
+        fills: Mapping[int, str] | None = None,
+        notes: Mapping[int, str] | None = None,
+    ) -> Digraph:
+        """A ``graphviz.Digraph`` of this graph (shown inline in Jupyter); the options are
+        :meth:`render`'s, plus those for embedding the picture in another one.
+
+        Args:
+            depth: as for :meth:`render`.
+            target_nodes: as for :meth:`render`.
+            fold_side: as for :meth:`render`.
+            fold_loops: as for :meth:`render`.
+            collapse_repeats: as for :meth:`render`.
+            open_leaf_layers: as for :meth:`render`.
+            wrap: as for :meth:`render`.
+            show_shapes: as for :meth:`render`.
+            show_path: as for :meth:`render`.
+            highlight: as for :meth:`render`.
+            rankdir: as for :meth:`render`.
+            title: as for :meth:`render`.
+            name_prefix: a prefix for every DOT name, which keeps two graphs apart in one picture.
+            cluster_name: a name starting with ``cluster`` makes the result embeddable with
+                ``outer.subgraph(...)``, boxed and titled ``title``.
+            fills: a fill colour per node id (a box holding several takes the first listed).
+            notes: a line per node id, added to its box's tooltip.
+        """
         from .passes.draw import to_dot
 
-        return to_dot(self, depth=depth, **options)
+        return to_dot(self, depth=depth, target_nodes=target_nodes, fold_side=fold_side, fold_loops=fold_loops,
+                      collapse_repeats=collapse_repeats, open_leaf_layers=open_leaf_layers, wrap=wrap,
+                      show_shapes=show_shapes, show_path=show_path, highlight=highlight, rankdir=rankdir,
+                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes)
 
-    def render(self, path: str, depth: int | str | None = "auto", **options: Any) -> str:
-        """Write a PNG, SVG or PDF (by ``path``'s suffix); see :func:`fwdtrace.passes.draw.render`."""
+    def render(
+        self,
+        path: str | os.PathLike[str],
+        depth: int | str | None = "auto",
+        *,
+        target_nodes: int = 250,
+        fold_side: bool = True,
+        fold_loops: bool = True,
+        collapse_repeats: bool = True,
+        open_leaf_layers: bool = False,
+        wrap: int = 12,
+        show_shapes: bool = True,
+        show_path: bool = True,
+        highlight: Iterable[int] = (),
+        rankdir: str = "TB",
+        title: str | None = None,
+        name_prefix: str = "",
+        cluster_name: str | None = None,
+        fills: Mapping[int, str] | None = None,
+        notes: Mapping[int, str] | None = None,
+    ) -> str:
+        """Draw the graph into a PNG, SVG or PDF file, chosen by ``path``'s suffix; return the path.
+
+        With no option the picture is chosen for the model: the deepest depth that stays
+        readable, side computations and loops folded, every node in exactly one box (an SVG
+        box's tooltip lists what it holds). The file appears whole or not at all.
+
+        Args:
+            path: where to write; its suffix (``.png``, ``.svg``, ``.pdf``) picks the format, and its
+                folder must exist.
+            depth: ``"auto"`` (the default) picks the deepest depth whose picture has at most
+                ``target_nodes`` boxes and fits a PNG of at most 4096 x 16384 px with legible
+                labels, and says which in the caption; an integer ``k`` collapses every module call
+                nested deeper than ``k`` levels into one box; ``None`` draws every level.
+            target_nodes: the most boxes ``depth="auto"`` aims for. Below 30 it is honoured as
+                asked; otherwise the automatic depth never goes below the first depth with 30 boxes.
+            fold_side: draw each connected group of side computations (mask and position
+                arithmetic, constants, results nothing reads) as one dashed box naming what it feeds.
+            fold_loops: draw a loop (the same calls repeated three times or more in one module call)
+                as its first iteration and one box for the rest.
+            collapse_repeats: draw a run of three or more identical sibling blocks (a
+                transformer's layers) as the first and one box for the rest.
+            open_leaf_layers: draw the function calls inside a leaf layer (a module call that calls
+                no other module, such as transformers' ``Conv1D``) instead of one box.
+            wrap: break a rank of more boxes than this into rows.
+            show_shapes: label edges with tensor shapes.
+            show_path: put each layer's module path in its box.
+            highlight: node ids drawn in red.
+            rankdir: Graphviz's direction: ``"TB"``, ``"LR"``, ``"BT"`` or ``"RL"``.
+            title: a title for the picture.
+            name_prefix: a prefix for every DOT name (two graphs in one picture).
+            cluster_name: see :meth:`to_dot`.
+            fills: a fill colour per node id, drawn as given.
+            notes: a line per node id, added to its box's tooltip.
+
+        >>> import torch, fwdtrace, tempfile, os
+        >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.ones(1, 4))
+        >>> path = g.render(os.path.join(tempfile.mkdtemp(), "graph.svg"), depth=None, fold_side=False)
+        >>> open(path).read().count("<svg")
+        1
+        """
         from .passes.draw import render
 
-        return render(self, path, depth=depth, **options)
+        return render(self, path, depth=depth, target_nodes=target_nodes, fold_side=fold_side,
+                      fold_loops=fold_loops, collapse_repeats=collapse_repeats, open_leaf_layers=open_leaf_layers,
+                      wrap=wrap, show_shapes=show_shapes, show_path=show_path, highlight=highlight, rankdir=rankdir,
+                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes)
 
     # -- Model Explorer (a pass; imported lazily) ------------------------------------------------
     def to_model_explorer(self, path: str | os.PathLike[str], *, node_data: Any = None) -> ModelExplorerFiles:

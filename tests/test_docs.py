@@ -1,0 +1,150 @@
+"""Every ```python block of README.md and of the docs site runs as written.
+
+The blocks of one page run in order, in one namespace (fresh per page), in a temporary working
+directory: a page builds its own tiny model. A block preceded by the line
+``<!-- docs-test: skip (reason) -->`` is not run; the reason is required. One test per page, so
+pytest-xdist can spread the pages over its workers.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fwdtrace
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+_PAGE_IDS = [str(p.relative_to(ROOT)) for p in PAGES]
+
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>[^\n`]*)$")
+_SKIP = re.compile(r"^<!-- docs-test: skip(?: \((?P<reason>[^)]*)\))? -->$")
+
+
+def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """The page's ```python blocks as (line number, source, skip reason or None), in order.
+
+    A skip marker without a reason, or one not directly followed by a python fence, is an error:
+    a reader must learn why a block does not run.
+    """
+    lines = text.splitlines()
+    blocks: list[tuple[int, str, str | None]] = []
+    pending: tuple[int, str] | None = None  # (line of the marker, its reason)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        marker = _SKIP.match(line.strip())
+        if marker:
+            reason = (marker.group("reason") or "").strip()
+            if not reason:
+                raise ValueError(f"line {i + 1}: a docs-test skip marker needs a reason: '{line.strip()}'")
+            pending = (i + 1, reason)
+            i += 1
+            continue
+        fence = _FENCE.match(line)
+        if fence:
+            indent, mark, info = fence.group("indent"), fence.group("fence"), fence.group("info").strip()
+            body: list[str] = []
+            j = i + 1
+            while j < len(lines) and not (lines[j].strip().startswith(mark) and lines[j].strip().strip(mark[0]) == ""):
+                body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j].lstrip())
+                j += 1
+            language = info.split()[0] if info else ""
+            if pending is not None and language != "python":
+                raise ValueError(f"line {pending[0]}: a docs-test skip marker must come right before a ```python block")
+            if language == "python":
+                blocks.append((i + 1, "\n".join(body) + "\n", pending[1] if pending else None))
+            pending = None
+            i = j + 1
+            continue
+        if pending is not None and line.strip():
+            raise ValueError(f"line {pending[0]}: a docs-test skip marker must come right before a ```python block")
+        i += 1
+    return blocks
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_PAGE_IDS)
+def test_page_examples_run(page: Path, tmp_path, monkeypatch, restore_rules) -> None:
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    torch.manual_seed(0)
+    for line, source, skip in blocks:
+        if skip is not None:
+            continue
+        code = compile(source, f"{page.relative_to(ROOT)}:{line}", "exec")
+        try:
+            exec(code, namespace)
+        except Exception as e:
+            e.add_note(f"in the ```python block at {page.relative_to(ROOT)}:{line}")
+            raise
+
+
+def test_skip_markers_are_read() -> None:
+    page = "<!-- docs-test: skip (blocks) -->\n```python\nwhile True: pass\n```\n\n```python\nx = 1\n```\n"
+    assert python_blocks(page) == [(2, "while True: pass\n", "blocks"), (6, "x = 1\n", None)]
+    with pytest.raises(ValueError, match="needs a reason"):
+        python_blocks("<!-- docs-test: skip -->\n```python\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="right before"):
+        python_blocks("<!-- docs-test: skip (why) -->\ntext\n```python\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="right before"):
+        python_blocks("<!-- docs-test: skip (why) -->\n```bash\nls\n```\n")
+
+
+def test_every_page_parses() -> None:
+    for page in PAGES:
+        python_blocks(page.read_text(encoding="utf-8"))
+
+
+def test_readme_is_a_front_door() -> None:
+    """At most 300 lines, a quickstart in the first screens, and relative links that resolve."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    for target in re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text):
+        assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+_HASH = re.compile(r"(?<![0-9A-Za-z_./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_PAGE_IDS)
+def test_no_history(page: Path) -> None:
+    """User docs say what is, not what was: no commit hashes, no earlier runs or sessions."""
+    text = page.read_text(encoding="utf-8")
+    if page.name == "changelog.md":
+        return  # the one page about what changed
+    assert not _HASH.findall(text), f"{page.name} cites commit-like hashes: {_HASH.findall(text)[:3]}"
+    for phrase in ("earlier run", "an earlier session", "this session", "not re-run since", "Honestly"):
+        assert phrase not in text, f"{page.name} tells history: {phrase!r}"
+
+
+def test_reference_covers_every_public_name() -> None:
+    """Each name of fwdtrace.__all__ is documented on a reference page (a mkdocstrings ``:::`` entry)."""
+    documented = set()
+    for page in (DOCS / "reference").glob("*.md"):
+        documented |= {m.rsplit(".", 1)[-1] for m in re.findall(r"^::: ([\w.]+)", page.read_text(), re.M)}
+    assert sorted(set(fwdtrace.__all__) - documented) == []
+
+
+def test_nav_lists_every_page() -> None:
+    """mkdocs.yml's nav names every page under docs/ (a page missing from it is unreachable)."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if str(p.relative_to(DOCS)) not in nav]
+    assert missing == []
+
+
+def test_graph_render_options_match_the_draw_pass() -> None:
+    """Graph.render and Graph.to_dot spell out the draw pass's options, with its defaults."""
+    import inspect
+
+    from fwdtrace.passes import draw
+
+    expected = {n: p.default for n, p in inspect.signature(draw.to_dot).parameters.items() if n != "graph"}
+    for method in (fwdtrace.Graph.render, fwdtrace.Graph.to_dot):
+        got = {n: p.default for n, p in inspect.signature(method).parameters.items() if n not in ("self", "path")}
+        assert got == expected, method.__name__
+
