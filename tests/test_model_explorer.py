@@ -276,5 +276,11 @@ def test_onnx_pair_marks_missing_and_extra(tmp_path: Path) -> None:
     red_trace = [n.label for n in trace.nodes if n.style is not None]
     red_onnx = [n.label for n in onnx_side.nodes if n.style is not None]
     assert red_trace == ["ReLU"] and red_onnx == ["Sigmoid"]
-    with pytest.raises(FwdtraceError, match=r"^onnx_pair_to_model_explorer\(\) expected an existing folder"):
-        report.to_model_explorer(tmp_path / "nope")
+    # a new folder is made (as the docs' `report.to_model_explorer("pair/")` does), not one in a missing folder
+    made = report.to_model_explorer(tmp_path / "pair")
+    assert sorted(p.name for p in (tmp_path / "pair").iterdir()) == ["mapping.json", "onnx.json", "trace.json"]
+    assert Path(made.mapping).read_text() == Path(pair.mapping).read_text()
+    with pytest.raises(FwdtraceError, match=r"^TopologyReport\.to_model_explorer\(\) expected a folder, or a new one"):
+        report.to_model_explorer(tmp_path / "nope" / "pair")
+    with pytest.raises(FwdtraceError, match=r"^TopologyReport\.to_model_explorer\(\) expected a folder, or a new one"):
+        report.to_model_explorer(pair.mapping)  # a file

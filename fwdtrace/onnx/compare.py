@@ -196,11 +196,11 @@ class TopologyReport:
         return self.numeric
 
     def to_model_explorer(self, folder: str | os.PathLike[str]) -> Any:
-        """Both graphs and the matches as Model Explorer files; see
-        :func:`fwdtrace.passes.model_explorer.onnx_pair_to_model_explorer`."""
+        """Both graphs and the matches as Model Explorer files in ``folder`` (made if its parent
+        exists); see :func:`fwdtrace.passes.model_explorer.onnx_pair_to_model_explorer`."""
         from ..passes.model_explorer import onnx_pair_to_model_explorer
 
-        return onnx_pair_to_model_explorer(self, folder)
+        return onnx_pair_to_model_explorer(self, folder, caller="TopologyReport.to_model_explorer()")
 
     @property
     def status(self) -> str:

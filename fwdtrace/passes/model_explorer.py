@@ -287,8 +287,10 @@ def to_model_explorer(
 
 
 # -- the ONNX pair --------------------------------------------------------------------------------
-def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLike[str]) -> ModelExplorerPair:
-    """The ONNX cross-check as a Model Explorer pair: ``trace.json``, ``onnx.json`` and ``mapping.json``.
+def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLike[str], *,
+                                caller: str = "onnx_pair_to_model_explorer()") -> ModelExplorerPair:
+    """The ONNX cross-check as a Model Explorer pair: ``trace.json``, ``onnx.json`` and ``mapping.json``
+    in ``folder``, made if its parent exists.
 
     >>> import torch, fwdtrace, tempfile, json
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
@@ -304,11 +306,13 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
     trace, og = getattr(report, "trace", None), getattr(report, "onnx_graph", None)
     if trace is None or og is None:
         raise FwdtraceError(
-            f"onnx_pair_to_model_explorer() expected a report from fwdtrace.check_onnx or compare_onnx, got {describe(report)}"
+            f"{caller} expected a report from fwdtrace.check_onnx or compare_onnx, got {describe(report)}"
         )
     out = Path(folder)
     if not out.is_dir():
-        raise FwdtraceError(f"onnx_pair_to_model_explorer() expected an existing folder, got {str(folder)!r}")
+        if out.exists() or not (out.parent if str(out.parent) else Path(".")).is_dir():
+            raise FwdtraceError(f"{caller} expected a folder, or a new one in an existing folder, got {str(folder)!r}")
+        out.mkdir()
     ids = report.ids
     mapping = {"mappingEntries": [{"leftNodeIds": [str(t)], "rightNodeIds": [str(o) for o in onnx_ids]}
                                   for t, onnx_ids in ids.matched]}
@@ -316,7 +320,7 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
                                    highlight=ids.missing).graph
     onnx_file = to_model_explorer(og, out / "onnx.json", graph_id="onnx", label="exported (ONNX)",
                                   highlight=ids.extra).graph
-    write_bytes(out / "mapping.json", _dump(mapping), "onnx_pair_to_model_explorer()")
+    write_bytes(out / "mapping.json", _dump(mapping), caller)
     return ModelExplorerPair(trace_file, onnx_file, str(out / "mapping.json"))
 
 
