@@ -11,7 +11,7 @@ many exports the exporter completed, how many of those ``check_onnx`` calls ``ok
 DIFF models with their counts, and the exporter failures, listed separately.
 
 Needs torchvision, timm and transformers beside fwdtrace; with the CPU build of torch that
-``make`` installs, torchvision's wheel does not import (see the README's benchmark section
+``make`` installs, torchvision's wheel does not import (see docs/benchmarks.md
 for the separate virtual environment this was run in).
 """
 

@@ -1,6 +1,6 @@
 """ONNX from one eager run: the ATen calls the model really made, emitted through torchlib.
 
-The route (the README's "Emit ONNX from one eager run" says why): the model runs once,
+The route (docs/guide/onnx-emit.md, "How it works", says why): the model runs once,
 eagerly, on the real example inputs, under ``make_fx(tracing_mode="real")``, which records
 every ATen call into an FX graph while Python control flow follows the values it sees
 (``if x.mean() > 0`` takes the branch the example takes, as ``torch.jit.trace`` did).
