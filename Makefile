@@ -55,9 +55,10 @@ browser:
 
 # The docs site into site/ (git-ignored): mkdocs-material, the API reference read from the docstrings
 # by mkdocstrings. --strict turns every warning (a broken link, a page missing from the nav, a
-# docstring it cannot read) into a failure. A few seconds; make test builds it first.
+# docstring it cannot read) into a failure; not with -q, which hides the warnings and lets the build
+# pass. A few seconds; make test builds it first.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The whole suite: unit tests, doctests of the package, notebooks (tests/test_notebooks.py), every
 # Python example of README.md and docs/ (tests/test_docs.py); before it, lint and the docs build.
