@@ -148,3 +148,15 @@ def test_graph_render_options_match_the_draw_pass() -> None:
         got = {n: p.default for n, p in inspect.signature(method).parameters.items() if n not in ("self", "path")}
         assert got == expected, method.__name__
 
+
+
+def test_readme_picture_is_what_the_quickstart_prints(tmp_path, monkeypatch) -> None:
+    """The printed graph at the top of the README is the quickstart's, as this version prints it."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    picture = re.search(r"```text\n>>> print\(fwdtrace\.trace\(model, [^\n]*\n(.*?)\n```", text, re.S)
+    assert picture is not None, "README.md lost its printed graph"
+    _, quickstart, _ = python_blocks(text)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    exec(compile(quickstart, "README.md quickstart", "exec"), namespace)
+    assert str(namespace["graph"]) == picture.group(1)
