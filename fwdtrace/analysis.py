@@ -38,7 +38,7 @@ from .registry import qualified_name
 from .tracer import active_tracer, around_module_calls, layer_notes
 from .units import human_bytes, human_count, human_flops, human_ms
 
-__all__ = ["analyze", "Analysis", "ModuleRow", "configure_parser", "run_cli"]
+__all__ = ["analyze", "Analysis", "ModuleRow", "run_cli"]
 
 Shape = tuple[int, ...]
 
@@ -381,18 +381,6 @@ def _timed_modules(
 
 
 # -- command line ---------------------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace analyze``."""
-    from .cli import add_input_arguments
-
-    parser.add_argument("factory", help="'pkg.module:function' returning the model (put in eval mode)")
-    add_input_arguments(parser)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models without allocating their memory)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10; 0 skips timing)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace analyze``: 0 when the model ran, FwdtraceError (exit 2) on bad input."""
     from .cli import forward_failed, load_factory, make_inputs, parse_device

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from .numeric import NumericResult, ValueRow
 
-__all__ = ["TopologyReport", "ReportIds", "compare_onnx", "check_onnx", "render_side_by_side", "configure_parser", "run_cli"]
+__all__ = ["TopologyReport", "ReportIds", "compare_onnx", "check_onnx", "render_side_by_side", "run_cli"]
 
 # At most this many unexplained ONNX ops may sit between a call's inputs and its partner
 # (an inserted op is reported as extra instead of derailing the rest of the match).
@@ -1831,22 +1831,6 @@ def error_color(max_rel: float, rtol: float, ok: bool) -> str:
 
 
 # -- command line ---------------------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace check-onnx``."""
-    from ..cli import add_input_arguments
-
-    parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
-    add_input_arguments(parser)
-    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default=None,
-                        help="torch's ONNX exporter, or fwdtrace's own emission (to_onnx) (default dynamo)")
-    parser.add_argument("--onnx", default=None, metavar="model.onnx",
-                        help="check this ONNX file (made for these input shapes) instead of exporting the model")
-    parser.add_argument("--numeric", action="store_true",
-                        help="compare numbers too: run the model eagerly and the ONNX model in onnxruntime, "
-                             "and name the first call whose value differs (exit 1 if one does)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace check-onnx``: 0 when the export agrees with the trace, 1 when it does not.
 

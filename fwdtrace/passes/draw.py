@@ -35,7 +35,7 @@ from ..graph import Graph
 from ..node import Edge, Node, Scope
 from .fold import Folds, Item, Loop, find_folds, side_components
 
-__all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS", "configure_parser", "run_cli"]
+__all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS", "run_cli"]
 
 FORMATS = ("png", "svg", "pdf")
 
@@ -1043,40 +1043,11 @@ def _cluster_id(chain: tuple[Scope, ...]) -> str:
 
 
 # -- the `fwdtrace draw` subcommand ----------------------------------------------------------------------
-MODEL_EXPLORER_SUFFIX = "model-explorer.json"
-
-
-def _depth_argument(text: str) -> int | str | None:
-    if text == "auto":
-        return "auto"
-    if text == "all":
-        return None
-    try:
-        depth = int(text)
-    except ValueError:
-        depth = -1
-    if depth < 0:
-        raise argparse.ArgumentTypeError(f"expected auto, all or an integer >= 0, got {text!r}")
-    return depth
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace draw``."""
-    from ..cli import add_input_arguments
-
-    parser.add_argument("factory", help="'pkg.module:function' returning the model (traced in eval mode)")
-    add_input_arguments(parser)
-    parser.add_argument("--depth", type=_depth_argument, default="auto", metavar="auto|all|K",
-                        help="collapse module calls nested deeper than K; all draws every level (default auto)")
-    parser.add_argument("-o", "--output", required=True, metavar="graph.svg",
-                        help=f"the file: .svg, .png, .pdf (a picture), .json (Graph.to_json) or .{MODEL_EXPLORER_SUFFIX}")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace draw``: trace the factory's model on seeded inputs and write the file its suffix names."""
     import torch
 
-    from ..cli import forward_failed, load_factory, make_inputs
+    from ..cli import MODEL_EXPLORER_SUFFIX, forward_failed, load_factory, make_inputs
     from ..tracer import trace
 
     output = str(args.output)
