@@ -276,5 +276,5 @@ def test_onnx_pair_marks_missing_and_extra(tmp_path: Path) -> None:
     red_trace = [n.label for n in trace.nodes if n.style is not None]
     red_onnx = [n.label for n in onnx_side.nodes if n.style is not None]
     assert red_trace == ["ReLU"] and red_onnx == ["Sigmoid"]
-    with pytest.raises(FwdtraceError, match=r"^onnx_pair_to_model_explorer\(\) expected an existing folder"):
+    with pytest.raises(FwdtraceError, match=r"^report\.to_model_explorer\(\) expected an existing folder"):
         report.to_model_explorer(tmp_path / "nope")

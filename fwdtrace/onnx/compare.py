@@ -200,7 +200,7 @@ class TopologyReport:
         :func:`fwdtrace.passes.model_explorer.onnx_pair_to_model_explorer`."""
         from ..passes.model_explorer import onnx_pair_to_model_explorer
 
-        return onnx_pair_to_model_explorer(self, folder)
+        return onnx_pair_to_model_explorer(self, folder, caller="report.to_model_explorer()")
 
     @property
     def status(self) -> str:
@@ -1780,8 +1780,9 @@ def render_side_by_side(
     data whose results are read only as shapes is shape arithmetic; its tooltip says so.
     Returns the path written.
     """
-    from ..passes.draw import Digraph, render_digraph, to_dot
+    from ..passes.draw import Digraph, check_draw_options, render_digraph, to_dot
 
+    check_draw_options("render_side_by_side()", depth)
     og, result = _compare(graph, proto, "render_side_by_side()")
     bad_groups = {g for _, s, d in result.rewired for g in (s, d)}
     trace_hl = set(result.missing) | {tid for g in bad_groups if g in result.groups for tid in result.groups[g].trace_ids}
@@ -1812,7 +1813,7 @@ def render_side_by_side(
                           title="traced (PyTorch eager)", fills=t_fills, notes=t_notes))
     outer.subgraph(to_dot(og, depth, highlight=onnx_hl, name_prefix="o_", cluster_name="cluster_onnx",
                           title="exported (ONNX)", fills=o_fills, notes=o_notes))
-    return render_digraph(outer, path)
+    return render_digraph(outer, path, caller="render_side_by_side()")
 
 
 # Fill colours by relative error: within 1% of the tolerance, within it, and out of it.

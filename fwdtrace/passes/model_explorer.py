@@ -287,7 +287,8 @@ def to_model_explorer(
 
 
 # -- the ONNX pair --------------------------------------------------------------------------------
-def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLike[str]) -> ModelExplorerPair:
+def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLike[str],
+                                caller: str = "onnx_pair_to_model_explorer()") -> ModelExplorerPair:
     """The ONNX cross-check as a Model Explorer pair: ``trace.json``, ``onnx.json`` and ``mapping.json``.
 
     >>> import torch, fwdtrace, tempfile, json
@@ -299,16 +300,17 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
 
     The mapping is the report's ``matched`` pairs (Model Explorer's node mapping format, to
     load in its split view's "sync navigation"), so selecting a call on one side selects what
-    it became on the other. Missing calls and extra ONNX nodes are drawn in red.
+    it became on the other. Missing calls and extra ONNX nodes are drawn in red. ``caller`` is
+    the public function whose errors these are (``report.to_model_explorer()`` calls this).
     """
     trace, og = getattr(report, "trace", None), getattr(report, "onnx_graph", None)
     if trace is None or og is None:
         raise FwdtraceError(
-            f"onnx_pair_to_model_explorer() expected a report from fwdtrace.check_onnx or compare_onnx, got {describe(report)}"
+            f"{caller} expected a report from fwdtrace.check_onnx or compare_onnx, got {describe(report)}"
         )
     out = Path(folder)
     if not out.is_dir():
-        raise FwdtraceError(f"onnx_pair_to_model_explorer() expected an existing folder, got {str(folder)!r}")
+        raise FwdtraceError(f"{caller} expected an existing folder, got {str(folder)!r}")
     ids = report.ids
     mapping = {"mappingEntries": [{"leftNodeIds": [str(t)], "rightNodeIds": [str(o) for o in onnx_ids]}
                                   for t, onnx_ids in ids.matched]}
@@ -316,7 +318,7 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
                                    highlight=ids.missing).graph
     onnx_file = to_model_explorer(og, out / "onnx.json", graph_id="onnx", label="exported (ONNX)",
                                   highlight=ids.extra).graph
-    write_bytes(out / "mapping.json", _dump(mapping), "onnx_pair_to_model_explorer()")
+    write_bytes(out / "mapping.json", _dump(mapping), caller)
     return ModelExplorerPair(trace_file, onnx_file, str(out / "mapping.json"))
 
 
