@@ -206,7 +206,7 @@ def _analyze_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models without allocating their memory)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10; 0 skips timing)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs, each a plain run and one with every module timed (default 10; 0 skips timing)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
