@@ -1,0 +1,39 @@
+"""Run the notebooks top to bottom and save them with their outputs, as GitHub shows them.
+
+Run from the repository root: ``.venv/bin/python notebooks/execute.py [notebooks/01_*.ipynb ...]``
+(all of them by default). Each runs in a scratch folder, as tests/test_notebooks.py runs them,
+so written pictures and dumps stay out of the repository; no timing metadata is kept, and the
+execution counts run 1, 2, 3... so that a second run changes only what the model measures
+(latencies) and nothing else.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).parent
+
+
+def execute(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    with tempfile.TemporaryDirectory() as scratch:
+        NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False,
+                       resources={"metadata": {"path": scratch}}).execute()
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, path)
+
+
+def main(argv: list[str]) -> None:
+    paths = [Path(a) for a in argv] or sorted(HERE.glob("*.ipynb"))
+    for path in paths:
+        print(f"executing {path}", flush=True)
+        execute(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
