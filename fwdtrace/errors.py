@@ -48,8 +48,9 @@ def describe(obj: Any) -> str:
     return type(obj).__name__
 
 
-def check_callback(fn: Any, caller: str, signature: str) -> None:
-    """Raise unless ``fn`` is a callable that takes ``signature``'s positional arguments, ``(module, inputs, output)``.
+def check_callback(fn: Any, caller: str, signature: str, name: str = "fn") -> None:
+    """Raise unless ``fn`` (the argument ``name``) is a callable that takes ``signature``'s positional
+    arguments, ``(module, inputs, output)``.
 
     Checked when the callback is registered, not when it is first called inside a forward.
     ``*args`` and defaults count as the signature allows; a builtin without a signature is taken as it is.
@@ -60,7 +61,7 @@ def check_callback(fn: Any, caller: str, signature: str) -> None:
     fwdtrace.errors.FwdtraceError: replace_output() expected fn as a callable (module, inputs, output), got function <lambda>(output)
     """
     if not callable(fn):
-        raise FwdtraceError(f"{caller} expected fn as a callable {signature}, got {describe(fn)}")
+        raise FwdtraceError(f"{caller} expected {name} as a callable {signature}, got {describe(fn)}")
     count = len([p for p in signature.strip("()").split(",") if p.strip()])
     try:
         found = inspect.signature(fn)
@@ -69,8 +70,8 @@ def check_callback(fn: Any, caller: str, signature: str) -> None:
     try:
         found.bind(*[None] * count)
     except TypeError:
-        name = getattr(fn, "__name__", None) or type(fn).__name__
-        raise FwdtraceError(f"{caller} expected fn as a callable {signature}, got {describe(fn)} {name}{found}") from None
+        shown = getattr(fn, "__name__", None) or type(fn).__name__
+        raise FwdtraceError(f"{caller} expected {name} as a callable {signature}, got {describe(fn)} {shown}{found}") from None
 
 
 def shapes_text(tensors: Iterable[Any]) -> str:
