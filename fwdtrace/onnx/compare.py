@@ -1709,7 +1709,7 @@ def check_onnx(
         proto = to_onnx(model, *args, verbose=verbose, **kwargs)
     else:  # a large model's weights stay on disk, unless onnxruntime is to run it
         proto = _export(model, args, kwargs, exporter, None, None, weights=numeric, verbose=verbose)
-    og, result = _compare(graph, proto, model=model)
+    og, result = _compare(graph, proto, "check_onnx()", model=model)
     report = _build_report(graph, og, result, exporter, opened)
     if numeric:
         _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
