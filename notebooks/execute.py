@@ -2,8 +2,8 @@
 
 Run from the repository root: ``.venv/bin/python notebooks/execute.py [notebooks/01_*.ipynb ...]``
 (all of them by default). Each runs in a scratch folder, as tests/test_notebooks.py runs them,
-so written pictures and dumps stay out of the repository; no timing metadata is kept, and the
-execution counts run 1, 2, 3... so that a second run changes only what the model measures
+so written pictures and dumps stay out of the repository. No timing metadata is kept, and a
+cell's printed lines are one output, so that a second run changes only what is measured
 (latencies) and nothing else.
 """
 
@@ -22,7 +22,8 @@ HERE = Path(__file__).parent
 def execute(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory() as scratch:
-        NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False,
+        # coalesce_streams: a cell's printed lines in one output, however the kernel flushed them
+        NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False, coalesce_streams=True,
                        resources={"metadata": {"path": scratch}}).execute()
     nb.metadata.pop("widgets", None)
     nbformat.write(nb, path)
