@@ -4,7 +4,8 @@ Run from the repository root: ``.venv/bin/python notebooks/execute.py [notebooks
 (all of them by default). Each runs in a scratch folder, as tests/test_notebooks.py runs them,
 so written pictures and dumps stay out of the repository. No timing metadata is kept, and a
 cell's printed lines are one output, so that a second run changes only what is measured
-(latencies) and nothing else.
+(latencies) and nothing else; 05_live samples a training thread on a free port, so its
+outputs differ from run to run.
 """
 
 from __future__ import annotations
