@@ -1,8 +1,8 @@
 """What fwdtrace.analyze() costs beyond the forward passes it runs.
 
-``analyze(model, x, warmup=W, repeats=R)`` runs the model W + R times (the first warmup run
-counts FLOPs and memory, the others time each module, the repeats are plain). This
-script times the whole call against W + R plain forward passes under ``torch.no_grad()``,
+``analyze(model, x, warmup=W, repeats=R)`` runs the model W + 2R times (the first warmup run
+counts FLOPs and memory, the others are plain, each repeat is a plain run and a module-timed
+one). This script times the whole call against W + 2R plain forward passes under ``torch.no_grad()``,
 in alternating rounds, and reports medians; the overhead is the analysis time over the
 plain time, minus one. Wall time is what a user waits; the process's CPU time is shown too,
 as it moves less when other programs share the cores.
@@ -38,13 +38,18 @@ def plain(model: nn.Module, x: torch.Tensor, runs: int) -> None:
             model(x)
 
 
+def runs_of(warmup: int, repeats: int) -> int:
+    """The forward passes analyze(warmup=..., repeats=...) runs."""
+    return max(warmup, 1) + 2 * repeats
+
+
 def measure(name: str, make: Callable[[], tuple[nn.Module, torch.Tensor]], rounds: int, warmup: int, repeats: int) -> dict:
     torch.manual_seed(0)
     model, x = make()
     plain(model, x, 2)  # first-call costs (allocator, oneDNN primitives) go to neither side
     plain_runs, analysis_runs = [], []
     for _ in range(rounds):  # alternate, so slow phases of a busy machine hit both sides
-        plain_runs.append(timed(lambda: plain(model, x, warmup + repeats)))
+        plain_runs.append(timed(lambda: plain(model, x, runs_of(warmup, repeats))))
         analysis_runs.append(timed(lambda: fwdtrace.analyze(model, x, warmup=warmup, repeats=repeats)))
     result = fwdtrace.analyze(model, x, warmup=1, repeats=1)
     p, a = (statistics.median(w for w, _ in plain_runs), statistics.median(w for w, _ in analysis_runs))
@@ -53,7 +58,7 @@ def measure(name: str, make: Callable[[], tuple[nn.Module, torch.Tensor]], round
         "model": name,
         "params": result.params,
         "gflops": result.flops / 1e9,
-        "forward_ms": 1000 * p / (warmup + repeats),
+        "forward_ms": 1000 * p / runs_of(warmup, repeats),
         "plain_s": p,
         "analysis_s": a,
         "overhead": a / p - 1,
@@ -75,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, warmup={args.warmup}, "
           f"repeats={args.repeats}, medians of {args.rounds} rounds")
-    runs = f"plain x{args.warmup + args.repeats}"
+    runs = f"plain x{runs_of(args.warmup, args.repeats)}"
     print(f"{'model':<30} {'params':>8} {'GFLOPs':>7} {'forward':>9} {runs:>10} {'analyze':>9} {'overhead':>9} {'(CPU time)':>10}")
     for name, make in MODELS.items():
         r = measure(name, make, args.rounds, args.warmup, args.repeats)

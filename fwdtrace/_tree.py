@@ -35,6 +35,45 @@ def tensor_text(t: torch.Tensor) -> str:
     return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 
+def arguments_text(args: tuple, kwargs: Mapping[str, Any]) -> str:
+    """What a call received, nested as it was received: tensors as dtype and shape.
+
+    >>> arguments_text(([torch.ones(2, 3), torch.ones(4, dtype=torch.int64)], 0.5), {"mask": None})
+    '[float32[2, 3], int64[4]], 0.5, mask=None'
+
+    A list given as the only argument stays one list, not two inputs. Containers show at
+    most ``_SHOWN`` items, numbers and short strings their value, any other object its type.
+    """
+    parts = [_value_text(a, 0) for a in args] + [f"{k}={_value_text(v, 0)}" for k, v in kwargs.items()]
+    return ", ".join(parts) if parts else "no arguments"
+
+
+_SHOWN = 8  # items shown per container in arguments_text, the rest counted
+_DEPTH = 3  # containers opened inside containers
+
+
+def _value_text(obj: Any, depth: int) -> str:
+    if isinstance(obj, torch.Tensor):
+        return tensor_text(obj)
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return repr(obj)
+    if isinstance(obj, str):
+        return repr(obj) if len(obj) <= 20 else "str"
+    if isinstance(obj, (list, tuple, Mapping)):
+        opening, closing = ("[", "]") if isinstance(obj, list) else ("{", "}") if isinstance(obj, Mapping) else ("(", ")")
+        if depth >= _DEPTH:
+            return f"{opening}...{closing}"
+        if isinstance(obj, Mapping):
+            items = [f"{k!r}: {_value_text(v, depth + 1)}" for k, v in list(obj.items())[:_SHOWN]]
+        else:
+            items = [_value_text(v, depth + 1) for v in list(obj)[:_SHOWN]]
+        if len(obj) > _SHOWN:
+            items.append(f"... {len(obj) - _SHOWN} more")
+        comma = "," if isinstance(obj, tuple) and len(obj) == 1 else ""
+        return f"{opening}{', '.join(items)}{comma}{closing}"
+    return type(obj).__name__
+
+
 def iter_tensors(obj: Any, path: str = "", caches: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor leaf of ``obj``, depth first, in order.
 

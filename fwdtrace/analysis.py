@@ -1,14 +1,23 @@
 """One-pass model analysis: parameters, FLOPs, latency and memory, per module key.
 
-The model runs ``max(warmup, 1) + repeats`` times, always under ``torch.no_grad()``:
+The model runs ``max(warmup, 1) + 2 * repeats`` times, always under ``torch.no_grad()``:
 
 1. the first warmup run counts. Every aten op's FLOPs (:mod:`fwdtrace.flops`, torch's
    ``FlopCounterMode`` registry plus the fused CPU attention and LSTM kernels) go to the
    module running it, and every tensor storage created is followed until it is freed, for
    memory. With ``warmup=0`` this run still happens (untimed): a model must run to be counted;
-2. the other warmup runs time each module: its share of the forward's time;
-3. the repeats run the plain, unpatched forward, timed as a whole (``torch.cuda.synchronize``
-   around each on GPU): ``latency_ms`` is their median, ``latency_p90_ms`` their 90th percentile.
+2. the other warmup runs are plain and untimed: first calls (lazy initialisation, allocator
+   growth, kernel selection) happen there;
+3. each repeat is two runs, one after the other: the plain, unpatched forward timed as a whole
+   (``torch.cuda.synchronize`` around each on GPU), and a run with every module timed.
+   ``latency_ms`` is the median of the plain runs, ``latency_p90_ms`` their 90th percentile.
+   A module's ``latency_ms`` is its mean time over the module-timed runs at or below the
+   median forward time (the quieter half: a run slowed by something else on the machine is
+   left out whole), and its ``latency_share`` that time over the root's in the same runs. So
+   shares taken from the same runs add up: children's shares never exceed their parent's,
+   and a leaf's share moves by noise only as the runs do. About 10 repeats give shares that
+   agree within a few percent from one call to the next on a quiet machine; fewer give a
+   rough picture.
 
 With ``repeats=0`` only the counting run happens, as torchinfo-style summaries do: parameters,
 FLOPs, shapes and memory, every time None (the table's Time column shows "-").
@@ -38,13 +47,15 @@ from .registry import qualified_name
 from .tracer import active_tracer, around_module_calls, layer_notes
 from .units import human_bytes, human_count, human_flops, human_ms
 
-__all__ = ["analyze", "Analysis", "ModuleRow", "configure_parser", "run_cli"]
+__all__ = ["analyze", "Analysis", "ModuleRow", "run_cli"]
 
 Shape = tuple[int, ...]
 
 MEMORY_CUDA = "torch.cuda.max_memory_allocated"
 MEMORY_TRACKED = "tracked tensor storages"
 MEMORY_META = "tracked tensor storages (meta: what they would occupy)"
+# repeats below this: the table's foot says the Time shares are rough (see the module docstring)
+STABLE_REPEATS = 10
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class ModuleRow:
     params: int  # parameters in the module and its children, each counted once
     flops: int
     flops_total: int
-    latency_ms: float | None  # time inside the module per model run, median of the timing runs
+    latency_ms: float | None  # time inside the module per model run, mean of the quieter half of the module-timed runs
     latency_share: float | None  # latency_ms over the root module's
     peak_memory_bytes: int  # tensor memory while it ran: model and inputs included
 
@@ -146,6 +157,9 @@ class Analysis:
 
         rule = "-" * len(fmt(header))
         foot = "FLOPs: the module's own; FLOPs incl.: with what it called; Time: share of the model's forward"
+        if self.latency_ms is not None:  # how much the shares can be trusted goes with them
+            foot += (f", from the quieter half of {self.repeats} module-timed run{'s' if self.repeats != 1 else ''}"
+                     f"{'' if self.repeats >= STABLE_REPEATS else f' ({STABLE_REPEATS} or more for shares stable within a few percent)'}")
         return "\n".join([*head, rule, fmt(header), rule, *map(fmt, body), rule, foot])
 
 
@@ -313,15 +327,16 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
         times: list[float] = []
         if not on_meta and repeats:  # repeats=0: no timing at all, module times included
             for _ in range(warmup - 1):
-                runs.append(_timed_modules(model, module2key, args, kwargs, sync))
-            for _ in range(repeats):
+                model(*args, **kwargs)
+            for _ in range(repeats):  # interleaved, so that both kinds of run see the same machine
                 sync()
                 start = time.perf_counter()
                 model(*args, **kwargs)
                 sync()
                 times.append((time.perf_counter() - start) * 1000)
+                runs.append(_timed_modules(model, module2key, args, kwargs, sync))
 
-    module_ms = {k: _percentile([r[k] for r in runs], 50) * 1000 for k in keys} if runs else {}
+    module_ms = _module_ms(runs, keys[-1])
     root_ms = module_ms.get(keys[-1]) or None
     rows = tuple(
         ModuleRow(
@@ -357,6 +372,19 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     )
 
 
+def _module_ms(runs: list[dict[str, float]], root: str) -> dict[str, float]:
+    """Milliseconds per key: the mean over the runs whose root time is at most the median's.
+
+    Whole runs are kept or left out, so the times of one key and of its children come from
+    the same runs and add up as they did in each run.
+    """
+    if not runs:
+        return {}
+    median = _percentile([r[root] for r in runs], 50)
+    quiet = [r for r in runs if r[root] <= median]
+    return {k: 1000 * sum(r[k] for r in quiet) / len(quiet) for k in runs[0]}
+
+
 def _timed_modules(
     model: torch.nn.Module, module2key: dict[int, str], args: tuple, kwargs: dict, sync: Callable[[], None]
 ) -> dict[str, float]:
@@ -381,18 +409,6 @@ def _timed_modules(
 
 
 # -- command line ---------------------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace analyze``."""
-    from .cli import add_input_arguments
-
-    parser.add_argument("factory", help="'pkg.module:function' returning the model (put in eval mode)")
-    add_input_arguments(parser)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models without allocating their memory)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10; 0 skips timing)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace analyze``: 0 when the model ran, FwdtraceError (exit 2) on bad input."""
     from .cli import forward_failed, load_factory, make_inputs, parse_device

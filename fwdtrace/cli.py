@@ -1,7 +1,9 @@
 """The ``fwdtrace`` command: ``draw``, ``check-onnx``, ``export-onnx``, ``analyze``, ``dump-diff`` and ``serve``.
 
-Each subcommand lives beside its feature: the module named in ``_COMMANDS`` provides
-``configure_parser(parser)`` and ``run_cli(args) -> int``. One exit-code contract for all:
+Each subcommand runs beside its feature: the module named in ``_COMMANDS`` provides
+``run_cli(args) -> int``. The arguments of every subcommand are declared here, in a module
+that imports no torch, so ``fwdtrace --help`` and ``fwdtrace COMMAND --help`` answer at once
+and torch is imported only when a command runs. One exit-code contract for all:
 0 when all is well, 1 when the check found a difference, 2 for anything else (bad usage,
 a factory that fails, shapes, devices, unreadable files, a forward that raises, user code
 that calls ``sys.exit()``: never taken as the command's own exit code), with a
@@ -17,20 +19,10 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import FwdtraceError, describe, one_line
-
-# command -> (module, one-line help)
-_COMMANDS: dict[str, tuple[str, str]] = {
-    "draw": ("fwdtrace.passes.draw", "trace a model and draw its graph (SVG, PNG, PDF) or write it as JSON"),
-    "check-onnx": ("fwdtrace.onnx.compare", "trace a model, export it to ONNX and diff the two graphs"),
-    "export-onnx": ("fwdtrace.onnx.emit", "run a model once and write the ONNX of what it ran"),
-    "analyze": ("fwdtrace.analysis", "parameters, FLOPs, latency and memory per module"),
-    "dump-diff": ("fwdtrace.dump", "compare two HDF5 dumps tensor by tensor"),
-    "serve": ("fwdtrace.live.server", "serve a model's graph and live statistics over HTTP"),
-}
 
 
 def load_factory(spec: str) -> Any:
@@ -159,6 +151,98 @@ def forward_failed(factory: str, inputs: Sequence[Any], e: BaseException) -> Fwd
     return FwdtraceError(f"{factory}: the forward failed on inputs {shapes_text(inputs)}: {one_line(e)}")
 
 
+# -- each subcommand's arguments (no torch here: see the module docstring) -------------------------------
+# check-onnx's --exporter: onnx.compare.CHECK_EXPORTERS, whose module imports torch (a test keeps them equal)
+CHECK_EXPORTERS = ("dynamo", "torchscript", "fwdtrace")
+# the suffix of `fwdtrace draw -o` that writes Model Explorer's JSON rather than Graph.to_json
+MODEL_EXPLORER_SUFFIX = "model-explorer.json"
+
+
+def _depth_argument(text: str) -> int | str | None:
+    if text == "auto":
+        return "auto"
+    if text == "all":
+        return None
+    try:
+        depth = int(text)
+    except ValueError:
+        depth = -1
+    if depth < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, all or an integer >= 0, got {text!r}")
+    return depth
+
+
+def _draw_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", help="'pkg.module:function' returning the model (traced in eval mode)")
+    add_input_arguments(parser)
+    parser.add_argument("--depth", type=_depth_argument, default="auto", metavar="auto|all|K",
+                        help="collapse module calls nested deeper than K; all draws every level (default auto)")
+    parser.add_argument("-o", "--output", required=True, metavar="graph.svg",
+                        help=f"the file: .svg, .png, .pdf (a picture), .json (Graph.to_json) or .{MODEL_EXPLORER_SUFFIX}")
+
+
+def _check_onnx_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
+    add_input_arguments(parser)
+    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default=None,
+                        help="torch's ONNX exporter, or fwdtrace's own emission (to_onnx) (default dynamo)")
+    parser.add_argument("--onnx", default=None, metavar="model.onnx",
+                        help="check this ONNX file (made for these input shapes) instead of exporting the model")
+    parser.add_argument("--numeric", action="store_true",
+                        help="compare numbers too: run the model eagerly and the ONNX model in onnxruntime, "
+                             "and name the first call whose value differs (exit 1 if one does)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+
+
+def _export_onnx_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to export")
+    add_input_arguments(parser)
+    parser.add_argument("-o", "--output", required=True, metavar="model.onnx", help="the ONNX file to write")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset, 18 to 23 (default 18)")
+
+
+def _analyze_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", help="'pkg.module:function' returning the model (put in eval mode)")
+    add_input_arguments(parser)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, meta (FLOPs and params of big models without allocating their memory)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs, each a plain run and one with every module timed (default 10; 0 skips timing)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _dump_diff_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", help="first dump (.hdf5)")
+    parser.add_argument("b", help="second dump (.hdf5)")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
+    parser.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
+    parser.add_argument("--only-diverged", action="store_true", help="print only the rows that differ")
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", nargs="?", help="a function returning the model, as 'pkg.module:function' "
+                        "(left out with --logdir: reopen that finished run read-only)")
+    add_input_arguments(parser, required=False)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    parser.add_argument("--token", default=None, help="token required on every request (generated beyond loopback)")
+    parser.add_argument("--logdir", default=None, help="with a factory: keep the history there; alone: reopen "
+                        "the finished run there, read-only")
+    parser.add_argument("--retention", type=int, default=None, help="rows kept per series in --logdir (default 10000)")
+
+
+# command -> (the module whose run_cli(args) runs it, one-line help, its arguments)
+_COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
+    "draw": ("fwdtrace.passes.draw", "trace a model and draw its graph (SVG, PNG, PDF) or write it as JSON",
+             _draw_arguments),
+    "check-onnx": ("fwdtrace.onnx.compare", "trace a model, export it to ONNX and diff the two graphs",
+                   _check_onnx_arguments),
+    "export-onnx": ("fwdtrace.onnx.emit", "run a model once and write the ONNX of what it ran", _export_onnx_arguments),
+    "analyze": ("fwdtrace.analysis", "parameters, FLOPs, latency and memory per module", _analyze_arguments),
+    "dump-diff": ("fwdtrace.dump", "compare two HDF5 dumps tensor by tensor", _dump_diff_arguments),
+    "serve": ("fwdtrace.live.server", "serve a model's graph and live statistics over HTTP", _serve_arguments),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -170,9 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
                         help="print the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
-        importlib.import_module(module).configure_parser(p)
+    for name, (_, help_text, add_arguments) in _COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text, parents=[common]))
     return parser
 
 

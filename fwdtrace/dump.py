@@ -38,7 +38,7 @@ from .errors import FwdtraceError, describe, one_line
 from .grads import GradCall
 from .keys import key2module, key_path
 
-__all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
+__all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
 
 FORMAT_ATTR = "fwdtrace_dump"
 FORMAT_VERSION = 2  # 2: completeness attributes, sanitized group names
@@ -944,15 +944,6 @@ def compare_dumps(
 
 
 # -- command line ---------------------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace dump-diff a.hdf5 b.hdf5``."""
-    parser.add_argument("a", help="first dump (.hdf5)")
-    parser.add_argument("b", help="second dump (.hdf5)")
-    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
-    parser.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
-    parser.add_argument("--only-diverged", action="store_true", help="print only the rows that differ")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Print the comparison table; 0 when the dumps agree, 1 when they differ, FwdtraceError (exit 2)
     when a dump is incomplete or unreadable: a cut-short run is not a difference between runs."""

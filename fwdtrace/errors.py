@@ -6,10 +6,12 @@ user passed (the einops way). Every fwdtrace error is a :class:`FwdtraceError`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["FwdtraceError", "FwdtraceWarning", "describe", "shapes_text", "add_layer_note", "one_line", "NOTE_PREFIX"]
+__all__ = ["FwdtraceError", "FwdtraceWarning", "describe", "shapes_text", "add_layer_note", "one_line", "NOTE_PREFIX",
+           "check_callback"]
 
 NOTE_PREFIX = "fwdtrace:"
 
@@ -44,6 +46,32 @@ def describe(obj: Any) -> str:
     if isinstance(obj, type):
         return f"class {obj.__module__}.{obj.__qualname__}"
     return type(obj).__name__
+
+
+def check_callback(fn: Any, caller: str, signature: str, name: str = "fn") -> None:
+    """Raise unless ``fn`` (the argument ``name``) is a callable that takes ``signature``'s positional
+    arguments, ``(module, inputs, output)``.
+
+    Checked when the callback is registered, not when it is first called inside a forward.
+    ``*args`` and defaults count as the signature allows; a builtin without a signature is taken as it is.
+
+    >>> check_callback(lambda output: output, "replace_output()", "(module, inputs, output)")
+    Traceback (most recent call last):
+    ...
+    fwdtrace.errors.FwdtraceError: replace_output() expected fn as a callable (module, inputs, output), got function <lambda>(output)
+    """
+    if not callable(fn):
+        raise FwdtraceError(f"{caller} expected {name} as a callable {signature}, got {describe(fn)}")
+    count = len([p for p in signature.strip("()").split(",") if p.strip()])
+    try:
+        found = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (a builtin): its call will say
+        return
+    try:
+        found.bind(*[None] * count)
+    except TypeError:
+        shown = getattr(fn, "__name__", None) or type(fn).__name__
+        raise FwdtraceError(f"{caller} expected {name} as a callable {signature}, got {describe(fn)} {shown}{found}") from None
 
 
 def shapes_text(tensors: Iterable[Any]) -> str:

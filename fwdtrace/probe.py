@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ._tree import tensors_of
 from .calls import FunctionSite, ModelCalls
 from .chaos import Chaos
-from .errors import FwdtraceError, describe
+from .errors import FwdtraceError, check_callback, describe
 from .grads import register_grad_hook
 from .keys import Selector, key2module, select_keys
 from .registry import FunctionTarget, resolve_any
@@ -34,11 +34,6 @@ from .tracer import add_function_handlers, layer_notes, remove_handlers
 __all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
 
 _KINDS = ("input", "output", "grad_input", "grad_output")
-
-
-def _check_fn(fn: Any, caller: str, signature: str) -> None:
-    if not callable(fn):
-        raise FwdtraceError(f"{caller} expected fn as a callable {signature}, got {describe(fn)}")
 
 
 def _check_file(file: Any, caller: str) -> None:
@@ -157,7 +152,7 @@ class Match(Hooks):
     def loss(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Sum over the pairs of ``fn(student_output, teacher_output)``, MSE by default."""
         if fn is not None:
-            _check_fn(fn, "Match.loss()", "(student_output, teacher_output)")
+            check_callback(fn, "Match.loss()", "(student_output, teacher_output)")
         fn = fn or F.mse_loss
         missing = [s for s, t in self.pairs if s not in self.student_outputs or t not in self.teacher_outputs]
         if missing:
@@ -403,7 +398,7 @@ class Probe:
         ``fn`` has ``@hook_forward``'s signature (the output is None: it is not computed yet);
         it returns the new inputs (a tuple, or one tensor), or None to keep them.
         """
-        _check_fn(fn, "replace_input()", "(module, inputs, None)")
+        check_callback(fn, "replace_input()", "(module, inputs, None)")
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple) -> Any:
@@ -423,7 +418,7 @@ class Probe:
         ...     model(torch.tensor([2.0]))
         tensor([20.])
         """
-        _check_fn(fn, "replace_output()", "(module, inputs, output)")
+        check_callback(fn, "replace_output()", "(module, inputs, output)")
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
@@ -453,7 +448,7 @@ class Probe:
         several such inputs their gradients arrive at different times, so that call goes through
         torch's own ``BackwardHook`` (exact, but an in-place op on those inputs or outputs then raises, as torch's does).
         """
-        _check_fn(fn, "replace_grad()", "(module, grad_input, grad_output)")
+        check_callback(fn, "replace_grad()", "(module, grad_input, grad_output)")
 
         def register(key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> Any:
@@ -489,7 +484,7 @@ class Probe:
         hooks are), sharing its one wrapper with traces and other probes; removing the
         handle, or leaving the probe, puts the original back once nothing else uses it.
         """
-        _check_fn(fn, "hook_function()", "(inputs, kwargs, output)")
+        check_callback(fn, "hook_function()", "(inputs, kwargs, output)")
         found = resolve_any(target, "Probe.hook_function()")
         if not isinstance(found, FunctionTarget):
             raise FwdtraceError(

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from .errors import FwdtraceError, describe
+from .errors import FwdtraceError, check_callback, describe
 
 __all__ = [
     "hook_forward", "register_atomic", "remove_hook", "clear_hooks", "REGISTRY", "qualified_name", "FunctionTarget",
@@ -465,6 +465,8 @@ def hook_forward(target: Any, *, atomic: bool = False, everywhere: bool = False)
     def decorate(fn: F) -> F:
         if not callable(fn):
             raise FwdtraceError(f"@hook_forward({target!r}) expected a function, got {describe(fn)}")
+        signature = "(inputs, kwargs, output)" if isinstance(found, FunctionTarget) else "(module, inputs, output)"
+        check_callback(fn, f"@hook_forward({target!r})", signature)
         if isinstance(found, FunctionTarget):
             REGISTRY.add_function(found, fn)
         else:

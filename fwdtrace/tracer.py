@@ -35,8 +35,8 @@ from torch.overrides import _get_current_function_mode as _current_function_mode
 from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 
 from . import registry as _registry
-from ._tree import dtype_name, iter_tensors, tensors_of
-from .errors import FwdtraceError, add_layer_note, describe, shapes_text
+from ._tree import arguments_text, dtype_name, iter_tensors, tensors_of
+from .errors import FwdtraceError, add_layer_note, describe
 from .graph import Graph
 from .keys import module_key
 from .names import function_name
@@ -754,7 +754,7 @@ def _note_layer(
 ) -> None:
     with torch._C.DisableTorchFunction():
         add_layer_note(exc, module_key(path, module), _registry.qualified_name(type(module)),
-                       shapes_text(tensors_of((args, kwargs))), op=op)
+                       arguments_text(args, kwargs), op=op)
 
 
 @contextlib.contextmanager

@@ -91,16 +91,61 @@ def test_runs_are_warmup_plus_repeats_and_latency_is_positive(warmup, repeats):
         result = fwdtrace.analyze(model, *inputs, warmup=warmup, repeats=repeats)
     finally:
         handle.remove()
-    assert len(forwards) == max(warmup, 1) + repeats  # the counting run is the first warmup run
+    # the counting run is the first warmup run; each repeat is a plain run and a module-timed one
+    assert len(forwards) == max(warmup, 1) + 2 * repeats
     assert result.repeats == repeats
     assert result.latency_ms is not None and result.latency_p90_ms is not None
     assert 0 < result.latency_ms <= result.latency_p90_ms
-    shares = [r.latency_share for r in result.rows]
-    if warmup >= 2:  # timing runs happened: the root is the whole forward, children are parts of it
-        assert result.rows[-1].latency_share == pytest.approx(1.0)
-        assert all(s is not None and 0 <= s <= 1.0 + 1e-9 for s in shares)
-    else:
-        assert all(s is None for s in shares)
+    shares = {r.module_path: r.latency_share for r in result.rows}
+    # the root is the whole forward, children are parts of it, from the same runs: they add up
+    assert result.rows[-1].latency_share == pytest.approx(1.0)
+    assert all(s is not None and 0 <= s <= 1.0 + 1e-9 for s in shares.values())
+    for path, share in shares.items():
+        children = [s for p, s in shares.items() if p and p.rpartition(".")[0] == path and p != path]
+        assert sum(children) <= share + 1e-9, path  # type: ignore[arg-type]
+
+
+class _Clock:
+    """A stand-in for time.perf_counter that only the model moves: each _Tick adds its cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Tick(nn.Module):
+    def __init__(self, clock: _Clock, cost: float, spikes: dict[int, float]) -> None:
+        super().__init__()
+        self.clock, self.cost, self.spikes, self.calls = clock, cost, spikes, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.clock.now += self.cost * self.spikes.get(self.calls, 1.0)
+        return x
+
+
+def test_a_slowed_run_does_not_skew_the_time_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pooling layer 100 times slower in some runs (a first call, another program on the
+    machine) once made it 90% of the forward: shares come from the quieter runs, warm-up excluded."""
+    from fwdtrace import analysis
+
+    clock = _Clock()
+    monkeypatch.setattr(analysis, "time", clock)
+    # calls 2 and 5 of the pool are slow: a warm-up run and one timed run
+    costs = {"0": 0.003, "1": 0.001, "2": 0.002}
+    model = nn.Sequential(_Tick(clock, costs["0"], {}), _Tick(clock, costs["1"], {2: 100.0, 5: 100.0}),
+                          _Tick(clock, costs["2"], {}))
+    result = fwdtrace.analyze(model, torch.ones(1), warmup=3, repeats=3)
+    total = sum(costs.values())
+    assert result.latency_ms == pytest.approx(1000 * total)
+    for path, cost in costs.items():
+        row = next(r for r in result.rows if r.module_path == path)
+        assert row.latency_share == pytest.approx(cost / total), path
+        assert row.latency_ms == pytest.approx(1000 * cost), path
+    assert result.rows[-1].latency_ms == pytest.approx(1000 * total)
+    assert "from the quieter half of 3 module-timed runs (10 or more for shares stable" in str(result)
 
 
 class Keep(nn.Module):

@@ -13,7 +13,7 @@ import torch
 
 import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.cli import load_factory, main, make_inputs, parse_shape
+from fwdtrace.cli import build_parser, load_factory, main, make_inputs, parse_shape
 
 TESTS = Path(__file__).parent
 
@@ -49,6 +49,43 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["no-such-command"]) == 2
     assert main(["analyze", "zoo:ResNetish", "--input-shape", "1,3,x"]) == 2
     assert "expected --input-shape" in capsys.readouterr().err
+
+
+HELP_WITHOUT_TORCH = """
+import contextlib, io, json, sys
+from fwdtrace.cli import _COMMANDS, main
+helps = {}
+for argv in [["--help"], *([name, "--help"] for name in _COMMANDS)]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    helps[" ".join(argv)] = [code, out.getvalue()]
+print(json.dumps({"torch": "torch" in sys.modules, "helps": helps}))
+"""
+
+
+def test_help_imports_no_torch() -> None:
+    """``fwdtrace --help`` and every ``fwdtrace COMMAND --help`` answer without importing torch."""
+    import json
+
+    from fwdtrace.cli import _COMMANDS
+
+    done = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout)
+    assert result["torch"] is False
+    assert sorted(result["helps"]) == sorted(["--help", *(f"{name} --help" for name in _COMMANDS)])
+    for argv, (code, text) in result["helps"].items():
+        command = argv.split()[0] if argv != "--help" else ""
+        assert code == 0 and text.startswith(f"usage: fwdtrace {command}".rstrip()), (argv, text[:200])
+    assert all(name in result["helps"]["--help"][1] for name in _COMMANDS)
+    assert "--input-shape" in result["helps"]["draw --help"][1] and "--only-diverged" in result["helps"]["dump-diff --help"][1]
+
+
+def test_check_onnx_offers_the_exporters_check_onnx_takes() -> None:
+    from fwdtrace.cli import CHECK_EXPORTERS
+    from fwdtrace.onnx import compare
+
+    assert CHECK_EXPORTERS == compare.CHECK_EXPORTERS
 
 
 def test_a_closed_pipe_is_not_a_crash() -> None:
@@ -255,17 +292,11 @@ def test_user_code_cannot_end_the_command_silently_and_odd_paths_are_named(
 
 
 def test_every_command_that_runs_a_model_makes_the_same_inputs() -> None:
-    from fwdtrace import analysis
-    from fwdtrace.live import server
-    from fwdtrace.onnx import compare as onnx_compare
-    from fwdtrace.passes import draw
-
     for dtype in ("float32", "bfloat16", "int64"):
         made = []
-        for module in (analysis, onnx_compare, draw, server):
-            parser = argparse.ArgumentParser()
-            module.configure_parser(parser)
-            args, _ = parser.parse_known_args(["m:f", "--input-shape", "2,3", "--input-shape", "4", "--dtype", dtype, "-o", "g.svg"])
+        for command in ("analyze", "check-onnx", "draw", "serve"):
+            argv = [command, "m:f", "--input-shape", "2,3", "--input-shape", "4", "--dtype", dtype, "-o", "g.svg"]
+            args, _ = build_parser().parse_known_args(argv)
             made.append(make_inputs(args))
         assert [t.dtype for t in made[0]] == [getattr(torch, dtype)] * 2
         for other in made[1:]:
@@ -285,9 +316,7 @@ def test_export_onnx_writes_a_model_that_runs_like_torch(job_dir: Path, monkeypa
     monkeypatch.chdir(job_dir)
     torch.manual_seed(0)  # the factory draws its weights: the same ones for the reference below
     assert main(["export-onnx", "zoo:MobileNetish", "--input-shape", "1,3,16,16", "-o", "mobile.onnx"]) == 0
-    parser = argparse.ArgumentParser()
-    fwdtrace.onnx.emit.configure_parser(parser)
-    (x,) = make_inputs(parser.parse_args(["zoo:MobileNetish", "--input-shape", "1,3,16,16", "-o", "unused"]))
+    (x,) = make_inputs(build_parser().parse_args(["export-onnx", "zoo:MobileNetish", "--input-shape", "1,3,16,16", "-o", "unused"]))
     torch.manual_seed(0)
     model = load_factory("zoo:MobileNetish").eval()
     session = ort.InferenceSession(str(job_dir / "mobile.onnx"), providers=["CPUExecutionProvider"])

@@ -163,6 +163,15 @@ def test_bad_render_arguments(tmp_path: Path) -> None:
         graph.render(tmp_path / "missing" / "graph.png")
     with pytest.raises(fwdtrace.FwdtraceError, match=r"^to_dot\(\) expected depth as 'auto', None or an integer >= 0, got -1"):
         graph.to_dot(depth=-1)
+    # the function the user called is named, not the helper that checks
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^render\(\) expected depth as 'auto', None or an integer >= 0, got -1"):
+        graph.render(tmp_path / "graph.svg", depth=-1)
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^render\(\) expected rankdir in TB, LR, BT, RL, got 'up'"):
+        graph.render(tmp_path / "graph.svg", rankdir="up")
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^render\(\) expected options of to_dot \(target_nodes, .*\), got fold_sides"):
+        graph.render(tmp_path / "graph.svg", fold_sides=False)
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^render_side_by_side\(\) expected depth as 'auto', None or an integer"):
+        fwdtrace.render_side_by_side(graph, tmp_path / "unread.onnx", tmp_path / "pair.svg", depth=-1)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import math
 import os
@@ -24,15 +23,14 @@ from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError, dump
+from fwdtrace.cli import build_parser
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
 def _dump_diff(*argv: str) -> int:
     """``fwdtrace dump-diff ARGV``'s exit code (the lead's cli.main maps FwdtraceError to 2)."""
-    parser = argparse.ArgumentParser()
-    dump.configure_parser(parser)
-    return dump.run_cli(parser.parse_args(argv))
+    return dump.run_cli(build_parser().parse_args(["dump-diff", *argv]))
 
 
 def _group_names(f: h5py.File) -> list[str]:

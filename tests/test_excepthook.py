@@ -94,7 +94,7 @@ def test_an_op_inside_a_layer_is_named():
     assert block.splitlines()[1:4] == [
         f"| module  0.Cat ({Cat.__module__}.{Cat.__qualname__})",
         "| op      torch.cat",
-        "| inputs  float32[2, 3], float32[3, 2]",
+        "| inputs  [float32[2, 3], float32[3, 2]], dim=1",  # what torch.cat received: a list and dim
     ]
 
 

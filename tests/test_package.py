@@ -76,3 +76,50 @@ def test_xdist_groups_stay_on_one_worker(tmp_path: Path) -> None:
         group, pid = line.split()
         workers.setdefault(group, set()).add(pid)
     assert sorted(workers) == ["a", "b"] and all(len(pids) == 1 for pids in workers.values()), workers
+
+
+# -- the sdist, and the wheel built from it --------------------------------------------------------
+ROOT = Path(__file__).parent.parent
+BUILD = '''
+import sys
+from setuptools import build_meta
+print(getattr(build_meta, sys.argv[1])(sys.argv[2]))
+'''
+
+
+def _build(kind: str, source: Path, out: Path) -> Path:
+    """Build with setuptools' own PEP 517 hooks (what pip and ``python -m build`` call), in ``source``."""
+    done = subprocess.run([sys.executable, "-c", BUILD, kind, str(out)], cwd=source, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / done.stdout.strip().splitlines()[-1]
+
+
+def test_sdist_holds_the_package_and_license_and_leaves_the_tests_out(tmp_path: Path) -> None:
+    """The tests need the repository around them (zoo.py, golden files, notebooks, a browser): the sdist
+    leaves them out rather than ship tests that cannot run; its wheel carries the package data."""
+    import shutil
+    import tarfile
+    import zipfile
+
+    source = tmp_path / "source"
+    caches = shutil.ignore_patterns(".venv*", ".git", "__pycache__", "*.egg-info", ".*_cache", "build", "dist", "artifacts")
+    shutil.copytree(ROOT, source, ignore=caches)
+    sdist = _build("build_sdist", source, tmp_path / "dist")
+    top = sdist.name.removesuffix(".tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.removeprefix(f"{top}/") for n in tar.getnames() if tar.getmember(n).isfile()}
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    package = {str(p.relative_to(ROOT)) for p in (ROOT / "fwdtrace").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert {n for n in names if n.startswith("fwdtrace/")} == package
+    assert {"LICENSE", "README.md", "pyproject.toml", "PKG-INFO"} <= names
+    assert not [n for n in names if n.split("/")[0] in ("tests", "notebooks", "docs", "examples", "benchmarks")]
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License\n\nCopyright (c) 2026 the fwdtrace developers\n")
+    info = (tmp_path / "unpacked" / top / "PKG-INFO").read_text()
+    assert "License-Expression: MIT\n" in info and "Classifier: Typing :: Typed\n" in info
+    assert "Project-URL" not in info  # no public address is known: none is invented
+
+    wheel = _build("build_wheel", tmp_path / "unpacked" / top, tmp_path / "wheel")
+    with zipfile.ZipFile(wheel) as whl:
+        files = set(whl.namelist())
+    assert package <= files  # py.typed and the live page's static files included
+    assert f"{top}.dist-info/licenses/LICENSE" in files

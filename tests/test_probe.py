@@ -289,6 +289,15 @@ BAD_CALLS = [
      r"^replace_output\(\) expected fn as a callable \(module, inputs, output\), got NoneType"),
     (lambda p: p.replace_input("seq.0.Conv2d", 42), r"^replace_input\(\) expected fn as a callable \(module, inputs, None\), got int"),
     (lambda p: p.replace_grad("seq.0.Conv2d", "x"), r"^replace_grad\(\) expected fn as a callable"),
+    # a callback that cannot take the arguments it will be given fails now, not in the next forward
+    (lambda p: p.replace_output("seq.0.Conv2d", lambda output: output),
+     r"^replace_output\(\) expected fn as a callable \(module, inputs, output\), got function <lambda>\(output\)$"),
+    (lambda p: p.replace_input("seq.0.Conv2d", lambda m, inputs: inputs),
+     r"^replace_input\(\) expected fn as a callable \(module, inputs, None\), got function <lambda>\(m, inputs\)$"),
+    (lambda p: p.replace_grad("seq.0.Conv2d", lambda m, gin, gout, extra: gin),
+     r"^replace_grad\(\) expected fn as a callable \(module, grad_input, grad_output\), got function <lambda>\(m, gin, gout, extra\)$"),
+    (lambda p: p.hook_function("torch.nn.functional.relu", lambda *, output: output),
+     r"^hook_function\(\) expected fn as a callable \(inputs, kwargs, output\), got function <lambda>\(\*, output\)$"),
     (lambda p: p.replace_input(42, lambda m, i, o: None), r"^Probe expected a selector .* got int"),
     (lambda p: p.print_io("seq.0.Conv2d", file="out.txt"),
      r"^print_io\(\) expected file as an open text file \(with .write\) or None, got str 'out.txt'"),
@@ -296,6 +305,27 @@ BAD_CALLS = [
     (lambda p: p.weight_stats(bins=-2), r"^RunningStats expected bins as a positive int, got -2"),
     (lambda p: p.chaos("seq.0.Conv2d", scale=-1.0), r"^chaos\(\) expected scale as a finite number >= 0, got -1.0"),
 ]
+
+
+class _Scale:
+    def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor, factor: float = 2.0) -> torch.Tensor:
+        return output * factor
+
+
+def test_callbacks_of_every_fitting_shape_are_accepted() -> None:
+    """*args, defaults, callable objects and builtins without a signature pass the registration check."""
+    model = nn.Sequential(nn.ReLU())
+    x = torch.tensor([1.0, -1.0])
+    with fwdtrace.Probe(model) as probe:
+        probe.replace_output("0.ReLU", lambda *args: args[2] + 1)
+        assert torch.equal(model(x), torch.relu(x) + 1)
+    with fwdtrace.Probe(model) as probe:
+        probe.replace_output("0.ReLU", _Scale())
+        assert torch.equal(model(x), torch.relu(x) * 2)
+    with fwdtrace.Probe(model) as probe:
+        probe.replace_output("0.ReLU", max)  # a builtin without a signature to check: taken as it is
+    with pytest.raises(FwdtraceError, match=r"^@hook_forward\('torch.nn.ReLU'\) expected fn as a callable \(module, inputs, output\), got function"):
+        fwdtrace.hook_forward("torch.nn.ReLU")(lambda module, output: None)
 
 
 @pytest.mark.parametrize("call, message", BAD_CALLS)

@@ -498,6 +498,9 @@ BAD_RECORDERS = [
     ({"ranks": [-1]}, r"^Recorder expected ranks as non-negative ints"),
     ({"bins": 0}, r"^Recorder expected bins as a positive int or a list of 2\+ increasing finite edges, got 0"),
     ({"bins": [1.0, 0.5]}, r"^Recorder expected bins as a positive int or a list of 2\+ increasing finite edges, got \[1.0, 0.5\]"),
+    ({"transform": "abs"}, r"^Recorder expected transform as a callable \(tensor\), got str$"),
+    # checked here, not in the recording step that would call it
+    ({"transform": lambda t, scale: t * scale}, r"^Recorder expected transform as a callable \(tensor\), got function <lambda>\(t, scale\)$"),
 ]
 
 

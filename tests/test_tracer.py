@@ -511,9 +511,33 @@ def test_an_op_between_layers_that_raises_is_noted_with_its_function() -> None:
         fwdtrace.trace(nn.Sequential(Bad()), torch.ones(2, 4))
     assert len(info.value.__notes__) == 1
     assert info.value.__notes__[0].startswith(
-        f"fwdtrace: raised in torch.cat called by module '0.Bad' ({__name__}.{Bad.__qualname__}) with inputs float32[2, 4], float32[3, 3]"
+        f"fwdtrace: raised in torch.cat called by module '0.Bad' ({__name__}.{Bad.__qualname__}) with inputs [float32[2, 4], float32[3, 3]], 0"
     )
     assert_same_objects(before)
+
+
+class _TakesAList(nn.Module):
+    def forward(self, xs: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        if len(xs) != 3:
+            raise ValueError(f"expected three tensors, got {len(xs)}")
+        return sum(xs) * scale
+
+
+@pytest.mark.parametrize("run", [
+    lambda model, *args, **kwargs: fwdtrace.trace(model, *args, **kwargs),
+    lambda model, *args, **kwargs: fwdtrace.analyze(model, *args, repeats=0, **kwargs),
+], ids=["trace", "analyze"])
+def test_the_layer_note_shows_what_forward_received(run) -> None:  # noqa: ANN001
+    """A list given as the only argument is one list in the note, not two inputs; other arguments as given."""
+    xs = [torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64)]
+    with pytest.raises(ValueError, match="expected three tensors") as info:
+        run(_TakesAList(), xs)
+    assert info.value.__notes__ == [
+        f"fwdtrace: raised in module '{_TakesAList.__name__}' ({__name__}._TakesAList) with inputs [float32[2, 3], float64[2, 3]]"
+    ]
+    with pytest.raises(ValueError) as info:
+        run(_TakesAList(), (torch.ones(1),), scale=0.5)
+    assert info.value.__notes__[0].endswith("with inputs (float32[1],), scale=0.5")
 
 
 def test_nested_tracers_raise_and_leave_nothing_patched() -> None:

@@ -878,20 +878,6 @@ def check_network(host: Any, port: Any, token: Any, max_connections: Any, timeou
 
 
 # -- the `fwdtrace serve` subcommand ---------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    from ..cli import add_input_arguments
-
-    parser.add_argument("factory", nargs="?", help="a function returning the model, as 'pkg.module:function' "
-                        "(left out with --logdir: reopen that finished run read-only)")
-    add_input_arguments(parser, required=False)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
-    parser.add_argument("--token", default=None, help="token required on every request (generated beyond loopback)")
-    parser.add_argument("--logdir", default=None, help="with a factory: keep the history there; alone: reopen "
-                        "the finished run there, read-only")
-    parser.add_argument("--retention", type=int, default=None, help="rows kept per series in --logdir (default 10000)")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace serve`` until Ctrl-C; exit 2 (naming the layer) when the example inputs do not trace."""
     from ..cli import forward_failed, load_factory, make_inputs

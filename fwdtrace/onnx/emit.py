@@ -1240,16 +1240,6 @@ def _version() -> str:
 
 
 # -- command line ---------------------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace export-onnx``."""
-    from ..cli import add_input_arguments
-
-    parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to export")
-    add_input_arguments(parser)
-    parser.add_argument("-o", "--output", required=True, metavar="model.onnx", help="the ONNX file to write")
-    parser.add_argument("--opset", type=int, default=None, help="ONNX opset, 18 to 23 (default 18)")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace export-onnx``: write the ONNX of one eager run, 0 when written, 2 when not.
 

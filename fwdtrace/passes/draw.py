@@ -14,6 +14,7 @@ import argparse
 import collections
 import contextlib
 import contextvars
+import inspect
 import math
 import os
 import re
@@ -35,7 +36,7 @@ from ..graph import Graph
 from ..node import Edge, Node, Scope
 from .fold import Folds, Item, Loop, find_folds, side_components
 
-__all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS", "configure_parser", "run_cli"]
+__all__ = ["Digraph", "to_dot", "render", "render_digraph", "FORMATS", "run_cli"]
 
 FORMATS = ("png", "svg", "pdf")
 
@@ -252,20 +253,21 @@ def _graphviz_messages() -> Iterator[None]:
                       "of its size; the SVG keeps every detail", UserWarning, stacklevel=3)
 
 
-def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
+def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str], caller: str = "render()") -> str:
     """Write ``dot`` to ``path`` as PNG, SVG or PDF, chosen by the suffix; return the path.
 
     The file appears whole or not at all: it is written beside the target and moved in place.
+    ``caller`` is the public function whose errors these are.
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
-        raise FwdtraceError(f"render() expected a path ending in .png, .svg or .pdf, got {str(path)!r}")
+        raise FwdtraceError(f"{caller} expected a path ending in .png, .svg or .pdf, got {str(path)!r}")
     data = dot_bytes(dot, fmt)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
-        raise FwdtraceError(f"render() expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
-    write_bytes(path, data, caller="render()")
+        raise FwdtraceError(f"{caller} expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
+    write_bytes(path, data, caller=caller)
     return str(path)
 
 
@@ -282,6 +284,10 @@ def render(graph: Graph, path: str | os.PathLike[str], depth: int | str | None =
     whose picture has at most ``target_nodes`` boxes (250) and fits a PNG of at most
     4096 x 16384 px at a resolution where 10 pt labels stay legible.
     """
+    unknown = sorted(set(options) - set(DRAW_OPTIONS))
+    if unknown:
+        raise FwdtraceError(f"render() expected options of to_dot ({', '.join(DRAW_OPTIONS)}), got {', '.join(unknown)}")
+    check_draw_options("render()", depth, **{k: options[k] for k in ("rankdir", "target_nodes") if k in options})
     fmt = Path(path).suffix.lower().lstrip(".")
     token = _DRAW_FORMAT.set(fmt if fmt in FORMATS else None)
     try:
@@ -760,6 +766,16 @@ def _ranks(keys: list[str], succ: dict[str, list[str]]) -> dict[str, int]:
     return rank
 
 
+def check_draw_options(caller: str, depth: Any, rankdir: Any = "TB", target_nodes: Any = TARGET_NODES) -> None:
+    """The checks of :func:`to_dot`'s options, in the words of ``caller``, the public function the user called."""
+    if depth != "auto" and depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
+        raise FwdtraceError(f"{caller} expected depth as 'auto', None or an integer >= 0, got {depth!r}")
+    if rankdir not in ("TB", "LR", "BT", "RL"):
+        raise FwdtraceError(f"{caller} expected rankdir in TB, LR, BT, RL, got {rankdir!r}")
+    if isinstance(target_nodes, bool) or not isinstance(target_nodes, int) or target_nodes < 1:
+        raise FwdtraceError(f"{caller} expected target_nodes as an integer >= 1, got {target_nodes!r}")
+
+
 def to_dot(
     graph: Graph,
     depth: int | str | None = "auto",
@@ -818,12 +834,7 @@ def to_dot(
     when two graphs share a picture; ``cluster_name`` (starting with ``cluster``) makes the
     result embeddable with ``outer.subgraph(...)``, boxed and titled ``title``.
     """
-    if depth != "auto" and depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
-        raise FwdtraceError(f"to_dot() expected depth as 'auto', None or an integer >= 0, got {depth!r}")
-    if rankdir not in ("TB", "LR", "BT", "RL"):
-        raise FwdtraceError(f"to_dot() expected rankdir in TB, LR, BT, RL, got {rankdir!r}")
-    if not isinstance(target_nodes, int) or target_nodes < 1:
-        raise FwdtraceError(f"to_dot() expected target_nodes as an integer >= 1, got {target_nodes!r}")
+    check_draw_options("to_dot()", depth, rankdir, target_nodes)
     folds = find_folds(graph)
     options: dict[str, Any] = dict(collapse_repeats=collapse_repeats, fold_loops=fold_loops, fold_side=fold_side, show_path=show_path,
                    open_leaf_layers=open_leaf_layers)
@@ -836,6 +847,10 @@ def to_dot(
     if not isinstance(depth, str):  # "auto", the one string checked above
         return draw(depth, None, wrap)
     return _auto_depth(graph, folds, options, target_nodes, wrap, draw)
+
+
+# render()'s **options: to_dot's keyword-only parameters
+DRAW_OPTIONS = tuple(name for name, p in inspect.signature(to_dot).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_nodes: int, wrap: int,
@@ -1043,40 +1058,11 @@ def _cluster_id(chain: tuple[Scope, ...]) -> str:
 
 
 # -- the `fwdtrace draw` subcommand ----------------------------------------------------------------------
-MODEL_EXPLORER_SUFFIX = "model-explorer.json"
-
-
-def _depth_argument(text: str) -> int | str | None:
-    if text == "auto":
-        return "auto"
-    if text == "all":
-        return None
-    try:
-        depth = int(text)
-    except ValueError:
-        depth = -1
-    if depth < 0:
-        raise argparse.ArgumentTypeError(f"expected auto, all or an integer >= 0, got {text!r}")
-    return depth
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace draw``."""
-    from ..cli import add_input_arguments
-
-    parser.add_argument("factory", help="'pkg.module:function' returning the model (traced in eval mode)")
-    add_input_arguments(parser)
-    parser.add_argument("--depth", type=_depth_argument, default="auto", metavar="auto|all|K",
-                        help="collapse module calls nested deeper than K; all draws every level (default auto)")
-    parser.add_argument("-o", "--output", required=True, metavar="graph.svg",
-                        help=f"the file: .svg, .png, .pdf (a picture), .json (Graph.to_json) or .{MODEL_EXPLORER_SUFFIX}")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace draw``: trace the factory's model on seeded inputs and write the file its suffix names."""
     import torch
 
-    from ..cli import forward_failed, load_factory, make_inputs
+    from ..cli import MODEL_EXPLORER_SUFFIX, forward_failed, load_factory, make_inputs
     from ..tracer import trace
 
     output = str(args.output)

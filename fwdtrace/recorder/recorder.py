@@ -35,7 +35,7 @@ import torch
 
 from .._tree import tensors_of
 from ..bins import DEFAULT_BINS, check_bins_spec
-from ..errors import FwdtraceError, describe
+from ..errors import FwdtraceError, check_callback, describe
 from ..grads import register_grad_hook
 from ..keys import Selector, key2module, select_modules
 from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
@@ -400,8 +400,8 @@ class Recorder:
         if not views or unknown:
             raise FwdtraceError(f"Recorder expected views among {', '.join(VIEWS)}, got {list(views)!r}")
         spec = check_bins_spec(bins, "Recorder")
-        if transform is not None and not callable(transform):
-            raise FwdtraceError(f"Recorder expected transform as a callable or None, got {describe(transform)}")
+        if transform is not None:
+            check_callback(transform, "Recorder", "(tensor)", name="transform")
         rank, world = _rank()
         if ranks is not None:
             ranks = list(ranks)
