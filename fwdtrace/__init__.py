@@ -37,7 +37,7 @@ _LAZY: dict[str, str] = {
     "remove_hook": "fwdtrace.registry",
     "clear_hooks": "fwdtrace.registry",
     "module_keys": "fwdtrace.keys",
-    # ONNX cross-check (issue 3)
+    # ONNX cross-check
     "export_onnx": "fwdtrace.onnx.export",
     "onnx_graph": "fwdtrace.onnx.export",
     "compare_onnx": "fwdtrace.onnx.compare",
@@ -45,26 +45,26 @@ _LAZY: dict[str, str] = {
     "TopologyReport": "fwdtrace.onnx.compare",
     "render_side_by_side": "fwdtrace.onnx.compare",
     "onnx_equivalent": "fwdtrace.onnx.ops",
-    # ONNX emitted from one eager run (issue 12)
+    # ONNX emitted from one eager run
     "to_onnx": "fwdtrace.onnx.emit",
     "onnx_symbolic": "fwdtrace.onnx.emit",
     "remove_onnx_symbolic": "fwdtrace.onnx.emit",
-    # hooks toolkit (issue 4)
+    # hooks toolkit
     "Probe": "fwdtrace.probe",
     "Dumper": "fwdtrace.dump",
     "read_dump": "fwdtrace.dump",
     "compare_dumps": "fwdtrace.dump",
     "DumpReport": "fwdtrace.dump",
-    # analysis (issue 5)
+    # analysis
     "analyze": "fwdtrace.analysis",
     "Analysis": "fwdtrace.analysis",
     "install_excepthook": "fwdtrace.excepthook",
     "uninstall_excepthook": "fwdtrace.excepthook",
-    # live sampler service (issue 10)
+    # live sampler service
     "serve": "fwdtrace.live.server",
-    # out-of-process recorder (issue 11)
+    # out-of-process recorder
     "Recorder": "fwdtrace.recorder",
-    # Model Explorer (issue 22)
+    # Model Explorer
     "view": "fwdtrace.passes.model_explorer",
 }
 
