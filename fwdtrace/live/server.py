@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from .._host import to_numpy
 from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
@@ -450,7 +451,7 @@ class Server:
                    'it was armed without "raw": true')
             raise _Reply(409, f"no raw values kept for tensor {index} of {key!r}: {why}")
         buffer = io.BytesIO()
-        np.save(buffer, raw.numpy(), allow_pickle=False)
+        np.save(buffer, to_numpy(raw), allow_pickle=False)
         return 200, "application/octet-stream", buffer.getvalue()
 
     def stats(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
