@@ -189,6 +189,13 @@ class Server:
                 self._svg_cache.move_to_end(depth)
                 return svg
             if self._layouts is None:
+                from ..passes.draw import layout_missing
+
+                # nothing here lays out (a container without Graphviz's libraries): the page lists the
+                # layers instead, and asks no more (layout=false)
+                missing = layout_missing("the live page")
+                if missing is not None:
+                    raise _Reply(501, missing, layout=False)
                 self._layouts = self._new_layouts()
             layouts = self._layouts
         try:
