@@ -44,7 +44,7 @@ async function listLayers(why) {
   $("depth").disabled = true;
   $("graph").innerHTML = '<p class="note why"></p><input id="find" type="search" placeholder="find a layer">' +
                          '<ul id="layers"></ul>';
-  $("graph").querySelector(".why").textContent = "No picture: " + why;
+  $("graph").querySelector(".why").textContent = why;  // the server says why, and what to install
   const rows = await api("api/keys");
   for (const row of rows) {
     const item = document.createElement("li");
