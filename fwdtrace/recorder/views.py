@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from .._host import host, to_numpy
 from ..bins import DEFAULT_BINS, SteadyBins
 
 __all__ = ["VIEWS", "FRAME_SIZE", "resolve_view", "reduce", "draw_frame", "FrameCanvas"]
@@ -58,7 +57,9 @@ def reduce(tensor: Any, views: tuple[str, ...]) -> dict[str, Any]:
     >>> out["heatmap"].shape, out["shape"], out["range"]
     ((2, 3), [2, 3], (0.0, 5.0))
     """
-    import torch
+    import torch  # here: the worker, which imports this module to draw, never imports torch
+
+    from .._host import host, to_numpy
 
     t = host(tensor)  # copied here, in the training process: no CUDA tensor is ever shared with a worker
     if not t.is_floating_point():
