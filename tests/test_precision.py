@@ -211,3 +211,15 @@ def test_check_onnx_puts_the_eager_runs_bf16_matmuls_down_to_rounding() -> None:
         assert nudged.first_divergence is not None and nudged.first_divergence.module_path == "2", str(nudged)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_dump_diff_exits_0_when_rounding_explains_every_difference(dumps: dict[str, Path], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+
+    assert main(["dump-diff", str(dumps["cpu"]), str(dumps["bf16"]), "--only-diverged"]) == 0
+    assert "within what bfloat16 rounding explains" in capsys.readouterr().out
+    old = tmp_path / "old.hdf5"
+    old.write_bytes(dumps["bf16"].read_bytes())
+    _drop_math(old)
+    assert main(["dump-diff", str(dumps["cpu"]), str(old)]) == 1
