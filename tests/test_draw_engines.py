@@ -88,6 +88,10 @@ def test_without_graphviz_files_need_no_layout_and_render_says_what_to_install(t
             g.render(os.path.join(out, "graph.png"))
         except FwdtraceError as e:
             result["error"] = str(e)
+        try:
+            dot.pipe(format="svg")
+        except FwdtraceError as e:
+            result["pipe"] = str(e)
         result["loaded"] = "pygraphviz" in sys.modules
         print(json.dumps(result))
     """, tmp_path, _bare_path(tmp_path))
@@ -103,6 +107,7 @@ def test_without_graphviz_files_need_no_layout_and_render_says_what_to_install(t
                  "dnf install graphviz", "conda install -c conda-forge pygraphviz", "no Graphviz dot executable"):
         assert hint in error
     assert got["missing"] == error
+    assert got["pipe"] == error.replace("render()", "Digraph.pipe()", 1)  # named by what the user called
 
 
 def test_render_falls_back_to_a_dot_executable(tmp_path: Path) -> None:

@@ -345,16 +345,17 @@ def _graphviz_messages() -> Iterator[None]:
                       "of its size; the SVG keeps every detail", UserWarning, stacklevel=3)
 
 
-def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str]) -> str:
+def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str], caller: str = "render()") -> str:
     """Write ``dot`` to ``path`` as PNG, SVG or PDF, chosen by the suffix; return the path.
 
     The file appears whole or not at all: it is written beside the target and moved in place.
+    ``caller`` is the public function a missing layout engine is reported from.
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise FwdtraceError(f"render() expected a path ending in .png, .svg or .pdf, got {str(path)!r}")
-    data = dot_bytes(dot, fmt)
+    data = dot_bytes(dot, fmt, caller)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise FwdtraceError(f"render() expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
