@@ -83,10 +83,11 @@ def dot_bytes(dot: graphviz.Digraph, fmt: str, caller: str = "render()") -> byte
 # What to install where pygraphviz cannot load: its manylinux wheel bundles Graphviz but, as the
 # manylinux policy allows, loads GLib (libglib-2.0, libgobject-2.0) and libXrender from the system.
 INSTALL_HINTS = (
-    "Debian/Ubuntu: apt-get install libglib2.0-0 libxrender1 (the libraries pygraphviz's wheel loads; "
-    "libglib2.0-0t64 on Ubuntu 24.04), or apt-get install graphviz libgraphviz-dev for Graphviz and its dot; "
-    "Fedora: dnf install graphviz; conda: conda install -c conda-forge pygraphviz"
+    "on Debian/Ubuntu apt-get install libglib2.0-0 libxrender1 (libglib2.0-0t64 on Ubuntu 24.04), or apt-get "
+    "install graphviz libgraphviz-dev for Graphviz with its dot; on Fedora dnf install graphviz; with conda "
+    "conda install -c conda-forge pygraphviz"
 )
+WHEEL_LIBRARIES = ("libglib-2.0.so.0", "libgobject-2.0.so.0", "libXrender.so.1")
 _LIBRARY = re.compile(r"lib[\w.+-]*?\.so(?:\.\d+)*")
 
 
@@ -107,12 +108,13 @@ def layout_missing(caller: str = "render()") -> str | None:
     libraries = list(dict.fromkeys(_LIBRARY.findall(error)))
     if "No module named" in error:
         need = "pygraphviz is not installed (pip install pygraphviz)"
-    elif libraries:
-        need = f"pygraphviz cannot load the system's {', '.join(libraries)} ({error})"
+    elif libraries:  # the loader names the first library missing; the others may be missing too
+        need = (f"pygraphviz cannot load the system's {', '.join(libraries)} ({error}; its wheel loads "
+                f"{', '.join(WHEEL_LIBRARIES)})")
     else:
         need = f"pygraphviz cannot load ({error})"
     return (f"{caller} could not lay out the picture: {need}, and there is no Graphviz dot executable on PATH. "
-            f"Install what it needs ({INSTALL_HINTS}). to_dot(), the JSON, networkx and Model Explorer files "
+            f"Install what it needs: {INSTALL_HINTS}. to_dot(), the JSON, networkx and Model Explorer files "
             "need none of it")
 
 
