@@ -841,13 +841,16 @@ class DumpReport:
         return "\n".join(lines)
 
     def _math_lines(self) -> list[str]:
-        """How each run computed, or that a dump does not say so and the tolerances are the defaults."""
+        """How each run computed where that matters (the runs computed differently, or a difference was put
+        down to rounding), and that a dump does not say so and the tolerances are the defaults."""
+        records = list(self.math.values())
+        shown = any(r.rounding for r in self.rows) or any(r != records[0] for r in records)
         lines = []
         for path, record in self.math.items():
             if record is None:
                 lines.append(f"{Path(path).name}: no math record (written by an older fwdtrace): elementwise "
                              "tolerances are the defaults, no difference is put down to rounding")
-            else:
+            elif shown:
                 device = str(record.get("device"))
                 tf32 = [n for n, k in (("matmul", "matmul_allow_tf32"), ("cuDNN", "cudnn_allow_tf32")) if record.get(k)]
                 tf32_text = f", TF32 allowed for {' and '.join(tf32) or 'neither matmul nor cuDNN'}" \
