@@ -32,11 +32,13 @@ from typing import Any
 import torch
 
 from ._files import AtomicFile, not_a_regular_file
+from ._host import host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
 from .grads import GradCall
 from .keys import key2module, key_path
+from .precision import Agreement, math_record, pair_precision, rounding_explains
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
 
@@ -46,6 +48,7 @@ ORDER_DATASET = "execution_order"
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
 COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
 MAX_CHUNK_BYTES = 1 << 26  # HDF5 decompresses a whole chunk to read any of it: larger chunks are refused
+MATH_PREFIX = "math_"  # the file attributes of how the run computed (see fwdtrace.precision.math_record)
 WRITING = "being written"  # the status of a dump until it is closed: what a killed writer leaves
 _GROUP_RE = re.compile(r"^(\d+)_(\w+)$", re.ASCII)
 _DATASET_RE = re.compile(r"^\w+$", re.ASCII)
@@ -195,14 +198,9 @@ class _Recording:
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
         try:
-            t = t.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
+            t = host(t)
             store_as = _BITS_AS.get(t.dtype)
-            if store_as is not None:
-                arr = t.contiguous().view(store_as).numpy()
-            else:
-                arr = t.resolve_conj().resolve_neg().contiguous().numpy()
+            arr = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
             ds = call.group.create_dataset(name, data=arr)
             if store_as is not None:
                 # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
@@ -241,6 +239,15 @@ class _Recording:
         self.discarded += 1
         self.failed = None
 
+    def _record_math(self, model: torch.nn.Module, args: tuple) -> None:
+        """How the step computes, as the file's ``math_*`` attributes: read as the root forward begins,
+        inside the caller's autocast region if any (see :func:`fwdtrace.precision.math_record`)."""
+        try:
+            for name, value in math_record(model, args).items():
+                self.file.attrs[MATH_PREFIX + name] = value
+        except Exception as e:
+            raise self._fail(e, "math record") from e
+
     def _pre_hook(self, key: str, path: str, owner: int, class_name: str, function: str | None, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.forward_done or self.closed:
@@ -248,6 +255,8 @@ class _Recording:
             if is_root:
                 if self.failed is not None and self.root_depth == 0:
                     self._restart()
+                if self.root_depth == 0:
+                    self._record_math(module, args)
                 self.root_depth += 1
             elif self.root_depth == 0:
                 return  # a submodule called on its own, before the step's forward
@@ -613,6 +622,16 @@ class _Reader:
     def shape(self, gname: str, dname: str) -> list[int]:
         return list(self.file[gname][dname].shape)
 
+    def dtype(self, gname: str, dname: str) -> str:
+        ds = self.file[gname][dname]
+        return str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
+
+    @property
+    def math(self) -> dict[str, Any] | None:
+        """The run's math record (see :func:`fwdtrace.precision.math_record`); None in a dump written without one."""
+        record = {k.removeprefix(MATH_PREFIX): v for k, v in self.attrs.items() if k.startswith(MATH_PREFIX)}
+        return record or None
+
     def checked(self, gname: str, dname: str) -> Any:
         """The dataset, once its size is within the cap and backed by what the file really stores."""
         import numpy as np
@@ -761,6 +780,9 @@ class DumpRow:
     max_rel: float | None
     allclose: bool
     note: str = ""
+    norm_rel: float | None = None  # |a - b| / max(|a|, |b|) over the whole tensor
+    precision: str = ""  # the arithmetic it is judged by: the coarser of the two runs' (see fwdtrace.precision)
+    rounding: str | None = None  # not allclose, but within what this rounding explains ("TF32", "bfloat16")
 
 
 @dataclass
@@ -774,34 +796,69 @@ class DumpReport:
     rows: list[DumpRow] = field(default_factory=list)
     first_divergence: str | None = None
     incomplete: dict[str, str] = field(default_factory=dict)  # path -> "incomplete: stopped after ..."
+    # path -> how that run computed (see fwdtrace.precision.math_record), None for a dump written without it
+    math: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
     @property
     def equal(self) -> bool:
         """Every tensor of either dump is in the other and allclose, and both dumps are complete."""
         return not self.incomplete and all(r.allclose for r in self.rows)
 
+    @property
+    def agree(self) -> bool:
+        """Both dumps are complete and every tensor is allclose or differs by what the runs' rounding explains."""
+        return not self.incomplete and all(r.allclose or r.rounding for r in self.rows)
+
     def to_text(self, only_diverged: bool = False) -> str:
         """The table the ``fwdtrace dump-diff`` command prints."""
-        header = ("#", "group", "key", "name", "shape", "cosine", "max_abs", "max_rel", "allclose")
+        header = ("#", "group", "key", "name", "shape", "cosine", "max_abs", "max_rel", "norm_rel", "allclose")
         body = []
         for i, r in enumerate(self.rows):
-            if only_diverged and r.allclose:
+            if only_diverged and (r.allclose or r.rounding):
                 continue
+            verdict = "yes" if r.allclose else f"within {r.rounding} rounding" if r.rounding else "NO"
             body.append((
-                str(i), r.group, r.key, r.name, "x".join(map(str, r.shape)) or "scalar",
-                _num(r.cosine), _num(r.max_abs), _num(r.max_rel), ("yes" if r.allclose else "NO") + (f" ({r.note})" if r.note else ""),
+                str(i), r.group, r.key, r.name, "x".join(map(str, r.shape)) or "scalar", _num(r.cosine),
+                _num(r.max_abs), _num(r.max_rel), _num(r.norm_rel), verdict + (f" ({r.note})" if r.note else ""),
             ))
         widths = [max(len(h), *(len(row[j]) for row in body)) if body else len(h) for j, h in enumerate(header)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *body]]
         lines += [f"{Path(p).name}: {status}" for p, status in self.incomplete.items()]
+        lines += self._math_lines()
+        explained = [r for r in self.rows if not r.allclose and r.rounding]
         if self.equal:
             lines.append(f"equal: {len(self.rows)} tensors allclose (rtol={self.rtol:g}, atol={self.atol:g})")
-        elif all(r.allclose for r in self.rows):
-            lines.append(f"not comparable as whole runs: {len(self.rows)} tensors allclose, but a dump is incomplete")
+        elif all(r.allclose or r.rounding for r in self.rows) and self.incomplete:
+            lines.append(f"not comparable as whole runs: {len(self.rows)} tensors agree, but a dump is incomplete")
+        elif self.agree:
+            labels = ", ".join(dict.fromkeys(str(r.rounding) for r in explained))
+            lines.append(f"agree: {len(self.rows) - len(explained)} tensors allclose (rtol={self.rtol:g}, "
+                         f"atol={self.atol:g}), {len(explained)} within what {labels} rounding explains")
         else:
-            bad = sum(not r.allclose for r in self.rows)
-            lines.append(f"{bad} of {len(self.rows)} tensors differ; first divergence: {self.first_divergence}")
+            bad = sum(not (r.allclose or r.rounding) for r in self.rows)
+            within = f" ({len(explained)} more within rounding)" if explained else ""
+            lines.append(f"{bad} of {len(self.rows)} tensors differ{within}; first divergence: {self.first_divergence}")
         return "\n".join(lines)
+
+    def _math_lines(self) -> list[str]:
+        """How each run computed where that matters (the runs computed differently, or a difference was put
+        down to rounding), and that a dump does not say so and the tolerances are the defaults."""
+        records = list(self.math.values())
+        shown = any(r.rounding for r in self.rows) or any(r != records[0] for r in records)
+        lines = []
+        for path, record in self.math.items():
+            if record is None:
+                lines.append(f"{Path(path).name}: no math record (written by an older fwdtrace): elementwise "
+                             "tolerances are the defaults, no difference is put down to rounding")
+            elif shown:
+                device = str(record.get("device"))
+                tf32 = [n for n, k in (("matmul", "matmul_allow_tf32"), ("cuDNN", "cudnn_allow_tf32")) if record.get(k)]
+                tf32_text = f", TF32 allowed for {' and '.join(tf32) or 'neither matmul nor cuDNN'}" \
+                    if device.startswith("cuda") else ""  # the switches are torch's on any device, used on CUDA only
+                lines.append(f"{Path(path).name}: {device} ({record.get('device_name')}), autocast "
+                             f"{record.get('autocast')}{tf32_text}, float32 matmul precision "
+                             f"{record.get('float32_matmul_precision')}, torch {record.get('torch')}")
+        return lines
 
     def __str__(self) -> str:
         return self.to_text()
@@ -832,52 +889,6 @@ def _blocks(shape: tuple[int, ...], per_block: int) -> Iterator[tuple[Any, ...]]
             yield (*outer, slice(start, min(start + step, shape[axis])))
 
 
-def _max(a: float, b: float) -> float:
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-@dataclass
-class _Agreement:
-    """cosine, max_abs, max_rel and allclose of two tensors, gathered block by block."""
-
-    rtol: float
-    atol: float
-    close: bool = True
-    max_abs: float = 0.0
-    max_rel: float = 0.0
-    dot: float = 0.0
-    norm_a: float = 0.0
-    norm_b: float = 0.0
-
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        if a.is_complex() or b.is_complex():
-            a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
-        a, b = a.to(torch.float64).reshape(-1), b.to(torch.float64).reshape(-1)
-        self.close = self.close and bool(torch.allclose(a, b, rtol=self.rtol, atol=self.atol, equal_nan=True))
-        if a.numel() == 0:
-            return
-        diff = (a - b).abs()
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-        diff = torch.where(same, torch.zeros_like(diff), diff)  # inf == inf and nan vs nan are no difference
-        scale = torch.maximum(a.abs(), b.abs())
-        rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
-        self.max_abs = _max(self.max_abs, float(diff.max()))
-        self.max_rel = _max(self.max_rel, float(rel.max()))
-        self.dot += float(a @ b)
-        self.norm_a = math.hypot(self.norm_a, float(a.norm()))  # no overflow from summing squares
-        self.norm_b = math.hypot(self.norm_b, float(b.norm()))
-
-    def result(self) -> tuple[float, float, float, bool]:
-        na, nb = self.norm_a, self.norm_b
-        if na == 0 and nb == 0:
-            cosine = 1.0
-        elif na == 0 or nb == 0 or not (math.isfinite(na) and math.isfinite(nb)):
-            cosine = 1.0 if self.close else math.nan
-        else:
-            cosine = self.dot / (na * nb)
-        return cosine, self.max_abs, self.max_rel, self.close
-
-
 def _tolerance(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise FwdtraceError(f"compare_dumps() expected {name} as a finite number >= 0, got {value!r}")
@@ -899,9 +910,14 @@ def compare_dumps(
     >>> fwdtrace.compare_dumps(*paths).first_divergence
     '0'
 
-    ``first_divergence`` is the module path of the first module whose outputs differ
-    (the root model is named by its class), else of the first whose gradients differ,
-    else None. The comparison is two-sided: a tensor in only one dump, or of another
+    Each tensor is judged elementwise (``allclose`` at ``rtol`` and ``atol``) and as a whole:
+    its norm-relative error and cosine. Where the dumps record how their runs computed (a
+    CUDA run with TF32, an autocast run: see :mod:`fwdtrace.precision`), a tensor that is not
+    allclose but within what that arithmetic's rounding explains is marked so (its row's
+    ``rounding``: ``"TF32"``, ``"bfloat16"``) and is no divergence. ``first_divergence`` is
+    the module path of the first module whose outputs differ beyond that (the root model is
+    named by its class), else of the first whose gradients differ, else None. A dump written
+    without a math record is compared elementwise only, and the report says so. The comparison is two-sided: a tensor in only one dump, or of another
     shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
     (their rows are compared, but the report is not ``equal``).
     """
@@ -912,6 +928,9 @@ def compare_dumps(
         for r in (ra, rb):
             if r.status != "complete":
                 report.incomplete[str(r.path)] = r.status
+            report.math[str(r.path)] = r.math
+        # without both records, no difference is put down to rounding: compared as before
+        known = ra.math is not None and rb.math is not None
         order_a, order_b = ra.order(), rb.order()
         in_a, in_b = set(order_a), set(order_b)
         for reader, order, other, note in ((ra, order_a, in_b, "missing in b"), (rb, order_b, in_a, "missing in a")):
@@ -930,13 +949,18 @@ def compare_dumps(
                         row.note = f"shape {shape_b} in b"
                     else:
                         # block by block: memory stays bounded whatever the tensors' size
-                        agreement = _Agreement(rtol, atol)
+                        agreement = Agreement(rtol, atol)
                         for block_a, block_b in zip(ra.blocks(gname, dname), rb.blocks(gname, dname), strict=True):
                             agreement.add(block_a, block_b)
-                        row.cosine, row.max_abs, row.max_rel, row.allclose = agreement.result()
+                        row.cosine, row.max_abs, row.max_rel, row.allclose = (
+                            agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
+                        row.norm_rel = agreement.norm_rel
+                        row.precision = pair_precision(ra.dtype(gname, dname), ra.math, rb.dtype(gname, dname), rb.math)
+                        if known and not row.allclose:
+                            row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
                 report.rows.append(row)
     for prefix in ("output", "grad_input", ""):
-        row_found = next((r for r in report.rows if not r.allclose and r.name.startswith(prefix)), None)
+        row_found = next((r for r in report.rows if not (r.allclose or r.rounding) and r.name.startswith(prefix)), None)
         if row_found is not None:
             report.first_divergence = row_found.module_path or row_found.key
             break
@@ -945,10 +969,11 @@ def compare_dumps(
 
 # -- command line ---------------------------------------------------------------------------------
 def run_cli(args: argparse.Namespace) -> int:
-    """Print the comparison table; 0 when the dumps agree, 1 when they differ, FwdtraceError (exit 2)
-    when a dump is incomplete or unreadable: a cut-short run is not a difference between runs."""
+    """Print the comparison table; 0 when the dumps agree (allclose, or within what the runs' rounding
+    explains), 1 when they differ, FwdtraceError (exit 2) when a dump is incomplete or unreadable: a
+    cut-short run is not a difference between runs."""
     report = compare_dumps(args.a, args.b, rtol=args.rtol, atol=args.atol)
     print(report.to_text(only_diverged=args.only_diverged))
     if report.incomplete:
         raise FwdtraceError("; ".join(f"{p} is {status}" for p, status in report.incomplete.items()))
-    return 0 if report.equal else 1
+    return 0 if report.agree else 1

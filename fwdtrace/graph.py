@@ -373,7 +373,11 @@ class Graph:
 
         return to_model_explorer(self, path, node_data=node_data)
 
-    def _repr_svg_(self) -> str:
+    def _repr_svg_(self) -> str | None:
+        from .passes.draw import layout_missing
+
+        if layout_missing() is not None:  # Jupyter shows the text repr instead of a traceback
+            return None
         return self.to_dot()._repr_image_svg_xml()
 
 

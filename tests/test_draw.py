@@ -772,11 +772,11 @@ def test_the_automatic_picture_keeps_a_dense_block_closed() -> None:
 
     graph = fwdtrace.trace(_DenseNet(), torch.randn(1, 3, 3, 3))
     full = pygraphviz.AGraph(string=graph.to_dot(3).source)
-    assert _widest_skip(full) > DENSE_WIDTH and full.number_of_nodes() < 250  # within the box target, yet dense
+    assert _widest_skip(full.edges_iter()) > DENSE_WIDTH and full.number_of_nodes() < 250  # within the box target, yet dense
     dot = graph.to_dot()
     assert "depth 2 of 3, 2 of 3 module calls opened to depth 3" in dot.source, re.findall(r"depth [^\"]*", dot.source)
     boxes = assert_nothing_lost(graph, dot)
-    assert boxes >= MIN_AUTO_BOXES and _widest_skip(pygraphviz.AGraph(string=dot.source)) <= DENSE_WIDTH
+    assert boxes >= MIN_AUTO_BOXES and _widest_skip(pygraphviz.AGraph(string=dot.source).edges_iter()) <= DENSE_WIDTH
     convs = [label for label in dot_labels(dot) if label.startswith("Conv2d")]
     assert len(convs) == 3 + 2 * 6  # the stem, transitions and small blocks' layers drawn, the large block one box
     assert any(label.startswith("features.5") for label in dot_labels(dot)), dot_labels(dot)
@@ -795,12 +795,12 @@ def test_a_dense_layout_places_its_shape_labels_after_ranking(tmp_path: Path, mo
 
     # a 24-layer block's middle: x and the 11 outputs before it, each read by the 12 layers after it
     # and by the last concatenation, pass over it, as 156 edges do in DenseNet-121's largest block
-    assert _widest_skip(pygraphviz.AGraph(string=dot(_DenseBlock(24)))) == 12 * 13 > DENSE_WIDTH
+    assert _widest_skip(pygraphviz.AGraph(string=dot(_DenseBlock(24))).edges_iter()) == 12 * 13 > DENSE_WIDTH
     # a few long edges abreast keep their labels ranked in, between the boxes, as a chain does
     graph = fwdtrace.trace(_DenseBlock(8), torch.randn(1, 2, 3, 3))
     source = graph.to_dot(None).source
     agraph = pygraphviz.AGraph(string=source)
-    assert _widest_skip(agraph) == 4 * 5 <= DENSE_WIDTH
+    assert _widest_skip(agraph.edges_iter()) == 4 * 5 <= DENSE_WIDTH
     laid_small = pygraphviz.AGraph(string=layout_bytes(source, "dot").decode())
     assert all(e.attr.get("label") and not e.attr.get("xlabel") for e in laid_small.edges())
     assert not laid_small.graph_attr.get("mclimit")  # crossing minimisation left whole

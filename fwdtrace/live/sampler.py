@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .._host import to_numpy
 from .._tree import dtype_name, iter_tensors
 from ..bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..errors import FwdtraceError, describe
@@ -88,7 +89,7 @@ class Series:
         sample = RunningStats(histogram=False)
         sample.update(values)
         with self.lock:
-            counts, under, over = self.bins.add(values.numpy())
+            counts, under, over = self.bins.add(to_numpy(values))
             edges = self.bins.edges
             self.moments.merge(sample)
         d = sample.to_dict()

@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from .._host import to_numpy
 from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
@@ -188,6 +189,13 @@ class Server:
                 self._svg_cache.move_to_end(depth)
                 return svg
             if self._layouts is None:
+                from ..passes.draw import layout_missing
+
+                # nothing here lays out (a container without Graphviz's libraries): the page lists the
+                # layers instead, and asks no more (layout=false)
+                missing = layout_missing("the live page")
+                if missing is not None:
+                    raise _Reply(501, missing, layout=False)
                 self._layouts = self._new_layouts()
             layouts = self._layouts
         try:
@@ -450,7 +458,7 @@ class Server:
                    'it was armed without "raw": true')
             raise _Reply(409, f"no raw values kept for tensor {index} of {key!r}: {why}")
         buffer = io.BytesIO()
-        np.save(buffer, raw.numpy(), allow_pickle=False)
+        np.save(buffer, to_numpy(raw), allow_pickle=False)
         return 200, "application/octet-stream", buffer.getvalue()
 
     def stats(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:

@@ -46,7 +46,7 @@ def graph_svg(graph: Graph, depth: int | None = None) -> str:
     from ..passes.draw import KEY_CLASS, layout_bytes, to_dot
 
     dot = to_dot(graph, depth=depth, collapse_repeats=False)
-    svg = layout_bytes(dot.source, "svg").decode()
+    svg = layout_bytes(dot.source, "svg", caller="the live page").decode()
 
     def keyed(m: re.Match[str]) -> str:
         element, words = m.group(2), html.unescape(m.group(3)).split()

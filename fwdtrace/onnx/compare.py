@@ -1812,7 +1812,7 @@ def render_side_by_side(
                           title="traced (PyTorch eager)", fills=t_fills, notes=t_notes))
     outer.subgraph(to_dot(og, depth, highlight=onnx_hl, name_prefix="o_", cluster_name="cluster_onnx",
                           title="exported (ONNX)", fills=o_fills, notes=o_notes))
-    return render_digraph(outer, path)
+    return render_digraph(outer, path, caller="render_side_by_side()")
 
 
 # Fill colours by relative error: within 1% of the tolerance, within it, and out of it.

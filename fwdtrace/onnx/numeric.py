@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .._host import to_numpy
 from .._tree import iter_tensors
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
+from ..precision import Agreement, math_record, rounding_explains, value_precision
 from ..tracer import Tracer, _named_inputs
 
 if TYPE_CHECKING:
@@ -84,6 +86,13 @@ class ValueRow:
     compared: bool = True
     inputs_rel: float | None = None
     note: str = ""
+    # over every batch: the largest |onnx - eager| / max(|onnx|, |eager|) over the whole value, the least
+    # cosine; the arithmetic the pair is judged by (the eager run's math applied to dtype, see
+    # fwdtrace.precision); out of tolerance, but within what that rounding explains ("TF32")
+    norm_rel: float = 0.0
+    cosine: float = 1.0
+    precision: str = ""
+    rounding: str | None = None
     # the trace node's: "module", "function", "output" for the model's outputs; for a structural
     # mismatch (NumericResult.mismatches) "missing", "extra" or "rewired"
     kind: str = "module"
@@ -95,7 +104,8 @@ class ValueRow:
             "dtype": self.dtype, "max_abs": _finite_or_str(self.max_abs), "max_rel": _finite_or_str(self.max_rel),
             "ok": self.ok, "compared": self.compared,
             "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
-            "kind": self.kind,
+            "kind": self.kind, "norm_rel": _finite_or_str(self.norm_rel), "cosine": _finite_or_str(self.cosine),
+            "precision": self.precision, "rounding": self.rounding,
         }
 
 
@@ -106,6 +116,7 @@ class NumericResult:
     rows: list[ValueRow]
     batches: int
     tolerances: dict[str, tuple[float, float]]
+    math: dict[str, Any] | None = None  # how the eager run computed (see fwdtrace.precision.math_record)
     # for save_repro: the ONNX model, the folder of its external data, the first batch's feeds
     # and the eager values of the first divergence
     proto: Any = field(default=None, repr=False)
@@ -126,8 +137,13 @@ class NumericResult:
 
     @property
     def divergent(self) -> list[ValueRow]:
-        """Rows out of tolerance, and structural mismatches whose downstream values differ."""
-        return [r for r in self.rows + self.mismatches if r.compared and not r.ok]
+        """Rows out of tolerance beyond what rounding explains, and structural mismatches whose downstream values differ."""
+        return [r for r in self.rows + self.mismatches if r.compared and not r.ok and not r.rounding]
+
+    @property
+    def rounded(self) -> list[ValueRow]:
+        """Rows out of tolerance by what the eager run's TF32, bfloat16 or float16 rounding explains."""
+        return [r for r in self.rows if r.compared and not r.ok and r.rounding]
 
     @property
     def first_divergence(self) -> ValueRow | None:
@@ -169,7 +185,10 @@ class NumericResult:
                        f"{'s' if len(self.mismatches) > 1 else ''}: "
                        + ("the exporter rewrote those parts and they compute the same" if self.status == "rewritten"
                           else "not every one has a compared value after it") if self.mismatches else "")
-            return f"no divergence: {compared} matched values agree with eager{batches}{at}{rewrote}"
+            rounded = self.rounded
+            labels = ", ".join(dict.fromkeys(str(r.rounding) for r in rounded))
+            within = f"; {len(rounded)} within what {labels} rounding explains" if rounded else ""
+            return f"no divergence: {compared} matched values agree with eager{batches}{within}{at}{rewrote}"
         inputs = (
             "at the model's inputs" if first.inputs_rel == 0.0
             else f"inputs agree to {_num(first.inputs_rel)}" if first.inputs_rel is not None and _within_inputs(first, self)
@@ -198,7 +217,8 @@ class NumericResult:
             lines.append(f"  {'call'.ljust(width)}  {'ONNX value'.ljust(owidth)}  {'dtype':8}  {'max abs':>9}  "
                          f"{'max rel':>9}  ")
             for r in shown:
-                flag = "" if r.ok else "  DIVERGES" + (" (first)" if r is first else "")
+                flag = ("" if r.ok else f"  within {r.rounding} rounding" if r.rounding
+                        else "  DIVERGES" + (" (first)" if r is first else ""))
                 lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
                              f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}{flag}")
         if skipped:
@@ -221,6 +241,7 @@ class NumericResult:
             "lead": self.lead(),
             "batches": self.batches,
             "tolerances": {k: list(v) for k, v in self.tolerances.items()},
+            "math": self.math,
             "first_divergence": None if first is None else first.to_dict(),
             "status": self.status,
             "worst": [r.call for r in self.worst[:10]],
@@ -397,6 +418,8 @@ def compare_values(
     ort_inputs = {name: dtype for name, dtype, _ in expected}
     wanted = {t for _, t, _, _ in pairs}
     numeric = NumericResult(list(rows.values()), len(batches), tols, proto=proto, folder=folder)
+    # ONNX computes in full float32 (see providers()): only the eager run's math can explain a rounding
+    numeric.math = math_record(model if isinstance(model, torch.nn.Module) else None, args)
     out_rows: list[ValueRow] = []
     for b, (bargs, bkwargs) in enumerate(batches):
         tracer = _ValueTracer(wanted, through)
@@ -427,10 +450,9 @@ def compare_values(
             if eager is None or i >= len(eager) or name not in values:
                 row.compared, row.note = False, "no eager value" if eager is None else "no ONNX value"
                 continue
-            _compare_into(row, eager[i], values[name], tols)
+            _compare_into(row, eager[i], values[name], tols, record=numeric.math)
             if b == 0 and row.compared:
-                numeric.eager[name] = eager[i].detach().to(torch.float32 if eager[i].is_floating_point()
-                                                           else eager[i].dtype).numpy()
+                numeric.eager[name] = to_numpy(eager[i], torch.float32 if eager[i].is_floating_point() else None)
         # the model's outputs, paired by position (an export that leaves a cache out has fewer)
         eager_outs = [t for _, t in iter_tensors(out, "output", caches=True)]
         if len(t_out_nodes) == len(out_names):
@@ -443,7 +465,7 @@ def compare_values(
                 feeder = rows.get(out_feeder.get(tnode.id, -1))
                 if j < len(eager_outs) and name in values:
                     _compare_into(out_rows[k], eager_outs[j], values[name], tols,
-                                  feeder.dtype if feeder is not None and feeder.compared else None)
+                                  feeder.dtype if feeder is not None and feeder.compared else None, numeric.math)
                 if feeder is not None and feeder.compared:
                     out_rows[k].inputs_rel = feeder.max_rel
     for row in rows.values():
@@ -456,6 +478,9 @@ def compare_values(
                     rels.append(0.0)
         row.inputs_rel = max(rels, key=_sortable) if rels else None
     numeric.rows = sorted(rows.values(), key=lambda r: r.order) + out_rows
+    for row in numeric.rows:
+        if row.compared and not row.ok:
+            row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
     out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
     numeric.mismatches = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
@@ -558,7 +583,7 @@ def _judge_mismatches(
         worst = max(after, key=lambda r: (_sortable(r.max_rel), -r.order))
         row.max_abs, row.max_rel, row.dtype = worst.max_abs, worst.max_rel, worst.dtype
         row.shape, row.onnx_value = worst.shape, worst.call
-        row.ok = all(r.ok for r in after)
+        row.ok = all(r.ok or r.rounding for r in after)
         names = ", ".join(r.call for r in sorted(after, key=lambda r: r.order)[:3])
         row.note = (f"{what}: the exporter rewrote it and {names} after it agree" if row.ok
                     else f"{what}, and {worst.call} after it differs")
@@ -677,13 +702,10 @@ def _region_inputs(og: Graph, onodes: set[int]) -> list[str]:
 
 
 def _to_numpy(t: torch.Tensor, ort_dtype: str) -> np.ndarray:
+    """An input for onnxruntime: on the host, in the dtype the ONNX input takes."""
     if ort_dtype == "float16":
-        t = t.to(torch.float16)
-    elif ort_dtype == "float32" and t.is_floating_point():
-        t = t.to(torch.float32)
-    if t.dtype == torch.bfloat16:
-        t = t.to(torch.float32)
-    return t.contiguous().numpy()
+        return to_numpy(t, torch.float16)
+    return to_numpy(t, torch.float32 if ort_dtype == "float32" and t.is_floating_point() else None)
 
 
 def _pair_dtype(eager: torch.Tensor, onnx_value: np.ndarray, floor: str | None) -> str:
@@ -696,14 +718,15 @@ def _pair_dtype(eager: torch.Tensor, onnx_value: np.ndarray, floor: str | None) 
 
 
 def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dict[str, tuple[float, float]],
-                  floor: str | None = None) -> None:
-    """Fold one batch's errors into ``row`` (the maximum over batches).
+                  floor: str | None = None, record: dict[str, Any] | None = None) -> None:
+    """Fold one batch's errors into ``row`` (the maximum over batches; the least cosine).
 
     ``floor`` is a dtype the value was computed in before a cast (a float16 model's output
-    cast back to float32): the tolerance is that of the least precise.
+    cast back to float32): the tolerance is that of the least precise. ``record`` is the eager
+    run's math record: the arithmetic the pair is judged by when it is out of tolerance.
     """
     got = np.asarray(onnx_value)
-    want = eager.detach().to(torch.float64).numpy() if eager.dtype != torch.bool else eager.numpy()
+    want = to_numpy(eager, torch.float64 if eager.dtype != torch.bool else None)  # one copy to the host
     row.shape, row.dtype = tuple(eager.shape), _pair_dtype(eager, got, floor)
     if got.shape != want.shape:
         if got.size == want.size and tuple(d for d in got.shape if d != 1) == tuple(d for d in want.shape if d != 1):
@@ -728,6 +751,11 @@ def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dic
     scale = float(finite.max()) if finite.size else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     rtol, atol = tols.get(row.dtype, _EXACT)
+    whole = Agreement()
+    whole.add(torch.from_numpy(g), torch.from_numpy(want))
+    row.norm_rel = max(row.norm_rel, whole.norm_rel, key=_sortable)
+    row.cosine = min(row.cosine, whole.cosine, key=lambda c: -math.inf if math.isnan(c) else c)
+    row.precision = value_precision(row.dtype, record)
     row.max_abs = max(row.max_abs, max_abs)
     row.max_rel = max(row.max_rel, max_rel, key=_sortable)
     row.ok = row.ok and max_abs <= atol + rtol * scale
@@ -758,12 +786,24 @@ def _session(proto: Any, folder: str | None, values: list[str], out_names: list[
     if folder is not None:  # external weights: read from the file's folder, not loaded by us
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
     try:
-        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(data, options, providers=providers(ort))
     except Exception as e:
         raise FwdtraceError(f"check_onnx(numeric=True): onnxruntime could not load the ONNX model"
                             f"{' (external data: pass the path of the .onnx file, onnx=path)' if folder is None else ''}"
                             f": {type(e).__name__}: {e}") from e
     return session, [*out_names, *added]
+
+
+def providers(ort: Any) -> list[Any]:
+    """The onnxruntime execution providers a check runs on: CUDA's where this onnxruntime has it, else the CPU's.
+
+    CUDA's runs without TF32 (onnxruntime's default uses it): the ONNX side computes in full
+    float32, so that a difference TF32 explains comes from the eager run, whose math its
+    record says.
+    """
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        return [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
 
 
 def save_repro(numeric: NumericResult, directory: str | os.PathLike[str]) -> dict[str, str]:

@@ -5,7 +5,10 @@ clusters, ``depth=k`` collapses everything below depth ``k`` into one box per mo
 call, and what ``fold.py`` finds (side computations, dead ends, loops, runs of identical
 blocks) is drawn as one box each. By default the depth is chosen so that the picture
 stays readable: at most a target number of boxes, within PNG bounds at a legible resolution. Rendering goes through pygraphviz, whose wheel bundles
-Graphviz's layout engine, so no ``dot`` binary is needed.
+Graphviz's layout engine, so no ``dot`` binary is needed; where pygraphviz cannot load (its wheel
+needs the system's GLib and libXrender, which slim and CUDA container images lack), through a
+``dot`` executable on PATH. The DOT text itself needs neither: without a layout engine the
+automatic depth goes by box count alone.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import inspect
 import math
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -47,35 +52,124 @@ _HIGHLIGHT = {"color": "#c0392b", "fillcolor": "#f6c9c4", "penwidth": "2"}
 
 
 class Digraph(graphviz.Digraph):
-    """A ``graphviz.Digraph`` that lays itself out with pygraphviz: no Graphviz binary needed.
+    """A ``graphviz.Digraph`` that lays itself out with pygraphviz (or a ``dot`` executable where
+    pygraphviz cannot load).
 
     It shows inline in Jupyter like any Digraph; ``pipe(format="png")`` returns the bytes.
     """
 
     def pipe(self, format: str | None = None, *args: Any, encoding: str | None = None, **kwargs: Any) -> Any:
-        data = dot_bytes(self, format or self.format or "svg")
+        data = dot_bytes(self, format or self.format or "svg", caller="Digraph.pipe()")
         return data.decode(encoding) if encoding else data
 
 
-def layout_bytes(source: str, fmt: str) -> bytes:
-    """Lay out DOT ``source`` with Graphviz's ``dot`` engine (bundled in pygraphviz) as ``fmt``."""
+def layout_bytes(source: str, fmt: str, caller: str = "render()") -> bytes:
+    """Lay out DOT ``source`` with Graphviz's ``dot`` engine as ``fmt``: pygraphviz's bundled one, else
+    a ``dot`` executable; with neither, a :class:`FwdtraceError` from ``caller`` saying what to install."""
+    engine = layout_engine(caller)
+    if engine != "pygraphviz":
+        return _run_dot(engine, source, fmt, caller)
     with _graphviz_messages(), _Layout(source) as layout:
         return layout.draw(fmt)
 
 
-def dot_bytes(dot: graphviz.Digraph, fmt: str) -> bytes:
+def dot_bytes(dot: graphviz.Digraph, fmt: str, caller: str = "render()") -> bytes:
     """``dot`` drawn as ``fmt``: what :func:`to_dot`'s automatic depth drew while measuring it, or a new layout."""
     drawn: dict[tuple[str, str], bytes] = getattr(dot, "_fwdtrace_drawn", {})
     data = drawn.get((dot.source, fmt))
-    return data if data is not None else layout_bytes(dot.source, fmt)
+    return data if data is not None else layout_bytes(dot.source, fmt, caller)
+
+
+# -- which Graphviz lays out -------------------------------------------------------------------------
+# What to install where pygraphviz cannot load: its manylinux wheel bundles Graphviz but, as the
+# manylinux policy allows, loads GLib (libglib-2.0, libgobject-2.0) and libXrender from the system.
+INSTALL_HINTS = (
+    "on Debian/Ubuntu apt-get install libglib2.0-0 libxrender1 (libglib2.0-0t64 on Ubuntu 24.04), or apt-get "
+    "install graphviz libgraphviz-dev for Graphviz with its dot; on Fedora dnf install graphviz; with conda "
+    "conda install -c conda-forge pygraphviz"
+)
+WHEEL_LIBRARIES = ("libglib-2.0.so.0", "libgobject-2.0.so.0", "libXrender.so.1")
+_LIBRARY = re.compile(r"lib[\w.+-]*?\.so(?:\.\d+)*")
+
+
+def _pygraphviz_error() -> str | None:
+    """Why pygraphviz cannot load here (its ImportError's text), or None when it loads."""
+    try:
+        import pygraphviz  # noqa: F401 - loads its C extension, and with it the system's libraries
+    except (ImportError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def layout_missing(caller: str = "render()") -> str | None:
+    """Why nothing can lay out a picture here (the text of the error ``caller`` would raise), or None."""
+    error = _pygraphviz_error()
+    if error is None or shutil.which("dot"):
+        return None
+    libraries = list(dict.fromkeys(_LIBRARY.findall(error)))
+    if "No module named" in error:
+        need = "pygraphviz is not installed (pip install pygraphviz)"
+    elif libraries:  # the loader names the first library missing; the others may be missing too
+        need = (f"pygraphviz cannot load the system's {', '.join(libraries)} ({error}; its wheel loads "
+                f"{', '.join(WHEEL_LIBRARIES)})")
+    else:
+        need = f"pygraphviz cannot load ({error})"
+    return (f"{caller} could not lay out the picture: {need}, and there is no Graphviz dot executable on PATH. "
+            f"Install what it needs: {INSTALL_HINTS}. to_dot(), the JSON, networkx and Model Explorer files "
+            "need none of it")
+
+
+def layout_engine(caller: str = "render()") -> str:
+    """``"pygraphviz"``, else the path of a ``dot`` executable; a :class:`FwdtraceError` naming what to
+    install when there is neither."""
+    if _pygraphviz_error() is None:
+        return "pygraphviz"
+    dot = shutil.which("dot")
+    if dot is None:
+        raise FwdtraceError(str(layout_missing(caller)))
+    return dot
+
+
+def _run_dot(dot: str, source: str, fmt: str, caller: str) -> bytes:
+    """``source`` laid out by the ``dot`` executable as ``fmt``; its warnings become ``UserWarning``s."""
+    try:
+        done = subprocess.run([dot, f"-T{fmt}", "-Gnewrank=true"], input=source.encode(), capture_output=True,
+                              check=False)
+    except OSError as e:
+        raise FwdtraceError(f"{caller} could not run Graphviz's {dot}: {e}") from e
+    lines = done.stderr.decode(errors="replace").splitlines()
+    if done.returncode != 0:
+        said = "; ".join(line.removeprefix("Error:").strip() for line in lines if line.strip()) or \
+            f"exit status {done.returncode}"
+        raise FwdtraceError(f"Graphviz could not lay out the picture: {said}")
+    for line in lines:
+        if line.startswith("Warning:"):
+            warnings.warn(f"Graphviz: {line.removeprefix('Warning:').strip()}", UserWarning, stacklevel=3)
+    return done.stdout
+
+
+def _plain_size(plain: bytes) -> tuple[float, float]:
+    """The width and height in points of a layout in Graphviz's ``plain`` format (``graph scale w h``, inches)."""
+    _, scale, width, height = plain.split(b"\n", 1)[0].split()[:4]
+    return float(width) * float(scale) * 72, float(height) * float(scale) * 72
 
 
 def _agraph(source: str) -> Any:
-    try:
-        import pygraphviz
-    except ImportError as e:  # pragma: no cover - a declared dependency
-        raise FwdtraceError("rendering needs pygraphviz: pip install pygraphviz") from e
+    import pygraphviz
+
     return pygraphviz.AGraph(string=source)
+
+
+_EDGE = re.compile(r'^\s*("(?:[^"\\]|\\.)*"|[\w.]+)(?::\S+?)?\s*->\s*("(?:[^"\\]|\\.)*"|[\w.]+)', re.MULTILINE)
+
+
+def _dot_edges(source: str) -> list[tuple[str, str]]:
+    """The edges of DOT text written by :func:`to_dot` (one statement a line), by box name: no Graphviz needed."""
+    return [(_dot_name(u), _dot_name(v)) for u, v in _EDGE.findall(source)]
+
+
+def _dot_name(token: str) -> str:
+    return token[1:-1].replace('\\"', '"') if token.startswith('"') else token
 
 
 LARGE_LAYOUT = 500  # boxes or edges: above this, the layout's network simplex passes are bounded (see _Layout)
@@ -86,17 +180,18 @@ MIN_MCLIMIT = 0.05  # ...and crossing minimisation gets DENSE_WIDTH / that many 
 
 def _dense(dot: Digraph) -> bool:
     """Whether a picture has more than ``DENSE_WIDTH`` edges abreast (see :class:`_Layout`)."""
-    return _widest_skip(_agraph(dot.source)) > DENSE_WIDTH
+    return _widest_skip(_dot_edges(dot.source)) > DENSE_WIDTH
 
 
-def _widest_skip(agraph: Any) -> int:
+def _widest_skip(edges: Iterable[tuple[str, str]]) -> int:
     """The most edges that pass over one rank, ranked by longest path: how many long edges run abreast."""
     succ: dict[str, list[str]] = collections.defaultdict(list)
     indegree: collections.Counter[str] = collections.Counter()
-    for u, v in agraph.edges_iter():
+    rank: dict[str, int] = {}  # a box without edges passes no rank over
+    for u, v in edges:
         succ[u].append(v)
         indegree[v] += 1
-    rank = dict.fromkeys(agraph.nodes_iter(), 0)
+        rank[u] = rank[v] = 0
     ready = [n for n in rank if not indegree[n]]
     while ready:  # a node on a cycle keeps rank 0: it only shortens the edges counted
         u = ready.pop()
@@ -162,7 +257,7 @@ class _Layout:
             for name in ("nslimit", "nslimit1"):
                 if not self._agraph.graph_attr.get(name):  # a user's own limit stands
                     self._agraph.graph_attr[name] = str(NSLIMIT)
-        widest = _widest_skip(self._agraph)
+        widest = _widest_skip(self._agraph.edges_iter())
         if widest > DENSE_WIDTH:
             if not self._agraph.graph_attr.get("mclimit"):  # a user's own limit stands
                 self._agraph.graph_attr["mclimit"] = f"{max(MIN_MCLIMIT, DENSE_WIDTH / widest):.3g}"
@@ -257,13 +352,13 @@ def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str], caller: 
     """Write ``dot`` to ``path`` as PNG, SVG or PDF, chosen by the suffix; return the path.
 
     The file appears whole or not at all: it is written beside the target and moved in place.
-    ``caller`` is the public function whose errors these are.
+    ``caller`` is the public function whose errors these are, a missing layout engine included.
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise FwdtraceError(f"{caller} expected a path ending in .png, .svg or .pdf, got {str(path)!r}")
-    data = dot_bytes(dot, fmt)
+    data = dot_bytes(dot, fmt, caller)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise FwdtraceError(f"{caller} expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
@@ -667,12 +762,21 @@ def _max_depth(graph: Graph) -> int:
     return max((len(n.scope) for n in graph.nodes), default=0) + 1
 
 
-def _measure(dot: graphviz.Digraph, final: Callable[[float, float], bool]) -> tuple[float, float]:
+def _measure(dot: graphviz.Digraph, final: Callable[[float, float], bool]) -> tuple[float, float] | None:
     """The width and height of ``dot``'s laid-out picture in points; inside :func:`render`, a picture
-    of a size that makes it ``final`` is drawn from that layout too (kept on ``dot``, see :func:`dot_bytes`)."""
+    of a size that makes it ``final`` is drawn from that layout too (kept on ``dot``, see :func:`dot_bytes`).
+    None where nothing here can lay out (see :func:`layout_missing`): the DOT text is made all the same."""
     source, fmt = dot.source, _DRAW_FORMAT.get()
     size = _SIZES.get(source)
-    if size is None or (fmt is not None and final(*size)):
+    if size is None and _pygraphviz_error() is not None:
+        dot_path = shutil.which("dot")
+        if dot_path is None:
+            return None
+        size = _SIZES[source] = _plain_size(_run_dot(dot_path, source, "plain", "to_dot()"))
+        while len(_SIZES) > _SIZES_KEPT:
+            _SIZES.popitem(last=False)
+        return size
+    if size is None or (fmt is not None and final(*size) and _pygraphviz_error() is None):
         with _graphviz_messages(), _Layout(source) as layout:
             size = layout.size
             if fmt is not None and final(*size):
@@ -918,14 +1022,17 @@ def _auto_depth(graph: Graph, folds: Folds, options: dict[str, Any], target_node
         mine, chains = (opened, chained) if d == floor else (frozenset(), False)
         caption = f"{level}{partly if d == floor else ''}: {counts[d]} boxes for {len(graph.nodes)} nodes (auto, {bound})"
         dot = draw(d, caption, wrap, mine, chains)
-        w, h = _measure(dot, final)
+        size = _measure(dot, final)
+        if size is None:  # nothing to lay out with: the deepest depth within the box target
+            return dot
+        w, h = size
         if fits(w, h):
             break
         if d == floor:
             tries = [max(2, wrap // 2), max(2, wrap // 4)] if w > max_w else [wrap * 2, wrap * 4]
             for other in tries if wrap else []:  # the least scaled down of the wrappings
                 rewrapped = draw(d, caption, other, mine, chains)
-                w2, h2 = _measure(rewrapped, lambda w, h: False)
+                w2, h2 = _measure(rewrapped, lambda w, h: False) or (w, h)
                 if min(max_w / w2, max_h / h2) > min(max_w / w, max_h / h):
                     dot, w, h = rewrapped, w2, h2
     dpi = resolution(w, h)

@@ -57,11 +57,11 @@ def reduce(tensor: Any, views: tuple[str, ...]) -> dict[str, Any]:
     >>> out["heatmap"].shape, out["shape"], out["range"]
     ((2, 3), [2, 3], (0.0, 5.0))
     """
-    import torch
+    import torch  # here: the worker, which imports this module to draw, never imports torch
 
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()  # copied here, in the training process: no CUDA tensor is ever shared with a worker
+    from .._host import host, to_numpy
+
+    t = host(tensor)  # copied here, in the training process: no CUDA tensor is ever shared with a worker
     if not t.is_floating_point():
         t = t.float()
     shape = list(t.shape)
@@ -79,17 +79,17 @@ def reduce(tensor: Any, views: tuple[str, ...]) -> dict[str, Any]:
             if m.dim() < 2:
                 m = m.reshape(1, -1)
             m = m[_strided(m.shape[0], HEATMAP_MAX), _strided(m.shape[1], HEATMAP_MAX)]
-            payload["heatmap"] = m.float().numpy().copy()
+            payload["heatmap"] = to_numpy(m, torch.float32).copy()
         elif view == "histogram":
             flat = t.reshape(-1)
-            payload["histogram"] = flat[_strided(flat.numel(), HISTOGRAM_MAX)].float().numpy().copy()
+            payload["histogram"] = to_numpy(flat[_strided(flat.numel(), HISTOGRAM_MAX)], torch.float32).copy()
         elif view == "pca":
             if t.dim() == 4:  # [N, C, H, W]: each pixel a point with C features
                 rows = t.movedim(1, -1).reshape(-1, t.shape[1])
             else:
                 rows = t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
             rows = rows[_strided(rows.shape[0], PCA_ROWS_MAX), _strided(rows.shape[1], PCA_FEATURES_MAX)]
-            payload["pca"] = rows.float().numpy().copy()
+            payload["pca"] = to_numpy(rows, torch.float32).copy()
     return payload
 
 

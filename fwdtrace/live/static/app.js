@@ -15,7 +15,7 @@ async function api(path, options = {}) {
   const response = await fetch(path, Object.assign({}, options, {headers}));
   const type = response.headers.get("Content-Type") || "";
   const body = type.startsWith("application/json") ? await response.json() : await response.text();
-  if (!response.ok) throw new Error(body.error || String(body));
+  if (!response.ok) throw Object.assign(new Error(body.error || String(body)), {body});
   return body;
 }
 
@@ -31,14 +31,39 @@ async function loadGraph() {
     }
     markArmed();
   } catch (e) {
+    if (e.body && e.body.layout === false) return listLayers(e.message);  // nothing to lay out with: asked once
     $("graph").innerHTML = '<p class="note"></p>';
     $("graph").firstChild.textContent = e.message;
     setTimeout(loadGraph, 2000);  // the graph appears with the first forward
   }
 }
 
+// Where the server cannot lay out a picture (no Graphviz libraries), the layers as a list that
+// a search box filters; a click arms a layer as a box in the picture would.
+async function listLayers(why) {
+  $("depth").disabled = true;
+  $("graph").innerHTML = '<p class="note why"></p><input id="find" type="search" placeholder="find a layer">' +
+                         '<ul id="layers"></ul>';
+  $("graph").querySelector(".why").textContent = why;  // the server says why, and what to install
+  const rows = await api("api/keys");
+  for (const row of rows) {
+    const item = document.createElement("li");
+    item.dataset.key = row.key;
+    item.textContent = row.key + (row.shapes ? "  " + JSON.stringify(row.shapes.output) : "");
+    item.addEventListener("click", () => arm(row.key));
+    $("layers").append(item);
+  }
+  $("find").addEventListener("input", () => {
+    const words = $("find").value.toLowerCase().split(/\s+/).filter(Boolean);
+    for (const item of $("layers").children) {
+      item.hidden = !words.every((w) => item.dataset.key.toLowerCase().includes(w));
+    }
+  });
+  markArmed();
+}
+
 function markArmed() {
-  for (const g of $("graph").querySelectorAll("g.node[data-key]")) {
+  for (const g of $("graph").querySelectorAll("g.node[data-key], #layers li")) {
     const armed = [...panels.keys()].some((id) => id.endsWith(" " + g.dataset.key));
     g.classList.toggle("armed", armed);
   }
