@@ -36,6 +36,7 @@ from ._tree import dtype_name, iter_tensors, tensors_of
 from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
 from .grads import GradCall
+from .instrument.compiled import EagerRoute, eager_module
 from .keys import key2module, key_path
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
@@ -114,7 +115,7 @@ class _Recording:
             self.atomic.check_target()
             self.file = h5py.File(self.atomic.tmp, "w", track_order=True)
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
-            self.file.attrs["model"] = type(model).__name__
+            self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs["epoch"] = epoch
             self.file.attrs["step"] = step
             if rank is not None:
@@ -127,6 +128,7 @@ class _Recording:
         self.grads = grads
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
+        self.root_calls = 0
         self.key2calls: dict[str, int] = {}
         # per id() of a module or a function site: its calls running
         self.open_calls: dict[int, list[_Call]] = {}
@@ -141,15 +143,24 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
-        self._register(model, grads)
+        try:
+            self._register(model, grads)
+        except BaseException:
+            self._remove_hooks()
+            self.file.close()
+            self.atomic.discard()
+            raise
 
     def _register(self, model: torch.nn.Module, grads: bool) -> None:
-        root = model
+        root = eager_module(model)
         # (key, what takes the hooks, its module path, the group's class name, the function's path)
         hooked: list[tuple[str, Any, str, str, str | None]] = [
             (key, module, key_path(key, module), type(module).__name__, None)
             for key, module in key2module(model).items()
         ]
+        self.layers = len(hooked) > 1  # a model with submodules: a step that records none of them is not complete
+        # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run.
+        self.forward_handles.append(EagerRoute(model, "Dumper.register()"))
         # Hooked functions' calls take the same hooks through their function sites (a site's hooks
         # get the calling module as their first argument: the bookkeeping is by site, not by module).
         hooked += [
@@ -232,7 +243,7 @@ class _Recording:
         for name in {o.split("/", 1)[0] for o in self.order} | {n for n in self.file if _GROUP_RE.match(n)}:
             del self.file[name]
         self.order.clear()
-        self.calls = 0
+        self.calls = self.root_calls = 0
         self.key2calls.clear()
         self.open_calls.clear()
         self._cancel_grads()
@@ -249,6 +260,7 @@ class _Recording:
                 if self.failed is not None and self.root_depth == 0:
                     self._restart()
                 self.root_depth += 1
+                self.root_calls += 1
             elif self.root_depth == 0:
                 return  # a submodule called on its own, before the step's forward
             call_index = self.key2calls.get(key, 0)
@@ -331,6 +343,8 @@ class _Recording:
             return False, self.failed
         if self.calls == 0:
             return False, "the model's forward did not run" + raised
+        if self.layers and self.calls == self.root_calls:
+            return False, "no call of the model's layers was recorded, only the root's" + raised
         if not self.forward_done:
             return False, "the forward did not finish" + raised
         if self.backward_expected and not self.backward_done:

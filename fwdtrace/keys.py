@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from .errors import FwdtraceError, describe
+from .instrument.compiled import eager_module, eager_path
 from .registry import REGISTRY, resolve_any
 
 __all__ = [
@@ -55,7 +56,9 @@ def key2module(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Every module of ``model`` by its key, children before their parents, the root last.
 
     A module reachable under two paths (shared) is listed once, under its first path,
-    as ``named_modules()`` does.
+    as ``named_modules()`` does. Compilation is transparent to keys: a ``torch.compile``
+    wrapper (of the model or of a submodule) is keyed as the module it wraps, at its path,
+    so ``torch.compile(model)``'s first layer is ``0.Linear`` as on the eager model.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"module_keys() expected a torch.nn.Module, got {describe(model)}")
@@ -65,11 +68,12 @@ def key2module(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     def visit(path: str, module: torch.nn.Module) -> None:
         seen.add(id(module))
         for name, child in module.named_children():
+            child = eager_module(child)
             if id(child) not in seen:
                 visit(f"{path}.{name}" if path else name, child)
         out[module_key(path, module)] = module
 
-    visit("", model)
+    visit("", eager_module(model))
     return out
 
 
@@ -176,6 +180,7 @@ def select_keys(
     and a function or method itself (registered or not) selects all of its keys too.
     """
     if isinstance(selector, str):
+        selector = eager_path(selector)  # a key or path as a torch.compile wrapper's named_modules() spell it
         if selector in key2module:
             return {selector: key2module[selector]}
         path2key = {key_path(k, m): k for k, m in key2module.items()}

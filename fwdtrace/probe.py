@@ -26,6 +26,7 @@ from .calls import FunctionSite, ModelCalls
 from .chaos import Chaos
 from .errors import FwdtraceError, describe
 from .grads import register_grad_hook
+from .instrument.compiled import EagerRoute, eager_module
 from .keys import Selector, key2module, select_keys
 from .registry import FunctionTarget, resolve_any
 from .stats import RunningStats, check_bins, check_range, summary_text
@@ -70,8 +71,16 @@ class Hooks:
         self._torch_handles: list[Any] = []
 
     def _attach(self) -> None:
-        if not self._torch_handles:
-            self._torch_handles = [register(key, module) for register, key, module in self._registrations]
+        if not self._torch_handles and self._registrations:
+            # While attached, a compiled model's compiled parts run eagerly, so these hooks run.
+            handles: list[Any] = [EagerRoute(self.probe.model, "Probe")]
+            try:
+                handles += [register(key, module) for register, key, module in self._registrations]
+            except BaseException:
+                for handle in reversed(handles):
+                    handle.remove()
+                raise
+            self._torch_handles = handles
 
     def _detach(self) -> None:
         while self._torch_handles:
@@ -266,7 +275,7 @@ class Probe:
         function or method itself selects all of its keys; they come as
         :class:`~fwdtrace.calls.FunctionSite` objects.
         """
-        return select_keys(self._key2module, selector, "Probe", type(self.model).__name__, self._calls)
+        return select_keys(self._key2module, selector, "Probe", type(eager_module(self.model)).__name__, self._calls)
 
     def _one(self, selector: Selector, what: str) -> str:
         found = self.select(selector)
@@ -312,7 +321,8 @@ class Probe:
             return hook
 
         hooked: dict[str, Any] = {**self._key2module, **self._calls.registered_sites()}
-        handles = [m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items()]
+        handles: list[Any] = [EagerRoute(self.model, "Probe.shapes()")]
+        handles += [m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items()]
         try:
             with layer_notes(self.model), torch.no_grad():
                 self.model(*args, **kwargs)
@@ -662,4 +672,4 @@ class Probe:
         return self._add(handle, register, selector)
 
     def __repr__(self) -> str:
-        return f"Probe({type(self.model).__name__}, {len(self._key2module)} keys, {len(self.handles)} hook sets)"
+        return f"Probe({type(eager_module(self.model)).__name__}, {len(self._key2module)} keys, {len(self.handles)} hook sets)"

@@ -38,6 +38,7 @@ from . import registry as _registry
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
+from .instrument.compiled import EagerRoute, compiled_parts
 from .keys import module_key
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
@@ -925,12 +926,12 @@ def trace(model: torch.nn.Module, *args: Any, pin: bool = False, **kwargs: Any) 
             "trace() expected at least one tensor among the model's inputs (positional or keyword, "
             f"possibly inside tuples, lists or dicts), got ({given})"
         )
-    with Tracer(pin=pin) as tracer:
-        if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): run it uncompiled
+    compiled = [path for path, how in compiled_parts(model) if how == "module.compile"]
+    # Compiled parts run eagerly while traced: what a user reads, and nothing of the trace enters dynamo's cache.
+    with EagerRoute(model, "trace()"), Tracer(pin=pin) as tracer:
+        if compiled:
             tracer._say_unseen("compiled modules (module.compile()) were traced uncompiled", model)
-            model._call_impl(*args, **kwargs)
-        else:
-            model(*args, **kwargs)
+        model(*args, **kwargs)
     return tracer.graph
 
 

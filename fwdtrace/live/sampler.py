@@ -41,6 +41,7 @@ from .._tree import dtype_name, iter_tensors
 from ..bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..grads import register_grad_hook
+from ..instrument.compiled import CALL_KINDS, EagerRoute, eager_module
 from ..keys import key2module, select_modules
 from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from ..stats import RunningStats
@@ -233,7 +234,7 @@ class Sampler:
     # -- arming -----------------------------------------------------------------------------------
     def select(self, selector: str) -> list[str]:
         """The keys a key or glob names; an unknown one raises with the closest keys."""
-        return list(select_modules(self.key2module, selector, "serve()", type(self.model).__name__))
+        return list(select_modules(self.key2module, selector, "serve()", type(eager_module(self.model)).__name__))
 
     def arm(self, selector: str, kind: str, every: int = 1, count: int | None = None, raw: bool = False,
             bins: int | Iterable[float] | None = None) -> list[str]:
@@ -255,6 +256,8 @@ class Sampler:
                 module = self.key2module[key]
                 roles = [name for name, _ in module_parameters(module)] if kind in PARAMETER_KINDS else []
                 arm = Arm(key, kind, every, count, raw, self.ring, spec, roles)
+                if kind in CALL_KINDS:  # while armed, the model's compiled parts run eagerly
+                    arm.handles.append(EagerRoute(self.model, "arm()"))
                 if kind == "forward":
                     arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
                 elif kind == "grad":
@@ -599,10 +602,10 @@ class Sampler:
         with self._arms_lock:
             arms = list(self.arms.values())
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "memory": self.memory_info(),
-                "root": next(k for k, m in self.key2module.items() if m is self.model), "arms": [a.info() for a in arms]}
+                "root": next(k for k, m in self.key2module.items() if m is eager_module(self.model)), "arms": [a.info() for a in arms]}
 
     def __repr__(self) -> str:
-        return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+        return f"Sampler({type(eager_module(self.model)).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
 
 
 def _count_nonfinite(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

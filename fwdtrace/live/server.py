@@ -34,6 +34,7 @@ import torch
 from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
+from ..instrument.compiled import eager_module
 from ..keys import closest_keys, key_path
 from .history import History
 from .sampler import KINDS, ROLES, Sampler, SamplerClosed, check_positive
@@ -249,7 +250,7 @@ class Server:
 
     def __repr__(self) -> str:
         state = "serving" if self._thread.is_alive() else "stopped"
-        return f"Server({type(self.model).__name__}, {self.url}, {state})"
+        return f"Server({type(eager_module(self.model)).__name__}, {self.url}, {state})"
 
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, host_header: str | None, token: str | None) -> None:
@@ -354,7 +355,7 @@ class Server:
 
     def status(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         graph = "ready" if self.graph is not None else (self.graph_error or "waiting for the first forward")
-        return _json({**self.sampler.status(), "model": type(self.model).__name__, "graph": graph,
+        return _json({**self.sampler.status(), "model": type(eager_module(self.model)).__name__, "graph": graph,
                       "history": self._history_info(), "read_only": False})
 
     def _history_info(self) -> dict[str, Any] | None:
