@@ -313,3 +313,111 @@ def test_a_model_compiled_in_place_while_a_tool_is_attached_compiles_once(recwar
         assert [step(net) for _ in range(2)] == [1, 1]
     assert [step(net) for _ in range(2)] == [1, 1] and compile_state() == (1, 0)
     assert not [w for w in recwarn if "torch._dynamo" in w.filename or "fwdtrace" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_the_live_service_names_eager_keys_and_leaves_an_idle_model_compiled(how: str) -> None:
+    from test_live import request
+
+    case = make(how)
+    assert step(case.run) == 1
+    graphs = compile_state()
+    with fwdtrace.serve(case.given, port=0) as server:
+        idle = [step(case.run) for _ in range(3)]  # the first one also traces the graph, eagerly
+        # Idle, a torch.compile wrapper keeps its compiled code; a model compiled in place runs its own
+        # hooks (the step count) inside it, so it runs eagerly while served.
+        assert idle == ([1, 1, 1] if how == "torch.compile" else [0, 0, 0])
+        _, keys = request(server, "GET", "/api/keys")
+        assert [k["key"] for k in keys] == KEYS
+        assert server.graph is not None
+        assert {n.module_key for n in server.graph.nodes if n.kind == "module"} <= set(KEYS)  # the page's boxes
+        _, answer = request(server, "POST", "/api/sample", {"key": "_orig_mod.block.0", "kind": "forward"})
+        assert answer["armed"] == [LAYER]
+        _, answer = request(server, "POST", "/api/sample", {"key": LAYER, "kind": "weight"})
+        assert [step(case.run) for _ in range(2)] == [0, 0]  # a forward arm runs the model eagerly
+        _, answer = request(server, "DELETE", f"/api/sample?key={LAYER}&kind=forward")
+        assert answer["disarmed"] == [LAYER]
+        # The weight arm hooks gradient accumulation, which autograd runs outside compiled graphs.
+        assert [step(case.run) for _ in range(2)] == idle[:2]
+        server.sampler.drain(30)
+        _, forward = request(server, "GET", f"/api/samples?key={LAYER}&kind=forward")
+        _, weight = request(server, "GET", f"/api/samples?key={LAYER}&kind=weight")
+        _, status = request(server, "GET", "/api/status")
+        assert status["step"] == 7
+    want = eager_outputs(case.eager, LAYER, 2)
+    assert [t["mean"] for s in forward["samples"] for t in s["tensors"] if t["role"] == "output"] == pytest.approx(
+        [float(o.double().mean()) for o in want], rel=1e-6)
+    assert weight["taken"] == 4
+    eager_weight = float(case.eager.block[0].weight.double().mean())
+    assert [t["mean"] for s in weight["samples"] for t in s["tensors"] if t["role"] == "weight"] == pytest.approx(
+        [eager_weight] * 4, rel=1e-6)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+
+
+def test_regional_compilation_of_a_transformers_models_blocks() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, attn_implementation="eager", use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    eager = copy.deepcopy(model)
+    for block in model.model.layers:  # regional compilation: each repeated block on its own
+        block.compile(backend=counting)
+    ids = torch.randint(0, 64, (1, 6))
+
+    def llama_step(m: nn.Module) -> int:
+        CALLS[0] = 0
+        m(ids).logits.square().mean().backward()
+        return CALLS[0]
+
+    before = [llama_step(model) for _ in range(2)]
+    assert before[-1] >= 2  # one graph per block, at least
+    graphs = compile_state()
+    assert fwdtrace.module_keys(model) == fwdtrace.module_keys(eager)
+    key = "model.layers.1.mlp.down_proj.Linear"
+    with fwdtrace.Probe(model) as probe:
+        stats = probe.running_stats(key)
+        llama_step(model)
+    seen: list[torch.Tensor] = []
+    handle = eager.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    llama_step(eager)
+    handle.remove()
+    assert stats.stats[key].count == seen[0].numel()
+    assert stats.stats[key].mean == pytest.approx(float(seen[0].double().mean()), rel=1e-5)
+    assert [llama_step(model) for _ in range(2)] == before and compile_state() == graphs
+
+
+def test_the_recorder_records_a_compiled_models_eager_values_under_eager_keys(tmp_path: Path) -> None:
+    case = make("torch.compile")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    recorded: list[torch.Tensor] = []
+    with fwdtrace.Recorder(tmp_path, transform=lambda t: recorded.append(t.clone()) or t, timeout=300.0) as rec:
+        assert rec.track(case.given, "_orig_mod.block.0", kind="forward") == [LAYER]
+        for _ in range(2):
+            step(case.run)
+    paths = rec.stop()
+    assert sorted(p.name for p in paths) == [f"{LAYER}.forward.mp4", f"{LAYER}.forward.png"]
+    for got, want in zip(recorded, eager_outputs(case.eager, LAYER, 2), strict=True):
+        torch.testing.assert_close(got, want)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+
+
+def test_a_dump_that_records_no_call_below_the_root_is_not_complete(tmp_path: Path) -> None:
+    class Functional(nn.Module):  # its layer's hooks never run: what a layer inside compiled code looked like
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.lin.weight, self.lin.bias)
+
+    model = Functional()
+    dumper = fwdtrace.Dumper(tmp_path)
+    dumper.register(model, grads=False)
+    model(torch.ones(1, 2))
+    [path] = dumper.remove()
+    assert fwdtrace.read_dump(path, show=False)["status"] == (
+        "incomplete: stopped after 000_Functional (no call of the model's layers was recorded, only the root's)")

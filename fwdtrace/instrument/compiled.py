@@ -30,7 +30,7 @@ import torch
 from ..errors import FwdtraceError
 from ..patching import Patcher, add_eager_modules, critical, remove_eager_modules
 
-__all__ = ["CALL_KINDS", "is_compile_wrapper", "eager_module", "eager_path", "compiled_parts", "EagerRoute", "run_eager"]
+__all__ = ["CALL_KINDS", "is_compile_wrapper", "compiled_in_place", "eager_module", "eager_path", "compiled_parts", "EagerRoute", "run_eager"]
 
 # What the tools sample through module hooks, which dynamo's compiled code skips: these need the eager route.
 # Parameter kinds (``weight``, ``weight_grad``, ``health``) hook the parameters' gradient accumulation, which
@@ -83,6 +83,11 @@ def _walk(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
                 todo.append((step, child))
 
 
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled ``module`` itself (its own hooks then run inside compiled code)."""
+    return (id(module) in _ROUTED and not is_compile_wrapper(module)) or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def compiled_parts(model: torch.nn.Module) -> list[tuple[str, str]]:
     """The compiled parts of ``model``: ``(eager module path, how)``, how being ``"torch.compile"``
     (a wrapper) or ``"module.compile"`` (compiled in place). Empty for an eager model."""
@@ -90,7 +95,7 @@ def compiled_parts(model: torch.nn.Module) -> list[tuple[str, str]]:
     for path, module in _walk(model):
         if is_compile_wrapper(module):
             out.append((path, "torch.compile"))
-        elif id(module) in _ROUTED or getattr(module, "_compiled_call_impl", None) is not None:
+        elif compiled_in_place(module):
             out.append((path, "module.compile"))  # (set aside while a tool is attached)
     return out
 

@@ -41,7 +41,7 @@ from .._tree import dtype_name, iter_tensors
 from ..bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..grads import register_grad_hook
-from ..instrument.compiled import CALL_KINDS, EagerRoute, eager_module
+from ..instrument.compiled import CALL_KINDS, EagerRoute, compiled_in_place, eager_module
 from ..keys import key2module, select_modules
 from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from ..stats import RunningStats
@@ -214,6 +214,9 @@ class Sampler:
         self.queued = 0  # bytes of the copies waiting for the summariser
         self._worker = threading.Thread(target=self._summarise_queued, name="fwdtrace-live-summaries", daemon=True)
         self._worker.start()
+        # The root's hooks (this step count, the graph's first-forward trace) run outside compiled code, in a
+        # torch.compile wrapper's call, unless the root itself was compiled in place: then it runs eagerly while served.
+        self._root_route = EagerRoute(model, "serve()") if compiled_in_place(model) else None
         self._step_handle = model.register_forward_pre_hook(self._count_step)
         self.scalars = ScalarLog(lambda: self.step)  # fed by fwdtrace.live.log_scalar and health arms
         self.scalars.register()
@@ -293,6 +296,8 @@ class Sampler:
             for arm in self.arms.values():
                 arm.detach()
         self._step_handle.remove()
+        if self._root_route is not None:
+            self._root_route.release()
         self.scalars.unregister()
         if self._worker.is_alive():
             self._queue.put(None)
