@@ -33,7 +33,7 @@ from ._tree import tensors_of
 from .errors import FwdtraceError, describe
 from .flops import flops_of
 from .instrument.compiled import EagerRoute, compiled_parts, eager_module
-from .keys import closest_names, key2module, key_path
+from .instrument.keys import closest_names, key2module, key_path
 from .memory import StorageTracker
 from .registry import qualified_name
 from .tracer import active_tracer, around_module_calls, layer_notes

@@ -33,11 +33,11 @@ import torch
 
 from ._files import AtomicFile, not_a_regular_file
 from ._tree import dtype_name, iter_tensors, tensors_of
-from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
-from .grads import GradCall
+from .instrument.calls import ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
-from .keys import key2module, key_path
+from .instrument.grads import GradCall
+from .instrument.keys import key2module, key_path
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
 
@@ -280,7 +280,7 @@ class _Recording:
             inputs = (args, kwargs) if kwargs else args
             self._write_all(call, "input", inputs)
             if self.grads and torch.is_grad_enabled():
-                # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.grads);
+                # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.instrument.grads);
                 # grad_inputN is the gradient of inputN, grad_outputN of outputN.
                 call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
                 self.grad_calls.append(call.grads)
@@ -424,7 +424,7 @@ class Dumper:
 
         ``epoch`` and ``step`` are non-negative ints (they name the file).
         Gradients come from tensor hooks on each call's inputs and outputs
-        (:mod:`fwdtrace.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
+        (:mod:`fwdtrace.instrument.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
         ``ModelOutput`` or a dict are fine: ``grad_outputN`` is the gradient of ``outputN``,
         ``grad_inputN`` of ``inputN`` (over all its uses, where that tensor also feeds another branch).
         """

@@ -1,7 +1,7 @@
 """Probes: hooks addressed by module key, to look inside a model, change it or break it on purpose.
 
 A key may also be a hooked function's (``"model.layers.0.self_attn.eager_attention_forward"``, see
-:mod:`fwdtrace.keys`): its hooks are :class:`fwdtrace.calls.FunctionSite` hooks, which run on that
+:mod:`fwdtrace.instrument.keys`): its hooks are :class:`fwdtrace.instrument.calls.FunctionSite` hooks, which run on that
 function's calls as torch's hooks run on a module's, so every probe method takes either.
 
 Every hook a :class:`Probe` adds is a torch hook kept in a :class:`Hooks` handle, so it
@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from ._tree import tensors_of
-from .calls import FunctionSite, ModelCalls
 from .chaos import Chaos
 from .errors import FwdtraceError, describe
-from .grads import register_grad_hook
+from .instrument.calls import FunctionSite, ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
-from .keys import Selector, key2module, select_keys
+from .instrument.grads import register_grad_hook
+from .instrument.keys import Selector, key2module, select_keys
+from .instrument.stats import RunningStats, check_bins, check_range, summary_text
 from .registry import FunctionTarget, resolve_any
-from .stats import RunningStats, check_bins, check_range, summary_text
 from .tracer import add_function_handlers, layer_notes, remove_handlers
 
 __all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
@@ -114,7 +114,7 @@ class _FunctionHooks:
 
 
 class StatsHandle(Hooks):
-    """Running statistics per module key (:class:`~fwdtrace.stats.RunningStats`), across calls and steps."""
+    """Running statistics per module key (:class:`~fwdtrace.instrument.stats.RunningStats`), across calls and steps."""
 
     def __init__(self, probe: Probe, keys: list[str], of: str) -> None:
         super().__init__(probe, keys)
@@ -205,7 +205,7 @@ class Probe:
     ``probe.keys`` lists the keys, children before parents, the root (its class name) last.
     Every selector also takes the keys of functions hooked by path (``register_atomic(path)``):
     ``"model.layers.0.self_attn.eager_attention_forward"``, a glob, or the function itself; their
-    hooks get the calling module and the function's arguments (:class:`fwdtrace.calls.FunctionSite`).
+    hooks get the calling module and the function's arguments (:class:`fwdtrace.instrument.calls.FunctionSite`).
     Set ``probe.enabled = False`` to switch every hook of the probe off without removing it.
     """
 
@@ -269,11 +269,11 @@ class Probe:
         >>> list(probe.select(torch.nn.ReLU)), list(probe.select("*.Linear"))
         (['1.ReLU'], ['0.Linear'])
 
-        Function keys are selected too (:func:`fwdtrace.keys.select_keys`): a key or glob
+        Function keys are selected too (:func:`fwdtrace.instrument.keys.select_keys`): a key or glob
         matches those of the functions registered with ``hook_forward``/``register_atomic``,
         one per module path where they may be called (``"*.eager_attention_forward"``), and a
         function or method itself selects all of its keys; they come as
-        :class:`~fwdtrace.calls.FunctionSite` objects.
+        :class:`~fwdtrace.instrument.calls.FunctionSite` objects.
         """
         return select_keys(self._key2module, selector, "Probe", type(eager_module(self.model)).__name__, self._calls)
 
@@ -377,7 +377,7 @@ class Probe:
           grad_input0  float32[1, 2] ...
           grad_output0 float32[1, 1] mean=1 std=0 min=1 max=1
 
-        Gradients come from tensor hooks (:func:`fwdtrace.grads.register_grad_hook`), safe beside
+        Gradients come from tensor hooks (:func:`fwdtrace.instrument.grads.register_grad_hook`), safe beside
         in-place ops; ``grad_input`` is each positional argument's (its gradient over all its uses),
         ``grad_output`` each tensor of the output. A ``None`` gradient (an input that needs none) prints as None.
         """
@@ -601,7 +601,7 @@ class Probe:
         2.0
 
         Modules without parameters of their own (and function keys) are left out; see
-        :meth:`~fwdtrace.stats.RunningStats.to_dict` for the statistics.
+        :meth:`~fwdtrace.instrument.stats.RunningStats.to_dict` for the statistics.
         """
         check_bins(bins)
         out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -631,7 +631,7 @@ class Probe:
         (1.3333, 0.3333333333333333)
 
         ``of`` is ``input``, ``output``, ``grad_input`` or ``grad_output``; every tensor of
-        every call merges into one :class:`~fwdtrace.stats.RunningStats` per key, at a cost
+        every call merges into one :class:`~fwdtrace.instrument.stats.RunningStats` per key, at a cost
         per call proportional to the tensors' size and independent of the steps before.
         """
         if of not in _KINDS:

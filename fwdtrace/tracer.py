@@ -39,7 +39,7 @@ from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe, shapes_text
 from .graph import Graph
 from .instrument.compiled import EagerRoute, compiled_parts
-from .keys import module_key
+from .instrument.keys import module_key
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
 from .patching import (

@@ -110,7 +110,7 @@ def compile_state() -> tuple[int, int]:
 def eager_outputs(model: nn.Module, key: str, steps: int) -> list[torch.Tensor]:
     """What a plain forward hook on the eager copy sees at ``key``, over training steps."""
     seen: list[torch.Tensor] = []
-    module = fwdtrace.keys.key2module(model)[key]
+    module = fwdtrace.instrument.keys.key2module(model)[key]
     handle = module.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
     for _ in range(steps):
         step(model)
@@ -126,7 +126,7 @@ def test_keys_are_the_eager_models(how: str) -> None:
     assert fwdtrace.module_keys(case.run) == KEYS
     probe = fwdtrace.Probe(case.given)
     assert probe.keys == KEYS
-    layer = fwdtrace.keys.key2module(case.given)[LAYER]
+    layer = fwdtrace.instrument.keys.key2module(case.given)[LAYER]
     # what named_modules() of a torch.compile wrapper spells still selects the same layer
     for name in (LAYER, "block.0", "_orig_mod.block.0.Linear", "block._orig_mod.0", "_orig_mod.block._orig_mod.0"):
         assert probe.select(name) == {LAYER: layer}

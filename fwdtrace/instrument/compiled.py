@@ -13,7 +13,7 @@ nothing they do enters dynamo's cache, and when the last of them leaves, in any 
 attribute is put back and the model runs the compiled code it had, without recompiling.
 
 Keys see through the wrappers too: :func:`eager_module` and :func:`eager_path` are how
-:func:`fwdtrace.keys.key2module` names ``torch.compile(model)``'s layers ``0.Linear``, not
+:func:`fwdtrace.instrument.keys.key2module` names ``torch.compile(model)``'s layers ``0.Linear``, not
 ``_orig_mod.0.Linear``.
 """
 

@@ -11,13 +11,13 @@ slow client hold training up.
 Nor break it: every hook body runs guarded (:meth:`Sampler._guard`, ``on_error``), so an error inside one
 disarms its key (the API and the page show why) and never reaches the training code.
 Parameters and their gradients (kinds ``weight`` and ``weight_grad``) are read at the end of a
-backward, every gradient accumulated (:mod:`fwdtrace.params`' hooks, as the recorder's, queue
+backward, every gradient accumulated (:mod:`fwdtrace.instrument.params`' hooks, as the recorder's, queue
 autograd's callback), all of a module's in one sample.
 Each tensor of a sample belongs to a series (its ``role``: ``output``, ``output[1][0]`` of a
 layer returning several, ``bias`` for a parameter) whose histogram bins are
-:class:`~fwdtrace.bins.SteadyBins`, the recorder's: steady while values stay inside, doubled when
+:class:`~fwdtrace.instrument.bins.SteadyBins`, the recorder's: steady while values stay inside, doubled when
 one leaves them.
-Gradients are taken with tensor hooks on the module's inputs and outputs (:mod:`fwdtrace.grads`),
+Gradients are taken with tensor hooks on the module's inputs and outputs (:mod:`fwdtrace.instrument.grads`),
 not module full backward hooks: those wrap the output in a custom autograd function that makes
 any later in-place op on it (``ReLU(inplace=True)`` after the layer) raise in the training loop.
 Memory is bounded twice: ``ring`` samples per key and kind, and one ``memory`` budget in
@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 from .._tree import dtype_name, iter_tensors
-from ..bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..errors import FwdtraceError, describe
-from ..grads import register_grad_hook
+from ..instrument.bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..instrument.compiled import CALL_KINDS, EagerRoute, compiled_in_place, eager_module
-from ..keys import key2module, select_modules
-from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
-from ..stats import RunningStats
+from ..instrument.grads import register_grad_hook
+from ..instrument.keys import key2module, select_modules
+from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
+from ..instrument.stats import RunningStats
 from .scalars import ScalarLog
 
 __all__ = ["Sampler", "SamplerClosed", "Arm", "Series", "KINDS", "ROLES"]
@@ -177,7 +177,7 @@ class Sampler:
     ``ring`` samples are kept per key and kind, the oldest dropped first (``dropped`` counts
     them); at most ``pending`` sampled calls wait for the summariser, more are skipped
     (``skipped`` counts them). A sample keeps, per tensor, its series (``role``), shape, dtype,
-    statistics and a histogram on its series' :class:`~fwdtrace.bins.SteadyBins` (``bins`` bins
+    statistics and a histogram on its series' :class:`~fwdtrace.instrument.bins.SteadyBins` (``bins`` bins
     from a running range, or the edges given; with given edges values outside are counted as
     ``underflow``/``overflow``); raw values only when armed with ``raw=True`` and at most ``raw_cap`` elements. All of it
     stays under ``memory`` bytes: a sampled call whose copies do not fit is skipped, raw

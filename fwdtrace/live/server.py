@@ -31,11 +31,11 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
+from ..instrument.bins import DEFAULT_BINS, check_bins_spec
 from ..instrument.compiled import eager_module
-from ..keys import closest_keys, key_path
+from ..instrument.keys import closest_keys, key_path
 from .history import History
 from .sampler import KINDS, ROLES, Sampler, SamplerClosed, check_positive
 
@@ -826,7 +826,7 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     a free port; under ``torch.distributed`` rank ``r`` serves on ``port + r``. A bind
     other than loopback needs ``token``: one is generated and printed when it is None.
     ``ring`` samples are kept per key and kind, histograms have ``bins`` bins from a running
-    range that doubles when a value leaves it (:class:`~fwdtrace.bins.SteadyBins`, as the
+    range that doubles when a value leaves it (:class:`~fwdtrace.instrument.bins.SteadyBins`, as the
     recorder's), or ``bins`` is a list of fixed edges; raw values
     (armed with ``"raw": true``) are kept for tensors of at most ``raw_cap`` elements. A
     sampled call's tensors are copied and summarised in a background thread; when

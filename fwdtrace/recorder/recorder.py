@@ -34,12 +34,12 @@ from urllib.parse import quote
 import torch
 
 from .._tree import tensors_of
-from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
-from ..grads import register_grad_hook
+from ..instrument.bins import DEFAULT_BINS, check_bins_spec
 from ..instrument.compiled import CALL_KINDS, EagerRoute, eager_module
-from ..keys import Selector, key2module, select_modules
-from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
+from ..instrument.grads import register_grad_hook
+from ..instrument.keys import Selector, key2module, select_modules
+from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from . import worker as worker_module
 from .views import VIEWS, reduce
 

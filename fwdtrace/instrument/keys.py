@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import FwdtraceError, describe
-from .instrument.compiled import eager_module, eager_path
-from .registry import REGISTRY, resolve_any
+from ..errors import FwdtraceError, describe
+from ..registry import REGISTRY, resolve_any
+from .compiled import eager_module, eager_path
 
 __all__ = [
     "module_keys", "module_key", "function_key", "key_path", "key2module", "select_modules", "select_keys",
@@ -136,7 +136,7 @@ def closest_names(name: str, keys: Iterable[str], paths: Iterable[str], n: int =
 
 
 class FunctionSites(Protocol):
-    """What selecting function keys needs of a model (:class:`fwdtrace.calls.ModelCalls`)."""
+    """What selecting function keys needs of a model (:class:`fwdtrace.instrument.calls.ModelCalls`)."""
 
     def registered_sites(self) -> dict[str, Any]: ...
 
@@ -168,7 +168,7 @@ def select_keys(
     """The modules and function sites a selector names, by key (:func:`select_modules`, and function keys).
 
     >>> import torch, fwdtrace
-    >>> from fwdtrace.calls import ModelCalls
+    >>> from fwdtrace.instrument.calls import ModelCalls
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SiLU())
     >>> calls = ModelCalls(model)
     >>> list(select_keys(key2module(model), ["0.Linear", torch.nn.functional.silu], "Probe", "Sequential", calls))
