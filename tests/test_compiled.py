@@ -421,3 +421,36 @@ def test_a_dump_that_records_no_call_below_the_root_is_not_complete(tmp_path: Pa
     [path] = dumper.remove()
     assert fwdtrace.read_dump(path, show=False)["status"] == (
         "incomplete: stopped after 000_Functional (no call of the model's layers was recorded, only the root's)")
+
+
+def test_a_wrapper_made_after_the_tool_attached_in_a_fresh_process() -> None:
+    # Before torch.compile first runs, torch._dynamo is not even imported: the tool cannot know of the
+    # wrapper to come, and the dispatch point must send it to the model all the same.
+    script = """
+import sys, torch, fwdtrace
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+x = torch.randn(3, 4)
+reference = [model[0](x).detach()]
+assert "torch._dynamo" not in sys.modules
+probe = fwdtrace.Probe(model)
+stats = probe.running_stats("0.Linear")
+calls = [0]
+def counting(gm, example_inputs):
+    return lambda *a: (calls.__setitem__(0, calls[0] + 1), gm.forward(*a))[1]
+compiled = torch.compile(model, backend=counting)
+compiled(x)
+assert calls[0] == 0 and stats.stats["0.Linear"].count == 24, (calls, stats.stats)
+assert abs(stats.stats["0.Linear"].mean - float(reference[0].double().mean())) < 1e-6
+probe.remove()
+compiled(x); compiled(x)
+from torch._dynamo.utils import counters
+assert calls[0] == 2 and counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (calls, counters)
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -8,7 +8,7 @@ model, every compiled part of it runs its eager module instead: an ``OptimizedMo
 (``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module its plain
 ``_call_impl``, and a wrapper made around one of the model's modules that fwdtrace was not shown
 (``torch.compile(model)`` after ``Probe(model)``) is sent to that module by fwdtrace's one dispatch
-point (:func:`fwdtrace.patching.add_eager_modules`). The tools then see exactly the eager values,
+point (:func:`fwdtrace.patching.add_eager_modules`, installed while any route is held). The tools then see exactly the eager values,
 nothing they do enters dynamo's cache, and when the last of them leaves, in any order, every
 attribute is put back and the model runs the compiled code it had, without recompiling.
 
@@ -20,7 +20,6 @@ Keys see through the wrappers too: :func:`eager_module` and :func:`eager_path` a
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -30,7 +29,9 @@ import torch
 from ..errors import FwdtraceError
 from ..patching import Patcher, add_eager_modules, critical, remove_eager_modules
 
-__all__ = ["CALL_KINDS", "is_compile_wrapper", "compiled_in_place", "eager_module", "eager_path", "compiled_parts", "EagerRoute", "run_eager"]
+__all__ = [
+    "CALL_KINDS", "is_compile_wrapper", "compiled_in_place", "eager_module", "eager_path", "compiled_parts", "EagerRoute",
+]
 
 # What the tools sample through module hooks, which dynamo's compiled code skips: these need the eager route.
 # Parameter kinds (``weight``, ``weight_grad``, ``health``) hook the parameters' gradient accumulation, which
@@ -164,13 +165,10 @@ class EagerRoute:
                     else:
                         routed.patcher.patch(module, "_compiled_call_impl", None)
                 routed.users += 1
-            # A wrapper made where fwdtrace cannot see it needs dynamo loaded: without it there is none yet.
-            self._modules = (
-                [m for _, m in walked if not is_compile_wrapper(m) and id(m) not in wrapped]
-                if "torch._dynamo" in sys.modules else []
-            )
-            if self._modules:
-                add_eager_modules(self._modules)
+            # A wrapper made later, where fwdtrace cannot see it (torch.compile(model) after Probe(model)), is
+            # sent to its module by the dispatch point: installed for as long as this route is held.
+            self._modules = [m for _, m in walked if not is_compile_wrapper(m) and id(m) not in wrapped]
+            add_eager_modules(self._modules)
             self.held = True
         return self
 
@@ -179,8 +177,7 @@ class EagerRoute:
             if not self.held:
                 return
             self.held = False
-            if self._modules:
-                remove_eager_modules(self._modules)
+            remove_eager_modules(self._modules)
             errors = []
             for module in reversed(self._compiled):
                 routed = _ROUTED[id(module)]
@@ -203,7 +200,3 @@ class EagerRoute:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-
-def run_eager(model: torch.nn.Module, caller: str) -> EagerRoute:
-    """Hold an :class:`EagerRoute` on ``model`` (release it, or use it as a context manager)."""
-    return EagerRoute(model, caller)
