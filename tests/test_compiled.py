@@ -454,3 +454,18 @@ print("ok")
 
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_chaos_on_a_compiled_model_injects_what_it_injects_on_the_eager_one() -> None:
+    case = make("torch.compile")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    with fwdtrace.Probe(case.given) as probe:
+        chaos = probe.chaos(LAYER, fault="zero")
+        compiled_out = case.run(X)
+    with fwdtrace.Probe(case.eager) as probe:
+        probe.chaos(LAYER, fault="zero")
+        eager_out = case.eager(X)
+    torch.testing.assert_close(compiled_out, eager_out)
+    assert [i.key for i in chaos.log] == [LAYER]
+    assert step(case.run) == 1 and compile_state() == graphs
