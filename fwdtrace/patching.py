@@ -29,6 +29,7 @@ import _signal  # signal's C functions: without the enum wrapping, several times
 import contextlib
 import signal
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
@@ -421,10 +422,11 @@ def _not_a_compiled_frame(code: Any) -> None:
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 
-for _code in (_dispatching_call.__code__, _link_module_call.__code__.co_consts, _link_function_call.__code__.co_consts):
-    for _c in _code if isinstance(_code, tuple) else (_code,):
-        if hasattr(_c, "co_name"):
-            _not_a_compiled_frame(_c)
+_not_a_compiled_frame(_dispatching_call.__code__)
+for _make_link in (_link_module_call, _link_function_call):  # the links of every chain they build
+    for _code in _make_link.__code__.co_consts:
+        if isinstance(_code, types.CodeType):
+            _not_a_compiled_frame(_code)
 
 
 def add_call_handler(handler: CallHandler, *, all_threads: bool = False) -> _Handle:
