@@ -357,7 +357,7 @@ def test_the_live_service_names_eager_keys_and_leaves_an_idle_model_compiled(how
     assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
 
 
-def test_regional_compilation_of_a_transformers_models_blocks() -> None:
+def test_regional_compilation_of_a_transformers_models_blocks(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -390,6 +390,22 @@ def test_regional_compilation_of_a_transformers_models_blocks() -> None:
     assert stats.stats[key].count == seen[0].numel()
     assert stats.stats[key].mean == pytest.approx(float(seen[0].double().mean()), rel=1e-5)
     assert [llama_step(model) for _ in range(2)] == before and compile_state() == graphs
+
+    trees = []
+    for m, folder in ((model, tmp_path / "compiled"), (eager, tmp_path / "eager")):
+        dumper = fwdtrace.Dumper(folder)
+        dumper.register(m, grads=False)
+        with torch.no_grad():
+            m(ids)
+        trees.append(fwdtrace.read_dump(dumper.remove()[0], show=False, values=True))
+    assert trees[0]["status"] == "complete"
+    calls = [[(g["attrs"]["module_key"], g["attrs"]["module_path"]) for g in t["groups"].values()] for t in trees]
+    assert calls[0] == calls[1]
+    for got, want in zip(trees[0]["groups"].values(), trees[1]["groups"].values(), strict=True):
+        if "output0" in want["datasets"]:
+            torch.testing.assert_close(torch.as_tensor(got["datasets"]["output0"]["value"]),
+                                       torch.as_tensor(want["datasets"]["output0"]["value"]))
+    assert llama_step(model) == before[-1] and compile_state() == graphs
 
 
 def test_the_recorder_records_a_compiled_models_eager_values_under_eager_keys(tmp_path: Path) -> None:
