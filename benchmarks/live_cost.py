@@ -186,7 +186,7 @@ def weight_keys(model: torch.nn.Module) -> list[str]:
     The encoder's: per block its two LayerNorms, the attention (in_proj and out_proj) and the
     feed-forward's two Linears, and the final norm; what a user arms by clicking each box.
     """
-    from fwdtrace.keys import key2module
+    from fwdtrace.instrument.keys import key2module
 
     holders = {key: m for key, m in key2module(model).items() if next(m.parameters(recurse=False), None) is not None}
     return [key for key, m in holders.items()

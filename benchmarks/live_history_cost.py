@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from fwdtrace.instrument.stats import RunningStats
 from fwdtrace.live.history import History
-from fwdtrace.stats import RunningStats
 
 
 def sample(step: int, bins: int) -> dict:

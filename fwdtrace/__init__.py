@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
     "register_atomic": "fwdtrace.registry",
     "remove_hook": "fwdtrace.registry",
     "clear_hooks": "fwdtrace.registry",
-    "module_keys": "fwdtrace.keys",
+    "module_keys": "fwdtrace.instrument.keys",
     # ONNX cross-check
     "export_onnx": "fwdtrace.onnx.export",
     "onnx_graph": "fwdtrace.onnx.export",
@@ -83,7 +83,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     # The public names and the module's dunders only: not the helpers this file imports (Any,
     # importlib, TYPE_CHECKING) nor submodules that happen to be loaded, so tab completion
-    # shows the API. Submodules (fwdtrace.keys, fwdtrace.passes.draw) are imported by name.
+    # shows the API. Submodules (fwdtrace.instrument.keys, fwdtrace.passes.draw) are imported by name.
     return sorted({*__all__, *(n for n in globals() if n.startswith("__") and n.endswith("__"))})
 
 
@@ -98,7 +98,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .excepthook import install_excepthook as install_excepthook
     from .excepthook import uninstall_excepthook as uninstall_excepthook
     from .graph import Graph as Graph
-    from .keys import module_keys as module_keys
+    from .instrument.keys import module_keys as module_keys
     from .live.server import serve as serve
     from .node import Edge as Edge
     from .node import Node as Node

@@ -41,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._tree import tensors_of
 from .errors import FwdtraceError, describe
 from .flops import flops_of
-from .keys import closest_names, key2module, key_path
+from .instrument.compiled import EagerRoute, compiled_parts, eager_module
+from .instrument.keys import closest_names, key2module, key_path
 from .memory import StorageTracker
 from .registry import qualified_name
 from .tracer import active_tracer, around_module_calls, layer_notes
@@ -100,6 +101,8 @@ class Analysis:
     warmup: int
     repeats: int  # timed runs; 0 on the meta device or when timing was skipped
     rows: tuple[ModuleRow, ...]
+    # The model's compiled parts ("<root>", "layers.0", ...): they ran eagerly, so every latency is the eager modules'.
+    ran_eager: tuple[str, ...] = ()
 
     def row(self, name: str) -> ModuleRow:
         """The row of one module, by key (see :func:`fwdtrace.module_keys`) or module path:
@@ -129,6 +132,8 @@ class Analysis:
             timing = f"latency not measured ({'meta device' if self.device == 'meta' else 'repeats=0'})"
         else:
             timing = f"latency {human_ms(self.latency_ms)} median, {human_ms(self.latency_p90_ms)} p90 of {self.repeats}"
+            if self.ran_eager:
+                timing += f" (eager: its torch.compile'd {', '.join(self.ran_eager)} ran uncompiled)"
         head = [
             f"{self.model} on {self.device}",
             f"params {human_count(self.params)} ({human_count(self.trainable_params)} trainable) | "
@@ -281,7 +286,10 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     ``repeats=0`` skips timing: one counting run, every latency None. How the runs are spent
     is in the module docstring of :mod:`fwdtrace.analysis`. The model runs in the mode it is
     in: call ``model.eval()`` first, or dropout stays on and BatchNorm updates its running
-    statistics on every run. An error in the forward is re-raised with
+    statistics on every run. A ``torch.compile``'d model, or one with compiled submodules, runs
+    eagerly while analyzed (see :mod:`fwdtrace.instrument.compiled`): ``ran_eager`` names its
+    compiled parts, every latency is the eager modules', and afterwards the model runs the
+    compiled code it had. An error in the forward is re-raised with
     a note naming the module key, class and input shapes.
     """
     if not isinstance(model, torch.nn.Module):
@@ -290,6 +298,14 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     repeats = _check_count("repeats", repeats, 0)
     if active_tracer() is not None:
         raise FwdtraceError("analyze() cannot run while a trace is active; call it before or after the trace")
+    compiled = tuple(path or "<root>" for path, _ in compiled_parts(model))
+    with EagerRoute(model, "analyze()"):  # compiled parts run eagerly: counted, timed, and left compiled as they were
+        return _analyze(model, args, kwargs, warmup, repeats, compiled)
+
+
+def _analyze(
+    model: torch.nn.Module, args: tuple, kwargs: dict, warmup: int, repeats: int, compiled: tuple[str, ...]
+) -> Analysis:
     key2mod = key2module(model)
     keys = list(key2mod)
     module2key = {id(m): k for k, m in key2mod.items()}
@@ -357,7 +373,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     )
     params = list(model.parameters())  # each shared parameter once
     return Analysis(
-        model=type(model).__name__,
+        model=type(eager_module(model)).__name__,
         device=str(device),
         params=sum(p.numel() for p in params),
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
@@ -369,6 +385,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
         warmup=warmup,
         repeats=len(times),
         rows=rows,
+        ran_eager=compiled,
     )
 
 

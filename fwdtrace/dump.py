@@ -34,10 +34,11 @@ import torch
 from ._files import AtomicFile, not_a_regular_file
 from ._host import host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
-from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
-from .grads import GradCall
-from .keys import key2module, key_path
+from .instrument.calls import ModelCalls
+from .instrument.compiled import EagerRoute, eager_module
+from .instrument.grads import GradCall
+from .instrument.keys import key2module, key_path
 from .precision import Agreement, math_record, pair_precision, rounding_explains
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
@@ -117,7 +118,7 @@ class _Recording:
             self.atomic.check_target()
             self.file = h5py.File(self.atomic.tmp, "w", track_order=True)
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
-            self.file.attrs["model"] = type(model).__name__
+            self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs["epoch"] = epoch
             self.file.attrs["step"] = step
             if rank is not None:
@@ -130,6 +131,7 @@ class _Recording:
         self.grads = grads
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
+        self.root_calls = 0
         self.key2calls: dict[str, int] = {}
         # per id() of a module or a function site: its calls running
         self.open_calls: dict[int, list[_Call]] = {}
@@ -144,15 +146,24 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
-        self._register(model, grads)
+        try:
+            self._register(model, grads)
+        except BaseException:
+            self._remove_hooks()
+            self.file.close()
+            self.atomic.discard()
+            raise
 
     def _register(self, model: torch.nn.Module, grads: bool) -> None:
-        root = model
+        root = eager_module(model)
         # (key, what takes the hooks, its module path, the group's class name, the function's path)
         hooked: list[tuple[str, Any, str, str, str | None]] = [
             (key, module, key_path(key, module), type(module).__name__, None)
             for key, module in key2module(model).items()
         ]
+        self.layers = len(hooked) > 1  # a model with submodules: a step that records none of them is not complete
+        # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run.
+        self.forward_handles.append(EagerRoute(model, "Dumper.register()"))
         # Hooked functions' calls take the same hooks through their function sites (a site's hooks
         # get the calling module as their first argument: the bookkeeping is by site, not by module).
         hooked += [
@@ -230,7 +241,7 @@ class _Recording:
         for name in {o.split("/", 1)[0] for o in self.order} | {n for n in self.file if _GROUP_RE.match(n)}:
             del self.file[name]
         self.order.clear()
-        self.calls = 0
+        self.calls = self.root_calls = 0
         self.key2calls.clear()
         self.open_calls.clear()
         self._cancel_grads()
@@ -258,6 +269,7 @@ class _Recording:
                 if self.root_depth == 0:
                     self._record_math(module, args)
                 self.root_depth += 1
+                self.root_calls += 1
             elif self.root_depth == 0:
                 return  # a submodule called on its own, before the step's forward
             call_index = self.key2calls.get(key, 0)
@@ -277,7 +289,7 @@ class _Recording:
             inputs = (args, kwargs) if kwargs else args
             self._write_all(call, "input", inputs)
             if self.grads and torch.is_grad_enabled():
-                # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.grads);
+                # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.instrument.grads);
                 # grad_inputN is the gradient of inputN, grad_outputN of outputN.
                 call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
                 self.grad_calls.append(call.grads)
@@ -340,6 +352,8 @@ class _Recording:
             return False, self.failed
         if self.calls == 0:
             return False, "the model's forward did not run" + raised
+        if self.layers and self.calls == self.root_calls:
+            return False, "no call of the model's layers was recorded, only the root's" + raised
         if not self.forward_done:
             return False, "the forward did not finish" + raised
         if self.backward_expected and not self.backward_done:
@@ -419,7 +433,7 @@ class Dumper:
 
         ``epoch`` and ``step`` are non-negative ints (they name the file).
         Gradients come from tensor hooks on each call's inputs and outputs
-        (:mod:`fwdtrace.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
+        (:mod:`fwdtrace.instrument.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
         ``ModelOutput`` or a dict are fine: ``grad_outputN`` is the gradient of ``outputN``,
         ``grad_inputN`` of ``inputN`` (over all its uses, where that tensor also feeds another branch).
         """

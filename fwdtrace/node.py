@@ -91,7 +91,7 @@ class Node:
 
     @property
     def key(self) -> str | None:
-        """The name selectors take for this node (:mod:`fwdtrace.keys`): a module node's module key,
+        """The name selectors take for this node (:mod:`fwdtrace.instrument.keys`): a module node's module key,
         a function node's function key (selectable once the function is hooked by path), None for
         the graph's inputs and outputs. ``module_path`` names the same layer (selectors take both).
 

@@ -29,6 +29,7 @@ import _signal  # signal's C functions: without the enum wrapping, several times
 import contextlib
 import signal
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
@@ -41,6 +42,7 @@ from .errors import FwdtraceError
 __all__ = [
     "Patcher", "critical", "InterruptGuard", "add_call_handler", "remove_call_handler", "CallHandler",
     "call_dispatch_active", "add_function_handler", "FunctionHandler", "patched_functions",
+    "add_eager_modules", "remove_eager_modules",
 ]
 
 _MISSING = object()
@@ -386,10 +388,19 @@ _DISPATCH = _Dispatch(torch.nn.Module, PATCHED, _link_module_call)
 _is_compiling = torch.compiler.is_compiling
 
 
+# id() of a module a fwdtrace tool is attached to -> how many attachments: a ``torch.compile`` wrapper
+# around it that fwdtrace was not shown (``torch.compile(model)`` after ``Probe(model)``) runs it eagerly.
+_EAGER_MODULES: dict[int, int] = {}
+
+
 def _dispatching_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``nn.Module._call_impl`` while fwdtrace is in use: this thread's handlers, else the original."""
     if _is_compiling():  # dynamo tracing a compiled model: it must see the plain call
         return _DISPATCH.call(self, *args, **kwargs)  # type: ignore[misc]
+    if _EAGER_MODULES and type(self).__name__ == "OptimizedModule":
+        inner: Any = self._orig_mod
+        if id(inner) in _EAGER_MODULES:
+            return inner(*args, **kwargs)
     chain = _DISPATCH.chain()
     if chain is None:
         return _DISPATCH.call(self, *args, **kwargs)  # type: ignore[misc]
@@ -397,6 +408,25 @@ def _dispatching_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 _DISPATCH.wrapper = _dispatching_call
+
+
+def _not_a_compiled_frame(code: Any) -> None:
+    """Dynamo starts compiling at the first frame outside torch's own code that a compiled call
+    meets: while patched, that would be a dispatch point's wrapper, a new cache entry (one more
+    graph, then "recompile limit" warnings) for every model compiled under it. Marked as skipped
+    (this frame only, not what it calls), dynamo starts where it does without fwdtrace."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # a torch without dynamo's frame evaluation
+        return
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+
+_not_a_compiled_frame(_dispatching_call.__code__)
+for _make_link in (_link_module_call, _link_function_call):  # the links of every chain they build
+    for _code in _make_link.__code__.co_consts:
+        if isinstance(_code, types.CodeType):
+            _not_a_compiled_frame(_code)
 
 
 def add_call_handler(handler: CallHandler, *, all_threads: bool = False) -> _Handle:
@@ -418,14 +448,45 @@ def add_call_handler(handler: CallHandler, *, all_threads: bool = False) -> _Han
     The newest handler is the outermost. Remove handles in any order; the last removal puts
     the original ``_call_impl`` back.
     """
+    _skip_handler_frame(handler)
     handle = _Handle(handler, None if all_threads else _DISPATCH.thread_handlers(), _DISPATCH)
     _DISPATCH.add(handle)
     return handle
 
 
+def _skip_handler_frame(handler: Callable[..., Any]) -> None:
+    """A handler is a frame between the dispatch point and the module's forward: not one for dynamo to start at."""
+    code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+    if code is not None:
+        _not_a_compiled_frame(code)
+
+
 def remove_call_handler(handle: _Handle) -> bool:
     """Remove a handler added with :func:`add_call_handler` or :func:`add_function_handler`; False when already gone."""
     return handle.dispatch.remove(handle)
+
+
+def add_eager_modules(modules: list[torch.nn.Module]) -> None:
+    """Run ``torch.compile`` wrappers around these modules eagerly (each call goes to the module) until
+    :func:`remove_eager_modules`; the dispatch point stays installed meanwhile. Counted: add and remove in pairs."""
+    with critical():
+        if _DISPATCH.users == 0:
+            _DISPATCH._install()
+        _DISPATCH.users += 1
+        for m in modules:
+            _EAGER_MODULES[id(m)] = _EAGER_MODULES.get(id(m), 0) + 1
+
+
+def remove_eager_modules(modules: list[torch.nn.Module]) -> None:
+    """Undo one :func:`add_eager_modules` of the same modules."""
+    with critical():
+        for m in modules:
+            left = _EAGER_MODULES.pop(id(m), 0) - 1
+            if left > 0:
+                _EAGER_MODULES[id(m)] = left
+        _DISPATCH.users -= 1
+        if _DISPATCH.users == 0:
+            _DISPATCH._uninstall()
 
 
 def call_dispatch_active() -> bool:
@@ -457,6 +518,7 @@ def _function_dispatch(owner: Any, name: str) -> _Dispatch:
                 with contextlib.suppress(AttributeError, TypeError):
                     setattr(dispatching, attr, getattr(original, attr))
             dispatch.wrapper = dispatching
+            _not_a_compiled_frame(dispatching.__code__)
             _ATTRIBUTE2DISPATCH[(id(owner), name)] = dispatch
         return dispatch
 
@@ -484,6 +546,7 @@ def add_function_handler(owner: Any, name: str, handler: FunctionHandler, *, all
     if name not in getattr(owner, "__dict__", {}):
         raise FwdtraceError(f"add_function_handler() expected an attribute held in {owner!r}'s own namespace, got {name!r}")
     dispatch = _function_dispatch(owner, name)
+    _skip_handler_frame(handler)
     handle = _Handle(handler, None if all_threads else dispatch.thread_handlers(), dispatch)
     dispatch.add(handle)
     return handle

@@ -1,7 +1,7 @@
 """Probes: hooks addressed by module key, to look inside a model, change it or break it on purpose.
 
 A key may also be a hooked function's (``"model.layers.0.self_attn.eager_attention_forward"``, see
-:mod:`fwdtrace.keys`): its hooks are :class:`fwdtrace.calls.FunctionSite` hooks, which run on that
+:mod:`fwdtrace.instrument.keys`): its hooks are :class:`fwdtrace.instrument.calls.FunctionSite` hooks, which run on that
 function's calls as torch's hooks run on a module's, so every probe method takes either.
 
 Every hook a :class:`Probe` adds is a torch hook kept in a :class:`Hooks` handle, so it
@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from ._tree import tensors_of
-from .calls import FunctionSite, ModelCalls
 from .chaos import Chaos
 from .errors import FwdtraceError, check_callback, describe
-from .grads import register_grad_hook
-from .keys import Selector, key2module, select_keys
+from .instrument.calls import FunctionSite, ModelCalls
+from .instrument.compiled import EagerRoute, eager_module
+from .instrument.grads import register_grad_hook
+from .instrument.keys import Selector, key2module, select_keys
+from .instrument.stats import RunningStats, check_bins, check_range, summary_text
 from .registry import FunctionTarget, resolve_any
-from .stats import RunningStats, check_bins, check_range, summary_text
 from .tracer import add_function_handlers, layer_notes, remove_handlers
 
 __all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
@@ -65,8 +66,16 @@ class Hooks:
         self._torch_handles: list[Any] = []
 
     def _attach(self) -> None:
-        if not self._torch_handles:
-            self._torch_handles = [register(key, module) for register, key, module in self._registrations]
+        if not self._torch_handles and self._registrations:
+            # While attached, a compiled model's compiled parts run eagerly, so these hooks run.
+            handles: list[Any] = [EagerRoute(self.probe.model, "Probe")]
+            try:
+                handles += [register(key, module) for register, key, module in self._registrations]
+            except BaseException:
+                for handle in reversed(handles):
+                    handle.remove()
+                raise
+            self._torch_handles = handles
 
     def _detach(self) -> None:
         while self._torch_handles:
@@ -100,7 +109,7 @@ class _FunctionHooks:
 
 
 class StatsHandle(Hooks):
-    """Running statistics per module key (:class:`~fwdtrace.stats.RunningStats`), across calls and steps."""
+    """Running statistics per module key (:class:`~fwdtrace.instrument.stats.RunningStats`), across calls and steps."""
 
     def __init__(self, probe: Probe, keys: list[str], of: str) -> None:
         super().__init__(probe, keys)
@@ -191,7 +200,7 @@ class Probe:
     ``probe.keys`` lists the keys, children before parents, the root (its class name) last.
     Every selector also takes the keys of functions hooked by path (``register_atomic(path)``):
     ``"model.layers.0.self_attn.eager_attention_forward"``, a glob, or the function itself; their
-    hooks get the calling module and the function's arguments (:class:`fwdtrace.calls.FunctionSite`).
+    hooks get the calling module and the function's arguments (:class:`fwdtrace.instrument.calls.FunctionSite`).
     Set ``probe.enabled = False`` to switch every hook of the probe off without removing it.
     """
 
@@ -255,13 +264,13 @@ class Probe:
         >>> list(probe.select(torch.nn.ReLU)), list(probe.select("*.Linear"))
         (['1.ReLU'], ['0.Linear'])
 
-        Function keys are selected too (:func:`fwdtrace.keys.select_keys`): a key or glob
+        Function keys are selected too (:func:`fwdtrace.instrument.keys.select_keys`): a key or glob
         matches those of the functions registered with ``hook_forward``/``register_atomic``,
         one per module path where they may be called (``"*.eager_attention_forward"``), and a
         function or method itself selects all of its keys; they come as
-        :class:`~fwdtrace.calls.FunctionSite` objects.
+        :class:`~fwdtrace.instrument.calls.FunctionSite` objects.
         """
-        return select_keys(self._key2module, selector, "Probe", type(self.model).__name__, self._calls)
+        return select_keys(self._key2module, selector, "Probe", type(eager_module(self.model)).__name__, self._calls)
 
     def _one(self, selector: Selector, what: str) -> str:
         found = self.select(selector)
@@ -307,7 +316,8 @@ class Probe:
             return hook
 
         hooked: dict[str, Any] = {**self._key2module, **self._calls.registered_sites()}
-        handles = [m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items()]
+        handles: list[Any] = [EagerRoute(self.model, "Probe.shapes()")]
+        handles += [m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items()]
         try:
             with layer_notes(self.model), torch.no_grad():
                 self.model(*args, **kwargs)
@@ -362,7 +372,7 @@ class Probe:
           grad_input0  float32[1, 2] ...
           grad_output0 float32[1, 1] mean=1 std=0 min=1 max=1
 
-        Gradients come from tensor hooks (:func:`fwdtrace.grads.register_grad_hook`), safe beside
+        Gradients come from tensor hooks (:func:`fwdtrace.instrument.grads.register_grad_hook`), safe beside
         in-place ops; ``grad_input`` is each positional argument's (its gradient over all its uses),
         ``grad_output`` each tensor of the output. A ``None`` gradient (an input that needs none) prints as None.
         """
@@ -586,7 +596,7 @@ class Probe:
         2.0
 
         Modules without parameters of their own (and function keys) are left out; see
-        :meth:`~fwdtrace.stats.RunningStats.to_dict` for the statistics.
+        :meth:`~fwdtrace.instrument.stats.RunningStats.to_dict` for the statistics.
         """
         check_bins(bins)
         out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -616,7 +626,7 @@ class Probe:
         (1.3333, 0.3333333333333333)
 
         ``of`` is ``input``, ``output``, ``grad_input`` or ``grad_output``; every tensor of
-        every call merges into one :class:`~fwdtrace.stats.RunningStats` per key, at a cost
+        every call merges into one :class:`~fwdtrace.instrument.stats.RunningStats` per key, at a cost
         per call proportional to the tensors' size and independent of the steps before.
         """
         if of not in _KINDS:
@@ -657,4 +667,4 @@ class Probe:
         return self._add(handle, register, selector)
 
     def __repr__(self) -> str:
-        return f"Probe({type(self.model).__name__}, {len(self._key2module)} keys, {len(self.handles)} hook sets)"
+        return f"Probe({type(eager_module(self.model)).__name__}, {len(self._key2module)} keys, {len(self.handles)} hook sets)"

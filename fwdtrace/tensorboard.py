@@ -1,7 +1,7 @@
 """TensorBoard export: what the live sampler and ``Probe.running_stats`` measure, as event files.
 
 A pass over summaries already made (a sample of :class:`~fwdtrace.live.sampler.Sampler`, a
-:class:`~fwdtrace.stats.RunningStats`): no tensor is read again. Each becomes one histogram,
+:class:`~fwdtrace.instrument.stats.RunningStats`): no tensor is read again. Each becomes one histogram,
 on the bins the summary already has (``SummaryWriter.add_histogram_raw``), and the scalars
 ``mean``, ``std``, ``nan`` and ``inf``, written through ``torch.utils.tensorboard.SummaryWriter``
 (``pip install 'fwdtrace[tensorboard]'``). Tags start with the module key, so TensorBoard groups
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .errors import FwdtraceError, describe
-from .stats import RunningStats
+from .instrument.stats import RunningStats
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

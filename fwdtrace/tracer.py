@@ -38,7 +38,8 @@ from . import registry as _registry
 from ._tree import arguments_text, dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, add_layer_note, describe
 from .graph import Graph
-from .keys import module_key
+from .instrument.compiled import EagerRoute, compiled_parts
+from .instrument.keys import module_key
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
 from .patching import (
@@ -230,6 +231,8 @@ class Tracer:
         self._alias_root: dict[int, int] = {}  # obj_id of a view -> obj_id of its base
         self._aliases: dict[int, set[int]] = {}  # obj_id of a base -> it and every view of it seen
         self._guard = InterruptGuard(_GUARDED_CODE)
+        self._eager_model: torch.nn.Module | None = None  # trace(): its compiled parts run eagerly while traced
+        self._route: EagerRoute | None = None
 
     # -- activation -------------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -259,6 +262,8 @@ class Tracer:
                     self._function_handler, targets=_registry.function_targets(self.atomic))
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
+                if self._eager_model is not None:
+                    self._route = EagerRoute(self._eager_model, "trace()")
         except BaseException:
             try:
                 self._close()
@@ -300,6 +305,9 @@ class Tracer:
 
     def _close(self) -> None:
         with critical():
+            if self._route is not None:
+                self._route.release()
+                self._route = None
             if self._mode is not None:
                 _remove_mode(self._mode)
                 self._mode = None
@@ -925,12 +933,14 @@ def trace(model: torch.nn.Module, *args: Any, pin: bool = False, **kwargs: Any) 
             "trace() expected at least one tensor among the model's inputs (positional or keyword, "
             f"possibly inside tuples, lists or dicts), got ({given})"
         )
-    with Tracer(pin=pin) as tracer:
-        if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): run it uncompiled
+    compiled = compiled_parts(model)
+    tracer = Tracer(pin=pin)
+    if compiled:  # they run eagerly while traced: what a user reads, and nothing of the trace enters dynamo's cache
+        tracer._eager_model = model
+    with tracer:
+        if any(how == "module.compile" for _, how in compiled):
             tracer._say_unseen("compiled modules (module.compile()) were traced uncompiled", model)
-            model._call_impl(*args, **kwargs)
-        else:
-            model(*args, **kwargs)
+        model(*args, **kwargs)
     return tracer.graph
 
 

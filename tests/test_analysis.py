@@ -49,7 +49,7 @@ def test_params_count_shared_weights_once_and_frozen_ones_as_not_trainable(facto
     result = fwdtrace.analyze(model, *inputs, warmup=1, repeats=1)
     assert result.params == sum(p.numel() for p in unique.values())
     assert result.trainable_params == sum(p.numel() for p in unique.values() if p.requires_grad)
-    for key, module in fwdtrace.keys.key2module(model).items():
+    for key, module in fwdtrace.instrument.keys.key2module(model).items():
         assert result.row(key).params == sum(p.numel() for p in unique_params(module).values())
 
 
@@ -67,7 +67,7 @@ def test_rows_follow_module_keys_with_the_shapes_and_calls_plain_hooks_see(name)
     seen: dict[str, tuple[list, list]] = {}
     calls: dict[str, int] = {}
     handles = []
-    for key, module in fwdtrace.keys.key2module(model).items():
+    for key, module in fwdtrace.instrument.keys.key2module(model).items():
         def hook(m, args, kwargs, out, key=key):
             calls[key] = calls.get(key, 0) + 1
             seen.setdefault(key, ([tuple(t.shape) for t in fwdtrace._tree.tensors_of((args, kwargs))],
@@ -343,7 +343,7 @@ def test_repeats_zero_runs_the_model_once_and_times_nothing():
 def test_rows_are_found_by_key_or_by_the_path_named_modules_gives():
     model, inputs = zoo.resnetish()
     result = fwdtrace.analyze(model, *inputs, repeats=0)
-    key_of = {id(m): k for k, m in fwdtrace.keys.key2module(model).items()}
+    key_of = {id(m): k for k, m in fwdtrace.instrument.keys.key2module(model).items()}
     for path, module in model.named_modules():
         row = result.row(path)
         assert row.key == key_of[id(module)] and row.module_path == path

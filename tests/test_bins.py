@@ -1,12 +1,12 @@
-"""fwdtrace.bins.SteadyBins: edges that hold still, grow by doubling, and keep every count (numpy.histogram as reference)."""
+"""fwdtrace.instrument.bins.SteadyBins: edges that hold still, grow by doubling, and keep every count (numpy.histogram as reference)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fwdtrace.bins import SteadyBins, check_bins_spec
 from fwdtrace.errors import FwdtraceError
+from fwdtrace.instrument.bins import SteadyBins, check_bins_spec
 
 
 def test_edges_hold_while_samples_stay_inside() -> None:

@@ -72,7 +72,7 @@ def o_proj_inputs(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
 # -- keys -------------------------------------------------------------------------------------------
 def test_module_keys_with_inputs_list_the_function_keys_of_the_traced_graph_before_their_module() -> None:
     model, ids = tiny_llama()
-    assert fwdtrace.module_keys(model) == list(fwdtrace.keys.key2module(model))  # no inputs: modules only
+    assert fwdtrace.module_keys(model) == list(fwdtrace.instrument.keys.key2module(model))  # no inputs: modules only
     fwdtrace.register_atomic(ATTN)
     keys = fwdtrace.module_keys(model, ids)
     originals_back()

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fwdtrace
 from fwdtrace.flops import flops_of
-from fwdtrace.keys import module_key
+from fwdtrace.instrument.keys import module_key
 
 
 @contextlib.contextmanager

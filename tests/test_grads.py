@@ -1,4 +1,4 @@
-"""fwdtrace.grads: a call's gradients by tensor hooks, against torch's full backward hooks and autograd."""
+"""fwdtrace.instrument.grads: a call's gradients by tensor hooks, against torch's full backward hooks and autograd."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fwdtrace.grads import register_grad_hook
+from fwdtrace.instrument.grads import register_grad_hook
 
 
 class TwoInputs(nn.Module):

@@ -385,7 +385,7 @@ def test_removing_a_functions_last_callback_unregisters_it_unless_it_is_atomic(t
     assert calls == [1] and during_trace[-1] is not original  # patched while tracing, for the callback
     assert fwdtrace.remove_hook(count) == 1
     assert "fwdtrace_test_home.f" not in REGISTRY.functions
-    assert fwdtrace.module_keys(model, x) == list(fwdtrace.keys.key2module(model))  # the modules alone
+    assert fwdtrace.module_keys(model, x) == list(fwdtrace.instrument.keys.key2module(model))  # the modules alone
     with pytest.raises(FwdtraceError, match=r"got '\*\.f', which matches no key"):
         fwdtrace.Probe(model).select("*.f")
     fwdtrace.trace(model, x)

@@ -13,7 +13,7 @@ from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.keys import key2module, module_key, select_modules
+from fwdtrace.instrument.keys import key2module, module_key, select_modules
 
 
 class TestModel(nn.Module):

@@ -26,7 +26,7 @@ from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.bins import SteadyBins
+from fwdtrace.instrument.bins import SteadyBins
 
 TESTS = Path(__file__).parent
 
@@ -249,7 +249,7 @@ class KeyNet(nn.Module):
 def module_calls(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], list[str]]:
     """The module keys of the calls ``model`` makes, by plain hooks: (calls that call no other
     module, calls that do), the root's own call left out."""
-    path2key = {m: fwdtrace.keys.module_key(path, m) for path, m in model.named_modules()}
+    path2key = {m: fwdtrace.instrument.keys.module_key(path, m) for path, m in model.named_modules()}
     stack: list[list[Any]] = []  # [key, called another module]
     leaves: list[str] = []
     outer: list[str] = []

@@ -14,7 +14,7 @@ from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.stats import RunningStats, summary_text
+from fwdtrace.instrument.stats import RunningStats, summary_text
 
 
 class TestModel(nn.Module):

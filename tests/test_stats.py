@@ -9,7 +9,7 @@ import torch
 
 import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.stats import RunningStats, summary_text
+from fwdtrace.instrument.stats import RunningStats, summary_text
 
 
 def _chunks() -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.bins import SteadyBins
+from fwdtrace.instrument.bins import SteadyBins
 from fwdtrace.live.sampler import Sampler
 from fwdtrace.tensorboard import add_running_stats, log_sampler
 

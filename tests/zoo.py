@@ -339,7 +339,7 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
 }
 
 
-# -- gradients beside in-place ops (fwdtrace.grads) ---------------------------------------------------
+# -- gradients beside in-place ops (fwdtrace.instrument.grads) ---------------------------------------------------
 INPLACE_KEYS = ("0.Linear", "1.ReLU")  # a layer followed by ReLU(inplace=True), and that ReLU itself
 
 

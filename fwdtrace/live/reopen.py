@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from ..graph import Graph
-from ..stats import RunningStats
+from ..instrument.stats import RunningStats
 from .history import History
 from .server import Server, _curve, _int, _json, _Reply, check_network
 

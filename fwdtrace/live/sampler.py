@@ -11,13 +11,13 @@ slow client hold training up.
 Nor break it: every hook body runs guarded (:meth:`Sampler._guard`, ``on_error``), so an error inside one
 disarms its key (the API and the page show why) and never reaches the training code.
 Parameters and their gradients (kinds ``weight`` and ``weight_grad``) are read at the end of a
-backward, every gradient accumulated (:mod:`fwdtrace.params`' hooks, as the recorder's, queue
+backward, every gradient accumulated (:mod:`fwdtrace.instrument.params`' hooks, as the recorder's, queue
 autograd's callback), all of a module's in one sample.
 Each tensor of a sample belongs to a series (its ``role``: ``output``, ``output[1][0]`` of a
 layer returning several, ``bias`` for a parameter) whose histogram bins are
-:class:`~fwdtrace.bins.SteadyBins`, the recorder's: steady while values stay inside, doubled when
+:class:`~fwdtrace.instrument.bins.SteadyBins`, the recorder's: steady while values stay inside, doubled when
 one leaves them.
-Gradients are taken with tensor hooks on the module's inputs and outputs (:mod:`fwdtrace.grads`),
+Gradients are taken with tensor hooks on the module's inputs and outputs (:mod:`fwdtrace.instrument.grads`),
 not module full backward hooks: those wrap the output in a custom autograd function that makes
 any later in-place op on it (``ReLU(inplace=True)`` after the layer) raise in the training loop.
 Memory is bounded twice: ``ring`` samples per key and kind, and one ``memory`` budget in
@@ -39,12 +39,13 @@ import torch
 
 from .._host import to_numpy
 from .._tree import dtype_name, iter_tensors
-from ..bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..errors import FwdtraceError, describe
-from ..grads import register_grad_hook
-from ..keys import key2module, select_modules
-from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
-from ..stats import RunningStats
+from ..instrument.bins import DEFAULT_BINS, SteadyBins, check_bins_spec
+from ..instrument.compiled import CALL_KINDS, EagerRoute, compiled_in_place, eager_module
+from ..instrument.grads import register_grad_hook
+from ..instrument.keys import key2module, select_modules
+from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
+from ..instrument.stats import RunningStats
 from .scalars import ScalarLog
 
 __all__ = ["Sampler", "SamplerClosed", "Arm", "Series", "KINDS", "ROLES"]
@@ -177,7 +178,7 @@ class Sampler:
     ``ring`` samples are kept per key and kind, the oldest dropped first (``dropped`` counts
     them); at most ``pending`` sampled calls wait for the summariser, more are skipped
     (``skipped`` counts them). A sample keeps, per tensor, its series (``role``), shape, dtype,
-    statistics and a histogram on its series' :class:`~fwdtrace.bins.SteadyBins` (``bins`` bins
+    statistics and a histogram on its series' :class:`~fwdtrace.instrument.bins.SteadyBins` (``bins`` bins
     from a running range, or the edges given; with given edges values outside are counted as
     ``underflow``/``overflow``); raw values only when armed with ``raw=True`` and at most ``raw_cap`` elements. All of it
     stays under ``memory`` bytes: a sampled call whose copies do not fit is skipped, raw
@@ -214,6 +215,9 @@ class Sampler:
         self.queued = 0  # bytes of the copies waiting for the summariser
         self._worker = threading.Thread(target=self._summarise_queued, name="fwdtrace-live-summaries", daemon=True)
         self._worker.start()
+        # The root's hooks (this step count, the graph's first-forward trace) run outside compiled code, in a
+        # torch.compile wrapper's call, unless the root itself was compiled in place: then it runs eagerly while served.
+        self._root_route = EagerRoute(model, "serve()") if compiled_in_place(model) else None
         self._step_handle = model.register_forward_pre_hook(self._count_step)
         self.scalars = ScalarLog(lambda: self.step)  # fed by fwdtrace.live.log_scalar and health arms
         self.scalars.register()
@@ -234,7 +238,7 @@ class Sampler:
     # -- arming -----------------------------------------------------------------------------------
     def select(self, selector: str) -> list[str]:
         """The keys a key or glob names; an unknown one raises with the closest keys."""
-        return list(select_modules(self.key2module, selector, "serve()", type(self.model).__name__))
+        return list(select_modules(self.key2module, selector, "serve()", type(eager_module(self.model)).__name__))
 
     def arm(self, selector: str, kind: str, every: int = 1, count: int | None = None, raw: bool = False,
             bins: int | Iterable[float] | None = None) -> list[str]:
@@ -256,6 +260,8 @@ class Sampler:
                 module = self.key2module[key]
                 roles = [name for name, _ in module_parameters(module)] if kind in PARAMETER_KINDS else []
                 arm = Arm(key, kind, every, count, raw, self.ring, spec, roles)
+                if kind in CALL_KINDS:  # while armed, the model's compiled parts run eagerly
+                    arm.handles.append(EagerRoute(self.model, "arm()"))
                 if kind == "forward":
                     arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
                 elif kind == "grad":
@@ -291,6 +297,8 @@ class Sampler:
             for arm in self.arms.values():
                 arm.detach()
         self._step_handle.remove()
+        if self._root_route is not None:
+            self._root_route.release()
         self.scalars.unregister()
         if self._worker.is_alive():
             self._queue.put(None)
@@ -600,10 +608,10 @@ class Sampler:
         with self._arms_lock:
             arms = list(self.arms.values())
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "memory": self.memory_info(),
-                "root": next(k for k, m in self.key2module.items() if m is self.model), "arms": [a.info() for a in arms]}
+                "root": next(k for k, m in self.key2module.items() if m is eager_module(self.model)), "arms": [a.info() for a in arms]}
 
     def __repr__(self) -> str:
-        return f"Sampler({type(self.model).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+        return f"Sampler({type(eager_module(self.model)).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
 
 
 def _count_nonfinite(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,10 +32,11 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 
 from .._host import to_numpy
-from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
-from ..keys import closest_keys, key_path
+from ..instrument.bins import DEFAULT_BINS, check_bins_spec
+from ..instrument.compiled import eager_module
+from ..instrument.keys import closest_keys, key_path
 from .history import History
 from .sampler import KINDS, ROLES, Sampler, SamplerClosed, check_positive
 
@@ -257,7 +258,7 @@ class Server:
 
     def __repr__(self) -> str:
         state = "serving" if self._thread.is_alive() else "stopped"
-        return f"Server({type(self.model).__name__}, {self.url}, {state})"
+        return f"Server({type(eager_module(self.model)).__name__}, {self.url}, {state})"
 
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, host_header: str | None, token: str | None) -> None:
@@ -362,7 +363,7 @@ class Server:
 
     def status(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         graph = "ready" if self.graph is not None else (self.graph_error or "waiting for the first forward")
-        return _json({**self.sampler.status(), "model": type(self.model).__name__, "graph": graph,
+        return _json({**self.sampler.status(), "model": type(eager_module(self.model)).__name__, "graph": graph,
                       "history": self._history_info(), "read_only": False})
 
     def _history_info(self) -> dict[str, Any] | None:
@@ -833,7 +834,7 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
     a free port; under ``torch.distributed`` rank ``r`` serves on ``port + r``. A bind
     other than loopback needs ``token``: one is generated and printed when it is None.
     ``ring`` samples are kept per key and kind, histograms have ``bins`` bins from a running
-    range that doubles when a value leaves it (:class:`~fwdtrace.bins.SteadyBins`, as the
+    range that doubles when a value leaves it (:class:`~fwdtrace.instrument.bins.SteadyBins`, as the
     recorder's), or ``bins`` is a list of fixed edges; raw values
     (armed with ``"raw": true``) are kept for tensors of at most ``raw_cap`` elements. A
     sampled call's tensors are copied and summarised in a background thread; when

@@ -34,11 +34,12 @@ from urllib.parse import quote
 import torch
 
 from .._tree import tensors_of
-from ..bins import DEFAULT_BINS, check_bins_spec
 from ..errors import FwdtraceError, check_callback, describe
-from ..grads import register_grad_hook
-from ..keys import Selector, key2module, select_modules
-from ..params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
+from ..instrument.bins import DEFAULT_BINS, check_bins_spec
+from ..instrument.compiled import CALL_KINDS, EagerRoute, eager_module
+from ..instrument.grads import register_grad_hook
+from ..instrument.keys import Selector, key2module, select_modules
+from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from . import worker as worker_module
 from .views import VIEWS, reduce
 
@@ -482,7 +483,7 @@ class Recorder:
         if keys is None:
             selected = {k: m for k, m in k2m.items() if next(m.children(), None) is None}
         else:
-            selected = select_modules(k2m, keys, "Recorder.track()", type(model).__name__)
+            selected = select_modules(k2m, keys, "Recorder.track()", type(eager_module(model)).__name__)
         kinds = list(dict.fromkeys(k for a in asked for k in (("forward", "grad") if a == "both" else (a,))))
         plan = []  # (stem, key, kind, module, parameter name or None)
         rank = f".rank{self.rank}" if self.world_size > 1 else ""
@@ -506,6 +507,9 @@ class Recorder:
             return list(selected)
         if not self.processes:
             self._start_workers()
+        if any(k in CALL_KINDS for _, _, k, _, _ in plan):
+            # Module hooks run only outside compiled code: the model's compiled parts run eagerly while recorded.
+            self._handles.append(EagerRoute(model, "Recorder.track()"))
         name2record: dict[tuple[torch.nn.Module, str], dict[str, Callable[[Any], None]]] = {}
         for i, (stem, key, k, module, param) in enumerate(plan, sum(len(c.stats) for c in self._channels)):
             channel = self._channels[i % len(self._channels)]

@@ -4,7 +4,7 @@ Two halves, run in two processes: :func:`reduce` runs in the training process an
 tensor down to what the views draw (a 2D slice, a flat sample, sampled rows), as numpy
 arrays; :func:`draw_frame` runs in a worker and turns them into an RGB frame. Frames have a
 fixed size (640x480, a multiple of 16 as video encoders want) so every frame of a video matches.
-A histogram keeps its bins from frame to frame (:class:`~fwdtrace.bins.SteadyBins`, the live
+A histogram keeps its bins from frame to frame (:class:`~fwdtrace.instrument.bins.SteadyBins`, the live
 page's bins too): its x axis moves only when a value leaves the bins, so a video shows drift.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bins import DEFAULT_BINS, SteadyBins
+from ..instrument.bins import DEFAULT_BINS, SteadyBins
 
 __all__ = ["VIEWS", "FRAME_SIZE", "resolve_view", "reduce", "draw_frame", "FrameCanvas"]
 

@@ -126,7 +126,7 @@ def run(conn: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeo
     message back is ``{"frames": n, "draw_s": s}`` (JSON), the frames drawn and the seconds spent
     drawing and encoding them. Stops, closing every file, also when the parent is gone (checked
     at least every ``timeout / 4`` seconds, so the worker exits within ``timeout``) or the
-    connection breaks. ``bins``: the histograms' bins (:class:`~fwdtrace.bins.SteadyBins`).
+    connection breaks. ``bins``: the histograms' bins (:class:`~fwdtrace.instrument.bins.SteadyBins`).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

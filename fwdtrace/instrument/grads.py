@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import BackwardHook
 
-from ._tree import tensors_of
-from .errors import FwdtraceError
+from .._tree import tensors_of
+from ..errors import FwdtraceError
 
 __all__ = ["GradCall", "GradHandle", "register_grad_hook"]
 
@@ -57,7 +57,7 @@ class GradCall:
     """The gradients of one call: ``on_grads(grad_input, grad_output)`` once per backward.
 
     >>> import torch
-    >>> from fwdtrace.grads import GradCall
+    >>> from fwdtrace.instrument.grads import GradCall
     >>> x = torch.ones(2, requires_grad=True) * 1  # a non-leaf input
     >>> seen = []
     >>> call = GradCall([x], lambda gin, gout: seen.append((gin, gout)))
@@ -200,14 +200,14 @@ def register_grad_hook(owner: Any, hook: Callable[[Any, tuple, tuple], Any], rep
     ``register_full_backward_hook`` but safe beside in-place ops (see the module's notes).
 
     >>> import torch
-    >>> from fwdtrace.grads import register_grad_hook
+    >>> from fwdtrace.instrument.grads import register_grad_hook
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True))
     >>> handle = register_grad_hook(model[0], lambda m, gin, gout: print(gout[0].shape))
     >>> model(torch.ones(1, 2)).sum().backward()
     torch.Size([1, 2])
     >>> handle.remove()
 
-    ``owner`` is a module or a :class:`fwdtrace.calls.FunctionSite` (whose hooks get the calling
+    ``owner`` is a module or a :class:`fwdtrace.instrument.calls.FunctionSite` (whose hooks get the calling
     module). ``grad_input`` has one entry per positional argument, as torch's, None where it is no
     tensor or gets no gradient; ``grad_output`` one per tensor leaf of the result (a
     ``ModelOutput`` or dict too). ``replace=True``: a non-None return is the new ``grad_input``

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FwdtraceError
+from ..errors import FwdtraceError
 
 __all__ = ["SteadyBins", "check_bins_spec", "DEFAULT_BINS"]
 

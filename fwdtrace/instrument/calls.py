@@ -7,7 +7,7 @@ runs inside some module's forward. Its key is that module's path and the functio
 the hooks a module takes (``register_forward_pre_hook``, ``register_forward_hook``,
 ``register_full_backward_hook``) and runs them on the calls made there, as ``nn.Module._call_impl``
 runs a module's, so probes and dumps hook a function key with the code they hook a module with
-(gradients through :func:`fwdtrace.grads.register_grad_hook`, as for modules).
+(gradients through :func:`fwdtrace.instrument.grads.register_grad_hook`, as for modules).
 
 No patcher of its own: :class:`ModelCalls` puts one handler on the module-call dispatch point (which
 of the model's modules is running, per thread) and one on each hooked function's dispatch point
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from . import registry as _registry
-from .errors import FwdtraceError, describe
+from .. import registry as _registry
+from ..errors import FwdtraceError, describe
+from ..patching import add_call_handler, critical, remove_call_handler
+from ..registry import FunctionTarget
+from ..tracer import add_function_handlers, layer_notes, remove_handlers
 from .grads import GradHandle, register_grad_hook
 from .keys import function_key, key2module, key_path
-from .patching import add_call_handler, critical, remove_call_handler
-from .registry import FunctionTarget
-from .tracer import add_function_handlers, layer_notes, remove_handlers
 
 __all__ = ["ModelCalls", "FunctionSite", "called_keys"]
 
@@ -59,7 +59,7 @@ class FunctionSite:
     ``hook(module, inputs, output)``. A non-None return replaces the inputs (pre-hooks) or the
     output, as for modules. Full backward hooks get ``(module, grad_input, grad_output)`` for
     the positional arguments and the tensor outputs, from tensor hooks
-    (:func:`fwdtrace.grads.register_grad_hook`: safe beside in-place ops, its notes say what
+    (:func:`fwdtrace.instrument.grads.register_grad_hook`: safe beside in-place ops, its notes say what
     ``grad_input`` holds).
     """
 
@@ -140,7 +140,7 @@ class ModelCalls:
     """The function keys of one model, and the handlers that see their calls while any of them is hooked.
 
     >>> import torch
-    >>> from fwdtrace.calls import ModelCalls
+    >>> from fwdtrace.instrument.calls import ModelCalls
     >>> from fwdtrace.registry import resolve_any
     >>> model = torch.nn.Sequential(torch.nn.SiLU())
     >>> site = ModelCalls(model).sites(resolve_any("torch.nn.functional.silu"))["0.silu"]

@@ -21,8 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import FwdtraceError, describe
-from .registry import REGISTRY, resolve_any
+from ..errors import FwdtraceError, describe
+from ..registry import REGISTRY, resolve_any
+from .compiled import eager_module, eager_path
 
 __all__ = [
     "module_keys", "module_key", "function_key", "key_path", "key2module", "select_modules", "select_keys",
@@ -55,7 +56,9 @@ def key2module(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Every module of ``model`` by its key, children before their parents, the root last.
 
     A module reachable under two paths (shared) is listed once, under its first path,
-    as ``named_modules()`` does.
+    as ``named_modules()`` does. Compilation is transparent to keys: a ``torch.compile``
+    wrapper (of the model or of a submodule) is keyed as the module it wraps, at its path,
+    so ``torch.compile(model)``'s first layer is ``0.Linear`` as on the eager model.
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"module_keys() expected a torch.nn.Module, got {describe(model)}")
@@ -65,11 +68,12 @@ def key2module(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     def visit(path: str, module: torch.nn.Module) -> None:
         seen.add(id(module))
         for name, child in module.named_children():
+            child = eager_module(child)
             if id(child) not in seen:
                 visit(f"{path}.{name}" if path else name, child)
         out[module_key(path, module)] = module
 
-    visit("", model)
+    visit("", eager_module(model))
     return out
 
 
@@ -132,7 +136,7 @@ def closest_names(name: str, keys: Iterable[str], paths: Iterable[str], n: int =
 
 
 class FunctionSites(Protocol):
-    """What selecting function keys needs of a model (:class:`fwdtrace.calls.ModelCalls`)."""
+    """What selecting function keys needs of a model (:class:`fwdtrace.instrument.calls.ModelCalls`)."""
 
     def registered_sites(self) -> dict[str, Any]: ...
 
@@ -164,7 +168,7 @@ def select_keys(
     """The modules and function sites a selector names, by key (:func:`select_modules`, and function keys).
 
     >>> import torch, fwdtrace
-    >>> from fwdtrace.calls import ModelCalls
+    >>> from fwdtrace.instrument.calls import ModelCalls
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SiLU())
     >>> calls = ModelCalls(model)
     >>> list(select_keys(key2module(model), ["0.Linear", torch.nn.functional.silu], "Probe", "Sequential", calls))
@@ -176,6 +180,7 @@ def select_keys(
     and a function or method itself (registered or not) selects all of its keys too.
     """
     if isinstance(selector, str):
+        selector = eager_path(selector)  # a key or path as a torch.compile wrapper's named_modules() spell it
         if selector in key2module:
             return {selector: key2module[selector]}
         path2key = {key_path(k, m): k for k, m in key2module.items()}

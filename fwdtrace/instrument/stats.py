@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ._tree import tensor_text
-from .errors import FwdtraceError, describe
+from .._tree import tensor_text
+from ..errors import FwdtraceError, describe
 
 __all__ = ["RunningStats", "summary_text", "check_bins", "check_range"]
 
@@ -44,7 +44,7 @@ class RunningStats:
     """Count, mean, std, min, max, L2 norm, zero fraction, NaN/Inf counts and a histogram.
 
     >>> import torch
-    >>> from fwdtrace.stats import RunningStats
+    >>> from fwdtrace.instrument.stats import RunningStats
     >>> s = RunningStats(bins=4, range=(0.0, 4.0))
     >>> s.update(torch.tensor([0.0, 1.0])); s.update(torch.tensor([2.0, 3.0]))
     >>> s.mean, s.std, s.histogram
@@ -59,7 +59,7 @@ class RunningStats:
     def __init__(self, bins: int = 16, range: tuple[float, float] | None = None,  # noqa: A002
                  histogram: bool = True) -> None:
         self.bins = check_bins(bins)
-        self.keeps_histogram = histogram  # False: moments only (the live sampler bins on fwdtrace.bins.SteadyBins)
+        self.keeps_histogram = histogram  # False: moments only (the live sampler bins on fwdtrace.instrument.bins.SteadyBins)
         self.range: tuple[float, float] | None = check_range(range)
         # update() and merge() may run in several threads at once (a model run by a thread
         # pool); the state of one object changes under its lock.

@@ -1,0 +1,139 @@
+"""What fwdtrace's tools cost a torch.compile'd model: training step time per configuration.
+
+A small transformer encoder (two pre-norm blocks, d=64, 4 heads, batch 8 x 64 tokens) trains with
+SGD, compiled with inductor (``torch.compile(model)``, a C++ compiler on CPU) or eager. Each row
+times steps (forward, backward, optimizer step) with one configuration in place:
+
+- ``compiled``: the compiled model alone;
+- ``compiled + idle service``: ``fwdtrace.serve(compiled)`` running, nothing armed;
+- ``+ weight arm``: one ``weight`` arm (parameter kinds hook gradient accumulation, outside compiled graphs);
+- ``+ forward arm``: one ``forward`` arm (module hooks: the compiled model runs eagerly while armed);
+- ``compiled + running Probe``: ``Probe.running_stats`` on the same key;
+- ``eager`` and ``eager + running Probe``: the same model, not compiled, for reference.
+
+Rows alternate over ``--rounds`` rounds and report the median step time (wall, and this
+process's CPU time, which moves less when other programs share the cores), its ratio to the
+compiled row of the same run, and the graph breaks and compiled graphs dynamo added during the
+row (``torch._dynamo.utils.counters``). After the tools leave, the compiled row is timed again
+(``compiled, after``): it runs the graphs it had.
+Run: ``.venv/bin/python benchmarks/compiled_cost.py [--rounds 5 --steps 20 --threads 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from bench_models import TransformerEncoder
+from torch import nn
+from torch._dynamo.utils import counters
+
+import fwdtrace
+
+KEY = "layers.1.ff.0.Linear"  # the key every tool looks at (the second block's first MLP layer)
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> tuple[float, float]:
+    """Median (wall, this process's CPU) seconds per training step over ``steps`` steps."""
+    walls, cpus = [], []
+    for _ in range(steps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def dynamo_state() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@contextlib.contextmanager
+def nothing(model: nn.Module) -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def served(model: nn.Module, *arms: str) -> Iterator[None]:
+    with fwdtrace.serve(model, port=0) as server:
+        for kind in arms:
+            server.sampler.arm(KEY, kind)
+        yield
+
+
+@contextlib.contextmanager
+def probed(model: nn.Module) -> Iterator[None]:
+    with fwdtrace.Probe(model) as probe:
+        probe.running_stats(KEY)
+        yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8)
+    # One thread by default: with more threads than free cores, OpenMP's spinning waits swamp the step times.
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    eager = TransformerEncoder(d=64, layers=2, heads=4)
+    assert KEY in fwdtrace.module_keys(eager), fwdtrace.module_keys(eager)
+    model = TransformerEncoder(d=64, layers=2, heads=4)
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(model)
+    x = torch.randn(args.batch, 64, 64)
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (eager, compiled)}
+    start = time.perf_counter()
+    train_steps(compiled, opts[id(compiled)], x, 3)  # compiles forward and backward
+    compile_s = time.perf_counter() - start
+    train_steps(eager, opts[id(eager)], x, 3)
+    rows: list[tuple[str, nn.Module, Callable[[nn.Module], contextlib.AbstractContextManager[None]]]] = [
+        ("compiled", compiled, nothing),
+        ("compiled + idle service", compiled, served),
+        ("compiled + idle service + weight arm", compiled, lambda m: served(m, "weight")),
+        ("compiled + idle service + forward arm", compiled, lambda m: served(m, "forward")),
+        ("compiled + running Probe", compiled, probed),
+        ("compiled, after", compiled, nothing),
+        ("eager", eager, nothing),
+        ("eager + running Probe", eager, probed),
+    ]
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in rows}
+    added: dict[str, list[int]] = {name: [0, 0] for name, _, _ in rows}
+    for _ in range(args.rounds):
+        for name, m, tool in rows:
+            with tool(m):
+                before = dynamo_state()
+                train_steps(m, opts[id(m)], x, 2)  # the service's first forward traces the graph
+                times[name].append(train_steps(m, opts[id(m)], x, args.steps))
+                after = dynamo_state()
+            added[name] = [a + (n - b) for a, n, b in zip(added[name], after, before, strict=True)]
+    wall = {name: statistics.median(w for w, _ in t) for name, t in times.items()}
+    cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
+    out = [{"row": name, "step_ms": 1000 * wall[name], "vs_compiled": wall[name] / wall["compiled"],
+            "cpu_ms": 1000 * cpu[name], "cpu_vs_compiled": cpu[name] / cpu["compiled"],
+            "graphs_compiled": added[name][0], "graph_breaks": added[name][1]} for name in times]
+    if args.json:
+        print(json.dumps({"compile_s": compile_s, "rows": out}, indent=2))
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiling took {compile_s:.1f} s; "
+          f"medians of {args.rounds} rounds x {args.steps} steps")
+    print("| configuration | step (wall) | vs compiled | step (CPU) | vs compiled | graphs compiled | graph breaks |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in out:
+        print(f"| {r['row']} | {r['step_ms']:.1f} ms | {r['vs_compiled']:.2f}x | {r['cpu_ms']:.1f} ms | "
+              f"{r['cpu_vs_compiled']:.2f}x | {r['graphs_compiled']} | {r['graph_breaks']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""Compiled models: every tool that attaches to a running model, on torch.compile'd ones.
+
+Each case is checked against an eager copy of the model (plain torch hooks) and against the compiled
+model itself: a backend that counts calls of the graphs it compiled says how many compiled graphs a
+step runs, before a tool attaches and after it leaves, and dynamo's counters say how many graphs it
+compiled and where it broke them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import fwdtrace
+from fwdtrace import FwdtraceError
+from fwdtrace.instrument.compiled import compiled_parts, eager_path
+from fwdtrace.live.sampler import Sampler
+
+CALLS = [0]  # calls of compiled graphs since the last reset
+
+# trace() says it traced through torch.compile wrappers (tests/test_tracer.py checks that it says so)
+pytestmark = pytest.mark.filterwarnings("ignore:fwdtrace. (torch.compile'd|compiled) modules:UserWarning")
+
+
+def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """A backend that runs dynamo's graph as it is and counts its calls: no C++ compiler needed."""
+    return lambda *a: (CALLS.__setitem__(0, CALLS[0] + 1), gm.forward(*a))[1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Sequential):
+    """A block with a forward of its own: dynamo compiles user code, and skips torch.nn's own frames."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.block = Block(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.inp(x)))
+
+
+KEYS = ["inp.Linear", "block.0.Linear", "block.1.GELU", "block.2.Linear", "block.Block", "out.Linear", "Net"]
+LAYER = "block.0.Linear"  # the layer every tool below looks at
+
+
+@dataclass
+class Case:
+    given: nn.Module  # what the tool is given
+    run: nn.Module  # what the training loop calls
+    eager: nn.Module  # an eager copy, for reference values
+
+
+def make(how: str) -> Case:
+    """The ways a training script compiles a model (``given eager``: the tool got the model before
+    ``torch.compile`` wrapped it, and the loop runs the wrapper)."""
+    torch.manual_seed(0)
+    net = Net()
+    eager = copy.deepcopy(net)
+    if how == "torch.compile":
+        compiled = torch.compile(net, backend=counting)
+        return Case(compiled, compiled, eager)
+    if how == "given eager":
+        return Case(net, torch.compile(net, backend=counting), eager)
+    if how == "module.compile":
+        net.compile(backend=counting)
+    elif how == "submodule":
+        net.block = torch.compile(net.block, backend=counting)  # type: ignore[assignment]
+    elif how == "submodule.compile":
+        net.block.compile(backend=counting)
+    return Case(net, net, eager)
+
+
+HOWS = ["torch.compile", "given eager", "module.compile", "submodule", "submodule.compile"]
+X = torch.randn(3, 4)
+
+
+def step(model: nn.Module, x: torch.Tensor = X) -> int:
+    """One training step (forward and backward, no optimizer: values stay put); the compiled-graph calls it made."""
+    CALLS[0] = 0
+    model(x).square().mean().backward()
+    return CALLS[0]
+
+
+def compile_state() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def eager_outputs(model: nn.Module, key: str, steps: int) -> list[torch.Tensor]:
+    """What a plain forward hook on the eager copy sees at ``key``, over training steps."""
+    seen: list[torch.Tensor] = []
+    module = fwdtrace.instrument.keys.key2module(model)[key]
+    handle = module.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    for _ in range(steps):
+        step(model)
+    handle.remove()
+    return seen
+
+
+# -- one set of keys ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", HOWS)
+def test_keys_are_the_eager_models(how: str) -> None:
+    case = make(how)
+    assert fwdtrace.module_keys(case.given) == KEYS == fwdtrace.module_keys(case.eager)
+    assert fwdtrace.module_keys(case.run) == KEYS
+    probe = fwdtrace.Probe(case.given)
+    assert probe.keys == KEYS
+    layer = fwdtrace.instrument.keys.key2module(case.given)[LAYER]
+    # what named_modules() of a torch.compile wrapper spells still selects the same layer
+    for name in (LAYER, "block.0", "_orig_mod.block.0.Linear", "block._orig_mod.0", "_orig_mod.block._orig_mod.0"):
+        assert probe.select(name) == {LAYER: layer}
+    assert list(probe.select("_orig_mod")) == ["Net"]
+
+
+def test_a_compiled_models_key_error_names_eager_keys() -> None:
+    probe = fwdtrace.Probe(torch.compile(Net(), backend=counting))
+    with pytest.raises(FwdtraceError, match=r"^Probe expected a module key or path.*closest keys: 'block.0.Linear'"):
+        probe.select("block.0.Lin")
+
+
+def test_eager_path_strips_only_whole_orig_mod_steps() -> None:
+    assert eager_path("_orig_mod.0.Linear") == "0.Linear"
+    assert eager_path("a._orig_mod.b._orig_mod.c") == "a.b.c"
+    assert eager_path("my_orig_mod.x") == "my_orig_mod.x"
+
+
+def test_the_trace_and_the_live_keys_agree_on_a_compiled_model() -> None:
+    case = make("torch.compile")
+    step(case.run)
+    graph = fwdtrace.trace(case.given, X)
+    assert [n.module_path for n in graph.nodes if n.kind == "module"] == [
+        n.module_path for n in fwdtrace.trace(case.eager, X).nodes if n.kind == "module"]
+    sampler = Sampler(case.given)
+    try:
+        assert list(sampler.key2module) == KEYS
+        assert sampler.arm("_orig_mod.block.0", "forward") == [LAYER]
+    finally:
+        sampler.close()
+
+
+# -- never silent, and as compiled as it was ----------------------------------------------------------
+def probe_session(given: nn.Module, run: nn.Module, steps: int) -> list[float]:
+    with fwdtrace.Probe(given) as probe:
+        stats = probe.running_stats(LAYER)
+        for _ in range(steps):
+            step(run)
+    s = stats.stats[LAYER]
+    return [s.count, s.mean, s.max]
+
+
+def probe_reference(outputs: list[torch.Tensor]) -> list[float]:
+    values = torch.cat([o.reshape(-1) for o in outputs]).double()
+    return [values.numel(), float(values.mean()), float(values.max())]
+
+
+def sampler_session(given: nn.Module, run: nn.Module, steps: int) -> list[float]:
+    sampler = Sampler(given)
+    try:
+        sampler.arm(LAYER, "forward")
+        for _ in range(steps):
+            step(run)
+        sampler.drain(30)
+        samples = sampler.samples(LAYER, "forward")
+    finally:
+        sampler.close()
+    return [t["mean"] for s in samples for t in s["tensors"] if t["role"] == "output"]
+
+
+TOOLS: dict[str, tuple[Callable[..., list[float]], Callable[[list[torch.Tensor]], list[float]]]] = {
+    "probe": (probe_session, probe_reference),
+    "sampler": (sampler_session, lambda outputs: [float(o.double().mean()) for o in outputs]),
+}
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+@pytest.mark.parametrize("how", HOWS)
+def test_tools_record_eager_values_and_leave_the_model_compiled(tool: str, how: str) -> None:
+    session, reference = TOOLS[tool]
+    case = make(how)
+    before = [step(case.run) for _ in range(2)]
+    assert before[-1] >= 1  # the model runs compiled code
+    graphs = compile_state()
+    got = session(case.given, case.run, 2)
+    assert got == pytest.approx(reference(eager_outputs(case.eager, LAYER, 2)), rel=1e-6)
+    after = [step(case.run) for _ in range(2)]
+    assert after == before[-1:] * 2 and compile_state() == graphs  # the same graphs, none compiled anew
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_a_tool_attached_before_the_first_compiled_call_leaves_no_broken_up_code(tool: str) -> None:
+    session, reference = TOOLS[tool]
+    case = make("torch.compile")
+    got = session(case.given, case.run, 2)
+    assert got == pytest.approx(reference(eager_outputs(case.eager, LAYER, 2)), rel=1e-6)
+    assert compile_state() == (0, 0)  # nothing the tool did entered dynamo's cache
+    assert [step(case.run) for _ in range(3)] == [1, 1, 1]
+    assert compile_state() == (1, 0)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_dump_of_a_compiled_model_is_the_eager_models(how: str, tmp_path: Path) -> None:
+    case = make(how)
+    warm = step(case.run)
+    graphs = compile_state()
+    dumper = fwdtrace.Dumper(tmp_path)
+    dumper.register(case.given)
+    step(case.run)
+    [path] = dumper.remove()
+    tree = fwdtrace.read_dump(path, show=False, values=True)
+    assert tree["status"] == "complete"
+    groups = {g["attrs"]["module_key"]: g["datasets"] for g in tree["groups"].values()}
+    assert list(groups) == ["Net", "inp.Linear", "block.Block", "block.0.Linear", "block.1.GELU",
+                            "block.2.Linear", "out.Linear"]
+    [want] = eager_outputs(case.eager, LAYER, 1)
+    torch.testing.assert_close(torch.as_tensor(groups[LAYER]["output0"]["value"]), want)
+    assert "grad_output0" in groups[LAYER]
+    assert step(case.run) == warm and compile_state() == graphs
+
+
+def test_analyze_times_the_eager_modules_and_leaves_the_model_compiled() -> None:
+    case = make("submodule")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    report = fwdtrace.analyze(case.given, X, warmup=1, repeats=2)
+    eager = fwdtrace.analyze(case.eager, X, repeats=0)
+    assert [r.key for r in report.rows] == KEYS and report.flops == eager.flops
+    assert [r.calls for r in report.rows] == [r.calls for r in eager.rows]
+    assert report.ran_eager == ("block",) and eager.ran_eager == ()
+    assert "(eager: its torch.compile'd block ran uncompiled)" in str(report)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+
+
+def test_trace_runs_compiled_submodules_eagerly_and_leaves_them_compiled() -> None:
+    case = make("submodule.compile")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    with pytest.warns(UserWarning, match="compiled modules"):
+        graph = fwdtrace.trace(case.given, X)
+    want = fwdtrace.trace(case.eager, X)
+    assert [(n.kind, n.name, n.module_path) for n in graph.nodes] == [(n.kind, n.name, n.module_path) for n in want.nodes]
+    assert step(case.run) == 1 and compile_state() == graphs
+
+
+def test_everything_is_put_back_whichever_tool_leaves_first() -> None:
+    case = make("module.compile")
+    compiled_call = case.run._compiled_call_impl
+    step(case.run)
+    probe = fwdtrace.Probe(case.given)
+    handle = probe.running_stats(LAYER)
+    sampler = Sampler(case.given)
+    sampler.arm(LAYER, "forward")
+    assert case.run._compiled_call_impl is None  # eager while attached
+    handle.remove()
+    assert case.run._compiled_call_impl is None  # the sampler's arm still holds it
+    step(case.run)
+    sampler.close()
+    assert case.run._compiled_call_impl is compiled_call
+    assert step(case.run) == 1
+
+
+def test_a_compiled_forward_function_is_refused_at_once() -> None:
+    net = Net()
+    net.block.forward = torch.compile(net.block.forward, backend=counting)  # type: ignore[method-assign]
+    with pytest.raises(FwdtraceError, match=r"^Probe cannot reach into module 'block' \(Block\): its forward "
+                       r"is a torch.compile'd function"):
+        fwdtrace.Probe(net).running_stats(LAYER)
+
+
+def test_compiled_parts_names_each_compiled_module_by_its_eager_path() -> None:
+    assert compiled_parts(make("torch.compile").given) == [("", "torch.compile")]
+    assert compiled_parts(make("submodule").given) == [("block", "torch.compile")]
+    assert compiled_parts(make("submodule.compile").given) == [("block", "module.compile")]
+    assert compiled_parts(Net()) == []
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile", "submodule"])
+def test_fwdtraces_dispatch_point_adds_no_compiled_graph(how: str) -> None:
+    # A probe without hooks only watches module calls for error notes, through the patched
+    # nn.Module._call_impl: dynamo must start its frames where it does without fwdtrace.
+    case = make(how)
+    with fwdtrace.Probe(case.given):
+        assert [step(case.run) for _ in range(2)] == [1, 1]
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (1, 0)
+
+
+def test_a_model_compiled_in_place_while_a_tool_is_attached_compiles_once(recwarn: pytest.WarningsRecorder) -> None:
+    torch.manual_seed(0)
+    net, other = Net(), Net()
+    with fwdtrace.Probe(other) as probe:
+        probe.running_stats("*")
+        net.compile(backend=counting)  # what it compiles is nn.Module._call_impl, fwdtrace's while patched
+        assert [step(net) for _ in range(2)] == [1, 1]
+    assert [step(net) for _ in range(2)] == [1, 1] and compile_state() == (1, 0)
+    assert not [w for w in recwarn if "torch._dynamo" in w.filename or "fwdtrace" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_the_live_service_names_eager_keys_and_leaves_an_idle_model_compiled(how: str) -> None:
+    from test_live import request
+
+    case = make(how)
+    assert step(case.run) == 1
+    graphs = compile_state()
+    with fwdtrace.serve(case.given, port=0) as server:
+        idle = [step(case.run) for _ in range(3)]  # the first one also traces the graph, eagerly
+        # Idle, a torch.compile wrapper keeps its compiled code; a model compiled in place runs its own
+        # hooks (the step count) inside it, so it runs eagerly while served.
+        assert idle == ([1, 1, 1] if how == "torch.compile" else [0, 0, 0])
+        _, keys = request(server, "GET", "/api/keys")
+        assert [k["key"] for k in keys] == KEYS
+        assert server.graph is not None
+        assert {n.module_key for n in server.graph.nodes if n.kind == "module"} <= set(KEYS)  # the page's boxes
+        _, answer = request(server, "POST", "/api/sample", {"key": "_orig_mod.block.0", "kind": "forward"})
+        assert answer["armed"] == [LAYER]
+        _, answer = request(server, "POST", "/api/sample", {"key": LAYER, "kind": "weight"})
+        assert [step(case.run) for _ in range(2)] == [0, 0]  # a forward arm runs the model eagerly
+        _, answer = request(server, "DELETE", f"/api/sample?key={LAYER}&kind=forward")
+        assert answer["disarmed"] == [LAYER]
+        # The weight arm hooks gradient accumulation, which autograd runs outside compiled graphs.
+        assert [step(case.run) for _ in range(2)] == idle[:2]
+        server.sampler.drain(30)
+        _, forward = request(server, "GET", f"/api/samples?key={LAYER}&kind=forward")
+        _, weight = request(server, "GET", f"/api/samples?key={LAYER}&kind=weight")
+        _, status = request(server, "GET", "/api/status")
+        assert status["step"] == 7
+    want = eager_outputs(case.eager, LAYER, 2)
+    assert [t["mean"] for s in forward["samples"] for t in s["tensors"] if t["role"] == "output"] == pytest.approx(
+        [float(o.double().mean()) for o in want], rel=1e-6)
+    assert weight["taken"] == 4
+    eager_weight = float(case.eager.block[0].weight.detach().double().mean())
+    assert [t["mean"] for s in weight["samples"] for t in s["tensors"] if t["role"] == "weight"] == pytest.approx(
+        [eager_weight] * 4, rel=1e-6)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+
+
+def test_regional_compilation_of_a_transformers_models_blocks(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, attn_implementation="eager", use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    eager = copy.deepcopy(model)
+    for block in model.model.layers:  # regional compilation: each repeated block on its own
+        block.compile(backend=counting)
+    ids = torch.randint(0, 64, (1, 6))
+
+    def llama_step(m: nn.Module) -> int:
+        CALLS[0] = 0
+        m(ids).logits.square().mean().backward()
+        return CALLS[0]
+
+    before = [llama_step(model) for _ in range(2)]
+    assert before[-1] >= 2  # one graph per block, at least
+    graphs = compile_state()
+    assert fwdtrace.module_keys(model) == fwdtrace.module_keys(eager)
+    key = "model.layers.1.mlp.down_proj.Linear"
+    with fwdtrace.Probe(model) as probe:
+        stats = probe.running_stats(key)
+        llama_step(model)
+    seen: list[torch.Tensor] = []
+    handle = eager.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    llama_step(eager)
+    handle.remove()
+    assert stats.stats[key].count == seen[0].numel()
+    assert stats.stats[key].mean == pytest.approx(float(seen[0].double().mean()), rel=1e-5)
+    assert [llama_step(model) for _ in range(2)] == before and compile_state() == graphs
+
+    trees = []
+    for m, folder in ((model, tmp_path / "compiled"), (eager, tmp_path / "eager")):
+        dumper = fwdtrace.Dumper(folder)
+        dumper.register(m, grads=False)
+        with torch.no_grad():
+            m(ids)
+        trees.append(fwdtrace.read_dump(dumper.remove()[0], show=False, values=True))
+    assert trees[0]["status"] == "complete"
+    calls = [[(g["attrs"]["module_key"], g["attrs"]["module_path"]) for g in t["groups"].values()] for t in trees]
+    assert calls[0] == calls[1]
+    for got, want in zip(trees[0]["groups"].values(), trees[1]["groups"].values(), strict=True):
+        if "output0" in want["datasets"]:
+            torch.testing.assert_close(torch.as_tensor(got["datasets"]["output0"]["value"]),
+                                       torch.as_tensor(want["datasets"]["output0"]["value"]))
+    assert llama_step(model) == before[-1] and compile_state() == graphs
+
+
+def test_the_recorder_records_a_compiled_models_eager_values_under_eager_keys(tmp_path: Path) -> None:
+    case = make("torch.compile")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    recorded: list[torch.Tensor] = []
+    with fwdtrace.Recorder(tmp_path, transform=lambda t: recorded.append(t.clone()) or t, timeout=300.0) as rec:
+        assert rec.track(case.given, "_orig_mod.block.0", kind="forward") == [LAYER]
+        for _ in range(2):
+            step(case.run)
+    paths = rec.stop()
+    assert sorted(p.name for p in paths) == [f"{LAYER}.forward.mp4", f"{LAYER}.forward.png"]
+    for got, want in zip(recorded, eager_outputs(case.eager, LAYER, 2), strict=True):
+        torch.testing.assert_close(got, want)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+
+
+def test_a_dump_that_records_no_call_below_the_root_is_not_complete(tmp_path: Path) -> None:
+    class Functional(nn.Module):  # its layer's hooks never run: what a layer inside compiled code looked like
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.lin.weight, self.lin.bias)
+
+    model = Functional()
+    dumper = fwdtrace.Dumper(tmp_path)
+    dumper.register(model, grads=False)
+    model(torch.ones(1, 2))
+    [path] = dumper.remove()
+    assert fwdtrace.read_dump(path, show=False)["status"] == (
+        "incomplete: stopped after 000_Functional (no call of the model's layers was recorded, only the root's)")
+
+
+def test_a_wrapper_made_after_the_tool_attached_in_a_fresh_process() -> None:
+    # Before torch.compile first runs, torch._dynamo is not even imported: the tool cannot know of the
+    # wrapper to come, and the dispatch point must send it to the model all the same.
+    script = """
+import sys, torch, fwdtrace
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+x = torch.randn(3, 4)
+reference = [model[0](x).detach()]
+assert "torch._dynamo" not in sys.modules
+probe = fwdtrace.Probe(model)
+stats = probe.running_stats("0.Linear")
+calls = [0]
+def counting(gm, example_inputs):
+    return lambda *a: (calls.__setitem__(0, calls[0] + 1), gm.forward(*a))[1]
+compiled = torch.compile(model, backend=counting)
+compiled(x)
+assert calls[0] == 0 and stats.stats["0.Linear"].count == 24, (calls, stats.stats)
+assert abs(stats.stats["0.Linear"].mean - float(reference[0].double().mean())) < 1e-6
+probe.remove()
+compiled(x); compiled(x)
+from torch._dynamo.utils import counters
+assert calls[0] == 2 and counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (calls, counters)
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_chaos_on_a_compiled_model_injects_what_it_injects_on_the_eager_one() -> None:
+    case = make("torch.compile")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    with fwdtrace.Probe(case.given) as probe:
+        chaos = probe.chaos(LAYER, fault="zero")
+        compiled_out = case.run(X)
+    with fwdtrace.Probe(case.eager) as probe:
+        probe.chaos(LAYER, fault="zero")
+        eager_out = case.eager(X)
+    torch.testing.assert_close(compiled_out, eager_out)
+    assert [i.key for i in chaos.log] == [LAYER]
+    assert step(case.run) == 1 and compile_state() == graphs
