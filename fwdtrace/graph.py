@@ -317,6 +317,7 @@ class Graph:
         cluster_name: str | None = None,
         fills: Mapping[int, str] | None = None,
         notes: Mapping[int, str] | None = None,
+        **unknown: Any,
     ) -> str:
         """Draw the graph into a PNG, SVG or PDF file, chosen by ``path``'s suffix; return the path.
 
@@ -351,6 +352,8 @@ class Graph:
             cluster_name: see :meth:`to_dot`.
             fills: a fill colour per node id, drawn as given.
             notes: a line per node id, added to its box's tooltip.
+            **unknown: none is taken: a misspelt option is answered with a ``FwdtraceError``
+                that lists the options.
 
         >>> import torch, fwdtrace, tempfile, os
         >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.ones(1, 4))
@@ -363,7 +366,8 @@ class Graph:
         return render(self, path, depth=depth, target_nodes=target_nodes, fold_side=fold_side,
                       fold_loops=fold_loops, collapse_repeats=collapse_repeats, open_leaf_layers=open_leaf_layers,
                       wrap=wrap, show_shapes=show_shapes, show_path=show_path, highlight=highlight, rankdir=rankdir,
-                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes)
+                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes,
+                      **unknown)
 
     # -- Model Explorer (a pass; imported lazily) ------------------------------------------------
     def to_model_explorer(self, path: str | os.PathLike[str], *, node_data: Any = None) -> ModelExplorerFiles:
