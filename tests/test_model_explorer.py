@@ -120,7 +120,7 @@ def test_a_module_called_twice_is_two_layers(tmp_path: Path) -> None:
 def test_node_data_from_analyze(tmp_path: Path) -> None:
     model, inputs = _shared()
     graph = fwdtrace.trace(model, *inputs)
-    analysis = fwdtrace.analyze(model, *inputs, warmup=2, repeats=1)  # the second warmup run times modules
+    analysis = fwdtrace.analyze(model, *inputs, warmup=2, repeats=1)  # the repeat's module-timed run gives each call a time
     files = graph.to_model_explorer(tmp_path / "g.json", node_data=analysis)
     assert sorted(files.node_data) == ["flops", "latency_ms", "peak_memory_bytes"]
     assert Path(files.node_data["flops"]).name == "g.flops.json"

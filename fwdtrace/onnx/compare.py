@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from .numeric import NumericResult, ValueRow
 
-__all__ = ["TopologyReport", "ReportIds", "compare_onnx", "check_onnx", "render_side_by_side", "configure_parser", "run_cli"]
+__all__ = ["TopologyReport", "ReportIds", "compare_onnx", "check_onnx", "render_side_by_side", "run_cli"]
 
 # At most this many unexplained ONNX ops may sit between a call's inputs and its partner
 # (an inserted op is reported as extra instead of derailing the rest of the match).
@@ -1709,7 +1709,7 @@ def check_onnx(
         proto = to_onnx(model, *args, verbose=verbose, **kwargs)
     else:  # a large model's weights stay on disk, unless onnxruntime is to run it
         proto = _export(model, args, kwargs, exporter, None, None, weights=numeric, verbose=verbose)
-    og, result = _compare(graph, proto, model=model)
+    og, result = _compare(graph, proto, "check_onnx()", model=model)
     report = _build_report(graph, og, result, exporter, opened)
     if numeric:
         _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
@@ -1780,8 +1780,9 @@ def render_side_by_side(
     data whose results are read only as shapes is shape arithmetic; its tooltip says so.
     Returns the path written.
     """
-    from ..passes.draw import Digraph, render_digraph, to_dot
+    from ..passes.draw import Digraph, check_draw_options, render_digraph, to_dot
 
+    check_draw_options("render_side_by_side()", depth)
     og, result = _compare(graph, proto, "render_side_by_side()")
     bad_groups = {g for _, s, d in result.rewired for g in (s, d)}
     trace_hl = set(result.missing) | {tid for g in bad_groups if g in result.groups for tid in result.groups[g].trace_ids}
@@ -1831,22 +1832,6 @@ def error_color(max_rel: float, rtol: float, ok: bool) -> str:
 
 
 # -- command line ---------------------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fwdtrace check-onnx``."""
-    from ..cli import add_input_arguments
-
-    parser.add_argument("factory", help="'pkg.module:factory', a callable returning the torch.nn.Module to check")
-    add_input_arguments(parser)
-    parser.add_argument("--exporter", choices=CHECK_EXPORTERS, default=None,
-                        help="torch's ONNX exporter, or fwdtrace's own emission (to_onnx) (default dynamo)")
-    parser.add_argument("--onnx", default=None, metavar="model.onnx",
-                        help="check this ONNX file (made for these input shapes) instead of exporting the model")
-    parser.add_argument("--numeric", action="store_true",
-                        help="compare numbers too: run the model eagerly and the ONNX model in onnxruntime, "
-                             "and name the first call whose value differs (exit 1 if one does)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
-
-
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``fwdtrace check-onnx``: 0 when the export agrees with the trace, 1 when it does not.
 
