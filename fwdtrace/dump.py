@@ -37,6 +37,7 @@ from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
 from .grads import GradCall
 from .keys import key2module, key_path
+from .patching import InterruptGuard, critical, guarded_enter, guarded_exit
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "configure_parser", "run_cli"]
 
@@ -399,6 +400,7 @@ class Dumper:
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
         self._written: list[Path] = []
+        self._guard: InterruptGuard | None = None
 
     @property
     def paths(self) -> list[Path]:
@@ -429,10 +431,10 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite)
+            with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
+                self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite))
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
-        self._recordings.append(recording)
 
     def _check_writable(self) -> None:
         # Fail here, before a training step runs, rather than in the middle of a hook.
@@ -464,11 +466,17 @@ class Dumper:
             raise first_error
         return list(self._written)
 
+    # Ctrl-C is held back as in a trace: a signal on __exit__'s first instruction cannot skip the clean-up.
     def __enter__(self) -> Dumper:
+        self._guard = guarded_enter(_DUMPER_CODE, lambda: None, lambda: None)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self._close(exc)
+        guard, self._guard = self._guard, None
+        guarded_exit(guard, lambda: self._close(exc))
+
+
+_DUMPER_CODE = (Dumper.__enter__.__code__, Dumper.__exit__.__code__)
 
 
 # -- reading --------------------------------------------------------------------------------------
