@@ -296,3 +296,34 @@ BAD_LOGDIRS = [
 def test_a_bad_logdir_says_what_was_expected(tmp_path: Path, make, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(FwdtraceError, match=message):
         History(make(tmp_path), **kwargs)
+
+
+def test_a_reader_in_another_process_never_stops_the_writer_adding_series(tmp_path: Path) -> None:
+    """``fwdtrace serve --logdir`` opened beside a running run: the writer's new series and later writes all land."""
+    import os
+    import subprocess
+    import sys
+
+    with History(tmp_path) as history:
+        history.append_scalar("loss", 1.0, step=0, time=0.0)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        reader = subprocess.Popen(
+            [sys.executable, "-c", "import sys\nfrom fwdtrace.live.history import History\n"
+             f"r = History({str(tmp_path)!r}, read_only=True)\nprint(r.scalar_names(), flush=True)\n"
+             "sys.stdin.readline()\nprint(len(r.scalars('loss')), flush=True)\n"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert reader.stdout is not None and reader.stdout.readline().strip() == "['loss']"  # the file is open there
+            for step in range(1, 6):
+                history.append_scalar(f"new{step}", float(step), step=step, time=0.0)  # a new series each time
+                history.append_scalar("loss", 1.0 / step, step=step, time=0.0)
+                history.append("0.Linear", "forward", f"role{step}", step=step, time=0.0, stats={"mean": 1.0},
+                               histogram=[1, 2], bin_edges=[0.0, 1.0, 2.0])
+            out, _ = reader.communicate("\n", timeout=120)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+        assert out.strip() == "1"  # the reader still reads (the run as it was when it opened it)
+        assert history.scalar_names() == ["loss"] + [f"new{s}" for s in range(1, 6)]
+        assert [r["value"] for r in history.scalars("loss")] == [1.0 / max(s, 1) for s in range(6)]
+        assert len(history.series()) == 5

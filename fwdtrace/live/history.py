@@ -27,7 +27,10 @@ an append wrote is on disk when it returns and the file stays valid if the proce
 hard kill (SIGKILL, a crashed node) loses only the append in flight, and the new series
 being created at that moment, if one was (series and scalars are created outside SWMR
 mode, which cannot create objects). A run whose writer was killed reopens read-only;
-writing into it again is refused (HDF5 marks the file as still open for writing).
+writing into it again is refused (HDF5 marks the file as still open for writing). A
+read-only history (``fwdtrace serve --logdir`` beside a running run) takes no file lock,
+so it never stops the writer adding a series; it shows the run as it was when opened. A
+series the writer could not add leaves the history open: the next write tries again.
 h5py is imported here, only when a history is opened.
 """
 
@@ -124,12 +127,14 @@ class History:
         self._lock = threading.Lock()
         self._series: dict[tuple[str, str, str], _Ring] = {}
         self._scalars: dict[str, _Ring] = {}
+        self._closed = False
         h5py = _h5py()
         exists = self.path.exists()
         try:
             if read_only:
-                # swmr=True also reads a file whose writer died (still flagged as open for writing)
-                self._file = h5py.File(self.path, "r", libver="latest", swmr=True)
+                # swmr=True also reads a file whose writer died (still flagged as open for writing).
+                # locking=False: a reader's file lock would stop its writer from creating a series.
+                self._file = h5py.File(self.path, "r", libver="latest", swmr=True, locking=False)
             elif exists:
                 self._file = h5py.File(self.path, "a", libver="latest")
             else:
@@ -168,7 +173,11 @@ class History:
         """A new series or scalar group. SWMR mode cannot create objects: leave it, create, enter it again."""
         h5py = _h5py()
         self._file.close()
-        self._file = h5py.File(self.path, "a", libver="latest")
+        try:
+            self._file = h5py.File(self.path, "a", libver="latest")
+        except OSError as e:
+            raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r} to add a series: "
+                                f"{e}; the next write tries again") from None
         parent = self._file[kind]
         group = parent.create_group(str(len(parent)))
         group.attrs.update(attrs)
@@ -199,8 +208,16 @@ class History:
     def _writable(self) -> None:
         if self.read_only:
             raise FwdtraceError(f"{self.caller}: the run in {str(self.logdir)!r} is open read-only")
-        if not self._file:
+        if self._closed:
             raise FwdtraceError(f"{self.caller}: the history {str(self.path)!r} is closed")
+        if not self._file:  # a reopen failed (a series being added): the writer still owns its run, try again
+            try:
+                self._file = _h5py().File(self.path, "a", libver="latest")
+                self._file.swmr_mode = True
+            except OSError as e:
+                raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r}: {e}") from None
+            for ring in (*self._series.values(), *self._scalars.values()):
+                ring.attach(self._file)
 
     def append(self, key: str, kind: str, role: str, *, step: int, time: float, stats: dict[str, Any],
                histogram: Iterable[float], bin_edges: Iterable[float], call: int = 0, index: int = 0) -> None:
@@ -384,6 +401,7 @@ class History:
     def close(self) -> None:
         """Flush and close the file; calling it twice is harmless."""
         with self._lock:
+            self._closed = True
             if self._file:
                 self._file.close()
 
