@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ._files import AtomicFile, not_a_regular_file
+from ._hdf5 import check_dataset, check_link
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .calls import ModelCalls
 from .errors import FwdtraceError, describe, one_line
@@ -526,22 +527,10 @@ class _Reader:
         return FwdtraceError(f"{self.caller} expected a self-contained fwdtrace dump, got {str(self.path)!r}, {what}")
 
     def _link(self, parent: Any, name: str, where: str) -> None:
-        link = parent.get(name, getlink=True)
-        if isinstance(link, self.h5py.ExternalLink):
-            raise self.error(f"where {where} is an external link to {link.filename!r} ({link.path}), not followed")
-        if not isinstance(link, self.h5py.HardLink):
-            raise self.error(f"where {where} is a {type(link).__name__} to {getattr(link, 'path', '?')!r}, not followed")
+        check_link(self.h5py, parent, name, where, self.error)
 
     def _dataset(self, ds: Any, where: str) -> None:
-        if not isinstance(ds, self.h5py.Dataset):
-            raise self.error(f"where {where} is a {type(ds).__name__}, not a dataset")
-        if ds.is_virtual:
-            raise self.error(f"where {where} is a virtual dataset (data from other files), not read")
-        if ds.external:
-            files = ", ".join(repr(e[0].decode() if isinstance(e[0], bytes) else e[0]) for e in ds.external)
-            raise self.error(f"where {where} keeps its data in external files ({files}), not read")
-        if ds.shape is None:
-            raise self.error(f"where {where} has no dataspace")
+        check_dataset(self.h5py, ds, where, self.error)
 
     def _check(self) -> None:
         f = self.file

@@ -327,3 +327,109 @@ def test_a_reader_in_another_process_never_stops_the_writer_adding_series(tmp_pa
         assert history.scalar_names() == ["loss"] + [f"new{s}" for s in range(1, 6)]
         assert [r["value"] for r in history.scalars("loss")] == [1.0 / max(s, 1) for s in range(6)]
         assert len(history.series()) == 5
+
+
+# -- a reopened run is a file from elsewhere ------------------------------------------------------
+
+
+def _finished_run(path: Path) -> Path:
+    with History(path) as history:
+        for step in range(3):
+            history.append_scalar("loss", 1.0 / (step + 1), step=step, time=0.0)
+            history.append("0.Linear", "forward", "output", step=step, time=0.0, stats={"mean": 1.0},
+                           histogram=[1, 2], bin_edges=[0.0, 1.0, 2.0])
+    return path / HISTORY_FILE
+
+
+def _replace(file: h5py.File, name: str, **kwargs: object) -> None:
+    old = file[name]
+    dtype, shape = old.dtype, old.shape
+    del file[name]
+    file.create_dataset(name, dtype=dtype, shape=kwargs.pop("shape", shape), **kwargs)
+
+
+def _external_storage(file: h5py.File, outside: Path) -> None:
+    _replace(file, "scalars/0/meta", external=[(str(outside), 0, 3 * 32)])
+
+
+def _external_link(file: h5py.File, outside: Path) -> None:
+    del file["scalars/0"]
+    file["scalars/0"] = h5py.ExternalLink(str(outside), "/")
+
+
+def _soft_link(file: h5py.File, outside: Path) -> None:
+    del file["series/0/values"]
+    file["series/0/values"] = h5py.SoftLink("/scalars/0/meta")
+
+
+def _huge(file: h5py.File, outside: Path) -> None:
+    file.attrs["retention"] = 4_000_000
+    _replace(file, "scalars/0/meta", shape=(4_000_000,), maxshape=(4_000_000,), chunks=(256,))
+
+
+def _wrong_layout(file: h5py.File, outside: Path) -> None:
+    del file["series/0"].attrs["kind"]
+
+
+CRAFTED = [
+    (_external_storage, "keeps its data in external files"),
+    (_external_link, "is an external link to"),
+    (_soft_link, "is a SoftLink"),
+    (_huge, r"declares \(4000000,\) \(128000000 bytes\) but the file stores"),
+    (_wrong_layout, "lacks the text attributes key, kind, role"),
+]
+
+
+@pytest.mark.parametrize(("craft", "message"), CRAFTED, ids=[c.__name__.strip("_") for c, _ in CRAFTED])
+def test_a_crafted_run_is_refused_with_one_error_naming_it(tmp_path: Path, craft: object, message: str) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"SECRET" * 100)
+    path = _finished_run(tmp_path / "run")
+    with h5py.File(path, "a") as file:
+        craft(file, outside)  # type: ignore[operator]
+    with pytest.raises(FwdtraceError, match=rf"^reopen\(\) expected a fwdtrace live run, got '{re.escape(str(path))}', .*{message}"):
+        History(tmp_path / "run", read_only=True, caller="reopen()")
+
+
+def test_a_symlinked_history_is_not_followed(tmp_path: Path) -> None:
+    real = _finished_run(tmp_path / "real")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / HISTORY_FILE).symlink_to(real)
+    with pytest.raises(FwdtraceError, match=r"^reopen\(\) could not open the history .*is a symbolic link, not followed"):
+        History(tmp_path / "run", read_only=True, caller="reopen()")
+
+
+def test_damaged_copies_of_a_finished_run_open_or_raise_one_error(tmp_path: Path) -> None:
+    data = _finished_run(tmp_path / "run").read_bytes()
+    reference = History(tmp_path / "run", read_only=True)
+    expected = reference.scalars("loss")
+    reference.close()
+    opened = refused = 0
+    for offset in range(0, len(data), max(1, len(data) // 40)):  # one flipped byte at each of 40 places
+        damaged = bytearray(data)
+        damaged[offset] ^= 0xFF
+        run = tmp_path / f"damaged{offset}"
+        run.mkdir()
+        (run / HISTORY_FILE).write_bytes(bytes(damaged))
+        try:
+            history = History(run, read_only=True)
+        except FwdtraceError as e:  # never a raw error, never a hang (no SWMR back-off on a finished run)
+            assert str(run / HISTORY_FILE) in str(e)
+            refused += 1
+            continue
+        history.close()
+        opened += 1
+    assert opened + refused >= 40 and refused >= 1
+    assert expected == [{"step": s, "time": 0.0, "value": 1.0 / (s + 1)} for s in range(3)]
+
+
+@pytest.mark.parametrize("name", ["keys.json", "graph.json"])
+def test_the_run_files_beside_the_history_are_not_followed_through_links(tmp_path: Path, name: str) -> None:
+    _finished_run(tmp_path / "run")
+    secret = tmp_path / "secret.json"
+    secret.write_text('[{"key": "SECRET"}]')
+    (tmp_path / "run" / name).symlink_to(secret)
+    history = History(tmp_path / "run", read_only=True, caller="reopen()")
+    with pytest.raises(FwdtraceError, match=rf"^reopen\(\) expected '.*{name}' to be the run's {name}, got a symbolic link"):
+        history.keys() if name == "keys.json" else history.graph_json()
+    history.close()

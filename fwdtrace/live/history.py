@@ -47,13 +47,15 @@ from typing import Any
 import numpy as np
 
 from .._files import write_bytes
-from ..errors import FwdtraceError, describe
+from .._hdf5 import check_dataset, check_link, check_stored
+from ..errors import FwdtraceError, describe, one_line
 
 __all__ = ["History", "STATS", "DEFAULT_RETENTION", "HISTORY_FILE", "GRAPH_FILE", "KEYS_FILE"]
 
 HISTORY_FILE, GRAPH_FILE, KEYS_FILE = "history.h5", "graph.json", "keys.json"
 FORMAT_ATTR, FORMAT_VERSION = "fwdtrace_live_history", 1
 DEFAULT_RETENTION = 10_000
+_MAX_RUN_FILE = 256 << 20  # graph.json and keys.json: a graph of a million nodes stays below
 STATS = ("numel", "mean", "std", "min", "max", "nan", "inf", "zero_fraction", "underflow", "overflow")
 _COUNTS = ("numel", "nan", "inf", "underflow", "overflow")  # statistics served as ints
 _CHUNK_ROWS = 64  # rows per HDF5 chunk: a read decompresses whole chunks, an append rewrites one
@@ -132,9 +134,7 @@ class History:
         exists = self.path.exists()
         try:
             if read_only:
-                # swmr=True also reads a file whose writer died (still flagged as open for writing).
-                # locking=False: a reader's file lock would stop its writer from creating a series.
-                self._file = h5py.File(self.path, "r", libver="latest", swmr=True, locking=False)
+                self._file = _open_for_reading(h5py, self.path)
             elif exists:
                 self._file = h5py.File(self.path, "a", libver="latest")
             else:
@@ -156,6 +156,8 @@ class History:
             if exists and not read_only and retention is not None and retention != self.retention:
                 raise FwdtraceError(f"{caller} expected retention={self.retention} for the run in {str(self.logdir)!r} "
                                     f"(it was written with it), got retention={retention}; give a new logdir to change it")
+            if read_only:
+                self._check_untrusted(h5py)
             for order, name in enumerate(sorted(self._file["series"], key=int)):
                 g = self._file["series"][name]
                 self._series[(g.attrs["key"], g.attrs["kind"], g.attrs["role"])] = _Ring(self._file, g.name, order)
@@ -164,9 +166,57 @@ class History:
                 self._scalars[g.attrs["name"]] = _Ring(self._file, g.name, order)
             if not read_only:
                 self._file.swmr_mode = True
+        except FwdtraceError:
+            self._file.close()
+            raise
+        except Exception as e:  # a damaged or foreign file: one error naming it
+            self._file.close()
+            raise self._untrusted(f"which cannot be read ({one_line(e)})") from None
         except BaseException:
             self._file.close()
             raise
+
+    def _untrusted(self, what: str) -> FwdtraceError:
+        return FwdtraceError(f"{self.caller} expected a fwdtrace live run, got {str(self.path)!r}, {what}")
+
+    def _check_untrusted(self, h5py: Any) -> None:
+        """A run reopened is a file from elsewhere: plain objects inside it, of the layout written, sizes as stored."""
+        f, error = self._file, self._untrusted
+        if not 1 <= self.retention <= 1 << 30:
+            raise error(f"whose retention {self.retention} is not a positive row count")
+        for kind, meta_dtype in (("series", _SERIES_META), ("scalars", _SCALAR_META)):
+            check_link(h5py, f, kind, repr(kind), error)
+            parent = f[kind]
+            if not isinstance(parent, h5py.Group):
+                raise error(f"where {kind!r} is not a group")
+            for name in parent:
+                where = f"'{kind}/{name}'"
+                check_link(h5py, parent, name, where, error)
+                group = parent[name]
+                if not name.isdigit() or not isinstance(group, h5py.Group):
+                    raise error(f"where {where} is not a numbered group")
+                attrs = ("key", "kind", "role") if kind == "series" else ("name",)
+                if any(not isinstance(group.attrs.get(a), str) for a in attrs):
+                    raise error(f"where {where} lacks the text attributes {', '.join(attrs)}")
+                datasets: dict[str, tuple[Any, int]] = {"meta": (meta_dtype, 1)}
+                if kind == "series":
+                    bins = group.attrs.get("bins")
+                    if not isinstance(bins, (int, np.integer)) or not 1 <= int(bins) <= 1 << 16:
+                        raise error(f"where {where} has no valid 'bins' attribute")
+                    datasets["values"] = (np.dtype("<f8"), len(STATS) + 2 * int(bins) + 1)
+                rows = None
+                for dname, (dtype, width) in datasets.items():
+                    check_link(h5py, group, dname, f"{where}/{dname}", error)
+                    ds = group[dname]
+                    check_dataset(h5py, ds, f"{where}/{dname}", error)
+                    shape = (ds.shape[0], width) if dname == "values" else (ds.shape[0],)
+                    if ds.dtype != dtype or ds.shape != shape or ds.shape[0] > self.retention:
+                        raise error(f"where {where}/{dname} is {ds.dtype} {ds.shape}, not the layout written")
+                    if rows is not None and ds.shape[0] != rows:
+                        raise error(f"where {where} has {rows} meta rows but {ds.shape[0]} values rows")
+                    rows = ds.shape[0]
+                    chunk = int(np.prod(ds.chunks)) * ds.dtype.itemsize if ds.chunks else 0
+                    check_stored(ds, f"{where}/{dname}", error, slack=chunk)  # a chunk being written when killed
 
     # -- writing (one thread) ---------------------------------------------------------------------
     def _create(self, kind: str, attrs: dict[str, Any], meta: np.dtype, width: int | None) -> _Ring:
@@ -303,13 +353,34 @@ class History:
     # -- reading (any thread) ---------------------------------------------------------------------
     def graph_json(self) -> str | None:
         """The run's graph as JSON text, None if it was never traced."""
-        path = self.logdir / GRAPH_FILE
-        return path.read_text(encoding="utf-8") if path.is_file() else None
+        return self._run_file(GRAPH_FILE)
 
     def keys(self) -> list[dict[str, Any]]:
         """The run's module keys, as ``/api/keys`` served them (``[]`` if they were never written)."""
-        path = self.logdir / KEYS_FILE
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+        text = self._run_file(KEYS_FILE)
+        if text is None:
+            return []
+        try:
+            keys = json.loads(text)
+        except ValueError as e:
+            raise FwdtraceError(f"{self.caller} could not read {str(self.logdir / KEYS_FILE)!r}: {e}") from None
+        if not isinstance(keys, list) or not all(isinstance(k, dict) for k in keys):
+            raise FwdtraceError(f"{self.caller} expected {str(self.logdir / KEYS_FILE)!r} to hold a list of keys")
+        return keys
+
+    def _run_file(self, name: str) -> str | None:
+        """A text file of the run beside the history: a regular file, not a link, of a bounded size; None if missing."""
+        path = self.logdir / name
+        if not path.exists() and not path.is_symlink():
+            return None
+        what = ("a symbolic link, not followed" if path.is_symlink() else "not a regular file" if not path.is_file()
+                else f"{path.stat().st_size} bytes, over {_MAX_RUN_FILE}" if path.stat().st_size > _MAX_RUN_FILE else None)
+        if what is not None:
+            raise FwdtraceError(f"{self.caller} expected {str(path)!r} to be the run's {name}, got {what}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FwdtraceError(f"{self.caller} could not read {str(path)!r}: {e}") from None
 
     def series(self) -> list[dict[str, Any]]:
         """Every series: key, kind, role, rows kept, rows appended, first and last step kept."""
@@ -423,6 +494,23 @@ def _newest_below(meta: np.ndarray, before: int | None, limit: int | None) -> np
 
 def _number(x: Any) -> float:
     return math.nan if x is None else float(x)
+
+
+def _open_for_reading(h5py: Any, path: Path) -> Any:
+    """A run's history for reading, without a file lock (a reader's lock would stop its writer adding a series).
+
+    A finished run opens plainly: a damaged one fails at once, where HDF5's single-writer/multiple-reader
+    mode would retry a bad checksum with back-off for hours. Only a file still flagged as open for writing
+    (a live writer, or a killed one) is opened in that mode, which alone reads it.
+    """
+    if path.is_symlink():
+        raise OSError(f"{path.name} is a symbolic link, not followed")
+    try:
+        return h5py.File(path, "r", libver="latest", locking=False)
+    except OSError as e:
+        if "already open for write" not in str(e):
+            raise
+    return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
 
 
 def _check_logdir(logdir: Any, read_only: bool, caller: str) -> Path:
