@@ -433,3 +433,12 @@ def test_the_run_files_beside_the_history_are_not_followed_through_links(tmp_pat
     with pytest.raises(FwdtraceError, match=rf"^reopen\(\) expected '.*{name}' to be the run's {name}, got a symbolic link"):
         history.keys() if name == "keys.json" else history.graph_json()
     history.close()
+
+
+def test_serve_refuses_retention_when_reopening_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+
+    _finished_run(tmp_path / "run")
+    assert main(["serve", "--logdir", str(tmp_path / "run"), "--retention", "5", "--port", "0"]) == 2
+    assert capsys.readouterr().err.startswith("fwdtrace serve: error: fwdtrace serve expected --retention only with a "
+                                              "model factory (it bounds a new history)")

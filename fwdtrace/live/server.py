@@ -902,6 +902,10 @@ def run_cli(args: argparse.Namespace) -> int:
                                 "of a finished run, got neither")
         from .reopen import reopen
 
+        if args.retention is not None:
+            raise FwdtraceError("fwdtrace serve expected --retention only with a model factory (it bounds a new "
+                                f"history); the run in {args.logdir} keeps the retention it was written with, "
+                                f"got --retention {args.retention}")
         with reopen(args.logdir, host=args.host, port=args.port, token=args.token) as reopened:
             return _serve_until_interrupted(reopened, f"the run in {args.logdir} (read-only)")
     if not args.input_shape:
