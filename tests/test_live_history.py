@@ -442,3 +442,24 @@ def test_serve_refuses_retention_when_reopening_a_run(tmp_path: Path, capsys: py
     assert main(["serve", "--logdir", str(tmp_path / "run"), "--retention", "5", "--port", "0"]) == 2
     assert capsys.readouterr().err.startswith("fwdtrace serve: error: fwdtrace serve expected --retention only with a "
                                               "model factory (it bounds a new history)")
+
+
+def test_scalar_windows_of_many_names_come_in_bounded_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fwdtrace.live import server as live_server
+
+    monkeypatch.setattr(live_server, "MAX_POINTS", 20)  # 200 names at limit=10000 would be 2 M points in one answer
+    with fwdtrace.serve(Net(), port=0) as server:
+        names = [f"s{i:02d}" for i in range(7)]
+        for step in range(5):
+            for name in names:
+                fwdtrace.live.log_scalar(name, float(step), step=step)
+        seen: dict[str, list[int]] = {}
+        offset: int | None = 0
+        pages = 0
+        while offset is not None:
+            status, answer = request(server, "GET", f"/api/scalars?before=100&limit=6&offset={offset}")
+            assert status == 200 and len(answer["scalars"]) <= 3 and answer["names"] == names  # 20 // 6 names a page
+            seen.update({n: c["steps"] for n, c in answer["scalars"].items()})
+            offset, pages = answer["next_offset"], pages + 1
+        assert pages == 3 and seen == {n: [0, 1, 2, 3, 4] for n in names}
+        assert request(server, "GET", "/api/scalars?before=1&offset=-1")[0] == 400

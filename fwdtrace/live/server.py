@@ -43,6 +43,7 @@ __all__ = ["Server", "serve"]
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024
 MAX_LIMIT = 10_000  # samples or scalar points one read of the history may return
+MAX_POINTS = 20_000  # scalar points one /api/scalars?before= answer holds, all names together: then it pages
 # Points a scalar chart shows, the newest or those before the step scrolled to: about one per pixel of
 # its 440-pixel plot, so scrolling moves a window of a steady width rather than zooming out.
 SCALAR_WINDOW = 512
@@ -472,10 +473,15 @@ class Server:
         return 200, "image/svg+xml", svg.encode()
 
     def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
-        if "before" in query or "limit" in query:  # every scalar's window, as its chart shows it
+        if "before" in query or "limit" in query:  # every scalar's window, as its chart shows it, a page of names at a time
             names = self._scalar_names()
-            return _json({"names": names, "scalars": {n: _curve(self._scalar_window(n, query)) for n in names},
-                          "seq": None})
+            offset = _int(query, "offset", 0)
+            if offset < 0:
+                raise _Reply(400, f"expected offset= an integer >= 0 (the first name of the page), got {offset}")
+            page = names[offset:offset + max(1, MAX_POINTS // _limit(query, SCALAR_WINDOW))]
+            after = offset + len(page)
+            return _json({"names": names, "scalars": {n: _curve(self._scalar_window(n, query)) for n in page},
+                          "seq": None, "offset": offset, "next_offset": after if after < len(names) else None})
         log = self.sampler.scalars
         series = log.read(_int(query, "since", -1))
         return _json({"names": log.names(), "scalars": series, "seq": log.seq - 1, "refused": log.refused,
