@@ -290,6 +290,7 @@ def test_a_worker_killed_with_kill_9_is_reported_once_and_replaced(tmp_path: Pat
     for stem in stems:  # the new worker wrote the frames it was sent
         assert rec.stats()[stem]["worker_deaths"] == 1 and not rec.stats()[stem]["failed"]
         assert tmp_path / f"{stem}.mp4" in paths and 1 <= len(frames_of(tmp_path / f"{stem}.mp4")) <= rec.stats()[stem]["sent"]
+    assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]  # the killed worker's unfinished videos went
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads worker states from /proc")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import glob
 import hashlib
 import json
 import multiprocessing.spawn
@@ -667,7 +668,8 @@ class Recorder:
 
         Returns the videos and last-frame PNGs written, sorted; a second call returns the same.
         Warns (``RuntimeWarning``) when a worker had to be terminated, and names the files that
-        lost frames to a worker that died during the run (:meth:`stats` has the counts).
+        lost frames to a worker that died during the run (:meth:`stats` has the counts); the
+        unfinished videos such a worker left under their temporary names are removed.
         How long it waited for the workers after training is ``finish_s``; :meth:`throughput`
         has each worker's frames per second, and ``repr()`` says both.
         """
@@ -703,6 +705,8 @@ class Recorder:
             )
         lost = [f"{stem} ({s['worker_deaths']} worker death(s){', failed' if s['failed'] else ''})"
                 for stem, s in self.stats().items() if s["worker_deaths"]]
+        for stem in (stem for stem, s in self.stats().items() if s["worker_deaths"]):
+            self._remove_partials(stem)
         if lost:
             warnings.warn(f"Recorder.stop(): files that lost frames to a dead worker: {', '.join(lost)}",
                           RuntimeWarning, stacklevel=2)
@@ -719,6 +723,15 @@ class Recorder:
             if path.is_file() and not path.is_symlink()
         )
         return self._paths
+
+    def _remove_partials(self, stem: str) -> None:
+        """The unfinished videos a killed worker left under their temporary names: unplayable, and nobody finishes them."""
+        for path in self.out_dir.glob(f"{glob.escape(stem)}.partial-*{self.suffix}"):
+            if path.is_file() and not path.is_symlink():
+                try:
+                    path.unlink()
+                except OSError:  # another process took it meanwhile: nothing to clean
+                    pass
 
     def throughput(self) -> list[dict[str, Any]]:
         """What each worker did, from the reports of those that stopped cleanly (after :meth:`stop`).
