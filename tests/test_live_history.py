@@ -463,3 +463,28 @@ def test_scalar_windows_of_many_names_come_in_bounded_pages(tmp_path: Path, monk
             offset, pages = answer["next_offset"], pages + 1
         assert pages == 3 and seen == {n: [0, 1, 2, 3, 4] for n in names}
         assert request(server, "GET", "/api/scalars?before=1&offset=-1")[0] == 400
+
+
+def test_a_new_series_costs_the_same_with_200_series_as_with_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted in HDF5 object lookups (not time): re-opening every series at each new one grew with their number."""
+    lookups = [0]
+    getitem = h5py.Group.__getitem__
+
+    def counting(self: h5py.Group, name: object) -> object:
+        lookups[0] += 1
+        return getitem(self, name)
+
+    with History(tmp_path) as history:
+        def new_series(i: int) -> int:
+            lookups[0] = 0
+            history.append_scalar(f"s{i}", 1.0, step=0, time=0.0)
+            history.append("0.Linear", "forward", f"r{i}", step=0, time=0.0, stats={}, histogram=[1], bin_edges=[0.0, 1.0])
+            return lookups[0]
+
+        new_series(0)
+        monkeypatch.setattr(h5py.Group, "__getitem__", counting)
+        with_two = new_series(1)
+        for i in range(2, 200):
+            new_series(i)
+        assert new_series(200) == with_two
+        assert [p["value"] for p in history.scalars("s0")] == [1.0] and len(history.series()) == 201

@@ -71,19 +71,48 @@ def _h5py() -> Any:
     return h5py
 
 
-class _Ring:
-    """One series or scalar: its datasets and how many rows were ever appended (the ring keeps the newest)."""
+class _FileState:
+    """The history's open file, and how many times it was (re)opened: rings attach to the one open now."""
 
-    def __init__(self, file: Any, path: str, order: int) -> None:
+    def __init__(self) -> None:
+        self.file: Any = None
+        self.generation = 0
+
+
+class _Ring:
+    """One series or scalar: its datasets and how many rows were ever appended (the ring keeps the newest).
+
+    Its datasets are looked up again, when next used, after the file was reopened (a series being
+    added): doing it for every ring at each reopen cost time growing with the number of series.
+    """
+
+    def __init__(self, state: _FileState, path: str, order: int) -> None:
         self.path, self.order = path, order  # the group's path: objects of a closed file forget theirs
-        self.attach(file)
+        self._state, self._generation = state, -1
         n = self.meta.shape[0]
         self.appended = int(self.meta["seq"].max()) + 1 if n else 0
 
-    def attach(self, file: Any) -> None:
-        self.group = file[self.path]
-        self.meta = self.group["meta"]
-        self.values = self.group["values"] if "values" in self.group else None
+    def _attach(self) -> None:
+        if self._generation != self._state.generation:
+            self._group = self._state.file[self.path]
+            self._meta = self._group["meta"]
+            self._values = self._group["values"] if "values" in self._group else None
+            self._generation = self._state.generation
+
+    @property
+    def group(self) -> Any:
+        self._attach()
+        return self._group
+
+    @property
+    def meta(self) -> Any:
+        self._attach()
+        return self._meta
+
+    @property
+    def values(self) -> Any:
+        self._attach()
+        return self._values
 
     def span(self) -> dict[str, Any]:
         """Rows kept, rows ever appended, and the first and last step kept (None when empty)."""
@@ -130,6 +159,7 @@ class History:
         self._series: dict[tuple[str, str, str], _Ring] = {}
         self._scalars: dict[str, _Ring] = {}
         self._closed = False
+        self._state = _FileState()
         h5py = _h5py()
         exists = self.path.exists()
         try:
@@ -160,10 +190,10 @@ class History:
                 self._check_untrusted(h5py)
             for order, name in enumerate(sorted(self._file["series"], key=int)):
                 g = self._file["series"][name]
-                self._series[(g.attrs["key"], g.attrs["kind"], g.attrs["role"])] = _Ring(self._file, g.name, order)
+                self._series[(g.attrs["key"], g.attrs["kind"], g.attrs["role"])] = _Ring(self._state, g.name, order)
             for order, name in enumerate(sorted(self._file["scalars"], key=int)):
                 g = self._file["scalars"][name]
-                self._scalars[g.attrs["name"]] = _Ring(self._file, g.name, order)
+                self._scalars[g.attrs["name"]] = _Ring(self._state, g.name, order)
             if not read_only:
                 self._file.swmr_mode = True
         except FwdtraceError:
@@ -175,6 +205,15 @@ class History:
         except BaseException:
             self._file.close()
             raise
+
+    @property
+    def _file(self) -> Any:
+        return self._state.file
+
+    @_file.setter
+    def _file(self, file: Any) -> None:
+        self._state.file = file
+        self._state.generation += 1  # every ring looks its datasets up again when next used
 
     def _untrusted(self, what: str) -> FwdtraceError:
         return FwdtraceError(f"{self.caller} expected a fwdtrace live run, got {str(self.path)!r}, {what}")
@@ -240,9 +279,7 @@ class History:
                                  chunks=(min(self.retention, _CHUNK_ROWS), width))
         path, order = group.name, len(parent) - 1
         self._file.swmr_mode = True
-        for ring in (*self._series.values(), *self._scalars.values()):
-            ring.attach(self._file)
-        return _Ring(self._file, path, order)
+        return _Ring(self._state, path, order)
 
     def _put(self, ring: _Ring, meta: tuple, values: np.ndarray | None) -> None:
         row = ring.appended % self.retention
@@ -266,8 +303,6 @@ class History:
                 self._file.swmr_mode = True
             except OSError as e:
                 raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r}: {e}") from None
-            for ring in (*self._series.values(), *self._scalars.values()):
-                ring.attach(self._file)
 
     def append(self, key: str, kind: str, role: str, *, step: int, time: float, stats: dict[str, Any],
                histogram: Iterable[float], bin_edges: Iterable[float], call: int = 0, index: int = 0) -> None:
