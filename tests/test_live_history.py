@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -488,3 +489,44 @@ def test_a_new_series_costs_the_same_with_200_series_as_with_2(tmp_path: Path, m
             new_series(i)
         assert new_series(200) == with_two
         assert [p["value"] for p in history.scalars("s0")] == [1.0] and len(history.series()) == 201
+
+
+FULL_DISK = """
+import os, resource, signal, sys
+from fwdtrace.live.history import History
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+history = History(sys.argv[1])
+history.append_scalar("loss", 1.0, 0, 0.0)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(sys.argv[1] + "/history.h5") + 20_000, hard))
+failed = []
+for i in range(200):  # new series until the disk is full
+    try:
+        history.append_scalar(f"s{i}", 1.0, i, 0.0)
+    except Exception as e:
+        failed.append(type(e).__name__)
+        if len(failed) == 3:
+            break
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # space returns
+history.append_scalar("after", 2.0, 1, 0.0)
+history.append_scalar("loss", 3.0, 2, 0.0)
+history.close()
+print(",".join(sorted(set(failed))))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE stands in for a full disk")
+def test_a_full_disk_ends_nothing_writes_resume_when_space_returns_and_the_run_reopens(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "FwdtraceError"  # the failed writes say so, as fwdtrace errors
+    with History(tmp_path, read_only=True) as finished:  # by fwdtrace
+        assert [p["value"] for p in finished.scalars("loss")] == [1.0, 3.0]
+        assert finished.scalars("after")[0]["value"] == 2.0
+    with h5py.File(tmp_path / HISTORY_FILE, "r") as plain:  # and by plain h5py
+        assert "scalars" in plain

@@ -30,12 +30,15 @@ mode, which cannot create objects). A run whose writer was killed reopens read-o
 writing into it again is refused (HDF5 marks the file as still open for writing). A
 read-only history (``fwdtrace serve --logdir`` beside a running run) takes no file lock,
 so it never stops the writer adding a series; it shows the run as it was when opened. A
-series the writer could not add leaves the history open: the next write tries again.
+series the writer could not add (a full disk) leaves the history open: the next write tries
+again, and when space returns writing resumes (clearing the "open for writing" flags a close
+that could not write left on the file, as ``h5clear -s`` would).
 h5py is imported here, only when a history is opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -260,26 +263,49 @@ class History:
     # -- writing (one thread) ---------------------------------------------------------------------
     def _create(self, kind: str, attrs: dict[str, Any], meta: np.dtype, width: int | None) -> _Ring:
         """A new series or scalar group. SWMR mode cannot create objects: leave it, create, enter it again."""
-        h5py = _h5py()
         self._file.close()
         try:
-            self._file = h5py.File(self.path, "a", libver="latest")
+            self._file = self._reopen()
         except OSError as e:
             raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r} to add a series: "
                                 f"{e}; the next write tries again") from None
-        parent = self._file[kind]
-        group = parent.create_group(str(len(parent)))
-        group.attrs.update(attrs)
-        group.create_dataset("meta", shape=(0,), maxshape=(self.retention,), dtype=meta,
-                             chunks=(min(self.retention, 4 * _CHUNK_ROWS),))
-        if width is not None:
-            # Not compressed: a compressed chunk rewritten (every append, once the ring wraps) moves to new
-            # space in the file and leaves the old behind, so the file would outgrow the retention.
-            group.create_dataset("values", shape=(0, width), maxshape=(self.retention, width), dtype="<f8",
-                                 chunks=(min(self.retention, _CHUNK_ROWS), width))
-        path, order = group.name, len(parent) - 1
-        self._file.swmr_mode = True
+        try:
+            parent = self._file[kind]
+            name = str(len(parent))
+            group = parent.create_group(name)
+            try:
+                group.attrs.update(attrs)
+                group.create_dataset("meta", shape=(0,), maxshape=(self.retention,), dtype=meta,
+                                     chunks=(min(self.retention, 4 * _CHUNK_ROWS),))
+                if width is not None:
+                    # Not compressed: a compressed chunk rewritten (every append, once the ring wraps) moves to new
+                    # space in the file and leaves the old behind, so the file would outgrow the retention.
+                    group.create_dataset("values", shape=(0, width), maxshape=(self.retention, width), dtype="<f8",
+                                         chunks=(min(self.retention, _CHUNK_ROWS), width))
+            except BaseException:
+                with contextlib.suppress(Exception):  # no half-made series left behind
+                    del parent[name]
+                raise
+            path, order = group.name, len(parent) - 1
+            self._file.swmr_mode = True
+        except Exception as e:  # a full disk: close what is open; the next write reopens the file
+            with contextlib.suppress(Exception):
+                self._file.close()
+            raise FwdtraceError(f"{self.caller} could not add a series to the history {str(self.path)!r}: "
+                                f"{one_line(e)}; the next write tries again") from None
         return _Ring(self._state, path, order)
+
+    def _reopen(self) -> Any:
+        """The writer's own file again, in plain append mode."""
+        h5py = _h5py()
+        try:
+            return h5py.File(self.path, "a", libver="latest")
+        except OSError as e:
+            if "already open for write" not in str(e):
+                raise
+        # Ours, left flagged as open when the disk was full and closing could not write: clear the flags.
+        _clear_status_flags(h5py, self.path)
+        return h5py.File(self.path, "a", libver="latest")
 
     def _put(self, ring: _Ring, meta: tuple, values: np.ndarray | None) -> None:
         row = ring.appended % self.retention
@@ -297,12 +323,15 @@ class History:
             raise FwdtraceError(f"{self.caller}: the run in {str(self.logdir)!r} is open read-only")
         if self._closed:
             raise FwdtraceError(f"{self.caller}: the history {str(self.path)!r} is closed")
-        if not self._file:  # a reopen failed (a series being added): the writer still owns its run, try again
+        if not self._file:  # adding a series failed (a full disk): the writer still owns its run, try again
             try:
-                self._file = _h5py().File(self.path, "a", libver="latest")
+                self._file = self._reopen()
                 self._file.swmr_mode = True
-            except OSError as e:
-                raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r}: {e}") from None
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    self._file.close()
+                raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r}: {one_line(e)}; "
+                                    "the next write tries again") from None
 
     def append(self, key: str, kind: str, role: str, *, step: int, time: float, stats: dict[str, Any],
                histogram: Iterable[float], bin_edges: Iterable[float], call: int = 0, index: int = 0) -> None:
@@ -529,6 +558,26 @@ def _newest_below(meta: np.ndarray, before: int | None, limit: int | None) -> np
 
 def _number(x: Any) -> float:
     return math.nan if x is None else float(x)
+
+
+def _clear_status_flags(h5py: Any, path: Path) -> None:
+    """Clear the "open for writing" flags HDF5 keeps in the superblock, as ``h5clear -s`` does (writer only).
+
+    A writer whose close failed (a full disk) leaves them set, and HDF5 then refuses to open the
+    file again. h5py has no call for it: HDF5's own file-access property, set through its C API.
+    """
+    import ctypes
+    import glob
+
+    libs = glob.glob(os.path.join(os.path.dirname(h5py.__file__), os.pardir, "h5py.libs", "libhdf5-*.so*"))
+    lib = ctypes.CDLL(libs[0]) if libs else ctypes.CDLL(h5py.h5.__file__)  # the library h5py itself runs on
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    clear = ctypes.c_bool(True)
+    lib.H5Pset.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p]
+    if lib.H5Pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
+        raise OSError("HDF5 has no clear_status_flags property here")
+    h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl).close()
 
 
 def _open_for_reading(h5py: Any, path: Path) -> Any:
