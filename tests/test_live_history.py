@@ -530,3 +530,15 @@ def test_a_full_disk_ends_nothing_writes_resume_when_space_returns_and_the_run_r
         assert finished.scalars("after")[0]["value"] == 2.0
     with h5py.File(tmp_path / HISTORY_FILE, "r") as plain:  # and by plain h5py
         assert "scalars" in plain
+
+
+def test_serve_on_a_damaged_run_exits_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+
+    path = _finished_run(tmp_path / "run")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)  # the second half zeroed
+    path.write_bytes(bytes(data))
+    assert main(["serve", "--logdir", str(tmp_path / "run"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fwdtrace serve: error: reopen() ") and str(path) in err and "Traceback" not in err

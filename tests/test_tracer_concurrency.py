@@ -349,6 +349,22 @@ def test_a_sigint_at_a_random_moment_of_a_dumper_block_leaves_no_hook(tmp_path: 
     sigint_from_a_timer(run, 1, runs=100)  # each run writes a file
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as for probes
+def test_a_sigint_at_a_random_moment_of_probe_shapes_leaves_nothing_patched() -> None:
+    """A one-call tool (its own with-blocks inside): layer notes and module-call handlers go too."""
+    model, x = small_model()
+    reference = {k: v["output_shape"] for k, v in fwdtrace.Probe(model).shapes(x).items()}
+
+    def run() -> dict[str, Any]:
+        torch.set_grad_enabled(True)  # torch.no_grad() inside shapes() is not safe against an interrupt itself
+        return {k: v["output_shape"] for k, v in fwdtrace.Probe(model).shapes(x).items()}
+
+    try:
+        sigint_from_a_timer(run, reference)
+    finally:
+        torch.set_grad_enabled(True)
+
+
 def test_a_timeout_raised_by_sigalrm_at_a_random_moment_never_leaves_a_tracer_active() -> None:
     """A SIGALRM handler that raises, as timeouts built on ``signal.setitimer`` do."""
     fired = [False]
