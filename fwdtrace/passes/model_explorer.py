@@ -364,7 +364,7 @@ def view(
     server = ExplorerServer(web_app, [files.graph, *files.node_data.values()], host, port, token)
     try:
         url = server.page_url(config.to_url_param_value())
-        print(f"fwdtrace.view(): Model Explorer at {url} (Ctrl+C stops it)", flush=True)
+        print(f"fwdtrace.view(): Model Explorer at\n{url}\n(Ctrl+C stops it)", flush=True)
         if open_browser:
             import webbrowser
 
