@@ -542,3 +542,20 @@ def test_serve_on_a_damaged_run_exits_naming_the_file(tmp_path: Path, capsys: py
     assert main(["serve", "--logdir", str(tmp_path / "run"), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fwdtrace serve: error: reopen() ") and str(path) in err and "Traceback" not in err
+
+
+def test_a_run_whose_writer_was_killed_while_adding_a_series_reopens_read_only(tmp_path: Path) -> None:
+    """Killed in the moment the file is out of SWMR mode (a series being added): flagged open for plain writing."""
+    import os
+    import subprocess
+
+    path = _finished_run(tmp_path / "run")
+    killed = f"import h5py, os\nf = h5py.File({str(path)!r}, 'a', libver='latest')\nf.flush()\nos._exit(0)\n"
+    subprocess.run([sys.executable, "-c", killed], check=True, timeout=60, env={**os.environ})
+    with pytest.raises(OSError, match="not already open for SWMR writing"):  # what plain h5py says
+        h5py.File(path, "r", libver="latest", swmr=True)
+    before = path.read_bytes()
+    with History(tmp_path / "run", read_only=True) as finished:
+        assert [p["value"] for p in finished.scalars("loss")] == [1.0, 0.5, 1.0 / 3]
+        assert len(finished.rows("0.Linear", "forward", "output")) == 3
+    assert path.read_bytes() == before  # read as it is, not repaired

@@ -560,11 +560,11 @@ def _number(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
-def _clear_status_flags(h5py: Any, path: Path) -> None:
-    """Clear the "open for writing" flags HDF5 keeps in the superblock, as ``h5clear -s`` does (writer only).
+def _ignoring_status_flags(h5py: Any) -> Any:
+    """File-access properties that open a file flagged "open for writing" (what ``h5clear -s`` uses).
 
-    A writer whose close failed (a full disk) leaves them set, and HDF5 then refuses to open the
-    file again. h5py has no call for it: HDF5's own file-access property, set through its C API.
+    h5py has no call for it: HDF5's own ``clear_status_flags`` property, set through its C API.
+    Opened for reading, the file is left as it is; opened for writing, the flags are cleared.
     """
     import ctypes
     import glob
@@ -573,10 +573,18 @@ def _clear_status_flags(h5py: Any, path: Path) -> None:
     lib = ctypes.CDLL(libs[0]) if libs else ctypes.CDLL(h5py.h5.__file__)  # the library h5py itself runs on
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_file_locking(False, True)
     clear = ctypes.c_bool(True)
     lib.H5Pset.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p]
     if lib.H5Pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
         raise OSError("HDF5 has no clear_status_flags property here")
+    return fapl
+
+
+def _clear_status_flags(h5py: Any, path: Path) -> None:
+    """Clear the "open for writing" flags a writer whose close failed (a full disk) left (the writer only)."""
+    fapl = _ignoring_status_flags(h5py)
+    fapl.set_file_locking(True, True)  # a live writer's lock still refuses
     h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl).close()
 
 
@@ -594,7 +602,13 @@ def _open_for_reading(h5py: Any, path: Path) -> Any:
     except OSError as e:
         if "already open for write" not in str(e):
             raise
-    return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
+    try:
+        return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
+    except OSError as e:
+        if "not already open for SWMR writing" not in str(e):
+            raise
+    # Flagged open for plain writing: a writer killed while it added a series. Read it as it is.
+    return h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY, fapl=_ignoring_status_flags(h5py)))
 
 
 def _check_logdir(logdir: Any, read_only: bool, caller: str) -> Path:
