@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ._files import AtomicFile, not_a_regular_file
+from ._hdf5 import check_dataset, check_link
 from ._host import host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, describe, one_line
@@ -39,6 +40,7 @@ from .instrument.calls import ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import GradCall
 from .instrument.keys import key2module, key_path
+from .patching import InterruptGuard, critical, guarded_enter, guarded_exit
 from .precision import Agreement, math_record, pair_precision, rounding_explains
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
@@ -422,6 +424,7 @@ class Dumper:
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
         self._written: list[Path] = []
+        self._guard: InterruptGuard | None = None
 
     @property
     def paths(self) -> list[Path]:
@@ -452,10 +455,10 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite)
+            with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
+                self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite))
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
-        self._recordings.append(recording)
 
     def _check_writable(self) -> None:
         # Fail here, before a training step runs, rather than in the middle of a hook.
@@ -487,11 +490,17 @@ class Dumper:
             raise first_error
         return list(self._written)
 
+    # Ctrl-C is held back as in a trace: a signal on __exit__'s first instruction cannot skip the clean-up.
     def __enter__(self) -> Dumper:
+        self._guard = guarded_enter(_DUMPER_CODE, lambda: None, lambda: None)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self._close(exc)
+        guard, self._guard = self._guard, None
+        guarded_exit(guard, lambda: self._close(exc))
+
+
+_DUMPER_CODE = (Dumper.__enter__.__code__, Dumper.__exit__.__code__)
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -541,22 +550,10 @@ class _Reader:
         return FwdtraceError(f"{self.caller} expected a self-contained fwdtrace dump, got {str(self.path)!r}, {what}")
 
     def _link(self, parent: Any, name: str, where: str) -> None:
-        link = parent.get(name, getlink=True)
-        if isinstance(link, self.h5py.ExternalLink):
-            raise self.error(f"where {where} is an external link to {link.filename!r} ({link.path}), not followed")
-        if not isinstance(link, self.h5py.HardLink):
-            raise self.error(f"where {where} is a {type(link).__name__} to {getattr(link, 'path', '?')!r}, not followed")
+        check_link(self.h5py, parent, name, where, self.error)
 
     def _dataset(self, ds: Any, where: str) -> None:
-        if not isinstance(ds, self.h5py.Dataset):
-            raise self.error(f"where {where} is a {type(ds).__name__}, not a dataset")
-        if ds.is_virtual:
-            raise self.error(f"where {where} is a virtual dataset (data from other files), not read")
-        if ds.external:
-            files = ", ".join(repr(e[0].decode() if isinstance(e[0], bytes) else e[0]) for e in ds.external)
-            raise self.error(f"where {where} keeps its data in external files ({files}), not read")
-        if ds.shape is None:
-            raise self.error(f"where {where} has no dataspace")
+        check_dataset(self.h5py, ds, where, self.error)
 
     def _check(self) -> None:
         f = self.file

@@ -43,6 +43,7 @@ __all__ = [
     "Patcher", "critical", "InterruptGuard", "add_call_handler", "remove_call_handler", "CallHandler",
     "call_dispatch_active", "add_function_handler", "FunctionHandler", "patched_functions",
     "add_eager_modules", "remove_eager_modules",
+    "guarded_enter", "guarded_exit",
 ]
 
 _MISSING = object()
@@ -102,6 +103,8 @@ class critical:
             _MAIN_DEPTH[0] -= 1
             if self._guard is not None:
                 self._guard.stop()
+            elif not _MAIN_DEPTH[0] and _GUARDS and _GUARDS[-1]._until_critical_ends:
+                _GUARDS[-1].raise_pending()  # a tool's guard: what waited for this section is handled now
 
 
 class InterruptGuard:
@@ -123,12 +126,18 @@ class InterruptGuard:
     every original handler back (one set since stays) and then handles them. Each held
     signal's handler runs once; the first exception they raise is raised. Main thread only
     (Python runs signal handlers there); elsewhere it does nothing.
+
+    A tool that stays entered while the user's code runs (``with Probe(model):`` around a
+    training loop) uses ``until_critical_ends=True``: a signal held in a critical section is
+    handled as soon as the outermost section ends, not at the end of the block. Guards may
+    be stopped in any order: one stopped under another is unlinked from the chain of handlers.
     """
 
-    __slots__ = ("_protected", "_previous", "_handlers", "_on_signal", "pending")
+    __slots__ = ("_protected", "_previous", "_handlers", "_on_signal", "_until_critical_ends", "pending")
 
-    def __init__(self, protected: tuple[Any, ...]) -> None:
+    def __init__(self, protected: tuple[Any, ...], *, until_critical_ends: bool = False) -> None:
         self._protected = frozenset(protected)
+        self._until_critical_ends = until_critical_ends
         self._previous: dict[int, Any] = {}  # signals still routed here -> their handler before start()
         self._handlers: dict[int, Any] = {}  # every signal routed here -> that handler, to deliver to
         self._on_signal = self._handler  # one bound method, so getsignal() can be compared with it
@@ -169,11 +178,59 @@ class InterruptGuard:
                     signum = next(iter(previous))
                     if _signal.getsignal(signum) is self._on_signal:  # a handler set since stays
                         _signal.signal(signum, previous[signum])
+                    else:  # a guard started later routes to this one: it now routes to what this one did
+                        for later in _GUARDS:
+                            if later._previous.get(signum) is self._on_signal:
+                                later._previous[signum] = later._handlers[signum] = previous[signum]
                     del previous[signum]
             except BaseException as e:
                 if first is None:
                     first = e
         _handle(self.pending, self._handlers, first)
+
+
+def guarded_enter(protected: tuple[Any, ...], setup: Callable[[], object], undo: Callable[[], object]) -> InterruptGuard:
+    """Begin a tool's ``with`` block: a guard for its lifetime, then ``setup()`` whole or not at all.
+
+    >>> from fwdtrace.patching import guarded_enter, guarded_exit
+    >>> done = []
+    >>> guard = guarded_enter((), lambda: done.append("on"), done.clear)
+    >>> guarded_exit(guard, lambda: done.append("off")); done
+    ['on', 'off']
+
+    ``protected`` holds the code objects of the tool's ``__enter__`` and ``__exit__``: a Ctrl-C
+    that lands on their first instruction waits (CPython runs signal handlers on entering any
+    function, which would skip the clean-up). ``setup`` and ``undo`` run as critical sections;
+    an exception (a Ctrl-C held back included) raised by ``setup`` runs ``undo``, stops the
+    guard and is raised: the ``with`` statement runs no ``__exit__`` after a failed ``__enter__``.
+    """
+    guard = InterruptGuard(protected, until_critical_ends=True)
+    try:
+        guard.start()
+    except BaseException:  # a handler not yet held ran and raised: put back the others
+        guard.stop()
+        raise
+    try:
+        with critical():
+            setup()
+    except BaseException:
+        try:
+            with critical():
+                undo()
+        finally:
+            guard.stop()
+        raise
+    return guard
+
+
+def guarded_exit(guard: InterruptGuard | None, cleanup: Callable[[], object]) -> None:
+    """End a tool's ``with`` block begun with :func:`guarded_enter`: ``cleanup()`` whole, then the guard's signals."""
+    try:
+        with critical():
+            cleanup()
+    finally:
+        if guard is not None:
+            guard.stop()  # raises a Ctrl-C held back meanwhile
 
 
 def _handle(pending: dict[int, FrameType | None], handlers: dict[int, Any], first: BaseException | None) -> None:

@@ -29,6 +29,7 @@ from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import register_grad_hook
 from .instrument.keys import Selector, key2module, select_keys
 from .instrument.stats import RunningStats, check_bins, check_range, summary_text
+from .patching import InterruptGuard, critical, guarded_enter, guarded_exit
 from .registry import FunctionTarget, resolve_any
 from .tracer import add_function_handlers, layer_notes, remove_handlers
 
@@ -65,28 +66,32 @@ class Hooks:
         self._registrations: list[tuple[Callable[[str, Any], Any], str, Any]] = []  # (register, key, module)
         self._torch_handles: list[Any] = []
 
+    # Attaching and removing are critical sections: a Ctrl-C waits, so no hook is left on untracked.
     def _attach(self) -> None:
-        if not self._torch_handles and self._registrations:
-            # While attached, a compiled model's compiled parts run eagerly, so these hooks run.
-            handles: list[Any] = [EagerRoute(self.probe.model, "Probe")]
-            try:
-                handles += [register(key, module) for register, key, module in self._registrations]
-            except BaseException:
-                for handle in reversed(handles):
-                    handle.remove()
-                raise
-            self._torch_handles = handles
+        with critical():
+            if not self._torch_handles and self._registrations:
+                # While attached, a compiled model's compiled parts run eagerly, so these hooks run.
+                handles: list[Any] = [EagerRoute(self.probe.model, "Probe")]
+                try:
+                    handles += [register(key, module) for register, key, module in self._registrations]
+                except BaseException:
+                    for handle in reversed(handles):
+                        handle.remove()
+                    raise
+                self._torch_handles = handles
 
     def _detach(self) -> None:
-        while self._torch_handles:
-            self._torch_handles.pop().remove()
+        with critical():
+            while self._torch_handles:
+                self._torch_handles.pop().remove()
 
     def remove(self) -> None:
         """Remove every hook of this handle; calling it twice is harmless."""
-        self._detach()
-        self._registrations.clear()
-        if self in self.probe.handles:
-            self.probe.handles.remove(self)
+        with critical():
+            self._detach()
+            self._registrations.clear()
+            if self in self.probe.handles:
+                self.probe.handles.remove(self)
 
     def __enter__(self) -> Hooks:
         return self
@@ -217,6 +222,7 @@ class Probe:
         self._module2key = {id(m): k for k, m in self._key2module.items()}
         self._calls = ModelCalls(model)
         self._notes: contextlib.ExitStack | None = None
+        self._guard: InterruptGuard | None = None
 
     @property
     def keys(self) -> list[str]:
@@ -238,12 +244,20 @@ class Probe:
                 handle._detach()
 
     # -- lifetime ---------------------------------------------------------------------------------
+    # Ctrl-C (a notebook interrupt) is held back as in a trace: entering and leaving happen whole.
     def __enter__(self) -> Probe:
-        self._notes = contextlib.ExitStack()
-        self._notes.enter_context(layer_notes(self.model))
+        self._guard = guarded_enter(_PROBE_CODE, self._add_notes, self._leave)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        guard, self._guard = self._guard, None
+        guarded_exit(guard, self._leave)
+
+    def _add_notes(self) -> None:
+        self._notes = contextlib.ExitStack()
+        self._notes.enter_context(layer_notes(self.model))
+
+    def _leave(self) -> None:
         self.remove()
         # Only here, so nested probes restore Module.__call__ last in, first out.
         if self._notes is not None:
@@ -252,8 +266,9 @@ class Probe:
 
     def remove(self) -> None:
         """Remove every hook this probe added; the probe stays usable."""
-        while self.handles:
-            self.handles[-1].remove()
+        with critical():
+            while self.handles:
+                self.handles[-1].remove()
 
     # -- selection --------------------------------------------------------------------------------
     def select(self, selector: Selector) -> dict[str, torch.nn.Module | FunctionSite]:
@@ -283,9 +298,13 @@ class Probe:
         for key, module in self.select(selector).items():
             handle.keys.append(key)
             handle._registrations.append((register, key, module))
-        if self._enabled:
-            handle._attach()
-        self.handles.append(handle)
+        return self._track(handle)
+
+    def _track(self, handle: Hooks) -> Any:
+        with critical():  # attached and tracked, or neither
+            if self._enabled:
+                handle._attach()
+            self.handles.append(handle)
         return handle
 
     # -- shapes -----------------------------------------------------------------------------------
@@ -512,10 +531,7 @@ class Probe:
 
         handle = Hooks(self, [found.path])
         handle._registrations.append((register, found.path, None))
-        if self._enabled:
-            handle._attach()
-        self.handles.append(handle)
-        return handle
+        return self._track(handle)
 
     # -- teacher / student ------------------------------------------------------------------------
     def match(self, teacher: Probe, pairs: dict[str, str] | Iterable[tuple[Selector, Selector]]) -> Match:
@@ -668,3 +684,6 @@ class Probe:
 
     def __repr__(self) -> str:
         return f"Probe({type(eager_module(self.model)).__name__}, {len(self._key2module)} keys, {len(self.handles)} hook sets)"
+
+
+_PROBE_CODE = (Probe.__enter__.__code__, Probe.__exit__.__code__)

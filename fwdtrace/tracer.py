@@ -18,14 +18,13 @@ Other threads keep running their forwards untouched, and may trace at the same t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, NamedTuple, cast
 
@@ -48,6 +47,8 @@ from .patching import (
     add_call_handler,
     add_function_handler,
     critical,
+    guarded_enter,
+    guarded_exit,
     remove_call_handler,
 )
 
@@ -765,8 +766,31 @@ def _note_layer(
                        arguments_text(args, kwargs), op=op)
 
 
-@contextlib.contextmanager
-def around_module_calls(handler: Callable[..., Any]) -> Iterator[None]:
+class _GuardedHandlers:
+    """Handlers in while a ``with`` block runs, put in and taken off whole whatever Ctrl-C does (see patching.guarded_enter)."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._guard: InterruptGuard | None = None
+
+    def _add(self) -> None:
+        raise NotImplementedError
+
+    def _remove(self) -> None:
+        remove_handlers(self._handles)
+
+    def __enter__(self) -> None:
+        self._guard = guarded_enter(_GUARDED_HANDLERS_CODE, self._add, self._remove)
+
+    def __exit__(self, *exc: object) -> None:
+        guard, self._guard = self._guard, None
+        guarded_exit(guard, self._remove)
+
+
+_GUARDED_HANDLERS_CODE = (_GuardedHandlers.__enter__.__code__, _GuardedHandlers.__exit__.__code__)
+
+
+class around_module_calls(_GuardedHandlers):  # noqa: N801 - used as a function: with around_module_calls(...)
     """Send every module call of this thread to ``handler(call, module, args, kwargs)`` while active.
 
     >>> import torch
@@ -783,11 +807,13 @@ def around_module_calls(handler: Callable[..., Any]) -> Iterator[None]:
     Layer notes, analysis's counting and timing runs and traces all go through the one
     dispatch point of :mod:`fwdtrace.patching`; they may be left in any order.
     """
-    handle = add_call_handler(handler)
-    try:
-        yield
-    finally:
-        remove_call_handler(handle)
+
+    def __init__(self, handler: Callable[..., Any]) -> None:
+        super().__init__()
+        self._handler = handler
+
+    def _add(self) -> None:
+        self._handles.append(add_call_handler(self._handler))
 
 
 def add_function_handlers(
@@ -819,10 +845,7 @@ def remove_handlers(handles: list[Any]) -> None:
             remove_call_handler(handles.pop())
 
 
-@contextlib.contextmanager
-def around_function_calls(
-    targets: list[_registry.FunctionTarget], make_handler: Callable[[_registry.FunctionTarget], FunctionHandler]
-) -> Iterator[None]:
+class around_function_calls(_GuardedHandlers):  # noqa: N801 - used as a function
     """Send this thread's calls of each function target to ``make_handler(target)`` while active.
 
     >>> import torch
@@ -836,15 +859,18 @@ def around_function_calls(
     >>> seen
     ['silu']
     """
-    handles = add_function_handlers(make_handler, targets=targets)
-    try:
-        yield
-    finally:
-        remove_handlers(handles)
+
+    def __init__(
+        self, targets: list[_registry.FunctionTarget], make_handler: Callable[[_registry.FunctionTarget], FunctionHandler]
+    ) -> None:
+        super().__init__()
+        self._targets, self._make_handler = targets, make_handler
+
+    def _add(self) -> None:
+        self._handles.extend(add_function_handlers(self._make_handler, targets=self._targets))
 
 
-@contextlib.contextmanager
-def layer_notes(model: torch.nn.Module) -> Iterator[None]:
+class layer_notes(around_module_calls):  # noqa: N801 - used as a function: with layer_notes(model)
     """While active, an error raised in any module of ``model`` (in this thread) gets a note naming that layer.
 
     >>> import torch
@@ -859,17 +885,18 @@ def layer_notes(model: torch.nn.Module) -> Iterator[None]:
 
     Traces add the same note by themselves; probes and analysis use this for plain forwards.
     """
-    module2path = _module_paths(model)
 
-    def on_call(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        try:
-            return call(module, *args, **kwargs)
-        except BaseException as e:
-            _note_layer(e, module2path.get(id(module), f"<{type(module).__name__}>"), module, args, kwargs)
-            raise
+    def __init__(self, model: torch.nn.Module) -> None:
+        module2path = _module_paths(model)
 
-    with around_module_calls(on_call):
-        yield
+        def on_call(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+            try:
+                return call(module, *args, **kwargs)
+            except BaseException as e:
+                _note_layer(e, module2path.get(id(module), f"<{type(module).__name__}>"), module, args, kwargs)
+                raise
+
+        super().__init__(on_call)
 
 
 _SIGNATURES: weakref.WeakKeyDictionary[Any, dict[bool, inspect.Signature | None]] = weakref.WeakKeyDictionary()

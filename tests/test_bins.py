@@ -117,3 +117,58 @@ def test_grown_bins_are_as_fine_as_the_range_allows() -> None:
                 lo, hi = bins.range
                 assert lo <= a and b < hi and lo <= first and last <= hi
                 assert (hi - lo) / bins.bins <= 2 * finest
+
+
+DIVERGING = [  # what a diverging run sends, one sample after another
+    [np.linspace(0, 1, 100), np.array([1e20])],
+    [np.linspace(-1, 1, 50), np.array([-1e300, 1e300])],
+    [np.array([0.0, 1.0]), np.array([1.7e308, -1.7e308]), np.array([np.inf, -np.inf, np.nan, 0.5])],
+    [np.array([-1.7e308, 1.7e308]), np.array([0.0])],
+    [np.array([5e-324, 1e-320]), np.array([1e308])],
+]
+
+
+@pytest.mark.parametrize("samples", DIVERGING, ids=range(len(DIVERGING)))
+def test_diverging_values_are_binned_or_counted_never_raised(samples: list[np.ndarray]) -> None:
+    bins = SteadyBins(60)
+    for sample in samples:
+        counts, under, over = bins.add(sample)
+        edges = bins.edges
+        assert np.isfinite(edges).all() and (np.diff(edges) > 0).all()
+        finite = sample[np.isfinite(sample)]
+        # The sample's counts are numpy's on the same edges; what lies outside them is counted apart.
+        assert counts.tolist() == np.histogram(finite[(finite >= edges[0]) & (finite < edges[-1])], edges)[0].tolist()
+        assert (under, over) == (int((finite < edges[0]).sum()), int((finite >= edges[-1]).sum()))
+    total = sum(s.size for s in samples)
+    assert int(bins.counts.sum()) + bins.underflow + bins.overflow + bins.nonfinite == total
+
+
+def test_a_jump_by_1e19_keeps_every_count() -> None:
+    bins = SteadyBins(60)
+    bins.add(np.linspace(0, 1, 100))
+    bins.add(np.array([1e20]))
+    assert bins.range is not None and bins.range[0] <= 0 and bins.range[1] > 1e20
+    assert int(bins.counts.sum()) == 101 and bins.overflow == 0
+    assert int(bins.counts[np.searchsorted(bins.edges, 0.5, side="right") - 1]) == 100  # all the small ones, one bin
+
+
+EXTREMES = np.array([0, 1, -1, 0.5, 3, -7, 1e20, -1e20, 1e300, -1e300, 1.7e308, -1.7e308, 2.0**1000, -(2.0**1000),
+                     2.0**1001, 5e-324, -5e-324, 1e-310, np.inf, -np.inf, np.nan])
+
+
+@pytest.mark.filterwarnings("error")  # no overflow warnings either
+def test_any_mix_of_extreme_values_matches_numpy_on_the_edges_in_use() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(1000):
+        bins, seen = SteadyBins(int(rng.integers(1, 80))), 0  # one bin too: it cannot straddle zero
+        for _ in range(int(rng.integers(1, 6))):
+            sample = rng.choice(EXTREMES, size=int(rng.integers(1, 6))) * rng.choice([1, 1.0001, 0.999])
+            seen += sample.size
+            counts, under, over = bins.add(sample)
+            edges, finite = bins.edges, sample[np.isfinite(sample)]
+            if edges.size:
+                assert np.isfinite(edges).all() and (np.diff(edges) > 0).all()
+                inside = finite[(finite >= edges[0]) & (finite < edges[-1])]
+                assert counts.tolist() == np.histogram(inside, edges)[0].tolist(), (edges, sample)
+                assert (under, over) == (int((finite < edges[0]).sum()), int((finite >= edges[-1]).sum()))
+        assert int(bins.counts.sum()) + bins.underflow + bins.overflow + bins.nonfinite == seen

@@ -1231,3 +1231,50 @@ def test_log_scalar_and_health_scalars_reach_the_api_as_torch_computes_them() ->
         with pytest.raises(FwdtraceError, match=r"^log_scalar\(\) expected name as a non-empty str"):
             log_scalar(3, 1.0)  # type: ignore[arg-type]
     assert scalars._logs == ()
+
+
+def test_a_live_arm_keeps_every_sample_of_a_run_that_diverges() -> None:
+    from fwdtrace.live.sampler import Sampler
+
+    model = Net()
+    sampler = Sampler(model)
+    try:
+        sampler.arm("body.0.Linear", "forward")
+        with torch.no_grad():
+            for step in range(6):
+                if step == 3:
+                    model.body[0].weight.mul_(1e20)  # the outputs jump from about 1 to about 1e20
+                model(torch.randn(2, 8))
+        sampler.drain()
+        arm = sampler.arms[("body.0.Linear", "forward")]
+        assert arm.error is None and arm.armed
+        samples = sampler.samples("body.0.Linear", "forward")
+        assert [s["call"] for s in samples] == [1, 2, 3, 4, 5, 6]
+        out = [t for t in samples[-1]["tensors"] if t["role"] == "output"][0]
+        assert sum(out["histogram"]) + out["underflow"] + out["overflow"] == out["numel"] == 32
+    finally:
+        sampler.close()
+
+
+def test_a_sparse_gradient_is_summarised_and_counted_in_health_as_its_dense_gradient() -> None:
+    from fwdtrace.live.sampler import Sampler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2))
+    sampler = Sampler(model)
+    try:
+        sampler.arm("Sequential", "health")
+        sampler.arm("0.Embedding", "weight_grad")
+        model(torch.tensor([[1, 1]])).pow(2).sum().backward()  # one row used twice: duplicates to sum
+        sampler.drain()
+        assert all(arm.error is None and arm.armed for arm in sampler.arms.values())
+        dense = [p.grad.to_dense() for p in model.parameters()]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in dense]).double()))
+        assert sampler.scalars.read()["Sequential/grad_norm"]["values"] == pytest.approx([norm])
+        [tensor] = sampler.samples("0.Embedding", "weight_grad")[0]["tensors"]
+        weight_grad = dense[0].double()
+        assert sum(tensor["histogram"]) == weight_grad.numel() == 40
+        assert tensor["mean"] == pytest.approx(float(weight_grad.mean()))
+        assert tensor["zero_fraction"] == pytest.approx(float((weight_grad == 0).double().mean()))
+    finally:
+        sampler.close()

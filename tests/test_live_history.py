@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -296,3 +297,265 @@ BAD_LOGDIRS = [
 def test_a_bad_logdir_says_what_was_expected(tmp_path: Path, make, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(FwdtraceError, match=message):
         History(make(tmp_path), **kwargs)
+
+
+def test_a_reader_in_another_process_never_stops_the_writer_adding_series(tmp_path: Path) -> None:
+    """``fwdtrace serve --logdir`` opened beside a running run: the writer's new series and later writes all land."""
+    import os
+    import subprocess
+    import sys
+
+    with History(tmp_path) as history:
+        history.append_scalar("loss", 1.0, step=0, time=0.0)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        reader = subprocess.Popen(
+            [sys.executable, "-c", "import sys\nfrom fwdtrace.live.history import History\n"
+             f"r = History({str(tmp_path)!r}, read_only=True)\nprint(r.scalar_names(), flush=True)\n"
+             "sys.stdin.readline()\nprint(len(r.scalars('loss')), flush=True)\n"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert reader.stdout is not None and reader.stdout.readline().strip() == "['loss']"  # the file is open there
+            for step in range(1, 6):
+                history.append_scalar(f"new{step}", float(step), step=step, time=0.0)  # a new series each time
+                history.append_scalar("loss", 1.0 / step, step=step, time=0.0)
+                history.append("0.Linear", "forward", f"role{step}", step=step, time=0.0, stats={"mean": 1.0},
+                               histogram=[1, 2], bin_edges=[0.0, 1.0, 2.0])
+            out, _ = reader.communicate("\n", timeout=120)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+        assert out.strip() == "1"  # the reader still reads (the run as it was when it opened it)
+        assert history.scalar_names() == ["loss"] + [f"new{s}" for s in range(1, 6)]
+        assert [r["value"] for r in history.scalars("loss")] == [1.0 / max(s, 1) for s in range(6)]
+        assert len(history.series()) == 5
+
+
+# -- a reopened run is a file from elsewhere ------------------------------------------------------
+
+
+def _finished_run(path: Path) -> Path:
+    with History(path) as history:
+        for step in range(3):
+            history.append_scalar("loss", 1.0 / (step + 1), step=step, time=0.0)
+            history.append("0.Linear", "forward", "output", step=step, time=0.0, stats={"mean": 1.0},
+                           histogram=[1, 2], bin_edges=[0.0, 1.0, 2.0])
+    return path / HISTORY_FILE
+
+
+def _replace(file: h5py.File, name: str, **kwargs: object) -> None:
+    old = file[name]
+    dtype, shape = old.dtype, old.shape
+    del file[name]
+    file.create_dataset(name, dtype=dtype, shape=kwargs.pop("shape", shape), **kwargs)
+
+
+def _external_storage(file: h5py.File, outside: Path) -> None:
+    _replace(file, "scalars/0/meta", external=[(str(outside), 0, 3 * 32)])
+
+
+def _external_link(file: h5py.File, outside: Path) -> None:
+    del file["scalars/0"]
+    file["scalars/0"] = h5py.ExternalLink(str(outside), "/")
+
+
+def _soft_link(file: h5py.File, outside: Path) -> None:
+    del file["series/0/values"]
+    file["series/0/values"] = h5py.SoftLink("/scalars/0/meta")
+
+
+def _huge(file: h5py.File, outside: Path) -> None:
+    file.attrs["retention"] = 4_000_000
+    _replace(file, "scalars/0/meta", shape=(4_000_000,), maxshape=(4_000_000,), chunks=(256,))
+
+
+def _wrong_layout(file: h5py.File, outside: Path) -> None:
+    del file["series/0"].attrs["kind"]
+
+
+CRAFTED = [
+    (_external_storage, "keeps its data in external files"),
+    (_external_link, "is an external link to"),
+    (_soft_link, "is a SoftLink"),
+    (_huge, r"declares \(4000000,\) \(128000000 bytes\) but the file stores"),
+    (_wrong_layout, "lacks the text attributes key, kind, role"),
+]
+
+
+@pytest.mark.parametrize(("craft", "message"), CRAFTED, ids=[c.__name__.strip("_") for c, _ in CRAFTED])
+def test_a_crafted_run_is_refused_with_one_error_naming_it(tmp_path: Path, craft: object, message: str) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"SECRET" * 100)
+    path = _finished_run(tmp_path / "run")
+    with h5py.File(path, "a") as file:
+        craft(file, outside)  # type: ignore[operator]
+    with pytest.raises(FwdtraceError, match=rf"^reopen\(\) expected a fwdtrace live run, got '{re.escape(str(path))}', .*{message}"):
+        History(tmp_path / "run", read_only=True, caller="reopen()")
+
+
+def test_a_symlinked_history_is_not_followed(tmp_path: Path) -> None:
+    real = _finished_run(tmp_path / "real")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / HISTORY_FILE).symlink_to(real)
+    with pytest.raises(FwdtraceError, match=r"^reopen\(\) could not open the history .*is a symbolic link, not followed"):
+        History(tmp_path / "run", read_only=True, caller="reopen()")
+
+
+def test_damaged_copies_of_a_finished_run_open_or_raise_one_error(tmp_path: Path) -> None:
+    data = _finished_run(tmp_path / "run").read_bytes()
+    reference = History(tmp_path / "run", read_only=True)
+    expected = reference.scalars("loss")
+    reference.close()
+    opened = refused = 0
+    for offset in range(0, len(data), max(1, len(data) // 40)):  # one flipped byte at each of 40 places
+        damaged = bytearray(data)
+        damaged[offset] ^= 0xFF
+        run = tmp_path / f"damaged{offset}"
+        run.mkdir()
+        (run / HISTORY_FILE).write_bytes(bytes(damaged))
+        try:
+            history = History(run, read_only=True)
+        except FwdtraceError as e:  # never a raw error, never a hang (no SWMR back-off on a finished run)
+            assert str(run / HISTORY_FILE) in str(e)
+            refused += 1
+            continue
+        history.close()
+        opened += 1
+    assert opened + refused >= 40 and refused >= 1
+    assert expected == [{"step": s, "time": 0.0, "value": 1.0 / (s + 1)} for s in range(3)]
+
+
+@pytest.mark.parametrize("name", ["keys.json", "graph.json"])
+def test_the_run_files_beside_the_history_are_not_followed_through_links(tmp_path: Path, name: str) -> None:
+    _finished_run(tmp_path / "run")
+    secret = tmp_path / "secret.json"
+    secret.write_text('[{"key": "SECRET"}]')
+    (tmp_path / "run" / name).symlink_to(secret)
+    history = History(tmp_path / "run", read_only=True, caller="reopen()")
+    with pytest.raises(FwdtraceError, match=rf"^reopen\(\) expected '.*{name}' to be the run's {name}, got a symbolic link"):
+        history.keys() if name == "keys.json" else history.graph_json()
+    history.close()
+
+
+def test_serve_refuses_retention_when_reopening_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+
+    _finished_run(tmp_path / "run")
+    assert main(["serve", "--logdir", str(tmp_path / "run"), "--retention", "5", "--port", "0"]) == 2
+    assert capsys.readouterr().err.startswith("fwdtrace serve: error: fwdtrace serve expected --retention only with a "
+                                              "model factory (it bounds a new history)")
+
+
+def test_scalar_windows_of_many_names_come_in_bounded_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fwdtrace.live import server as live_server
+
+    monkeypatch.setattr(live_server, "MAX_POINTS", 20)  # 200 names at limit=10000 would be 2 M points in one answer
+    with fwdtrace.serve(Net(), port=0) as server:
+        names = [f"s{i:02d}" for i in range(7)]
+        for step in range(5):
+            for name in names:
+                fwdtrace.live.log_scalar(name, float(step), step=step)
+        seen: dict[str, list[int]] = {}
+        offset: int | None = 0
+        pages = 0
+        while offset is not None:
+            status, answer = request(server, "GET", f"/api/scalars?before=100&limit=6&offset={offset}")
+            assert status == 200 and len(answer["scalars"]) <= 3 and answer["names"] == names  # 20 // 6 names a page
+            seen.update({n: c["steps"] for n, c in answer["scalars"].items()})
+            offset, pages = answer["next_offset"], pages + 1
+        assert pages == 3 and seen == {n: [0, 1, 2, 3, 4] for n in names}
+        assert request(server, "GET", "/api/scalars?before=1&offset=-1")[0] == 400
+
+
+def test_a_new_series_costs_the_same_with_200_series_as_with_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted in HDF5 object lookups (not time): re-opening every series at each new one grew with their number."""
+    lookups = [0]
+    getitem = h5py.Group.__getitem__
+
+    def counting(self: h5py.Group, name: object) -> object:
+        lookups[0] += 1
+        return getitem(self, name)
+
+    with History(tmp_path) as history:
+        def new_series(i: int) -> int:
+            lookups[0] = 0
+            history.append_scalar(f"s{i}", 1.0, step=0, time=0.0)
+            history.append("0.Linear", "forward", f"r{i}", step=0, time=0.0, stats={}, histogram=[1], bin_edges=[0.0, 1.0])
+            return lookups[0]
+
+        new_series(0)
+        monkeypatch.setattr(h5py.Group, "__getitem__", counting)
+        with_two = new_series(1)
+        for i in range(2, 200):
+            new_series(i)
+        assert new_series(200) == with_two
+        assert [p["value"] for p in history.scalars("s0")] == [1.0] and len(history.series()) == 201
+
+
+FULL_DISK = """
+import os, resource, signal, sys
+from fwdtrace.live.history import History
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+history = History(sys.argv[1])
+history.append_scalar("loss", 1.0, 0, 0.0)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(sys.argv[1] + "/history.h5") + 20_000, hard))
+failed = []
+for i in range(200):  # new series until the disk is full
+    try:
+        history.append_scalar(f"s{i}", 1.0, i, 0.0)
+    except Exception as e:
+        failed.append(type(e).__name__)
+        if len(failed) == 3:
+            break
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # space returns
+history.append_scalar("after", 2.0, 1, 0.0)
+history.append_scalar("loss", 3.0, 2, 0.0)
+history.close()
+print(",".join(sorted(set(failed))))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE stands in for a full disk")
+def test_a_full_disk_ends_nothing_writes_resume_when_space_returns_and_the_run_reopens(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "FwdtraceError"  # the failed writes say so, as fwdtrace errors
+    with History(tmp_path, read_only=True) as finished:  # by fwdtrace
+        assert [p["value"] for p in finished.scalars("loss")] == [1.0, 3.0]
+        assert finished.scalars("after")[0]["value"] == 2.0
+    with h5py.File(tmp_path / HISTORY_FILE, "r") as plain:  # and by plain h5py
+        assert "scalars" in plain
+
+
+def test_serve_on_a_damaged_run_exits_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fwdtrace.cli import main
+
+    path = _finished_run(tmp_path / "run")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)  # the second half zeroed
+    path.write_bytes(bytes(data))
+    assert main(["serve", "--logdir", str(tmp_path / "run"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fwdtrace serve: error: reopen() ") and str(path) in err and "Traceback" not in err
+
+
+def test_a_run_whose_writer_was_killed_while_adding_a_series_reopens_read_only(tmp_path: Path) -> None:
+    """Killed in the moment the file is out of SWMR mode (a series being added): flagged open for plain writing."""
+    import os
+    import subprocess
+
+    path = _finished_run(tmp_path / "run")
+    killed = f"import h5py, os\nf = h5py.File({str(path)!r}, 'a', libver='latest')\nf.flush()\nos._exit(0)\n"
+    subprocess.run([sys.executable, "-c", killed], check=True, timeout=60, env={**os.environ})
+    with pytest.raises(OSError, match="not already open for SWMR writing"):  # what plain h5py says
+        h5py.File(path, "r", libver="latest", swmr=True)
+    before = path.read_bytes()
+    with History(tmp_path / "run", read_only=True) as finished:
+        assert [p["value"] for p in finished.scalars("loss")] == [1.0, 0.5, 1.0 / 3]
+        assert len(finished.rows("0.Linear", "forward", "output")) == 3
+    assert path.read_bytes() == before  # read as it is, not repaired

@@ -205,25 +205,80 @@ def test_view_without_model_explorer_says_how_to_install(monkeypatch: pytest.Mon
         fwdtrace.view(nn.Linear(2, 2), torch.ones(1, 2))
 
 
-def test_view_hands_the_files_to_model_explorer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def _get(port: int, path: str, host: str | None = None, headers: dict[str, str] | None = None,
+         method: str = "GET") -> tuple[int, bytes, Any]:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.putrequest(method, path, skip_host=True)
+    connection.putheader("Host", host or f"127.0.0.1:{port}")
+    for name, value in (headers or {}).items():
+        connection.putheader(name, value)
+    connection.endheaders()
+    response = connection.getresponse()
+    body = response.read()
+    connection.close()
+    return response.status, body, response.headers
+
+
+def test_view_serves_the_page_and_its_files_and_nothing_else(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import model_explorer
 
     seen: dict[str, Any] = {}
 
-    def fake_visualize(config: Any, **kwargs: Any) -> None:  # the server would block until Ctrl+C
-        seen["config"], seen["kwargs"] = config, kwargs
+    def requests(server: Any) -> None:  # instead of waiting for Ctrl+C
+        port, graph = server.port, seen["graph"]
+        seen["url"] = server.page_url("x")
+        seen["page"] = _get(port, "/")
+        seen["graph_file"] = _get(port, f"/api/v1/read_text_file?path={graph}")
+        seen["passwd"] = _get(port, "/api/v1/read_text_file?path=/etc/passwd")
+        seen["beside"] = _get(port, f"/api/v1/read_text_file?path={Path(graph).parent / 'other.json'}")
+        seen["rebinding"] = _get(port, f"/api/v1/read_text_file?path={graph}", host=f"evil.example:{port}")
+        seen["traversal"] = _get(port, "/../../../../etc/passwd")
+        seen["command"] = _get(port, '/api/v1/send_command?json={"extensionId":"x"}')
+        seen["upload"] = _get(port, "/apipost/v1/upload", method="POST")
 
-    monkeypatch.setattr(model_explorer, "visualize_from_config", fake_visualize)
+    (tmp_path / "other.json").write_text("secret")
+    monkeypatch.setattr(mx, "_serve_until_interrupted", requests)
+    seen["graph"] = str(tmp_path / "graph.json")
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
     files = fwdtrace.view(model, torch.ones(2, 4), node_data={"n": {"0.Linear": 1.5}}, folder=str(tmp_path),
-                          port=8123, open_browser=False)
-    config = seen["config"]
-    assert [s["url"] for s in config.model_sources] == [str(Path(files.graph).resolve())]
-    assert config.node_data_sources == [str(Path(files.node_data["n"]).resolve())]
-    assert seen["kwargs"] == {"host": "127.0.0.1", "port": 8123, "no_open_in_browser": True}
+                          port=0, open_browser=False)
+    assert files.graph == seen["graph"]
+    web_app = Path(model_explorer.__file__).parent / "web_app"
+    assert seen["page"][:2] == (200, (web_app / "index.html").read_bytes())
+    assert seen["graph_file"][0] == 200 and json.loads(seen["graph_file"][1]) == {"content": Path(files.graph).read_text()}
+    for refused, status in (("passwd", 403), ("beside", 403), ("rebinding", 403), ("traversal", 404),
+                            ("command", 404), ("upload", 404)):
+        assert seen[refused][0] == status, refused
+        assert b"root:" not in seen[refused][1] and b"secret" not in seen[refused][1]
+    assert seen["url"].startswith("http://127.0.0.1:") and "token" not in seen["url"]
     assert len(_load(files.graph).graphs[0].nodes) == len(fwdtrace.trace(model, torch.ones(2, 4)).nodes)
     with pytest.raises(FwdtraceError, match=r"^fwdtrace\.view\(\) expected no inputs with a Graph, got 1"):
         fwdtrace.view(fwdtrace.trace(model, torch.ones(2, 4)), torch.ones(2, 4))
+
+
+def test_view_beyond_loopback_needs_the_token_it_prints(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def requests(server: Any) -> None:
+        port, graph = server.port, str(tmp_path / "graph.json")
+        seen["token"] = server.token
+        seen["none"] = _get(port, f"/api/v1/read_text_file?path={graph}", host="anything")
+        seen["wrong"] = _get(port, f"/?token={'x' * 22}", host="anything")
+        seen["first"] = _get(port, f"/?token={server.token}", host="anything")
+        cookie = seen["first"][2]["Set-Cookie"].split(";")[0]
+        seen["cookie"] = _get(port, f"/api/v1/read_text_file?path={graph}", host="anything", headers={"Cookie": cookie})
+        seen["bearer"] = _get(port, "/", host="anything", headers={"Authorization": f"Bearer {server.token}"})
+
+    monkeypatch.setattr(mx, "_serve_until_interrupted", requests)
+    fwdtrace.view(nn.Linear(2, 2), torch.ones(1, 2), folder=str(tmp_path), host="0.0.0.0", port=0, open_browser=False)
+    assert seen["token"] and seen["token"] in capsys.readouterr().err  # made and printed
+    assert seen["none"][0] == 401 and seen["wrong"][0] == 401
+    assert seen["first"][0] == seen["cookie"][0] == seen["bearer"][0] == 200
+    assert json.loads(seen["cookie"][1])["content"] == (tmp_path / "graph.json").read_text()
 
 
 def test_onnx_pair_maps_the_reports_matches(tmp_path: Path) -> None:

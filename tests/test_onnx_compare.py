@@ -685,7 +685,24 @@ def test_unreadable_onnx_files_are_named(tmp_path: Path) -> None:
     empty.write_bytes(b"")
     corrupt = tmp_path / "corrupt.onnx"
     corrupt.write_bytes(b"\xff\xfe not a protobuf \x00\x01")
+    import onnx
+    from onnx import TensorProto, helper
+
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 8)  # beside the model's folder, not in it
+    (tmp_path / "model").mkdir()
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [0])
+    shape.ClearField("int64_data")
+    shape.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "../secret.bin"), ("offset", "0"), ("length", "8")):
+        entry = shape.external_data.add()
+        entry.key, entry.value = key, value
+    outside = tmp_path / "model" / "outside.onnx"
+    onnx.save(helper.make_model(helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])), outside)
     for path, message in [
+        (outside, r"^compare_onnx\(\) expected a .onnx file, got '.*outside.onnx', which onnx cannot read: ValidationError"),
         (tmp_path / "missing.onnx", r"^compare_onnx\(\) expected a .onnx file, got '.*missing.onnx', which does not exist"),
         (tmp_path, r"^compare_onnx\(\) expected a .onnx file, got '.*', which is a folder"),
         (empty, r"^compare_onnx\(\) expected a .onnx file with a graph, got '.*empty.onnx', which holds none"),

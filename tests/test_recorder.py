@@ -290,6 +290,7 @@ def test_a_worker_killed_with_kill_9_is_reported_once_and_replaced(tmp_path: Pat
     for stem in stems:  # the new worker wrote the frames it was sent
         assert rec.stats()[stem]["worker_deaths"] == 1 and not rec.stats()[stem]["failed"]
         assert tmp_path / f"{stem}.mp4" in paths and 1 <= len(frames_of(tmp_path / f"{stem}.mp4")) <= rec.stats()[stem]["sent"]
+    assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]  # the killed worker's unfinished videos went
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads worker states from /proc")
@@ -720,3 +721,45 @@ def test_a_script_without_a_main_guard_records_and_exits_0(tmp_path: Path) -> No
     assert "bootstrapping" not in done.stderr
     files, dropped = map(int, done.stdout.split())
     assert files == 2 and len(frames_of(tmp_path / "out" / "0.Linear.forward.mp4")) == 3 - dropped
+
+
+# -- a diverging run: every frame drawn, or counted ------------------------------------------------
+
+
+def test_a_run_that_diverges_by_1e19_gets_every_frame_drawn_and_no_traceback(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    model, x = mlp(), torch.randn(4, 8)
+    with fwdtrace.Recorder(tmp_path, timeout=SLOW, views=("histogram",)) as rec:
+        rec.track(model, "0.Linear")
+        for step in range(6):
+            if step == 3:
+                with torch.no_grad():
+                    model[0].weight.mul_(1e20)  # the outputs jump from about 1 to about 1e20
+            model(x)
+    stats = rec.stats()["0.Linear.forward"]
+    assert (stats["not_drawn"], stats["error"]) == (0, "")
+    assert len(frames_of(tmp_path / "0.Linear.forward.mp4")) == stats["sent"] >= 1
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_frame_the_worker_cannot_draw_is_counted_with_its_reason_not_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from multiprocessing import Pipe
+
+    from fwdtrace.recorder import worker
+
+    monkeypatch.setattr(worker.signal, "signal", lambda *args: None)  # the worker's own settings, not this process's
+    monkeypatch.setattr(worker.os, "nice", lambda increment: 0)
+    ours, theirs = Pipe()
+    for _ in range(3):
+        ours.send(("bad", "a title", None, ("histogram",)))  # no payload to draw
+    ours.send(worker.STOP)
+    worker.run(theirs, os.getppid(), str(tmp_path), ".mp4", 10.0, SLOW)  # "the parent": this process's own
+    messages = [ours.recv_bytes() for _ in range(4)]
+    assert messages[:3] == [worker.CREDIT] * 3  # the sender's credits come back all the same
+    report = json.loads(messages[3])
+    assert report["frames"] == 0 and report["not_drawn"] == {"bad": 3}
+    assert report["errors"]["bad"].startswith("TypeError") or report["errors"]["bad"].startswith("AttributeError")
+    assert "Traceback" not in capfd.readouterr().err

@@ -23,7 +23,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 import fwdtrace
 from fwdtrace import FwdtraceError
-from fwdtrace.patching import call_dispatch_active
+from fwdtrace.patching import call_dispatch_active, patched_functions
 from fwdtrace.tracer import active_tracer
 
 ORIGINAL_CALL = nn.modules.module.Module._wrapped_call_impl
@@ -35,6 +35,7 @@ def assert_nothing_left() -> None:
     assert not call_dispatch_active()
     assert _get_current_function_mode_stack() == []
     assert active_tracer() is None
+    assert patched_functions() == []
 
 
 def server_model() -> tuple[nn.Module, torch.Tensor]:
@@ -201,17 +202,27 @@ def trace_under_fire(send: Any, raised: type[BaseException], fired: list[bool]) 
     """
     model, x = small_model()
     reference = fwdtrace.trace(model, x)
+    under_fire(lambda: fwdtrace.trace(model, x), reference, send, raised, fired)
+
+
+def under_fire(
+    run: Any, reference: Any, send: Any, raised: type[BaseException], fired: list[bool], runs: int = TRACES
+) -> None:
+    """``runs`` runs of ``run()``, each with one signal sent ``send(delay)`` after its start (see trace_under_fire).
+
+    A run that finishes returns ``reference``; whether it finished or not, nothing is left behind.
+    """
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGALRM)}
     rng = random.Random(0)
-    latest = 1e-3  # seconds after the trace starts
+    latest = 1e-3  # seconds after the run starts
     inside, after, others = 0, 0, []
-    for _ in range(TRACES):
+    for _ in range(runs):
         fired[0] = False
-        graph = None
+        result = None
         try:
             try:
                 send(rng.uniform(0.0, latest))
-                graph = fwdtrace.trace(model, x)
+                result = run()
             finally:
                 deadline = time.monotonic() + 60
                 while not fired[0] and time.monotonic() < deadline:  # the signal is handled inside this try
@@ -221,18 +232,18 @@ def trace_under_fire(send: Any, raised: type[BaseException], fired: list[bool]) 
         except BaseException as e:  # noqa: BLE001 - anything else fails, "a Tracer is already active" first
             others.append(repr(e))
         assert fired[0], "the signal never came"
-        if graph is None:
+        if result is None:
             inside += 1
             latest *= 1.1
         else:
             after += 1
             latest *= 0.9
-            assert graph == reference
+            assert result == reference
         assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
         assert_nothing_left()
     assert others == []
-    assert inside > TRACES // 10 and after > TRACES // 10, (inside, after)
-    assert fwdtrace.trace(model, x) == reference
+    assert inside > runs // 10 and after > runs // 10, (inside, after)
+    assert run() == reference
 
 
 @pytest.mark.parametrize("sender", ["timer", "thread"])
@@ -277,6 +288,81 @@ def test_a_sigint_at_a_random_moment_of_each_trace_leaves_the_handler_and_nothin
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous_alarm)
         signal.signal(signal.SIGINT, previous)
+
+
+def sigint_from_a_timer(run: Any, reference: Any, runs: int = TRACES) -> None:
+    """``under_fire`` with Ctrl-C as a real SIGINT raised by a ``signal.setitimer`` timer's handler."""
+    fired = [False]
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        fired[0] = True
+        raise KeyboardInterrupt
+
+    def send(seconds: float) -> None:
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-6))
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous_alarm = signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    try:
+        under_fire(run, reference, send, KeyboardInterrupt, fired, runs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("dotted", [False, True], ids=["module-hooks", "dotted-path-hooks"])
+# A signal that lands in a weakref callback of importlib's (resolving the dotted path) is printed
+# and dropped by Python itself; the run then finishes and is checked like any other.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_sigint_at_a_random_moment_of_a_probe_block_leaves_nothing_patched_or_hooked(dotted: bool) -> None:
+    """A notebook interrupt inside ``with Probe(model)``: the hooks, the layer notes and the patched function go."""
+    model, x = small_model()
+    with torch.no_grad():  # the reference, from torch alone: ReLU's output doubled, the last Linear's plus one
+        hidden = torch.relu(model[0](x)) * (2 if dotted else 1)
+        reference = tuple((model[2](hidden) + 1).flatten().tolist())
+
+    def run() -> tuple[float, ...]:
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        with fwdtrace.Probe(model) as probe:
+            if dotted:
+                probe.hook_function("torch.nn.functional.relu", lambda inputs, kwargs, output: output * 2)
+            probe.replace_output("2.Linear", lambda module, inputs, output: output + 1)
+            out = model(x)  # with grad: torch.no_grad() itself is not safe against an interrupt
+        return tuple(out.detach().flatten().tolist())
+
+    sigint_from_a_timer(run, reference)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as for probes
+def test_a_sigint_at_a_random_moment_of_a_dumper_block_leaves_no_hook(tmp_path: Any) -> None:
+    """Ctrl-C inside ``with Dumper(...)``: the hooks go, and a step that finished was written."""
+    model, x = small_model()
+
+    def run() -> int:
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        with fwdtrace.Dumper(tmp_path, overwrite=True) as dumper:
+            dumper.register(model)
+            model(x).sum().backward()
+        return len(dumper.paths)
+
+    sigint_from_a_timer(run, 1, runs=100)  # each run writes a file
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as for probes
+def test_a_sigint_at_a_random_moment_of_probe_shapes_leaves_nothing_patched() -> None:
+    """A one-call tool (its own with-blocks inside): layer notes and module-call handlers go too."""
+    model, x = small_model()
+    reference = {k: v["output_shape"] for k, v in fwdtrace.Probe(model).shapes(x).items()}
+
+    def run() -> dict[str, Any]:
+        torch.set_grad_enabled(True)  # torch.no_grad() inside shapes() is not safe against an interrupt itself
+        return {k: v["output_shape"] for k, v in fwdtrace.Probe(model).shapes(x).items()}
+
+    try:
+        sigint_from_a_timer(run, reference)
+    finally:
+        torch.set_grad_enabled(True)
 
 
 def test_a_timeout_raised_by_sigalrm_at_a_random_moment_never_leaves_a_tracer_active() -> None:

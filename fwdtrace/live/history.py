@@ -27,12 +27,18 @@ an append wrote is on disk when it returns and the file stays valid if the proce
 hard kill (SIGKILL, a crashed node) loses only the append in flight, and the new series
 being created at that moment, if one was (series and scalars are created outside SWMR
 mode, which cannot create objects). A run whose writer was killed reopens read-only;
-writing into it again is refused (HDF5 marks the file as still open for writing).
+writing into it again is refused (HDF5 marks the file as still open for writing). A
+read-only history (``fwdtrace serve --logdir`` beside a running run) takes no file lock,
+so it never stops the writer adding a series; it shows the run as it was when opened. A
+series the writer could not add (a full disk) leaves the history open: the next write tries
+again, and when space returns writing resumes (clearing the "open for writing" flags a close
+that could not write left on the file, as ``h5clear -s`` would).
 h5py is imported here, only when a history is opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -44,13 +50,15 @@ from typing import Any
 import numpy as np
 
 from .._files import write_bytes
-from ..errors import FwdtraceError, describe
+from .._hdf5 import check_dataset, check_link, check_stored
+from ..errors import FwdtraceError, describe, one_line
 
 __all__ = ["History", "STATS", "DEFAULT_RETENTION", "HISTORY_FILE", "GRAPH_FILE", "KEYS_FILE"]
 
 HISTORY_FILE, GRAPH_FILE, KEYS_FILE = "history.h5", "graph.json", "keys.json"
 FORMAT_ATTR, FORMAT_VERSION = "fwdtrace_live_history", 1
 DEFAULT_RETENTION = 10_000
+_MAX_RUN_FILE = 256 << 20  # graph.json and keys.json: a graph of a million nodes stays below
 STATS = ("numel", "mean", "std", "min", "max", "nan", "inf", "zero_fraction", "underflow", "overflow")
 _COUNTS = ("numel", "nan", "inf", "underflow", "overflow")  # statistics served as ints
 _CHUNK_ROWS = 64  # rows per HDF5 chunk: a read decompresses whole chunks, an append rewrites one
@@ -66,19 +74,48 @@ def _h5py() -> Any:
     return h5py
 
 
-class _Ring:
-    """One series or scalar: its datasets and how many rows were ever appended (the ring keeps the newest)."""
+class _FileState:
+    """The history's open file, and how many times it was (re)opened: rings attach to the one open now."""
 
-    def __init__(self, file: Any, path: str, order: int) -> None:
+    def __init__(self) -> None:
+        self.file: Any = None
+        self.generation = 0
+
+
+class _Ring:
+    """One series or scalar: its datasets and how many rows were ever appended (the ring keeps the newest).
+
+    Its datasets are looked up again, when next used, after the file was reopened (a series being
+    added): doing it for every ring at each reopen cost time growing with the number of series.
+    """
+
+    def __init__(self, state: _FileState, path: str, order: int) -> None:
         self.path, self.order = path, order  # the group's path: objects of a closed file forget theirs
-        self.attach(file)
+        self._state, self._generation = state, -1
         n = self.meta.shape[0]
         self.appended = int(self.meta["seq"].max()) + 1 if n else 0
 
-    def attach(self, file: Any) -> None:
-        self.group = file[self.path]
-        self.meta = self.group["meta"]
-        self.values = self.group["values"] if "values" in self.group else None
+    def _attach(self) -> None:
+        if self._generation != self._state.generation:
+            self._group = self._state.file[self.path]
+            self._meta = self._group["meta"]
+            self._values = self._group["values"] if "values" in self._group else None
+            self._generation = self._state.generation
+
+    @property
+    def group(self) -> Any:
+        self._attach()
+        return self._group
+
+    @property
+    def meta(self) -> Any:
+        self._attach()
+        return self._meta
+
+    @property
+    def values(self) -> Any:
+        self._attach()
+        return self._values
 
     def span(self) -> dict[str, Any]:
         """Rows kept, rows ever appended, and the first and last step kept (None when empty)."""
@@ -124,12 +161,13 @@ class History:
         self._lock = threading.Lock()
         self._series: dict[tuple[str, str, str], _Ring] = {}
         self._scalars: dict[str, _Ring] = {}
+        self._closed = False
+        self._state = _FileState()
         h5py = _h5py()
         exists = self.path.exists()
         try:
             if read_only:
-                # swmr=True also reads a file whose writer died (still flagged as open for writing)
-                self._file = h5py.File(self.path, "r", libver="latest", swmr=True)
+                self._file = _open_for_reading(h5py, self.path)
             elif exists:
                 self._file = h5py.File(self.path, "a", libver="latest")
             else:
@@ -151,39 +189,123 @@ class History:
             if exists and not read_only and retention is not None and retention != self.retention:
                 raise FwdtraceError(f"{caller} expected retention={self.retention} for the run in {str(self.logdir)!r} "
                                     f"(it was written with it), got retention={retention}; give a new logdir to change it")
+            if read_only:
+                self._check_untrusted(h5py)
             for order, name in enumerate(sorted(self._file["series"], key=int)):
                 g = self._file["series"][name]
-                self._series[(g.attrs["key"], g.attrs["kind"], g.attrs["role"])] = _Ring(self._file, g.name, order)
+                self._series[(g.attrs["key"], g.attrs["kind"], g.attrs["role"])] = _Ring(self._state, g.name, order)
             for order, name in enumerate(sorted(self._file["scalars"], key=int)):
                 g = self._file["scalars"][name]
-                self._scalars[g.attrs["name"]] = _Ring(self._file, g.name, order)
+                self._scalars[g.attrs["name"]] = _Ring(self._state, g.name, order)
             if not read_only:
                 self._file.swmr_mode = True
+        except FwdtraceError:
+            self._file.close()
+            raise
+        except Exception as e:  # a damaged or foreign file: one error naming it
+            self._file.close()
+            raise self._untrusted(f"which cannot be read ({one_line(e)})") from None
         except BaseException:
             self._file.close()
             raise
 
+    @property
+    def _file(self) -> Any:
+        return self._state.file
+
+    @_file.setter
+    def _file(self, file: Any) -> None:
+        self._state.file = file
+        self._state.generation += 1  # every ring looks its datasets up again when next used
+
+    def _untrusted(self, what: str) -> FwdtraceError:
+        return FwdtraceError(f"{self.caller} expected a fwdtrace live run, got {str(self.path)!r}, {what}")
+
+    def _check_untrusted(self, h5py: Any) -> None:
+        """A run reopened is a file from elsewhere: plain objects inside it, of the layout written, sizes as stored."""
+        f, error = self._file, self._untrusted
+        if not 1 <= self.retention <= 1 << 30:
+            raise error(f"whose retention {self.retention} is not a positive row count")
+        for kind, meta_dtype in (("series", _SERIES_META), ("scalars", _SCALAR_META)):
+            check_link(h5py, f, kind, repr(kind), error)
+            parent = f[kind]
+            if not isinstance(parent, h5py.Group):
+                raise error(f"where {kind!r} is not a group")
+            for name in parent:
+                where = f"'{kind}/{name}'"
+                check_link(h5py, parent, name, where, error)
+                group = parent[name]
+                if not name.isdigit() or not isinstance(group, h5py.Group):
+                    raise error(f"where {where} is not a numbered group")
+                attrs = ("key", "kind", "role") if kind == "series" else ("name",)
+                if any(not isinstance(group.attrs.get(a), str) for a in attrs):
+                    raise error(f"where {where} lacks the text attributes {', '.join(attrs)}")
+                datasets: dict[str, tuple[Any, int]] = {"meta": (meta_dtype, 1)}
+                if kind == "series":
+                    bins = group.attrs.get("bins")
+                    if not isinstance(bins, (int, np.integer)) or not 1 <= int(bins) <= 1 << 16:
+                        raise error(f"where {where} has no valid 'bins' attribute")
+                    datasets["values"] = (np.dtype("<f8"), len(STATS) + 2 * int(bins) + 1)
+                rows = None
+                for dname, (dtype, width) in datasets.items():
+                    check_link(h5py, group, dname, f"{where}/{dname}", error)
+                    ds = group[dname]
+                    check_dataset(h5py, ds, f"{where}/{dname}", error)
+                    shape = (ds.shape[0], width) if dname == "values" else (ds.shape[0],)
+                    if ds.dtype != dtype or ds.shape != shape or ds.shape[0] > self.retention:
+                        raise error(f"where {where}/{dname} is {ds.dtype} {ds.shape}, not the layout written")
+                    if rows is not None and ds.shape[0] != rows:
+                        raise error(f"where {where} has {rows} meta rows but {ds.shape[0]} values rows")
+                    rows = ds.shape[0]
+                    chunk = int(np.prod(ds.chunks)) * ds.dtype.itemsize if ds.chunks else 0
+                    check_stored(ds, f"{where}/{dname}", error, slack=chunk)  # a chunk being written when killed
+
     # -- writing (one thread) ---------------------------------------------------------------------
     def _create(self, kind: str, attrs: dict[str, Any], meta: np.dtype, width: int | None) -> _Ring:
         """A new series or scalar group. SWMR mode cannot create objects: leave it, create, enter it again."""
-        h5py = _h5py()
         self._file.close()
-        self._file = h5py.File(self.path, "a", libver="latest")
-        parent = self._file[kind]
-        group = parent.create_group(str(len(parent)))
-        group.attrs.update(attrs)
-        group.create_dataset("meta", shape=(0,), maxshape=(self.retention,), dtype=meta,
-                             chunks=(min(self.retention, 4 * _CHUNK_ROWS),))
-        if width is not None:
-            # Not compressed: a compressed chunk rewritten (every append, once the ring wraps) moves to new
-            # space in the file and leaves the old behind, so the file would outgrow the retention.
-            group.create_dataset("values", shape=(0, width), maxshape=(self.retention, width), dtype="<f8",
-                                 chunks=(min(self.retention, _CHUNK_ROWS), width))
-        path, order = group.name, len(parent) - 1
-        self._file.swmr_mode = True
-        for ring in (*self._series.values(), *self._scalars.values()):
-            ring.attach(self._file)
-        return _Ring(self._file, path, order)
+        try:
+            self._file = self._reopen()
+        except OSError as e:
+            raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r} to add a series: "
+                                f"{e}; the next write tries again") from None
+        try:
+            parent = self._file[kind]
+            name = str(len(parent))
+            group = parent.create_group(name)
+            try:
+                group.attrs.update(attrs)
+                group.create_dataset("meta", shape=(0,), maxshape=(self.retention,), dtype=meta,
+                                     chunks=(min(self.retention, 4 * _CHUNK_ROWS),))
+                if width is not None:
+                    # Not compressed: a compressed chunk rewritten (every append, once the ring wraps) moves to new
+                    # space in the file and leaves the old behind, so the file would outgrow the retention.
+                    group.create_dataset("values", shape=(0, width), maxshape=(self.retention, width), dtype="<f8",
+                                         chunks=(min(self.retention, _CHUNK_ROWS), width))
+            except BaseException:
+                with contextlib.suppress(Exception):  # no half-made series left behind
+                    del parent[name]
+                raise
+            path, order = group.name, len(parent) - 1
+            self._file.swmr_mode = True
+        except Exception as e:  # a full disk: close what is open; the next write reopens the file
+            with contextlib.suppress(Exception):
+                self._file.close()
+            raise FwdtraceError(f"{self.caller} could not add a series to the history {str(self.path)!r}: "
+                                f"{one_line(e)}; the next write tries again") from None
+        return _Ring(self._state, path, order)
+
+    def _reopen(self) -> Any:
+        """The writer's own file again, in plain append mode."""
+        h5py = _h5py()
+        try:
+            return h5py.File(self.path, "a", libver="latest")
+        except OSError as e:
+            if "already open for write" not in str(e):
+                raise
+        # Ours, left flagged as open when the disk was full and closing could not write: clear the flags.
+        _clear_status_flags(h5py, self.path)
+        return h5py.File(self.path, "a", libver="latest")
 
     def _put(self, ring: _Ring, meta: tuple, values: np.ndarray | None) -> None:
         row = ring.appended % self.retention
@@ -199,8 +321,17 @@ class History:
     def _writable(self) -> None:
         if self.read_only:
             raise FwdtraceError(f"{self.caller}: the run in {str(self.logdir)!r} is open read-only")
-        if not self._file:
+        if self._closed:
             raise FwdtraceError(f"{self.caller}: the history {str(self.path)!r} is closed")
+        if not self._file:  # adding a series failed (a full disk): the writer still owns its run, try again
+            try:
+                self._file = self._reopen()
+                self._file.swmr_mode = True
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    self._file.close()
+                raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r}: {one_line(e)}; "
+                                    "the next write tries again") from None
 
     def append(self, key: str, kind: str, role: str, *, step: int, time: float, stats: dict[str, Any],
                histogram: Iterable[float], bin_edges: Iterable[float], call: int = 0, index: int = 0) -> None:
@@ -286,13 +417,34 @@ class History:
     # -- reading (any thread) ---------------------------------------------------------------------
     def graph_json(self) -> str | None:
         """The run's graph as JSON text, None if it was never traced."""
-        path = self.logdir / GRAPH_FILE
-        return path.read_text(encoding="utf-8") if path.is_file() else None
+        return self._run_file(GRAPH_FILE)
 
     def keys(self) -> list[dict[str, Any]]:
         """The run's module keys, as ``/api/keys`` served them (``[]`` if they were never written)."""
-        path = self.logdir / KEYS_FILE
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+        text = self._run_file(KEYS_FILE)
+        if text is None:
+            return []
+        try:
+            keys = json.loads(text)
+        except ValueError as e:
+            raise FwdtraceError(f"{self.caller} could not read {str(self.logdir / KEYS_FILE)!r}: {e}") from None
+        if not isinstance(keys, list) or not all(isinstance(k, dict) for k in keys):
+            raise FwdtraceError(f"{self.caller} expected {str(self.logdir / KEYS_FILE)!r} to hold a list of keys")
+        return keys
+
+    def _run_file(self, name: str) -> str | None:
+        """A text file of the run beside the history: a regular file, not a link, of a bounded size; None if missing."""
+        path = self.logdir / name
+        if not path.exists() and not path.is_symlink():
+            return None
+        what = ("a symbolic link, not followed" if path.is_symlink() else "not a regular file" if not path.is_file()
+                else f"{path.stat().st_size} bytes, over {_MAX_RUN_FILE}" if path.stat().st_size > _MAX_RUN_FILE else None)
+        if what is not None:
+            raise FwdtraceError(f"{self.caller} expected {str(path)!r} to be the run's {name}, got {what}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FwdtraceError(f"{self.caller} could not read {str(path)!r}: {e}") from None
 
     def series(self) -> list[dict[str, Any]]:
         """Every series: key, kind, role, rows kept, rows appended, first and last step kept."""
@@ -384,6 +536,7 @@ class History:
     def close(self) -> None:
         """Flush and close the file; calling it twice is harmless."""
         with self._lock:
+            self._closed = True
             if self._file:
                 self._file.close()
 
@@ -405,6 +558,57 @@ def _newest_below(meta: np.ndarray, before: int | None, limit: int | None) -> np
 
 def _number(x: Any) -> float:
     return math.nan if x is None else float(x)
+
+
+def _ignoring_status_flags(h5py: Any) -> Any:
+    """File-access properties that open a file flagged "open for writing" (what ``h5clear -s`` uses).
+
+    h5py has no call for it: HDF5's own ``clear_status_flags`` property, set through its C API.
+    Opened for reading, the file is left as it is; opened for writing, the flags are cleared.
+    """
+    import ctypes
+    import glob
+
+    libs = glob.glob(os.path.join(os.path.dirname(h5py.__file__), os.pardir, "h5py.libs", "libhdf5-*.so*"))
+    lib = ctypes.CDLL(libs[0]) if libs else ctypes.CDLL(h5py.h5.__file__)  # the library h5py itself runs on
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_file_locking(False, True)
+    clear = ctypes.c_bool(True)
+    lib.H5Pset.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p]
+    if lib.H5Pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
+        raise OSError("HDF5 has no clear_status_flags property here")
+    return fapl
+
+
+def _clear_status_flags(h5py: Any, path: Path) -> None:
+    """Clear the "open for writing" flags a writer whose close failed (a full disk) left (the writer only)."""
+    fapl = _ignoring_status_flags(h5py)
+    fapl.set_file_locking(True, True)  # a live writer's lock still refuses
+    h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl).close()
+
+
+def _open_for_reading(h5py: Any, path: Path) -> Any:
+    """A run's history for reading, without a file lock (a reader's lock would stop its writer adding a series).
+
+    A finished run opens plainly: a damaged one fails at once, where HDF5's single-writer/multiple-reader
+    mode would retry a bad checksum with back-off for hours. Only a file still flagged as open for writing
+    (a live writer, or a killed one) is opened in that mode, which alone reads it.
+    """
+    if path.is_symlink():
+        raise OSError(f"{path.name} is a symbolic link, not followed")
+    try:
+        return h5py.File(path, "r", libver="latest", locking=False)
+    except OSError as e:
+        if "already open for write" not in str(e):
+            raise
+    try:
+        return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
+    except OSError as e:
+        if "not already open for SWMR writing" not in str(e):
+            raise
+    # Flagged open for plain writing: a writer killed while it added a series. Read it as it is.
+    return h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY, fapl=_ignoring_status_flags(h5py)))
 
 
 def _check_logdir(logdir: Any, read_only: bool, caller: str) -> Path:

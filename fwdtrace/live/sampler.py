@@ -86,6 +86,8 @@ class Series:
 
     def add(self, t: torch.Tensor) -> dict[str, Any]:
         """Add a numeric tensor; its own statistics and histogram."""
+        if t.layout != torch.strided:  # a sparse gradient (Embedding(sparse=True)): the values it stands for
+            t = t.to_dense()
         values = t.detach().reshape(-1).to("cpu", torch.float64)  # once, for the moments and the bins
         sample = RunningStats(histogram=False)
         sample.update(values)
@@ -402,7 +404,7 @@ class Sampler:
         prefix = arm.key + "/"
 
         def at_end(call: int) -> None:
-            grads = [p.grad for _, p in parameters if p.grad is not None]
+            grads = [_stored_values(p.grad) for _, p in parameters if p.grad is not None]
             if not grads:
                 return
             with torch.no_grad():
@@ -612,6 +614,13 @@ class Sampler:
 
     def __repr__(self) -> str:
         return f"Sampler({type(eager_module(self.model)).__name__}, {sum(a.armed for a in self.arms.values())} armed, step {self.step})"
+
+
+def _stored_values(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's values for its norm and NaN/Inf counts: a sparse one's stored values (the rest are zeros)."""
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().values()  # duplicates summed first, as the dense gradient has them
+    return grad if grad.layout == torch.strided else grad.to_dense()
 
 
 def _count_nonfinite(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

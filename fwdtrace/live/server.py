@@ -45,6 +45,7 @@ __all__ = ["Server", "serve"]
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024
 MAX_LIMIT = 10_000  # samples or scalar points one read of the history may return
+MAX_POINTS = 20_000  # scalar points one /api/scalars?before= answer holds, all names together: then it pages
 # Points a scalar chart shows, the newest or those before the step scrolled to: about one per pixel of
 # its 440-pixel plot, so scrolling moves a window of a steady width rather than zooming out.
 SCALAR_WINDOW = 512
@@ -481,10 +482,15 @@ class Server:
         return 200, "image/svg+xml", svg.encode()
 
     def scalars(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
-        if "before" in query or "limit" in query:  # every scalar's window, as its chart shows it
+        if "before" in query or "limit" in query:  # every scalar's window, as its chart shows it, a page of names at a time
             names = self._scalar_names()
-            return _json({"names": names, "scalars": {n: _curve(self._scalar_window(n, query)) for n in names},
-                          "seq": None})
+            offset = _int(query, "offset", 0)
+            if offset < 0:
+                raise _Reply(400, f"expected offset= an integer >= 0 (the first name of the page), got {offset}")
+            page = names[offset:offset + max(1, MAX_POINTS // _limit(query, SCALAR_WINDOW))]
+            after = offset + len(page)
+            return _json({"names": names, "scalars": {n: _curve(self._scalar_window(n, query)) for n in page},
+                          "seq": None, "offset": offset, "next_offset": after if after < len(names) else None})
         log = self.sampler.scalars
         series = log.read(_int(query, "since", -1))
         return _json({"names": log.names(), "scalars": series, "seq": log.seq - 1, "refused": log.refused,
@@ -897,6 +903,10 @@ def run_cli(args: argparse.Namespace) -> int:
                                 "of a finished run, got neither")
         from .reopen import reopen
 
+        if args.retention is not None:
+            raise FwdtraceError("fwdtrace serve expected --retention only with a model factory (it bounds a new "
+                                f"history); the run in {args.logdir} keeps the retention it was written with, "
+                                f"got --retention {args.retention}")
         with reopen(args.logdir, host=args.host, port=args.port, token=args.token) as reopened:
             return _serve_until_interrupted(reopened, f"the run in {args.logdir} (read-only)")
     if not args.input_shape:

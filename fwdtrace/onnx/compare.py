@@ -1596,7 +1596,8 @@ def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:
         _load_small_external_data(proto, os.path.dirname(os.path.abspath(path)))
     except FileNotFoundError:
         raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which does not exist") from None
-    except (DecodeError, ValueError, OSError, RuntimeError) as e:
+    except (DecodeError, ValueError, OSError, RuntimeError, onnx.checker.ValidationError) as e:
+        # ValidationError: an external tensor whose file lies outside the model's folder (onnx reads nothing)
         raise FwdtraceError(f"{caller} expected a .onnx file, got {where!r}, which onnx cannot read: {type(e).__name__}: {e}") from e
     if not proto.graph.node and not proto.graph.output:
         raise FwdtraceError(f"{caller} expected a .onnx file with a graph, got {where!r}, which holds none (empty or not ONNX)")

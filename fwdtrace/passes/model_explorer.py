@@ -22,6 +22,7 @@ import math
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -327,7 +328,7 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
 # -- opening it -----------------------------------------------------------------------------------
 def view(
     graph_or_model: Any, *args: Any, node_data: NodeData | Analysis | None = None, folder: str | None = None,
-    host: str = "127.0.0.1", port: int = 8080, open_browser: bool = True,
+    host: str = "127.0.0.1", port: int = 8080, open_browser: bool = True, token: str | None = None,
 ) -> ModelExplorerFiles:
     """Open a graph (or ``model(*args)``, traced) in Model Explorer, with its node data.
 
@@ -335,10 +336,13 @@ def view(
     >>> fwdtrace.view(model, torch.ones(1, 3, 224, 224), node_data=fwdtrace.analyze(model, x))  # doctest: +SKIP
 
     Writes the files (:func:`to_model_explorer`) to ``folder`` (a new temporary folder by
-    default) and starts Model Explorer's server (``model_explorer.visualize_from_config``),
-    which opens a browser tab unless ``open_browser=False`` and serves until Ctrl+C (in
-    Colab it embeds the page). Needs ``pip install ai-edge-model-explorer``; without it a
-    FwdtraceError says so. Returns the files written.
+    default) and serves Model Explorer's page with them until Ctrl+C, opening a browser tab
+    unless ``open_browser=False``. The server is fwdtrace's own
+    (:class:`fwdtrace.live.explorer.ExplorerServer`), not Model Explorer's, which reads any
+    file a client names: it serves the page and the files written here, nothing else. As
+    :func:`fwdtrace.serve`: loopback by default; another ``host`` needs ``token`` (one is made
+    and printed when None), and the ``Host`` header must name the address bound. Needs
+    ``pip install ai-edge-model-explorer``; without it a FwdtraceError says so. Returns the files written.
     """
     try:
         import model_explorer
@@ -358,5 +362,26 @@ def view(
     config.add_model_from_path(files.graph)
     for file in files.node_data.values():
         config.add_node_data_from_path(file)
-    model_explorer.visualize_from_config(config, host=host, port=port, no_open_in_browser=not open_browser)
+    from ..live.explorer import ExplorerServer
+
+    web_app = Path(model_explorer.__file__).parent / "web_app"
+    server = ExplorerServer(web_app, [files.graph, *files.node_data.values()], host, port, token)
+    try:
+        url = server.page_url(config.to_url_param_value())
+        print(f"fwdtrace.view(): Model Explorer at\n{url}\n(Ctrl+C stops it)", flush=True)
+        if open_browser:
+            import webbrowser
+
+            webbrowser.open_new_tab(url)
+        _serve_until_interrupted(server)
+    finally:
+        server.stop()
     return files
+
+
+def _serve_until_interrupted(server: Any) -> None:
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass

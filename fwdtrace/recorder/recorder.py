@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import glob
 import hashlib
 import json
 import multiprocessing.spawn
@@ -84,13 +85,18 @@ def file_stem(text: str) -> str:
 
 @dataclass
 class _FileStats:
-    """What became of one file's frames: ``recorded`` is ``sent`` + ``dropped`` + what is still queued."""
+    """What became of one file's frames: ``recorded`` is ``sent`` + ``dropped`` + what is still queued.
+
+    ``not_drawn``: of those sent, the frames the worker could not draw (``error`` says the first reason).
+    """
 
     key: str
     kind: str
     recorded: int = 0
     sent: int = 0
     dropped: int = 0
+    not_drawn: int = 0
+    error: str = ""
 
 
 def _how_it_ended(exitcode: int | None) -> str:
@@ -221,6 +227,12 @@ class _Channel:
                 report = self.credits.report(self.deadline + self.WATCH_S)
                 if report is not None:
                     self.reports.append(report)
+                    for stem, count in report.get("not_drawn", {}).items():
+                        if stem in self.stats:
+                            self.stats[stem].not_drawn += int(count)
+                    for stem, why in report.get("errors", {}).items():
+                        if stem in self.stats and not self.stats[stem].error:
+                            self.stats[stem].error = str(why)
         self.conn.close()  # here, not in stop(): closing under a send in progress breaks the send
 
     def _replace_worker(self) -> bool:
@@ -627,10 +639,11 @@ class Recorder:
         ...     _ = rec.track(model, "Linear")
         ...     _ = model(torch.randn(1, 2))
         >>> rec.stats()
-        {'Linear.forward': {'key': 'Linear', 'kind': 'forward', 'recorded': 1, 'sent': 1, 'dropped': 0, 'worker_deaths': 0, 'failed': False}}
+        {'Linear.forward': {'key': 'Linear', 'kind': 'forward', 'recorded': 1, 'sent': 1, 'dropped': 0, 'not_drawn': 0, 'error': '', 'worker_deaths': 0, 'failed': False}}
 
         ``recorded`` is ``sent`` (to a worker) + ``dropped`` + what is still queued (nothing after
-        :meth:`stop`). ``worker_deaths`` counts the deaths of the worker that draws the file;
+        :meth:`stop`). ``not_drawn``: frames sent that the worker could not draw, ``error`` the
+        first reason (known after :meth:`stop`; :meth:`stop` warns). ``worker_deaths`` counts the deaths of the worker that draws the file;
         frames sent to a worker that then died are lost. ``failed``: no worker draws it any more.
         """
         return {
@@ -659,7 +672,8 @@ class Recorder:
 
         Returns the videos and last-frame PNGs written, sorted; a second call returns the same.
         Warns (``RuntimeWarning``) when a worker had to be terminated, and names the files that
-        lost frames to a worker that died during the run (:meth:`stats` has the counts).
+        lost frames to a worker that died during the run (:meth:`stats` has the counts); the
+        unfinished videos such a worker left under their temporary names are removed.
         How long it waited for the workers after training is ``finish_s``; :meth:`throughput`
         has each worker's frames per second, and ``repr()`` says both.
         """
@@ -695,8 +709,15 @@ class Recorder:
             )
         lost = [f"{stem} ({s['worker_deaths']} worker death(s){', failed' if s['failed'] else ''})"
                 for stem, s in self.stats().items() if s["worker_deaths"]]
+        for stem in (stem for stem, s in self.stats().items() if s["worker_deaths"]):
+            self._remove_partials(stem)
         if lost:
             warnings.warn(f"Recorder.stop(): files that lost frames to a dead worker: {', '.join(lost)}",
+                          RuntimeWarning, stacklevel=2)
+        undrawn = [f"{stem} ({s['not_drawn']} not drawn: {s['error']})" if s["not_drawn"] else f"{stem} ({s['error']})"
+                   for stem, s in self.stats().items() if s["not_drawn"] or s["error"]]
+        if undrawn:
+            warnings.warn(f"Recorder.stop(): files whose frames could not all be drawn: {'; '.join(undrawn)}",
                           RuntimeWarning, stacklevel=2)
         self._paths = sorted(
             path
@@ -706,6 +727,15 @@ class Recorder:
             if path.is_file() and not path.is_symlink()
         )
         return self._paths
+
+    def _remove_partials(self, stem: str) -> None:
+        """The unfinished videos a killed worker left under their temporary names: unplayable, and nobody finishes them."""
+        for path in self.out_dir.glob(f"{glob.escape(stem)}.partial-*{self.suffix}"):
+            if path.is_file() and not path.is_symlink():
+                try:
+                    path.unlink()
+                except OSError:  # another process took it meanwhile: nothing to clean
+                    pass
 
     def throughput(self) -> list[dict[str, Any]]:
         """What each worker did, from the reports of those that stopped cleanly (after :meth:`stop`).

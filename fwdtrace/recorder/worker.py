@@ -123,8 +123,10 @@ def run(conn: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeo
 
     Each message is ``(stem, title, payload, views)``; ``None`` means stop. A frame drawn
     sends a :data:`CREDIT` back, so the sender keeps only a few items in the pipe; the last
-    message back is ``{"frames": n, "draw_s": s}`` (JSON), the frames drawn and the seconds spent
-    drawing and encoding them. Stops, closing every file, also when the parent is gone (checked
+    message back is ``{"frames": n, "draw_s": s, "not_drawn": {stem: n}, "errors": {stem: why}}``
+    (JSON): the frames drawn, the seconds spent drawing and encoding them, and per file the frames
+    that could not be drawn and the first reason (nothing is printed: the worker shares the
+    training process's terminal; the parent counts and reports them). Stops, closing every file, also when the parent is gone (checked
     at least every ``timeout / 4`` seconds, so the worker exits within ``timeout``) or the
     connection breaks. ``bins``: the histograms' bins (:class:`~fwdtrace.instrument.bins.SteadyBins`).
     """
@@ -139,6 +141,8 @@ def run(conn: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeo
     canvases: dict[str, FrameCanvas] = {}
     poll = max(0.01, min(1.0, timeout / 4))
     frames, busy = 0, 0.0
+    not_drawn: dict[str, int] = {}
+    errors: dict[str, str] = {}
     try:
         while _parent_alive(parent_pid):
             if not conn.poll(poll):
@@ -158,21 +162,30 @@ def run(conn: Any, parent_pid: int, out_dir: str, suffix: str, fps: float, timeo
                     videos[stem] = VideoFile(Path(out_dir) / f"{stem}{suffix}", fps)
                 videos[stem].append(frame)
                 frames += 1
-            except Exception:  # one frame that cannot be drawn must not end the other videos
-                traceback.print_exc()
+            except Exception as e:  # one frame that cannot be drawn must not end the other videos
+                not_drawn[stem] = not_drawn.get(stem, 0) + 1
+                errors.setdefault(stem, _why(e))
             finally:
                 busy += time.perf_counter() - start
                 _send(conn, CREDIT)
     finally:
         start = time.perf_counter()
-        for video in videos.values():
+        for stem, video in videos.items():
             try:
                 video.close()
-            except Exception:  # one file that cannot be finished must not leave the others unfinished
-                traceback.print_exc()
+            except Exception as e:  # one file that cannot be finished must not leave the others unfinished
+                errors[stem] = f"closing the video: {_why(e)}"
         busy += time.perf_counter() - start
-        _send(conn, json.dumps({"frames": frames, "draw_s": busy}).encode())
+        report = {"frames": frames, "draw_s": busy, "not_drawn": not_drawn, "errors": errors}
+        _send(conn, json.dumps(report).encode())
         conn.close()
+
+
+def _why(e: BaseException) -> str:
+    """One line: the exception and where in fwdtrace's code it was raised."""
+    where = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ is not None else []
+    at = f" (at {Path(where[0].filename).name}:{where[0].lineno})" if where else ""
+    return f"{type(e).__name__}: {str(e)[:300]}{at}"
 
 
 def _send(conn: Any, data: bytes) -> None:
