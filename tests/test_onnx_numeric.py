@@ -723,3 +723,35 @@ def test_side_by_side_colours_matched_boxes_by_the_reports_relative_error(tmp_pa
     with pytest.raises(FwdtraceError, match=r"^render_side_by_side\(\) expected report= from check_onnx"):
         fwdtrace.render_side_by_side(fwdtrace.trace(model, x), tampered, os.path.join(str(tmp_path), "x.svg"),
                                      report=structure_only)
+
+
+class _Noisy(torch.nn.Module):
+    """A layer, then noise drawn eagerly and in onnxruntime (randn_like) or training-mode dropout, then a layer."""
+
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        self.first, self.last = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.draw = draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(x)
+        y = y + torch.randn_like(y) if self.draw == "randn_like" else self.drop(y)
+        return self.last(y)
+
+
+@pytest.mark.parametrize(("draw", "called"), [("randn_like", "randn_like"), ("dropout", "drop (Dropout)")])
+def test_a_random_op_is_named_as_where_the_difference_starts(draw: str, called: str) -> None:
+    torch.manual_seed(0)
+    model = _Noisy(draw)
+    x = torch.randn(4, 8)
+    if draw == "dropout":
+        model.train()
+    report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
+    # the reference: the layer before the draw agrees with onnxruntime, the one after it does not
+    rows = {r.module_path: r for r in report.numeric.rows if r.kind == "module"}
+    assert rows["first"].ok and not rows["last"].ok
+    first = report.first_divergence
+    assert first is not None and first.kind == "random" and first.call.startswith(called), report.numeric.lead()
+    assert report.numeric.lead().startswith(f"first divergence: {called}")
+    assert "draws random numbers" in report.numeric.lead()

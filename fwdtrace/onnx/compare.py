@@ -816,10 +816,7 @@ class _Matcher:
         """
         target = canonical_target(tn.target)
         args = tn.attrs.get("args")
-        short = target.rsplit(".", 1)[-1].strip("_").lower()
-        if None in (args or ()) or (args is None and target in _INDEXING) or (
-            "dropout" in short or "rand" in short or short in _SAMPLERS
-        ):
+        if None in (args or ()) or (args is None and target in _INDEXING) or draws_random(tn):
             return None
         return next((e for e in self.calls.get(call_key, ()) if self._same_weights(self.tnodes[e], tn)), None)
 
@@ -1371,6 +1368,16 @@ def _pair_inputs(
 def _output_label(n: Node) -> str:
     """``logits``, ``cache.layers[0].keys``: which of the model's outputs a trace output node is."""
     return str(n.meta.get("cache") or n.name.removeprefix("output_").removeprefix("output"))
+
+
+def draws_random(n: Node) -> bool:
+    """Whether a trace call draws random numbers (``randn_like``, ``rand``, dropout, a sampler).
+
+    Eager PyTorch and an ONNX runtime draw different numbers, so what it feeds differs by nature.
+    """
+    target = canonical_target(n.target)
+    short = target.rsplit(".", 1)[-1].strip("_").lower()
+    return "dropout" in short or "rand" in short or short in _SAMPLERS
 
 
 def _trace_label(n: Node) -> str:

@@ -48,6 +48,8 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 _EXACT = (0.0, 0.0)
 _MISMATCH_KINDS = ("missing", "extra", "rewired")
+# rows placed where a difference starts and measured by the values after them
+_PLACED_KINDS = (*_MISMATCH_KINDS, "random")
 # lower precision first: the tolerance of a pair is that of its least precise side
 _PRECISION = ("bfloat16", "float16", "float32", "float64")
 _ORT2DTYPE = {
@@ -118,6 +120,10 @@ class NumericResult:
     # compared values right after it: ok when they agree (the exporter rewrote that part and it
     # computes the same), not ok when they differ, not compared when none after it was
     mismatches: list[ValueRow] = field(default_factory=list)
+    # one row (kind "random") per call that draws random numbers (randn_like, dropout in training)
+    # whose nearest compared values after it differ: eager and onnxruntime draw different numbers,
+    # so the difference starts there, not at the first call that reads them
+    random: list[ValueRow] = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[ValueRow]:
@@ -127,7 +133,7 @@ class NumericResult:
     @property
     def divergent(self) -> list[ValueRow]:
         """Rows out of tolerance, and structural mismatches whose downstream values differ."""
-        return [r for r in self.rows + self.mismatches if r.compared and not r.ok]
+        return [r for r in self.rows + self.mismatches + self.random if r.compared and not r.ok]
 
     @property
     def first_divergence(self) -> ValueRow | None:
@@ -140,7 +146,7 @@ class NumericResult:
         if not bad:
             return None
         clean = [r for r in bad if r.inputs_rel is not None and _within_inputs(r, self)]
-        return min(clean or bad, key=lambda r: (r.order, r.kind not in _MISMATCH_KINDS))
+        return min(clean or bad, key=lambda r: (r.order, r.kind not in _PLACED_KINDS))
 
     @property
     def status(self) -> str:
@@ -176,6 +182,10 @@ class NumericResult:
             else f"inputs already off by {_num(first.inputs_rel)}" if first.inputs_rel is not None
             else "inputs not compared"
         )
+        if first.kind == "random":
+            return (f"first divergence: {first.call}, which draws random numbers: eager PyTorch and onnxruntime "
+                    f"draw different ones, so {first.onnx_value} after it differs by max rel err "
+                    f"{_num(first.max_rel)} ({first.dtype}); not an export error{batches}")
         if first.kind in _MISMATCH_KINDS:
             return (f"first divergence: {first.module_path or '<root>'}, {first.note}: max rel err "
                     f"{_num(first.max_rel)} ({first.dtype}), {inputs}{batches}")
@@ -187,7 +197,7 @@ class NumericResult:
         """The worst rows, with the first divergence, as aligned lines."""
         first = self.first_divergence
         shown = self.worst[:limit]
-        if first is not None and first not in shown and first.kind not in _MISMATCH_KINDS:
+        if first is not None and first not in shown and first.kind not in _PLACED_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
         partly = [r for r in self.rows if r.compared and r.note]  # an LSTM whose h_n and c_n the export left out
@@ -207,6 +217,9 @@ class NumericResult:
         if partly:
             lines.append(f"  compared in part: {', '.join(f'{r.call} ({r.note})' for r in partly[:4])}"
                          + (f" and {len(partly) - 4} more" if len(partly) > 4 else ""))
+        for r in self.random:
+            lines.append(f"  random: {r.call} draws random numbers, {r.onnx_value} after it differs"
+                         + (" (first)" if r is first else ""))
         for m in self.mismatches:
             verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
                        else "DIVERGES" + (" (first)" if m is first else "") if m.compared
@@ -226,6 +239,7 @@ class NumericResult:
             "worst": [r.call for r in self.worst[:10]],
             "values": [r.to_dict() for r in self.rows],
             "mismatches": [r.to_dict() for r in self.mismatches],
+            "random": [r.to_dict() for r in self.random],
         }
 
 
@@ -457,7 +471,7 @@ def compare_values(
         row.inputs_rel = max(rels, key=_sortable) if rels else None
     numeric.rows = sorted(rows.values(), key=lambda r: r.order) + out_rows
     out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
-    numeric.mismatches = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
+    numeric.mismatches, numeric.random = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
     return numeric
 
@@ -510,8 +524,9 @@ def _dims(shape: list[Any]) -> str:
 def _judge_mismatches(
     trace: Graph, og: Graph, result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
     readers: dict[int, list[int]], tols: dict[str, tuple[float, float]],
-) -> list[ValueRow]:
-    """A row per structural mismatch, judged by the nearest compared values after it.
+) -> tuple[list[ValueRow], list[ValueRow]]:
+    """A row per structural mismatch, judged by the nearest compared values after it; and a row per
+    call that draws random numbers whose nearest compared values after it differ.
 
     Where the trace and the ONNX graph differ in structure, the values that flow out of the
     difference settle it: when every nearest compared value downstream agrees, the exporter
@@ -520,7 +535,7 @@ def _judge_mismatches(
     reads its result). Nearest: a path stops at its first compared value, so a divergence
     further on, with causes of its own, is not charged to this mismatch.
     """
-    from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label
+    from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label, draws_random
 
     node2row: dict[int, ValueRow] = {t: rows[g] for g in rows for t in result.groups[g].trace_ids if rows[g].compared}
     node2row.update({t: r for t, r in out_by_node.items() if r.compared})
@@ -594,7 +609,22 @@ def _judge_mismatches(
                        kind="rewired", inputs_rel=inputs_of(dst) if dst >= 0 else None)
         on_side = {"trace": "in the trace only", "onnx": "in ONNX only"}.get(side, "inputs taken in another order")
         judge(row, after, f"edge {edge} ({on_side})")
-    return sorted(out, key=lambda r: r.order)
+    random: list[ValueRow] = []
+    for tn in trace.nodes:
+        if tn.kind not in ("module", "function") or not draws_random(tn):
+            continue
+        own = node2row.get(tn.id)
+        after = [own] if own is not None else after_in_trace([tn.id])
+        bad = [r for r in after if not r.ok]
+        if not bad:
+            continue  # dropout in eval mode, or a draw nothing compared reads
+        worst = max(bad, key=lambda r: (_sortable(r.max_rel), -r.order))
+        fed = inputs_of(tn.id)
+        random.append(ValueRow(tn.id, _trace_label(tn), tn.module_path, tn.target, "", worst.call, worst.shape,
+                               worst.dtype, worst.max_abs, worst.max_rel, ok=False, kind="random",
+                               inputs_rel=0.0 if fed is None else fed,
+                               note="draws random numbers: eager and onnxruntime draw different ones"))
+    return sorted(out, key=lambda r: r.order), random
 
 
 def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:
