@@ -40,13 +40,19 @@ def _run_ort(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list
     return session.run(outputs, feeds)
 
 
-def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
-    """A copy of ``proto`` with the initializer ``name`` multiplied by ``factor``."""
+def _with_initializer(proto: onnx.ModelProto, name: str, value: np.ndarray) -> onnx.ModelProto:
+    """A copy of ``proto`` with the initializer ``name`` set to ``value``."""
     p = onnx.ModelProto()
     p.CopyFrom(proto)
     (init,) = [i for i in p.graph.initializer if i.name == name]
-    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * np.float32(factor), init.name))
+    init.CopyFrom(onnx.numpy_helper.from_array(value, init.name))
     return p
+
+
+def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
+    """A copy of ``proto`` with the initializer ``name`` multiplied by ``factor``."""
+    (init,) = [i for i in proto.graph.initializer if i.name == name]
+    return _with_initializer(proto, name, onnx.numpy_helper.to_array(init) * np.float32(factor))
 
 
 def _scale_node_weight(proto: onnx.ModelProto, node_name: str, factor: float) -> onnx.ModelProto:
@@ -755,3 +761,51 @@ def test_a_random_op_is_named_as_where_the_difference_starts(draw: str, called: 
     assert first is not None and first.kind == "random" and first.call.startswith(called), report.numeric.lead()
     assert report.numeric.lead().startswith(f"first divergence: {called}")
     assert "draws random numbers" in report.numeric.lead()
+
+
+class _Kept(torch.nn.Module):
+    """Keeps the positions of a layer's outputs above a threshold: a count that depends on the values, like an NMS."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(6, 6)
+        self.register_buffer("threshold", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(torch.relu(self.layer(x) - self.threshold)).float().sum(0)
+
+
+def test_a_value_shaped_otherwise_in_onnx_is_the_divergence_there() -> None:
+    torch.manual_seed(0)
+    model, x = _Kept().eval(), torch.randn(2, 6)
+    with torch.no_grad():
+        model.threshold.fill_(float(model.layer(x)[1, 2]))  # eagerly, relu leaves exactly 0 at [1, 2]
+    proto = _torchscript_default_names(model, (x,))
+    (gemm,) = [n.output[0] for n in proto.graph.node if n.op_type == "Gemm"]
+    (h,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [gemm])
+    # the file's threshold a rounding error below its own value at [1, 2]: one more position kept there
+    proto = _with_initializer(proto, "threshold", np.array(h[1, 2] - 1e-6, dtype=np.float32))
+    eager = model(x)
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    rows = {r.target: r for r in report.numeric.rows}
+    assert rows["torch.relu"].ok  # what the count is taken from agrees within float32 tolerance
+    kept = torch.nonzero(torch.relu(model.layer(x) - model.threshold)).shape
+    first = report.first_divergence
+    assert first is not None and first.target == "torch.nonzero" and first.shape_differs
+    assert first.note == f"ONNX value shaped [{kept[0] + 1}, 2], eager [{kept[0]}, 2]"
+    assert report.numeric.lead().startswith(f"first divergence: nonzero = torch.nonzero, {first.note} (int64), "
+                                            "inputs agree to"), report.numeric.lead()
+    assert not rows["torch.Tensor.sum"].ok and eager.shape == (2,)
+
+
+def test_an_op_onnxruntime_cannot_run_is_named_with_its_dtype() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).to(torch.bfloat16)
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    proto = _torchscript_default_names(model, (x,))
+    (gemm,) = [n for n in proto.graph.node if n.op_type == "Gemm"]
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.NotImplemented):  # the reference: onnxruntime itself
+        _run_ort(proto, {proto.graph.input[0].name: x.float().numpy()}, [])
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\): onnxruntime's CPU provider has no kernel "
+                                            rf"for Gemm \(opset \d+\) in bfloat16, the ONNX node '{gemm.name}'") as e:
+        fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert "external data" not in str(e.value)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,9 @@ class ValueRow:
     (``max_rel`` relative to the eager tensor's largest magnitude); ``inputs_rel`` the largest
     ``max_rel`` of the calls feeding it (0.0 for the model's inputs, None when none was
     compared). ``compared`` is False, with the reason in ``note``, when the two sides could
-    not be set against each other (shapes that differ, say).
+    not be set against each other (a value of another rank). ``shape_differs``: the two sides
+    hold different counts along an axis (an NMS keeping 316 boxes eagerly and 318 in
+    onnxruntime): a divergence, with errors of ``inf`` and the shapes in ``note``.
     """
 
     order: int  # the trace node id: execution order
@@ -89,6 +92,10 @@ class ValueRow:
     # the trace node's: "module", "function", "output" for the model's outputs; for a structural
     # mismatch (NumericResult.mismatches) "missing", "extra" or "rewired"
     kind: str = "module"
+    shape_differs: bool = False
+    # the dtype of the worst compared call feeding it, whose tolerance says whether the inputs
+    # agree (an int64 nonzero reads float32 values that may differ by rounding)
+    inputs_dtype: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,7 +104,7 @@ class ValueRow:
             "dtype": self.dtype, "max_abs": _finite_or_str(self.max_abs), "max_rel": _finite_or_str(self.max_rel),
             "ok": self.ok, "compared": self.compared,
             "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
-            "kind": self.kind,
+            "kind": self.kind, "shape_differs": self.shape_differs,
         }
 
 
@@ -190,8 +197,8 @@ class NumericResult:
             return (f"first divergence: {first.module_path or '<root>'}, {first.note}: max rel err "
                     f"{_num(first.max_rel)} ({first.dtype}), {inputs}{batches}")
         where = first.module_path if first.kind == "module" and first.module_path else first.call
-        return (f"first divergence: {where}, max rel err {_num(first.max_rel)} "
-                f"({first.dtype}), {inputs}{batches}")
+        err = first.note if first.shape_differs else f"max rel err {_num(first.max_rel)}"
+        return f"first divergence: {where}, {err} ({first.dtype}), {inputs}{batches}"
 
     def table(self, limit: int = 8) -> list[str]:
         """The worst rows, with the first divergence, as aligned lines."""
@@ -200,7 +207,7 @@ class NumericResult:
         if first is not None and first not in shown and first.kind not in _PLACED_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
-        partly = [r for r in self.rows if r.compared and r.note]  # an LSTM whose h_n and c_n the export left out
+        partly = [r for r in self.rows if r.compared and r.note and not r.shape_differs]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
             width = max(len(r.call) for r in shown)
@@ -208,7 +215,8 @@ class NumericResult:
             lines.append(f"  {'call'.ljust(width)}  {'ONNX value'.ljust(owidth)}  {'dtype':8}  {'max abs':>9}  "
                          f"{'max rel':>9}  ")
             for r in shown:
-                flag = "" if r.ok else "  DIVERGES" + (" (first)" if r is first else "")
+                flag = "" if r.ok else "  DIVERGES" + (" (first)" if r is first else "") + (
+                    f": {r.note}" if r.shape_differs else "")
                 lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
                              f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}{flag}")
         if skipped:
@@ -245,7 +253,7 @@ class NumericResult:
 
 def _within_inputs(row: ValueRow, result: NumericResult) -> bool:
     """Whether a row's inputs agree: within the tolerance of its dtype, relative to scale."""
-    rtol, atol = result.tolerances.get(row.dtype, _EXACT)
+    rtol, atol = result.tolerances.get(row.inputs_dtype or row.dtype, _EXACT)
     return row.inputs_rel is not None and row.inputs_rel <= rtol + atol
 
 
@@ -406,6 +414,9 @@ def compare_values(
             by_position = by_position or og.nodes[g.key].name != n.name
     unpaired = [trace.nodes[t].name for t in result.unmatched_inputs[0]] if by_position else []
 
+    # the axes of each ONNX value whose length the file leaves to its data (a NonZero's, an NMS's count)
+    free_axes = {name: tuple(a for a, d in enumerate(ref.shape) if d == -1)
+                 for n in og.nodes for name, ref in zip(n.meta.get("output_names", []), n.outputs, strict=False)}
     session, extra = _session(proto, folder, [n for *_, n in pairs], out_names)
     expected = [(i.name, _ORT2DTYPE.get(i.type, i.type), i.shape) for i in session.get_inputs()]
     ort_inputs = {name: dtype for name, dtype, _ in expected}
@@ -441,7 +452,7 @@ def compare_values(
             if eager is None or i >= len(eager) or name not in values:
                 row.compared, row.note = False, "no eager value" if eager is None else "no ONNX value"
                 continue
-            _compare_into(row, eager[i], values[name], tols)
+            _compare_into(row, eager[i], values[name], tols, free=free_axes.get(name, ()))
             if b == 0 and row.compared:
                 numeric.eager[name] = eager[i].detach().to(torch.float32 if eager[i].is_floating_point()
                                                            else eager[i].dtype).numpy()
@@ -461,14 +472,15 @@ def compare_values(
                 if feeder is not None and feeder.compared:
                     out_rows[k].inputs_rel = feeder.max_rel
     for row in rows.values():
-        rels = []
+        rels: list[tuple[float, str]] = []
         for req in result.reqs.get(row.order, []):
             for fed_by in req:
                 if fed_by in rows and rows[fed_by].compared:
-                    rels.append(rows[fed_by].max_rel)
+                    rels.append((rows[fed_by].max_rel, rows[fed_by].dtype))
                 elif fed_by >= 0 and trace.nodes[fed_by].kind == "input":
-                    rels.append(0.0)
-        row.inputs_rel = max(rels, key=_sortable) if rels else None
+                    rels.append((0.0, ""))
+        if rels:
+            row.inputs_rel, row.inputs_dtype = max(rels, key=lambda r: _sortable(r[0]))
     numeric.rows = sorted(rows.values(), key=lambda r: r.order) + out_rows
     out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
     numeric.mismatches, numeric.random = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
@@ -726,11 +738,13 @@ def _pair_dtype(eager: torch.Tensor, onnx_value: np.ndarray, floor: str | None) 
 
 
 def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dict[str, tuple[float, float]],
-                  floor: str | None = None) -> None:
+                  floor: str | None = None, free: tuple[int, ...] = ()) -> None:
     """Fold one batch's errors into ``row`` (the maximum over batches).
 
     ``floor`` is a dtype the value was computed in before a cast (a float16 model's output
-    cast back to float32): the tolerance is that of the least precise.
+    cast back to float32): the tolerance is that of the least precise. ``free``: the axes
+    whose length the ONNX file leaves to the data; lengths that differ there are a divergence,
+    elsewhere a pairing of two different values, not compared.
     """
     got = np.asarray(onnx_value)
     want = eager.detach().to(torch.float64).numpy() if eager.dtype != torch.bool else eager.numpy()
@@ -738,6 +752,13 @@ def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dic
     if got.shape != want.shape:
         if got.size == want.size and tuple(d for d in got.shape if d != 1) == tuple(d for d in want.shape if d != 1):
             got = got.reshape(want.shape)  # only size-1 axes differ: the same elements in the same order
+        elif got.ndim == want.ndim and all(a in free for a in range(got.ndim) if got.shape[a] != want.shape[a]):
+            # the same value with another count along an axis (boxes an NMS keeps, a mask's
+            # nonzeros): the ONNX model computed something else here, whatever comes after
+            row.ok, row.shape_differs = False, True
+            row.max_abs = row.max_rel = math.inf
+            row.note = f"ONNX value shaped {list(got.shape)}, eager {list(want.shape)}"
+            return
         else:
             row.compared = False
             row.note = f"ONNX value shaped {list(got.shape)}, eager {list(want.shape)}"
@@ -790,10 +811,38 @@ def _session(proto: Any, folder: str | None, values: list[str], out_names: list[
     try:
         session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     except Exception as e:
+        missing = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(e))
+        if missing:
+            op, opset, node = missing.groups()
+            dtype = _input_dtype(proto, node)
+            raise FwdtraceError(
+                f"check_onnx(numeric=True): onnxruntime's CPU provider has no kernel for {op} (opset {opset})"
+                f"{f' in {dtype}' if dtype else ''}, the ONNX node {node!r}: the file cannot run there to be "
+                f"compared. Check a float32 export's numbers (no autocast), or the structure alone "
+                f"(numeric=False)") from e
+        external = folder is None and any(
+            i.data_location == onnx.TensorProto.EXTERNAL for i in graph.initializer)
         raise FwdtraceError(f"check_onnx(numeric=True): onnxruntime could not load the ONNX model"
-                            f"{' (external data: pass the path of the .onnx file, onnx=path)' if folder is None else ''}"
+                            f"{' (external data: pass the path of the .onnx file, onnx=path)' if external else ''}"
                             f": {type(e).__name__}: {e}") from e
     return session, [*out_names, *added]
+
+
+def _input_dtype(proto: Any, node_name: str) -> str:
+    """The element type of the first input of ONNX node ``node_name`` (``bfloat16``), or "" where unknown."""
+    import onnx
+
+    graph = proto.graph
+    node = next((n for n in graph.node if n.name == node_name), None)
+    if node is None or not node.input:
+        return ""
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    types.update({i.name: i.data_type for i in graph.initializer})
+    if node.input[0] not in types:  # a value in between: its type from shape inference
+        inferred = onnx.shape_inference.infer_shapes(proto).graph
+        types.update({v.name: v.type.tensor_type.elem_type for v in inferred.value_info})
+    elem = types.get(node.input[0], 0)
+    return str(onnx.TensorProto.DataType.Name(elem)).lower() if elem else ""
 
 
 def save_repro(numeric: NumericResult, directory: str | os.PathLike[str]) -> dict[str, str]:
