@@ -28,7 +28,7 @@ from .errors import FwdtraceError, describe
 from .grads import register_grad_hook
 from .keys import Selector, key2module, select_keys
 from .registry import FunctionTarget, resolve_any
-from .stats import RunningStats, check_bins, check_range, summary_text
+from .stats import RunningStats, check_bins, check_has_values, check_range, summary_text
 from .tracer import add_function_handlers, layer_notes, remove_handlers
 
 __all__ = ["Probe", "Hooks", "Match", "StatsHandle", "ChaosHandle"]
@@ -643,6 +643,7 @@ class Probe:
                         stats = handle.stats[key] = RunningStats(bins, range)
             for t in tensors:
                 if isinstance(t, torch.Tensor):
+                    check_has_values(t, f"Probe.running_stats() of {key!r}")
                     stats.update(t)
 
         def register(key: str, module: torch.nn.Module) -> Any:
