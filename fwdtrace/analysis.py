@@ -230,6 +230,20 @@ class _CountingMode(TorchDispatchMode):
         return out
 
 
+def _packed_numel(module: torch.nn.Module) -> int:
+    """The elements of the weights and biases packed out of ``parameters()`` in ``module`` and below.
+
+    A quantized layer (``quantize_dynamic``'s Linear, a quantized Conv) keeps them in a
+    ``torch.ScriptObject`` that only its ``_weight_bias()`` unpacks.
+    """
+    total = 0
+    for m in module.modules():
+        if isinstance(getattr(m, "_packed_params", None), torch.ScriptObject) and hasattr(m, "_weight_bias"):
+            unpacked: tuple[Any, ...] = m._weight_bias()  # type: ignore[operator]
+            total += sum(int(t.numel()) for t in unpacked if isinstance(t, torch.Tensor))
+    return total
+
+
 def _device_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for t in [*model.parameters(), *model.buffers(), *tensors_of((args, kwargs))]:
         return t.device
@@ -252,7 +266,8 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     (36, 128, 128)
     >>> print(a)  # doctest: +SKIP
 
-    - ``params`` counts each parameter tensor once, however many modules share it;
+    - ``params`` counts each parameter tensor once, however many modules share it, and the
+      weights a quantized layer packs out of ``parameters()`` (``quantize_dynamic``'s Linear);
       ``trainable_params`` those with ``requires_grad``.
     - ``flops`` are forward FLOPs, a multiply-add being 2 FLOPs, as ``FlopCounterMode``
       counts them; attention and LSTM count on CPU too (see :mod:`fwdtrace.flops`).
@@ -331,7 +346,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
             calls=counts.calls[k],
             input_shapes=counts.inputs.get(k, ()),
             output_shapes=counts.outputs.get(k, ()),
-            params=sum(p.numel() for p in m.parameters()),
+            params=sum(p.numel() for p in m.parameters()) + _packed_numel(m),
             flops=counts.flops[k],
             flops_total=counts.flops_total[k],
             latency_ms=module_ms.get(k),
@@ -344,7 +359,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     return Analysis(
         model=type(model).__name__,
         device=str(device),
-        params=sum(p.numel() for p in params),
+        params=sum(p.numel() for p in params) + _packed_numel(model),
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
         flops=sum(counts.flops.values()),
         latency_ms=_percentile(times, 50) if times else None,

@@ -7,6 +7,7 @@ import os
 import resource
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,20 @@ def test_rows_are_found_by_key_or_by_the_path_named_modules_gives():
         row = result.row(path)
         assert row.key == key_of[id(module)] and row.module_path == path
         assert result.row(row.key) is row
+
+
+def test_a_quantize_dynamic_model_counts_its_packed_weights_and_their_flops() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    # the reference: the float model it was made from, counted by torch itself
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    a = fwdtrace.analyze(quantized, x, repeats=0)
+    assert a.params == sum(p.numel() for p in model.parameters()) and a.trainable_params == 0
+    assert a.flops == counter.get_total_flops() and a.row("0").flops == 2 * 4 * 16 * 32
+    assert a.row("2").params == 32 * 8 + 8
