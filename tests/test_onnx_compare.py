@@ -1930,3 +1930,23 @@ def test_a_concatenation_is_paired_with_the_concat_reached_from_all_its_inputs()
     report = fwdtrace.check_onnx(model, x, onnx=proto)
     assert report.ok, str(report)
     assert dict(report.matched)["cat_1 = torch.cat"] == (_concat_returning(proto, 1),)
+
+
+def test_a_parametrized_layer_compares_alike_on_a_graph_alone_and_in_check_onnx(monkeypatch, tmp_path) -> None:
+    # a fresh process: no layer class noted, no rule looked up yet
+    monkeypatch.setattr(onnx_ops, "_inherited", {})
+    monkeypatch.setattr(onnx_ops, "_known_classes", __import__("weakref").WeakValueDictionary())
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = torch.nn.Sequential(weight_norm(torch.nn.Conv1d(4, 4, 3, padding=1)), torch.nn.GELU()).eval()
+    x = torch.randn(1, 4, 8)
+    assert type(model[0]).__name__ == "ParametrizedConv1d" and "forward" not in vars(type(model[0]))
+    path = str(tmp_path / "wn.onnx")
+    fwdtrace.export_onnx(model, x, path=path, exporter="torchscript")
+    on_graph = fwdtrace.compare_onnx(fwdtrace.trace(model, x), path)
+    checked = fwdtrace.check_onnx(model, x, onnx=path)
+    assert (on_graph.status, checked.status) == ("ok", "ok"), on_graph.text
+    # a class no rule can know by name stays unknown, and is not remembered as such
+    assert onnx_ops.inherited_rule_target("torch.nn.utils.parametrize.ParametrizedNoSuchLayer") is None
+    assert onnx_ops.inherited_rule_target("somewhere.MadeAtRunTime") is None
+    assert "somewhere.MadeAtRunTime" not in onnx_ops._inherited
