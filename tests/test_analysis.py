@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -321,3 +322,27 @@ def test_a_quantize_dynamic_model_counts_its_packed_weights_and_their_flops() ->
     assert a.params == sum(p.numel() for p in model.parameters()) and a.trainable_params == 0
     assert a.flops == counter.get_total_flops() and a.row("0").flops == 2 * 4 * 16 * 32
     assert a.row("2").params == 32 * 8 + 8
+
+
+def test_an_eval_transformer_encoder_under_no_grad_is_shown_as_torchs_fused_kernel() -> None:
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    # the reference: torch's profiler sees the fused kernel in a plain forward, and no Linear
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        model(x)
+    ran = {e.key for e in prof.key_averages()}
+    assert "aten::_transformer_encoder_layer_fwd" in ran and "aten::linear" not in ran
+    with torch.no_grad():
+        a = fwdtrace.analyze(model, x, repeats=0)
+    assert [r.key for r in a.rows if r.fused_kernel] == ["layers.0.TransformerEncoderLayer",
+                                                        "layers.1.TransformerEncoderLayer"]
+    assert a.row("layers.0").fused_kernel == "aten._transformer_encoder_layer_fwd"
+    assert a.row("layers.0.linear1").calls == 0
+    text = str(a)
+    assert re.search(r"^layers\.0\.linear1\.Linear +\(fused\) +\(fused\) ", text, re.M)
+    assert re.search(r"^\(fused\): layers\.0\.TransformerEncoderLayer, layers\.1\.TransformerEncoderLayer ran "
+                     r"torch's fused kernel aten\._transformer_encoder_layer_fwd \(eval, no grad\)", text, re.M)
+    # in training mode the layers run their sub-modules: nothing fused to say
+    trained = fwdtrace.analyze(model.train(), x, repeats=0)
+    assert not any(r.fused_kernel for r in trained.rows) and "(fused)" not in str(trained)
