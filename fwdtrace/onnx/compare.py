@@ -547,12 +547,22 @@ class _Matcher:
                 for r in self.onodes[oid].outputs:
                     queue.extend(self.consumers.get(r.obj_id, ()))
             scope = tn.module_path
-            mine = [
-                oid for oid in sorted(seen)
-                if oid in extra_set and oid not in taken
-                and ((s := self.onodes[oid].meta.get("scope")) is None or not scope
-                     or s == scope or str(s).startswith(scope + "."))
-            ]
+
+            def in_scope(oid: int, scope: str = scope) -> bool:
+                s = self.onodes[oid].meta.get("scope")
+                return s is None or not scope or s == scope or str(s).startswith(scope + ".")
+
+            mine = [oid for oid in sorted(seen) if oid in extra_set and oid not in taken and in_scope(oid)]
+            # and the extra ops of its scope feeding those: an attention function's softmax sits
+            # between its scores (reached from q and k) and the product with v
+            stack = list(mine)
+            while stack:
+                for p in (self.producer[v] for v in self._data_inputs(self.onodes[stack.pop()])):
+                    if p in extra_set and p not in taken and p not in mine and in_scope(p) and \
+                            self.onodes[p].meta.get("scope") is not None:
+                        mine.append(p)
+                        stack.append(p)
+            mine.sort()
             taken.update(mine)
             found[tid] = mine
         return found
@@ -696,7 +706,8 @@ class _Matcher:
         if emitted is not None:  # the exporter says which ops it wrote for this call: all of them
             self._new_group(tn.id, emitted[1], emitted[0])
             tn_out = frozenset({tn.id})
-        elif eq is None and tn.kind == "module":  # a layer no rule knows: a graph alone cannot open it
+        elif eq is None and (tn.kind == "module" or tn.attrs.get("atomic")):
+            # a layer or an atomic function no rule knows: a graph alone cannot open it
             self.unopened.append(tn.id)
             through_unopened = True
             tn_out = passthrough
@@ -1698,7 +1709,7 @@ def check_onnx(
         )
     if onnx is not None:
         proto = _onnx_model(onnx, "check_onnx()", "onnx=")  # read before the model runs: a bad path fails fast
-        graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
+        graph, opened = _trace_opening_ruleless_layers(model, args, kwargs, _emitted_functions(proto))
         og, result = _compare(graph, proto, "check_onnx()", model=model)
         source = str(onnx) if isinstance(onnx, (str, os.PathLike)) else "the given ONNX model"
         report = _build_report(graph, og, result, None, opened, source=source)
@@ -1709,7 +1720,8 @@ def check_onnx(
     exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
         raise FwdtraceError(f"check_onnx() expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got {exporter!r}")
-    graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
+    # to_onnx emits an atomic function's ops tagged with its call: compared as they are, not opened
+    graph, opened = _trace_opening_ruleless_layers(model, args, kwargs, None if exporter == "fwdtrace" else frozenset())
     if exporter == "fwdtrace":
         from .emit import to_onnx
 
@@ -1733,8 +1745,24 @@ def _add_numbers(report: TopologyReport, model: Any, args: tuple, kwargs: dict, 
     report.ok = report.status in ("ok", "rewritten")
 
 
-def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tuple[Graph, list[str]]:
+def _emitted_functions(proto: onnx.ModelProto) -> frozenset[str] | None:
+    """The functions whose calls an ONNX model's nodes are tagged with (to_onnx's provenance);
+    None for a model to_onnx wrote, which emits every atomic call as one."""
+    from .export import CALL_KEY
+
+    if proto.producer_name == "fwdtrace":
+        return None
+    return frozenset(p.value.rsplit("#", 1)[0] for n in proto.graph.node for p in n.metadata_props
+                     if p.key == CALL_KEY)
+
+
+def _trace_opening_ruleless_layers(
+    model: Any, args: tuple, kwargs: dict, emitted: frozenset[str] | None = frozenset(),
+) -> tuple[Graph, list[str]]:
     """The trace, with every layer no ONNX rule knows recorded as the torch calls it makes.
+
+    Atomic functions no rule knows are too, except those the ONNX model tags its nodes with
+    (``emitted``; None: all of them, for an export by to_onnx).
 
     A custom layer is what it calls: timm's ``LayerNorm2d`` (an ``nn.LayerNorm`` with a
     forward of its own) is a permute, a ``layer_norm`` and a permute, which rules know.
@@ -1746,19 +1774,27 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
     path2module = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
     note_classes(type(m) for m in path2module.values())
     opened: dict[type, None] = {}
+    functions: dict[str, None] = {}  # atomic functions no rule knows (register_atomic's), by path
     for _ in range(4):
         ruleless = {
             type(m): None for n in graph.nodes
             if n.kind == "module" and rule_target(n.target) is None
             and (m := path2module.get(n.module_path)) is not None and type(m) not in opened
         }
-        if not ruleless:
+        ruleless_functions = {
+            n.target: None for n in graph.nodes
+            if n.kind == "function" and n.attrs.get("atomic") and n.target not in functions
+            and emitted is not None and n.target not in emitted and rule_target(n.target) is None
+        }
+        if not ruleless and not ruleless_functions:
             break
         opened.update(ruleless)
-        with Tracer(through=tuple(opened)) as tracer:  # this trace only: other threads are not affected
+        functions.update(ruleless_functions)
+        # this trace only: other threads, and the user's registrations, are not affected
+        with Tracer(through=tuple(opened), through_functions=tuple(functions)) as tracer:
             model(*args, **kwargs)
         graph = tracer.graph
-    return graph, [qualified_name(c) for c in opened]
+    return graph, [qualified_name(c) for c in opened] + list(functions)
 
 
 def render_side_by_side(

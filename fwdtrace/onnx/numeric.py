@@ -280,8 +280,8 @@ class _ValueTracer(Tracer):
     the node is appended), so an in-place write later in the model does not reach it.
     """
 
-    def __init__(self, wanted: set[int], through: tuple[type, ...]) -> None:
-        super().__init__(through=through)
+    def __init__(self, wanted: set[int], through: tuple[type, ...], through_functions: tuple[str, ...]) -> None:
+        super().__init__(through=through, through_functions=through_functions)
         self.wanted = wanted
         self.values: dict[int, list[torch.Tensor]] = {}
         self.inputs: dict[int, torch.Tensor] = {}  # obj_id -> the model input's value
@@ -348,7 +348,7 @@ def compare_values(
     lives (None for a model held in memory whole). ``opened`` names the layer classes the
     structural trace recorded as the calls they make; the value runs do the same.
     """
-    from ..registry import qualified_name
+    from ..registry import REGISTRY, qualified_name
     from .compare import _OUTPUT_GROUP, _RECURRENT_OPS, _onnx_name, _trace_label
 
     tols = _check_tolerances(tolerances)
@@ -356,6 +356,7 @@ def compare_values(
     through = tuple(dict.fromkeys(
         type(m) for m in model.modules() if qualified_name(type(m)) in set(opened)
     )) if isinstance(model, torch.nn.Module) else ()
+    through_functions = tuple(name for name in opened if name in REGISTRY.functions)  # register_atomic's
 
     # which eager tensor each ONNX value stands for: (row, trace node, output index, ONNX value name)
     rows: dict[int, ValueRow] = {}
@@ -424,7 +425,7 @@ def compare_values(
     numeric = NumericResult(list(rows.values()), len(batches), tols, proto=proto, folder=folder)
     out_rows: list[ValueRow] = []
     for b, (bargs, bkwargs) in enumerate(batches):
-        tracer = _ValueTracer(wanted, through)
+        tracer = _ValueTracer(wanted, through, through_functions)
         with torch.no_grad(), tracer:
             out = model(*bargs, **bkwargs)
         got = tracer.graph
