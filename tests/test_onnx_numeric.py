@@ -809,3 +809,32 @@ def test_an_op_onnxruntime_cannot_run_is_named_with_its_dtype() -> None:
                                             rf"for Gemm \(opset \d+\) in bfloat16, the ONNX node '{gemm.name}'") as e:
         fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
     assert "external data" not in str(e.value)
+
+
+class _NormSquared(torch.nn.Module):
+    """A norm, then its square: the exporters' ReduceL2 and Pow, which the structure reads as one norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = torch.norm(x, dim=-1)
+        return n**2 + x.pow(2).sum(-1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_call_is_compared_at_its_value_inside_a_region_that_took_in_the_next_calls_op(exporter: str) -> None:
+    torch.manual_seed(0)
+    model, x = _NormSquared(), torch.randn(3, 8)
+    report = fwdtrace.check_onnx(model, x, exporter=exporter, numeric=True)
+    numeric = report.numeric
+    assert numeric is not None and report.first_divergence is None and numeric.status != "diverges", str(report)
+    (norm,) = [r for r in numeric.rows if r.target == "torch.norm"]
+    # the reference: onnxruntime's value of the ONNX op the row names is torch's norm
+    (value,) = _run_ort(numeric.proto, numeric.feeds, [norm.onnx_value])
+    torch.testing.assert_close(torch.from_numpy(value), torch.norm(x, dim=-1))
+    assert norm.ok and norm.note.startswith(f"compared at {norm.onnx_value} inside its ONNX ops")
+    # the same file squaring into a cube is a divergence all the same
+    p = onnx.ModelProto()
+    p.CopyFrom(numeric.proto)
+    (square,) = [n for n in p.graph.node if n.op_type == "Pow" and n.input[0] == norm.onnx_value]
+    p.graph.initializer.append(onnx.numpy_helper.from_array(np.array(3.0, dtype=np.float32), "three"))
+    square.input[1] = "three"
+    assert fwdtrace.check_onnx(model, x, onnx=p, numeric=True).numeric.status == "diverges"

@@ -49,6 +49,7 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 _EXACT = (0.0, 0.0)
 _MISMATCH_KINDS = ("missing", "extra", "rewired")
+_INSIDE = "compared at "  # a row's note when its value is found inside its ONNX ops, not where they end
 # rows placed where a difference starts and measured by the values after them
 _PLACED_KINDS = (*_MISMATCH_KINDS, "random")
 # lower precision first: the tolerance of a pair is that of its least precise side
@@ -207,7 +208,9 @@ class NumericResult:
         if first is not None and first not in shown and first.kind not in _PLACED_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
-        partly = [r for r in self.rows if r.compared and r.note and not r.shape_differs]  # an LSTM whose h_n and c_n the export left out
+        partly = [r for r in self.rows if r.compared and r.note and not r.shape_differs
+                  and not r.note.startswith(_INSIDE)]
+        inside = [r for r in self.rows if r.compared and r.note.startswith(_INSIDE)]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
             width = max(len(r.call) for r in shown)
@@ -222,6 +225,9 @@ class NumericResult:
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+        if inside:
+            lines.append(f"  compared inside their ONNX ops: {', '.join(f'{r.call} ({r.note})' for r in inside[:4])}"
+                         + (f" and {len(inside) - 4} more" if len(inside) > 4 else ""))
         if partly:
             lines.append(f"  compared in part: {', '.join(f'{r.call} ({r.note})' for r in partly[:4])}"
                          + (f" and {len(partly) - 4} more" if len(partly) > 4 else ""))
@@ -366,6 +372,12 @@ def compare_values(
         for r in n.inputs:
             readers.setdefault(r.obj_id, []).append(n.id)
     slot_of: dict[str, int] | None = None  # ONNX value -> its place among its node's outputs, gaps counted
+    # gid -> a row per other value of the call's region shaped like its output: the matcher may
+    # end a region one op late (a norm's ReduceL2 then the Pow of the square that reads it), and
+    # the value the call returns is then inside it
+    inner: dict[int, dict[str, ValueRow]] = {}
+    missing = set(result.missing)  # only there: a region that reads as missing the call after it
+    feeds_missing = {e.src for e in trace.edges if e.dst in missing}
     for gid in sorted(result.groups):
         group = result.groups[gid]
         if gid < 0 or group.key is None or trace.nodes[gid].kind not in ("module", "function"):
@@ -398,6 +410,11 @@ def compare_values(
             continue
         row.onnx_value = ", ".join(n for _, n in chosen)
         pairs.extend((gid, last.id, i, n) for i, n in chosen)
+        if len(chosen) == 1 and len(t_outs) == 1 and last.id in feeds_missing:
+            inside = _inner_values(og, group.onodes, group.key, t_outs[0].shape)
+            if inside:
+                inner[gid] = {n: ValueRow(gid, label, tn.module_path, row.target, row.onnx_node, n, (), "",
+                                          kind=tn.kind) for n in inside}
     out_group = result.groups.get(_OUTPUT_GROUP)
     o_out = og.nodes[out_group.key] if out_group is not None and out_group.key is not None else None
     out_names = list(o_out.meta.get("names", [])) if o_out is not None else []
@@ -418,7 +435,8 @@ def compare_values(
     # the axes of each ONNX value whose length the file leaves to its data (a NonZero's, an NMS's count)
     free_axes = {name: tuple(a for a, d in enumerate(ref.shape) if d == -1)
                  for n in og.nodes for name, ref in zip(n.meta.get("output_names", []), n.outputs, strict=False)}
-    session, extra = _session(proto, folder, [n for *_, n in pairs], out_names)
+    session, extra = _session(proto, folder, [n for *_, n in pairs] + [n for rs in inner.values() for n in rs],
+                              out_names)
     expected = [(i.name, _ORT2DTYPE.get(i.type, i.type), i.shape) for i in session.get_inputs()]
     ort_inputs = {name: dtype for name, dtype, _ in expected}
     wanted = {t for _, t, _, _ in pairs}
@@ -454,6 +472,9 @@ def compare_values(
                 row.compared, row.note = False, "no eager value" if eager is None else "no ONNX value"
                 continue
             _compare_into(row, eager[i], values[name], tols, free=free_axes.get(name, ()))
+            for other, other_row in inner.get(gid, {}).items():
+                if other in values:
+                    _compare_into(other_row, eager[i], values[other], tols)
             if b == 0 and row.compared:
                 numeric.eager[name] = eager[i].detach().to(torch.float32 if eager[i].is_floating_point()
                                                            else eager[i].dtype).numpy()
@@ -472,6 +493,14 @@ def compare_values(
                                   feeder.dtype if feeder is not None and feeder.compared else None)
                 if feeder is not None and feeder.compared:
                     out_rows[k].inputs_rel = feeder.max_rel
+    for gid, others in inner.items():
+        row = rows[gid]
+        found = next((r for r in others.values() if r.compared and r.ok), None)
+        if row.compared and not row.ok and found is not None:
+            row.note = (f"{_INSIDE}{found.onnx_value} inside its ONNX ops; {row.onnx_value}, where they end, "
+                        f"differs by max rel err {_num(row.max_rel)}: a later call's op taken in")
+            row.onnx_value, row.max_abs, row.max_rel, row.ok = found.onnx_value, found.max_abs, found.max_rel, True
+            row.shape, row.dtype = found.shape, found.dtype
     for row in rows.values():
         rels: list[tuple[float, str]] = []
         for req in result.reqs.get(row.order, []):
@@ -699,6 +728,21 @@ def _recurrent_carriers(og: Graph, readers: dict[int, list[int]], group: Any, t_
                 pairs.append((slot, str(on.meta["output_names"][0])))
                 break
     return pairs
+
+
+def _inner_values(og: Graph, onodes: Iterable[int], key: int, shape: tuple[int, ...], limit: int = 3) -> list[str]:
+    """Values of a call's ONNX ops other than its key's, shaped like the eager output (at most ``limit``, latest first)."""
+    found: list[str] = []
+    for o in sorted(onodes, reverse=True):
+        n = og.nodes[o]
+        if o == key or n.kind != "function" or n.meta.get("wiring"):
+            continue
+        for name, ref in zip(n.meta.get("output_names", []), n.outputs, strict=False):
+            if name and ref.shape and not _shaped_other(ref.shape, shape):
+                found.append(str(name))
+        if len(found) >= limit:
+            break
+    return found[:limit]
 
 
 def _shaped_other(onnx_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
