@@ -1950,3 +1950,21 @@ def test_a_parametrized_layer_compares_alike_on_a_graph_alone_and_in_check_onnx(
     assert onnx_ops.inherited_rule_target("torch.nn.utils.parametrize.ParametrizedNoSuchLayer") is None
     assert onnx_ops.inherited_rule_target("somewhere.MadeAtRunTime") is None
     assert "somewhere.MadeAtRunTime" not in onnx_ops._inherited
+
+
+def test_an_unopened_layer_reading_an_input_for_its_shape_leaves_a_graph_alone_incomplete(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.OPTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
+                                    vocab_size=100, max_position_embeddings=32, word_embed_proj_dim=32)
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).eval()
+    inputs = {"input_ids": torch.randint(0, 100, (1, 8)), "attention_mask": torch.tensor([[0, 0] + [1] * 6]),
+              "use_cache": False}
+    path = str(tmp_path / "opt.onnx")
+    fwdtrace.export_onnx(model, exporter="dynamo", path=path, **inputs)
+    # the reference: with the model at hand the layer is opened, and the file has the trace's topology
+    assert fwdtrace.check_onnx(model, onnx=path, **inputs).status == "ok"
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, **inputs), path)
+    assert alone.status == "incomplete" and not alone.rewired, alone.text
+    assert alone.not_opened == ["model.decoder.embed_positions (OPTLearnedPositionalEmbedding)"]

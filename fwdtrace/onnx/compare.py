@@ -337,6 +337,10 @@ class _Matcher:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
         self.unopened: list[int] = []  # layers no rule knows, which a graph alone cannot open
         self.unopened_values: set[int] = set()  # trace obj_ids computed through one of them
+        # the groups such layers read: whether they read a value or only its shape (OPT's positional
+        # embedding, the attention mask), a graph alone cannot tell, so no edge from them is required
+        self.read_by_unopened: set[int] = set()
+        self.after_unopened: set[int] = set()  # trace calls reading a value computed through one of them
         self.out_nodes, self.left_out = self._compared_outputs()
         # to_onnx's provenance: the ONNX nodes it emitted for a call the trace records as one node
         # (batched_nms's loop over the classes), by the call's "<target>#<k>" (fwdtrace.onnx.export.CALL_KEY)
@@ -702,6 +706,8 @@ class _Matcher:
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
         outs: list[frozenset[int]] | None = None
         through_unopened = any(r.obj_id in self.unopened_values for r in data_in)
+        if through_unopened:
+            self.after_unopened.add(tn.id)
         emitted = self._emitted(tn)
         if emitted is not None:  # the exporter says which ops it wrote for this call: all of them
             self._new_group(tn.id, emitted[1], emitted[0])
@@ -711,6 +717,7 @@ class _Matcher:
             self.unopened.append(tn.id)
             through_unopened = True
             tn_out = passthrough
+            self.read_by_unopened.update(passthrough)
         elif eq is None:
             self._add_missing(tn)
             tn_out = passthrough
@@ -1233,6 +1240,7 @@ class _Matcher:
                 for r in self.onodes[oid].outputs:
                     queue.extend(self.consumers.get(r.obj_id, ()))
         trace_only, onnx_only = trace_edges - onnx_edges, onnx_edges - trace_edges
+        trace_only = {(s, d) for s, d in trace_only if s not in self.read_by_unopened or d not in self.after_unopened}
         for s, d, feeders in self._pads_taken(trace_only, onnx_only):
             trace_only.discard((s, d))
             onnx_only -= {(f, d) for f in feeders}
