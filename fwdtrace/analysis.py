@@ -77,6 +77,9 @@ class ModuleRow:
     latency_ms: float | None  # time inside the module per model run, mean of the quieter half of the module-timed runs
     latency_share: float | None  # latency_ms over the root module's
     peak_memory_bytes: int  # tensor memory while it ran: model and inputs included
+    # torch's fused kernel the module ran instead of its sub-modules (an eval TransformerEncoderLayer
+    # under no_grad: aten._transformer_encoder_layer_fwd), "" when none
+    fused_kernel: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -141,11 +144,16 @@ class Analysis:
             f"({self.memory_method})",
         ]
         header = ["Module", "Input", "Output", "Params", "FLOPs", "FLOPs incl.", "Time", "Peak mem"]
+        fused = [r for r in self.rows if r.fused_kernel]
+
+        def inside_fused(r: ModuleRow) -> bool:
+            return any(r.module_path.startswith(f"{f.module_path}.") or not f.module_path for f in fused if f is not r)
+
         body = [
             [
                 r.key,
-                _shapes_cell(r.input_shapes, r.calls),
-                _shapes_cell(r.output_shapes, r.calls),
+                "(fused)" if not r.calls and inside_fused(r) else _shapes_cell(r.input_shapes, r.calls),
+                "(fused)" if not r.calls and inside_fused(r) else _shapes_cell(r.output_shapes, r.calls),
                 human_count(r.params),
                 human_flops(r.flops),
                 human_flops(r.flops_total),
@@ -161,11 +169,16 @@ class Analysis:
             return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
         rule = "-" * len(fmt(header))
-        foot = "FLOPs: the module's own; FLOPs incl.: with what it called; Time: share of the model's forward"
+        foot = ["FLOPs: the module's own; FLOPs incl.: with what it called; Time: share of the model's forward"]
         if self.latency_ms is not None:  # how much the shares can be trusted goes with them
-            foot += (f", from the quieter half of {self.repeats} module-timed run{'s' if self.repeats != 1 else ''}"
-                     f"{'' if self.repeats >= STABLE_REPEATS else f' ({STABLE_REPEATS} or more for shares stable within a few percent)'}")
-        return "\n".join([*head, rule, fmt(header), rule, *map(fmt, body), rule, foot])
+            foot[0] += (f", from the quieter half of {self.repeats} module-timed run{'s' if self.repeats != 1 else ''}"
+                        f"{'' if self.repeats >= STABLE_REPEATS else f' ({STABLE_REPEATS} or more for shares stable within a few percent)'}")
+        for kernel in dict.fromkeys(r.fused_kernel for r in fused):
+            which = [r.key for r in fused if r.fused_kernel == kernel]
+            foot.append(f"(fused): {', '.join(which[:3])}{f' and {len(which) - 3} more' if len(which) > 3 else ''} "
+                        f"ran torch's fused kernel {kernel} (eval, no grad), not the modules inside; "
+                        f"fwdtrace.trace records those, the path torch takes while a trace runs")
+        return "\n".join([*head, rule, fmt(header), rule, *map(fmt, body), rule, *foot])
 
 
 def _shapes_cell(shapes: tuple[Shape, ...], calls: int, width: int = 30) -> str:
@@ -193,6 +206,7 @@ class _Counts:
         self.inputs: dict[str, tuple[Shape, ...]] = {}
         self.outputs: dict[str, tuple[Shape, ...]] = {}
         self.flops = dict.fromkeys(keys, 0)
+        self.fused: dict[str, str] = {}  # key -> the fused kernel it ran in place of its sub-modules
         self.flops_total = dict.fromkeys(keys, 0)
         self.peak = dict.fromkeys(keys, 0)
         self.stack: list[str] = []
@@ -224,6 +238,10 @@ class _Counts:
             self.peak[key] = max(self.peak[key], self.memory.live_bytes)
 
 
+# torch's fast paths: one kernel for a whole layer, whose sub-modules then do not run
+_FUSED_LAYER_KERNELS = frozenset({torch.ops.aten._transformer_encoder_layer_fwd, torch.ops.aten._native_multi_head_attention})
+
+
 class _CountingMode(TorchDispatchMode):
     """Counts each aten op's FLOPs and follows its outputs' memory.
 
@@ -242,11 +260,27 @@ class _CountingMode(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed  # its parts came through here and were counted
         out = func(*args, **kwargs)
+        if func._overloadpacket in _FUSED_LAYER_KERNELS and self.counts.stack:
+            self.counts.fused.setdefault(self.counts.stack[-1], str(func._overloadpacket))
         flops = flops_of(func, args, kwargs, out)
         if flops:
             self.counts.add_flops(flops)
         self.counts.add_outputs(out)
         return out
+
+
+def _packed_numel(module: torch.nn.Module) -> int:
+    """The elements of the weights and biases packed out of ``parameters()`` in ``module`` and below.
+
+    A quantized layer (``quantize_dynamic``'s Linear, a quantized Conv) keeps them in a
+    ``torch.ScriptObject`` that only its ``_weight_bias()`` unpacks.
+    """
+    total = 0
+    for m in module.modules():
+        if isinstance(getattr(m, "_packed_params", None), torch.ScriptObject) and hasattr(m, "_weight_bias"):
+            unpacked: tuple[Any, ...] = m._weight_bias()  # type: ignore[operator]
+            total += sum(int(t.numel()) for t in unpacked if isinstance(t, torch.Tensor))
+    return total
 
 
 def _device_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
@@ -271,7 +305,8 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     (36, 128, 128)
     >>> print(a)  # doctest: +SKIP
 
-    - ``params`` counts each parameter tensor once, however many modules share it;
+    - ``params`` counts each parameter tensor once, however many modules share it, and the
+      weights a quantized layer packs out of ``parameters()`` (``quantize_dynamic``'s Linear);
       ``trainable_params`` those with ``requires_grad``.
     - ``flops`` are forward FLOPs, a multiply-add being 2 FLOPs, as ``FlopCounterMode``
       counts them; attention and LSTM count on CPU too (see :mod:`fwdtrace.flops`).
@@ -282,6 +317,11 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
       (everything on the device). Elsewhere it is tracked: the bytes of the parameters,
       buffers and inputs plus every tensor storage the forward creates, alive at once, at
       the worst moment. It misses kernels' private workspaces and allocator overhead.
+
+    - An eval ``nn.TransformerEncoderLayer`` or ``nn.MultiheadAttention`` runs torch's fused
+      kernel (``aten._transformer_encoder_layer_fwd``): its row's ``fused_kernel`` names it, and
+      the modules inside, which did not run, show ``(fused)``. :func:`fwdtrace.trace` records
+      those modules: torch leaves its fast path while a trace runs.
 
     ``repeats=0`` skips timing: one counting run, every latency None. How the runs are spent
     is in the module docstring of :mod:`fwdtrace.analysis`. The model runs in the mode it is
@@ -362,12 +402,13 @@ def _analyze(
             calls=counts.calls[k],
             input_shapes=counts.inputs.get(k, ()),
             output_shapes=counts.outputs.get(k, ()),
-            params=sum(p.numel() for p in m.parameters()),
+            params=sum(p.numel() for p in m.parameters()) + _packed_numel(m),
             flops=counts.flops[k],
             flops_total=counts.flops_total[k],
             latency_ms=module_ms.get(k),
             latency_share=module_ms[k] / root_ms if root_ms else None,
             peak_memory_bytes=counts.peak[k],
+            fused_kernel=counts.fused.get(k, ""),
         )
         for k, m in key2mod.items()
     )
@@ -375,7 +416,7 @@ def _analyze(
     return Analysis(
         model=type(eager_module(model)).__name__,
         device=str(device),
-        params=sum(p.numel() for p in params),
+        params=sum(p.numel() for p in params) + _packed_numel(model),
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
         flops=sum(counts.flops.values()),
         latency_ms=_percentile(times, 50) if times else None,

@@ -11,7 +11,9 @@ computation when it is decomposed (checked in ``tests/test_flops.py``):
 - ``aten._native_multi_head_attention``: ``nn.MultiheadAttention``'s fast path (eval, no grad);
 - ``aten._transformer_encoder_layer_fwd``: ``nn.TransformerEncoderLayer``'s fast path;
 - ``aten.mkldnn_rnn_layer`` and ``aten._cudnn_rnn``: ``nn.LSTM``'s fused CPU and cuDNN kernels
-  (``2 x tokens x`` every weight matrix, as the decomposed GRU counts).
+  (``2 x tokens x`` every weight matrix, as the decomposed GRU counts);
+- ``quantized.linear_dynamic`` (and its ``_fp16``): a ``quantize_dynamic`` model's Linear, its
+  weight packed out of sight (``2 x tokens x in x out``, as the float Linear counts).
 
 A formula torch itself registers for one of these ops later wins over ours.
 """
@@ -73,12 +75,18 @@ def _cudnn_rnn_flop(input: Shape, weights: Sequence[Shape], *args: Any, out_shap
     return 2 * tokens * sum(math.prod(w) for w in weights if len(w) == 2)
 
 
+def _linear_dynamic_flop(input: Shape, packed: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return 2 * math.prod(input) * int(out_shape[-1])
+
+
 _EXTRA: dict[Any, Callable[..., int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
     aten._native_multi_head_attention: _mha_flop,
     aten._transformer_encoder_layer_fwd: _encoder_layer_flop,
     aten.mkldnn_rnn_layer: _mkldnn_rnn_layer_flop,
     aten._cudnn_rnn: _cudnn_rnn_flop,
+    **{op: _linear_dynamic_flop for name in ("linear_dynamic", "linear_dynamic_fp16")
+       if (op := getattr(torch.ops.quantized, name, None)) is not None},
 }
 
 # op overload packet -> formula(*args, out_val=..., **kwargs) -> FLOPs

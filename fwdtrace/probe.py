@@ -28,7 +28,7 @@ from .instrument.calls import FunctionSite, ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import register_grad_hook
 from .instrument.keys import Selector, key2module, select_keys
-from .instrument.stats import RunningStats, check_bins, check_range, summary_text
+from .instrument.stats import RunningStats, check_bins, check_has_values, check_range, summary_text
 from .patching import InterruptGuard, critical, guarded_enter, guarded_exit
 from .registry import FunctionTarget, resolve_any
 from .tracer import add_function_handlers, layer_notes, remove_handlers
@@ -664,6 +664,7 @@ class Probe:
                         stats = handle.stats[key] = RunningStats(bins, range)
             for t in tensors:
                 if isinstance(t, torch.Tensor):
+                    check_has_values(t, f"Probe.running_stats() of {key!r}")
                     stats.update(t)
 
         def register(key: str, module: torch.nn.Module) -> Any:

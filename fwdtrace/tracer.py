@@ -184,7 +184,9 @@ class Tracer:
     want them). Both give the same graph. ``through`` names layer classes (subclasses
     included) recorded as the calls they make instead of one node, for this trace only;
     ``atomic`` names functions (:class:`~fwdtrace.registry.FunctionTarget`) recorded as one
-    node each, for this trace only (a function registered already keeps its registration).
+    node each, for this trace only (a function registered already keeps its registration);
+    ``through_functions`` names atomic functions by path recorded as the calls they make, for
+    this trace only (their callbacks still run).
     Functions that compute one result by a route the values decide in eager mode and by
     another when exported (:data:`fwdtrace.registry.WHOLE_FUNCTIONS`: torchvision's
     ``batched_nms``) are one node in every trace, so that a graph alone compares with an export.
@@ -197,7 +199,8 @@ class Tracer:
     """
 
     def __init__(
-        self, pin: bool = False, *, through: tuple[type, ...] = (), atomic: tuple[_registry.FunctionTarget, ...] = ()
+        self, pin: bool = False, *, through: tuple[type, ...] = (), atomic: tuple[_registry.FunctionTarget, ...] = (),
+        through_functions: tuple[str, ...] = (),
     ) -> None:
         if not isinstance(through, tuple) or not all(
             isinstance(c, type) and issubclass(c, torch.nn.Module) for c in through
@@ -208,6 +211,7 @@ class Tracer:
         self.pin = pin
         self.through = through
         self.atomic = atomic
+        self.through_functions = frozenset(through_functions)
         self.graph = Graph()
         self._handle: Any = None
         self._function_handles: list[Any] = []
@@ -528,7 +532,7 @@ class Tracer:
         return on_function
 
     def _on_hooked_function(self, target: _registry.FunctionTarget, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if not target.atomic or self._quiet or not self._stack:
+        if not target.atomic or self._quiet or not self._stack or target.path in self.through_functions:
             # Not one node (or inside a leaf, or outside the model): its torch calls are recorded as they come.
             out = call(*args, **kwargs)
             return self._run_callbacks(target.callbacks, args, kwargs, out) if target.callbacks else out

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -348,3 +350,44 @@ def test_rows_are_found_by_key_or_by_the_path_named_modules_gives():
         row = result.row(path)
         assert row.key == key_of[id(module)] and row.module_path == path
         assert result.row(row.key) is row
+
+
+def test_a_quantize_dynamic_model_counts_its_packed_weights_and_their_flops() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    # the reference: the float model it was made from, counted by torch itself
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    a = fwdtrace.analyze(quantized, x, repeats=0)
+    assert a.params == sum(p.numel() for p in model.parameters()) and a.trainable_params == 0
+    assert a.flops == counter.get_total_flops() and a.row("0").flops == 2 * 4 * 16 * 32
+    assert a.row("2").params == 32 * 8 + 8
+
+
+def test_an_eval_transformer_encoder_under_no_grad_is_shown_as_torchs_fused_kernel() -> None:
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    # the reference: torch's profiler sees the fused kernel in a plain forward, and no Linear
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        model(x)
+    ran = {e.key for e in prof.key_averages()}
+    assert "aten::_transformer_encoder_layer_fwd" in ran and "aten::linear" not in ran
+    with torch.no_grad():
+        a = fwdtrace.analyze(model, x, repeats=0)
+    assert [r.key for r in a.rows if r.fused_kernel] == ["layers.0.TransformerEncoderLayer",
+                                                        "layers.1.TransformerEncoderLayer"]
+    assert a.row("layers.0").fused_kernel == "aten._transformer_encoder_layer_fwd"
+    assert a.row("layers.0.linear1").calls == 0
+    text = str(a)
+    assert re.search(r"^layers\.0\.linear1\.Linear +\(fused\) +\(fused\) ", text, re.M)
+    assert re.search(r"^\(fused\): layers\.0\.TransformerEncoderLayer, layers\.1\.TransformerEncoderLayer ran "
+                     r"torch's fused kernel aten\._transformer_encoder_layer_fwd \(eval, no grad\)", text, re.M)
+    # in training mode the layers run their sub-modules: nothing fused to say
+    trained = fwdtrace.analyze(model.train(), x, repeats=0)
+    assert not any(r.fused_kernel for r in trained.rows) and "(fused)" not in str(trained)

@@ -469,3 +469,26 @@ def test_bad_function_targets_say_what_to_pass(target: Any, message: str) -> Non
     with pytest.raises(FwdtraceError, match=message):
         fwdtrace.hook_forward(target)
     assert patched_functions() == []
+
+
+# -- check_onnx over atomic functions ---------------------------------------------------------------
+def test_check_onnx_compares_atomic_functions_through_what_they_compute() -> None:
+    model, ids = tiny_llama()
+    with torch.no_grad():
+        plain = fwdtrace.check_onnx(model, ids, exporter="dynamo", numeric=True)
+    fwdtrace.register_atomic(ROPE)
+    fwdtrace.register_atomic(LLAMA_ATTN)
+    with torch.no_grad():
+        report = fwdtrace.check_onnx(model, ids, exporter="dynamo", numeric=True)
+        graph = fwdtrace.trace(model, ids)
+    originals_back()
+    # the reference: the same model unregistered, whose every call the export matches
+    assert plain.status == "ok"
+    assert report.status == "ok", report.text
+    assert set(report.opened) == {ROPE, LLAMA_ATTN}
+    assert report.numeric is not None and report.numeric.status == "ok" and report.first_divergence is None
+    assert REGISTRY.functions[ROPE].atomic and len(graph.find(target=ROPE)) == LAYERS  # the registration stays
+    # a graph alone cannot open them: incomplete, naming them, not a mismatch
+    alone = fwdtrace.compare_onnx(graph, report.numeric.proto)
+    assert alone.status == "incomplete", alone.text
+    assert {n.split(" = ")[1].split(" in ")[0] for n in alone.not_opened} == {ROPE, LLAMA_ATTN}

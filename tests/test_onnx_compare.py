@@ -1947,3 +1947,41 @@ def test_a_concatenation_is_paired_with_the_concat_reached_from_all_its_inputs()
     report = fwdtrace.check_onnx(model, x, onnx=proto)
     assert report.ok, str(report)
     assert dict(report.matched)["cat_1 = torch.cat"] == (_concat_returning(proto, 1),)
+
+
+def test_a_parametrized_layer_compares_alike_on_a_graph_alone_and_in_check_onnx(monkeypatch, tmp_path) -> None:
+    # a fresh process: no layer class noted, no rule looked up yet
+    monkeypatch.setattr(onnx_ops, "_inherited", {})
+    monkeypatch.setattr(onnx_ops, "_known_classes", __import__("weakref").WeakValueDictionary())
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = torch.nn.Sequential(weight_norm(torch.nn.Conv1d(4, 4, 3, padding=1)), torch.nn.GELU()).eval()
+    x = torch.randn(1, 4, 8)
+    assert type(model[0]).__name__ == "ParametrizedConv1d" and "forward" not in vars(type(model[0]))
+    path = str(tmp_path / "wn.onnx")
+    fwdtrace.export_onnx(model, x, path=path, exporter="torchscript")
+    on_graph = fwdtrace.compare_onnx(fwdtrace.trace(model, x), path)
+    checked = fwdtrace.check_onnx(model, x, onnx=path)
+    assert (on_graph.status, checked.status) == ("ok", "ok"), on_graph.text
+    # a class no rule can know by name stays unknown, and is not remembered as such
+    assert onnx_ops.inherited_rule_target("torch.nn.utils.parametrize.ParametrizedNoSuchLayer") is None
+    assert onnx_ops.inherited_rule_target("somewhere.MadeAtRunTime") is None
+    assert "somewhere.MadeAtRunTime" not in onnx_ops._inherited
+
+
+def test_an_unopened_layer_reading_an_input_for_its_shape_leaves_a_graph_alone_incomplete(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.OPTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
+                                    vocab_size=100, max_position_embeddings=32, word_embed_proj_dim=32)
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).eval()
+    inputs = {"input_ids": torch.randint(0, 100, (1, 8)), "attention_mask": torch.tensor([[0, 0] + [1] * 6]),
+              "use_cache": False}
+    path = str(tmp_path / "opt.onnx")
+    fwdtrace.export_onnx(model, exporter="dynamo", path=path, **inputs)
+    # the reference: with the model at hand the layer is opened, and the file has the trace's topology
+    assert fwdtrace.check_onnx(model, onnx=path, **inputs).status == "ok"
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, **inputs), path)
+    assert alone.status == "incomplete" and not alone.rewired, alone.text
+    assert alone.not_opened == ["model.decoder.embed_positions (OPTLearnedPositionalEmbedding)"]

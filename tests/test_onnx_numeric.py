@@ -40,13 +40,19 @@ def _run_ort(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list
     return session.run(outputs, feeds)
 
 
-def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
-    """A copy of ``proto`` with the initializer ``name`` multiplied by ``factor``."""
+def _with_initializer(proto: onnx.ModelProto, name: str, value: np.ndarray) -> onnx.ModelProto:
+    """A copy of ``proto`` with the initializer ``name`` set to ``value``."""
     p = onnx.ModelProto()
     p.CopyFrom(proto)
     (init,) = [i for i in p.graph.initializer if i.name == name]
-    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * np.float32(factor), init.name))
+    init.CopyFrom(onnx.numpy_helper.from_array(value, init.name))
     return p
+
+
+def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
+    """A copy of ``proto`` with the initializer ``name`` multiplied by ``factor``."""
+    (init,) = [i for i in proto.graph.initializer if i.name == name]
+    return _with_initializer(proto, name, onnx.numpy_helper.to_array(init) * np.float32(factor))
 
 
 def _scale_node_weight(proto: onnx.ModelProto, node_name: str, factor: float) -> onnx.ModelProto:
@@ -723,3 +729,112 @@ def test_side_by_side_colours_matched_boxes_by_the_reports_relative_error(tmp_pa
     with pytest.raises(FwdtraceError, match=r"^render_side_by_side\(\) expected report= from check_onnx"):
         fwdtrace.render_side_by_side(fwdtrace.trace(model, x), tampered, os.path.join(str(tmp_path), "x.svg"),
                                      report=structure_only)
+
+
+class _Noisy(torch.nn.Module):
+    """A layer, then noise drawn eagerly and in onnxruntime (randn_like) or training-mode dropout, then a layer."""
+
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        self.first, self.last = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.draw = draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(x)
+        y = y + torch.randn_like(y) if self.draw == "randn_like" else self.drop(y)
+        return self.last(y)
+
+
+@pytest.mark.parametrize(("draw", "called"), [("randn_like", "randn_like"), ("dropout", "drop (Dropout)")])
+def test_a_random_op_is_named_as_where_the_difference_starts(draw: str, called: str) -> None:
+    torch.manual_seed(0)
+    model = _Noisy(draw)
+    x = torch.randn(4, 8)
+    if draw == "dropout":
+        model.train()
+    report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
+    # the reference: the layer before the draw agrees with onnxruntime, the one after it does not
+    rows = {r.module_path: r for r in report.numeric.rows if r.kind == "module"}
+    assert rows["first"].ok and not rows["last"].ok
+    first = report.first_divergence
+    assert first is not None and first.kind == "random" and first.call.startswith(called), report.numeric.lead()
+    assert report.numeric.lead().startswith(f"first divergence: {called}")
+    assert "draws random numbers" in report.numeric.lead()
+
+
+class _Kept(torch.nn.Module):
+    """Keeps the positions of a layer's outputs above a threshold: a count that depends on the values, like an NMS."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(6, 6)
+        self.register_buffer("threshold", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(torch.relu(self.layer(x) - self.threshold)).float().sum(0)
+
+
+def test_a_value_shaped_otherwise_in_onnx_is_the_divergence_there() -> None:
+    torch.manual_seed(0)
+    model, x = _Kept().eval(), torch.randn(2, 6)
+    with torch.no_grad():
+        model.threshold.fill_(float(model.layer(x)[1, 2]))  # eagerly, relu leaves exactly 0 at [1, 2]
+    proto = _torchscript_default_names(model, (x,))
+    (gemm,) = [n.output[0] for n in proto.graph.node if n.op_type == "Gemm"]
+    (h,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [gemm])
+    # the file's threshold a rounding error below its own value at [1, 2]: one more position kept there
+    proto = _with_initializer(proto, "threshold", np.array(h[1, 2] - 1e-6, dtype=np.float32))
+    eager = model(x)
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    rows = {r.target: r for r in report.numeric.rows}
+    assert rows["torch.relu"].ok  # what the count is taken from agrees within float32 tolerance
+    kept = torch.nonzero(torch.relu(model.layer(x) - model.threshold)).shape
+    first = report.first_divergence
+    assert first is not None and first.target == "torch.nonzero" and first.shape_differs
+    assert first.note == f"ONNX value shaped [{kept[0] + 1}, 2], eager [{kept[0]}, 2]"
+    assert report.numeric.lead().startswith(f"first divergence: nonzero = torch.nonzero, {first.note} (int64), "
+                                            "inputs agree to"), report.numeric.lead()
+    assert not rows["torch.Tensor.sum"].ok and eager.shape == (2,)
+
+
+def test_an_op_onnxruntime_cannot_run_is_named_with_its_dtype() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).to(torch.bfloat16)
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    proto = _torchscript_default_names(model, (x,))
+    (gemm,) = [n for n in proto.graph.node if n.op_type == "Gemm"]
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.NotImplemented):  # the reference: onnxruntime itself
+        _run_ort(proto, {proto.graph.input[0].name: x.float().numpy()}, [])
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\): onnxruntime's CPU provider has no kernel "
+                                            rf"for Gemm \(opset \d+\) in bfloat16, the ONNX node '{gemm.name}'") as e:
+        fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert "external data" not in str(e.value)
+
+
+class _NormSquared(torch.nn.Module):
+    """A norm, then its square: the exporters' ReduceL2 and Pow, which the structure reads as one norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = torch.norm(x, dim=-1)
+        return n**2 + x.pow(2).sum(-1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_call_is_compared_at_its_value_inside_a_region_that_took_in_the_next_calls_op(exporter: str) -> None:
+    torch.manual_seed(0)
+    model, x = _NormSquared(), torch.randn(3, 8)
+    report = fwdtrace.check_onnx(model, x, exporter=exporter, numeric=True)
+    numeric = report.numeric
+    assert numeric is not None and report.first_divergence is None and numeric.status != "diverges", str(report)
+    (norm,) = [r for r in numeric.rows if r.target == "torch.norm"]
+    # the reference: onnxruntime's value of the ONNX op the row names is torch's norm
+    (value,) = _run_ort(numeric.proto, numeric.feeds, [norm.onnx_value])
+    torch.testing.assert_close(torch.from_numpy(value), torch.norm(x, dim=-1))
+    assert norm.ok and norm.note.startswith(f"compared at {norm.onnx_value} inside its ONNX ops")
+    # the same file squaring into a cube is a divergence all the same
+    p = onnx.ModelProto()
+    p.CopyFrom(numeric.proto)
+    (square,) = [n for n in p.graph.node if n.op_type == "Pow" and n.input[0] == norm.onnx_value]
+    p.graph.initializer.append(onnx.numpy_helper.from_array(np.array(3.0, dtype=np.float32), "three"))
+    square.input[1] = "three"
+    assert fwdtrace.check_onnx(model, x, onnx=p, numeric=True).numeric.status == "diverges"

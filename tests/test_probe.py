@@ -419,3 +419,17 @@ def test_replace_grad_on_an_in_place_relu_matches_torch_full_backward_hook() -> 
         torch.testing.assert_close(gin[0], rin[0], rtol=0, atol=0)
         torch.testing.assert_close(gout[0], rout[0], rtol=0, atol=0)
     torch.testing.assert_close(model[0].weight, reference[0].weight, rtol=0, atol=0)
+
+
+def test_running_stats_on_the_meta_device_is_fwdtraces_error_naming_the_key() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).to("meta")
+    x = torch.randn(2, 4, device="meta")
+    with pytest.raises(RuntimeError, match="meta tensors"):  # the reference: torch cannot read its values either
+        float(model(x).sum())
+    with fwdtrace.Probe(model) as probe:
+        probe.running_stats("0", of="output")
+        with pytest.raises(FwdtraceError, match=r"^Probe\.running_stats\(\) of '0\.Linear' cannot summarise a tensor "
+                                                r"on the meta device \(shape \[2, 4\], float32\)"):
+            model(x)
+    with pytest.raises(FwdtraceError, match=r"^RunningStats\.update\(\) cannot summarise a tensor on the meta device"):
+        RunningStats().update(x)

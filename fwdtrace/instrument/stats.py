@@ -26,6 +26,20 @@ def check_bins(bins: Any) -> int:
     return bins
 
 
+def check_has_values(tensor: torch.Tensor, caller: str) -> None:
+    """A FwdtraceError naming ``caller`` for a tensor that holds no values (the meta device's).
+
+    Statistics read values; torch's own error ("Tensor.item() cannot be called on meta
+    tensors") would name none of what the user called.
+    """
+    if tensor.is_meta:
+        raise FwdtraceError(
+            f"{caller} cannot summarise a tensor on the meta device (shape {list(tensor.shape)}, "
+            f"{str(tensor.dtype).removeprefix('torch.')}): it holds no values. Run the model on a real device "
+            f"(model.to_empty(device=...) and load its weights) for statistics; fwdtrace.trace and analyze "
+            f"work on the meta device")
+
+
 def check_range(range: Any) -> tuple[float, float] | None:  # noqa: A002
     """``range`` as ``(low, high)`` floats with low < high (or None), else a FwdtraceError."""
     if range is None:
@@ -99,6 +113,7 @@ class RunningStats:
         """Add every element of ``tensor`` (any shape, dtype and device)."""
         if not isinstance(tensor, torch.Tensor):
             raise FwdtraceError(f"RunningStats.update() expected a torch.Tensor, got {describe(tensor)}")
+        check_has_values(tensor, "RunningStats.update()")
         with self._lock, torch.no_grad():
             x = tensor.detach().reshape(-1)
             if x.is_complex():

@@ -337,6 +337,10 @@ class _Matcher:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
         self.unopened: list[int] = []  # layers no rule knows, which a graph alone cannot open
         self.unopened_values: set[int] = set()  # trace obj_ids computed through one of them
+        # the groups such layers read: whether they read a value or only its shape (OPT's positional
+        # embedding, the attention mask), a graph alone cannot tell, so no edge from them is required
+        self.read_by_unopened: set[int] = set()
+        self.after_unopened: set[int] = set()  # trace calls reading a value computed through one of them
         self.out_nodes, self.left_out = self._compared_outputs()
         # to_onnx's provenance: the ONNX nodes it emitted for a call the trace records as one node
         # (batched_nms's loop over the classes), by the call's "<target>#<k>" (fwdtrace.onnx.export.CALL_KEY)
@@ -547,12 +551,22 @@ class _Matcher:
                 for r in self.onodes[oid].outputs:
                     queue.extend(self.consumers.get(r.obj_id, ()))
             scope = tn.module_path
-            mine = [
-                oid for oid in sorted(seen)
-                if oid in extra_set and oid not in taken
-                and ((s := self.onodes[oid].meta.get("scope")) is None or not scope
-                     or s == scope or str(s).startswith(scope + "."))
-            ]
+
+            def in_scope(oid: int, scope: str = scope) -> bool:
+                s = self.onodes[oid].meta.get("scope")
+                return s is None or not scope or s == scope or str(s).startswith(scope + ".")
+
+            mine = [oid for oid in sorted(seen) if oid in extra_set and oid not in taken and in_scope(oid)]
+            # and the extra ops of its scope feeding those: an attention function's softmax sits
+            # between its scores (reached from q and k) and the product with v
+            stack = list(mine)
+            while stack:
+                for p in (self.producer[v] for v in self._data_inputs(self.onodes[stack.pop()])):
+                    if p in extra_set and p not in taken and p not in mine and in_scope(p) and \
+                            self.onodes[p].meta.get("scope") is not None:
+                        mine.append(p)
+                        stack.append(p)
+            mine.sort()
             taken.update(mine)
             found[tid] = mine
         return found
@@ -692,14 +706,18 @@ class _Matcher:
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
         outs: list[frozenset[int]] | None = None
         through_unopened = any(r.obj_id in self.unopened_values for r in data_in)
+        if through_unopened:
+            self.after_unopened.add(tn.id)
         emitted = self._emitted(tn)
         if emitted is not None:  # the exporter says which ops it wrote for this call: all of them
             self._new_group(tn.id, emitted[1], emitted[0])
             tn_out = frozenset({tn.id})
-        elif eq is None and tn.kind == "module":  # a layer no rule knows: a graph alone cannot open it
+        elif eq is None and (tn.kind == "module" or tn.attrs.get("atomic")):
+            # a layer or an atomic function no rule knows: a graph alone cannot open it
             self.unopened.append(tn.id)
             through_unopened = True
             tn_out = passthrough
+            self.read_by_unopened.update(passthrough)
         elif eq is None:
             self._add_missing(tn)
             tn_out = passthrough
@@ -816,10 +834,7 @@ class _Matcher:
         """
         target = canonical_target(tn.target)
         args = tn.attrs.get("args")
-        short = target.rsplit(".", 1)[-1].strip("_").lower()
-        if None in (args or ()) or (args is None and target in _INDEXING) or (
-            "dropout" in short or "rand" in short or short in _SAMPLERS
-        ):
+        if None in (args or ()) or (args is None and target in _INDEXING) or draws_random(tn):
             return None
         return next((e for e in self.calls.get(call_key, ()) if self._same_weights(self.tnodes[e], tn)), None)
 
@@ -1225,6 +1240,7 @@ class _Matcher:
                 for r in self.onodes[oid].outputs:
                     queue.extend(self.consumers.get(r.obj_id, ()))
         trace_only, onnx_only = trace_edges - onnx_edges, onnx_edges - trace_edges
+        trace_only = {(s, d) for s, d in trace_only if s not in self.read_by_unopened or d not in self.after_unopened}
         for s, d, feeders in self._pads_taken(trace_only, onnx_only):
             trace_only.discard((s, d))
             onnx_only -= {(f, d) for f in feeders}
@@ -1371,6 +1387,16 @@ def _pair_inputs(
 def _output_label(n: Node) -> str:
     """``logits``, ``cache.layers[0].keys``: which of the model's outputs a trace output node is."""
     return str(n.meta.get("cache") or n.name.removeprefix("output_").removeprefix("output"))
+
+
+def draws_random(n: Node) -> bool:
+    """Whether a trace call draws random numbers (``randn_like``, ``rand``, dropout, a sampler).
+
+    Eager PyTorch and an ONNX runtime draw different numbers, so what it feeds differs by nature.
+    """
+    target = canonical_target(n.target)
+    short = target.rsplit(".", 1)[-1].strip("_").lower()
+    return "dropout" in short or "rand" in short or short in _SAMPLERS
 
 
 def _trace_label(n: Node) -> str:
@@ -1692,7 +1718,7 @@ def check_onnx(
         )
     if onnx is not None:
         proto = _onnx_model(onnx, "check_onnx()", "onnx=")  # read before the model runs: a bad path fails fast
-        graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
+        graph, opened = _trace_opening_ruleless_layers(model, args, kwargs, _emitted_functions(proto))
         og, result = _compare(graph, proto, "check_onnx()", model=model)
         source = str(onnx) if isinstance(onnx, (str, os.PathLike)) else "the given ONNX model"
         report = _build_report(graph, og, result, None, opened, source=source)
@@ -1703,7 +1729,8 @@ def check_onnx(
     exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
         raise FwdtraceError(f"check_onnx() expected exporter 'dynamo', 'torchscript' or 'fwdtrace', got {exporter!r}")
-    graph, opened = _trace_opening_ruleless_layers(model, args, kwargs)
+    # to_onnx emits an atomic function's ops tagged with its call: compared as they are, not opened
+    graph, opened = _trace_opening_ruleless_layers(model, args, kwargs, None if exporter == "fwdtrace" else frozenset())
     if exporter == "fwdtrace":
         from .emit import to_onnx
 
@@ -1727,8 +1754,24 @@ def _add_numbers(report: TopologyReport, model: Any, args: tuple, kwargs: dict, 
     report.ok = report.status in ("ok", "rewritten")
 
 
-def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tuple[Graph, list[str]]:
+def _emitted_functions(proto: onnx.ModelProto) -> frozenset[str] | None:
+    """The functions whose calls an ONNX model's nodes are tagged with (to_onnx's provenance);
+    None for a model to_onnx wrote, which emits every atomic call as one."""
+    from .export import CALL_KEY
+
+    if proto.producer_name == "fwdtrace":
+        return None
+    return frozenset(p.value.rsplit("#", 1)[0] for n in proto.graph.node for p in n.metadata_props
+                     if p.key == CALL_KEY)
+
+
+def _trace_opening_ruleless_layers(
+    model: Any, args: tuple, kwargs: dict, emitted: frozenset[str] | None = frozenset(),
+) -> tuple[Graph, list[str]]:
     """The trace, with every layer no ONNX rule knows recorded as the torch calls it makes.
+
+    Atomic functions no rule knows are too, except those the ONNX model tags its nodes with
+    (``emitted``; None: all of them, for an export by to_onnx).
 
     A custom layer is what it calls: timm's ``LayerNorm2d`` (an ``nn.LayerNorm`` with a
     forward of its own) is a permute, a ``layer_norm`` and a permute, which rules know.
@@ -1740,19 +1783,27 @@ def _trace_opening_ruleless_layers(model: Any, args: tuple, kwargs: dict) -> tup
     path2module = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
     note_classes(type(m) for m in path2module.values())
     opened: dict[type, None] = {}
+    functions: dict[str, None] = {}  # atomic functions no rule knows (register_atomic's), by path
     for _ in range(4):
         ruleless = {
             type(m): None for n in graph.nodes
             if n.kind == "module" and rule_target(n.target) is None
             and (m := path2module.get(n.module_path)) is not None and type(m) not in opened
         }
-        if not ruleless:
+        ruleless_functions = {
+            n.target: None for n in graph.nodes
+            if n.kind == "function" and n.attrs.get("atomic") and n.target not in functions
+            and emitted is not None and n.target not in emitted and rule_target(n.target) is None
+        }
+        if not ruleless and not ruleless_functions:
             break
         opened.update(ruleless)
-        with Tracer(through=tuple(opened)) as tracer:  # this trace only: other threads are not affected
+        functions.update(ruleless_functions)
+        # this trace only: other threads, and the user's registrations, are not affected
+        with Tracer(through=tuple(opened), through_functions=tuple(functions)) as tracer:
             model(*args, **kwargs)
         graph = tracer.graph
-    return graph, [qualified_name(c) for c in opened]
+    return graph, [qualified_name(c) for c in opened] + list(functions)
 
 
 def render_side_by_side(

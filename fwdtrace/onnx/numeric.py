@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,9 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 _EXACT = (0.0, 0.0)
 _MISMATCH_KINDS = ("missing", "extra", "rewired")
+_INSIDE = "compared at "  # a row's note when its value is found inside its ONNX ops, not where they end
+# rows placed where a difference starts and measured by the values after them
+_PLACED_KINDS = (*_MISMATCH_KINDS, "random")
 # lower precision first: the tolerance of a pair is that of its least precise side
 _PRECISION = ("bfloat16", "float16", "float32", "float64")
 _ORT2DTYPE = {
@@ -69,7 +73,9 @@ class ValueRow:
     (``max_rel`` relative to the eager tensor's largest magnitude); ``inputs_rel`` the largest
     ``max_rel`` of the calls feeding it (0.0 for the model's inputs, None when none was
     compared). ``compared`` is False, with the reason in ``note``, when the two sides could
-    not be set against each other (shapes that differ, say).
+    not be set against each other (a value of another rank). ``shape_differs``: the two sides
+    hold different counts along an axis (an NMS keeping 316 boxes eagerly and 318 in
+    onnxruntime): a divergence, with errors of ``inf`` and the shapes in ``note``.
     """
 
     order: int  # the trace node id: execution order
@@ -96,6 +102,10 @@ class ValueRow:
     # the trace node's: "module", "function", "output" for the model's outputs; for a structural
     # mismatch (NumericResult.mismatches) "missing", "extra" or "rewired"
     kind: str = "module"
+    shape_differs: bool = False
+    # the dtype of the worst compared call feeding it, whose tolerance says whether the inputs
+    # agree (an int64 nonzero reads float32 values that may differ by rounding)
+    inputs_dtype: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,7 +115,7 @@ class ValueRow:
             "ok": self.ok, "compared": self.compared,
             "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
             "kind": self.kind, "norm_rel": _finite_or_str(self.norm_rel), "cosine": _finite_or_str(self.cosine),
-            "precision": self.precision, "rounding": self.rounding,
+            "precision": self.precision, "rounding": self.rounding, "shape_differs": self.shape_differs,
         }
 
 
@@ -129,6 +139,10 @@ class NumericResult:
     # compared values right after it: ok when they agree (the exporter rewrote that part and it
     # computes the same), not ok when they differ, not compared when none after it was
     mismatches: list[ValueRow] = field(default_factory=list)
+    # one row (kind "random") per call that draws random numbers (randn_like, dropout in training)
+    # whose nearest compared values after it differ: eager and onnxruntime draw different numbers,
+    # so the difference starts there, not at the first call that reads them
+    random: list[ValueRow] = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[ValueRow]:
@@ -138,7 +152,7 @@ class NumericResult:
     @property
     def divergent(self) -> list[ValueRow]:
         """Rows out of tolerance beyond what rounding explains, and structural mismatches whose downstream values differ."""
-        return [r for r in self.rows + self.mismatches if r.compared and not r.ok and not r.rounding]
+        return [r for r in self.rows + self.mismatches + self.random if r.compared and not r.ok and not r.rounding]
 
     @property
     def rounded(self) -> list[ValueRow]:
@@ -156,7 +170,7 @@ class NumericResult:
         if not bad:
             return None
         clean = [r for r in bad if r.inputs_rel is not None and _within_inputs(r, self)]
-        return min(clean or bad, key=lambda r: (r.order, r.kind not in _MISMATCH_KINDS))
+        return min(clean or bad, key=lambda r: (r.order, r.kind not in _PLACED_KINDS))
 
     @property
     def status(self) -> str:
@@ -195,21 +209,27 @@ class NumericResult:
             else f"inputs already off by {_num(first.inputs_rel)}" if first.inputs_rel is not None
             else "inputs not compared"
         )
+        if first.kind == "random":
+            return (f"first divergence: {first.call}, which draws random numbers: eager PyTorch and onnxruntime "
+                    f"draw different ones, so {first.onnx_value} after it differs by max rel err "
+                    f"{_num(first.max_rel)} ({first.dtype}); not an export error{batches}")
         if first.kind in _MISMATCH_KINDS:
             return (f"first divergence: {first.module_path or '<root>'}, {first.note}: max rel err "
                     f"{_num(first.max_rel)} ({first.dtype}), {inputs}{batches}")
         where = first.module_path if first.kind == "module" and first.module_path else first.call
-        return (f"first divergence: {where}, max rel err {_num(first.max_rel)} "
-                f"({first.dtype}), {inputs}{batches}")
+        err = first.note if first.shape_differs else f"max rel err {_num(first.max_rel)}"
+        return f"first divergence: {where}, {err} ({first.dtype}), {inputs}{batches}"
 
     def table(self, limit: int = 8) -> list[str]:
         """The worst rows, with the first divergence, as aligned lines."""
         first = self.first_divergence
         shown = self.worst[:limit]
-        if first is not None and first not in shown and first.kind not in _MISMATCH_KINDS:
+        if first is not None and first not in shown and first.kind not in _PLACED_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
-        partly = [r for r in self.rows if r.compared and r.note]  # an LSTM whose h_n and c_n the export left out
+        partly = [r for r in self.rows if r.compared and r.note and not r.shape_differs
+                  and not r.note.startswith(_INSIDE)]
+        inside = [r for r in self.rows if r.compared and r.note.startswith(_INSIDE)]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
             width = max(len(r.call) for r in shown)
@@ -218,15 +238,22 @@ class NumericResult:
                          f"{'max rel':>9}  ")
             for r in shown:
                 flag = ("" if r.ok else f"  within {r.rounding} rounding" if r.rounding
-                        else "  DIVERGES" + (" (first)" if r is first else ""))
+                        else "  DIVERGES" + (" (first)" if r is first else "") + (
+                            f": {r.note}" if r.shape_differs else ""))
                 lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
                              f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}{flag}")
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+        if inside:
+            lines.append(f"  compared inside their ONNX ops: {', '.join(f'{r.call} ({r.note})' for r in inside[:4])}"
+                         + (f" and {len(inside) - 4} more" if len(inside) > 4 else ""))
         if partly:
             lines.append(f"  compared in part: {', '.join(f'{r.call} ({r.note})' for r in partly[:4])}"
                          + (f" and {len(partly) - 4} more" if len(partly) > 4 else ""))
+        for r in self.random:
+            lines.append(f"  random: {r.call} draws random numbers, {r.onnx_value} after it differs"
+                         + (" (first)" if r is first else ""))
         for m in self.mismatches:
             verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
                        else "DIVERGES" + (" (first)" if m is first else "") if m.compared
@@ -247,12 +274,13 @@ class NumericResult:
             "worst": [r.call for r in self.worst[:10]],
             "values": [r.to_dict() for r in self.rows],
             "mismatches": [r.to_dict() for r in self.mismatches],
+            "random": [r.to_dict() for r in self.random],
         }
 
 
 def _within_inputs(row: ValueRow, result: NumericResult) -> bool:
     """Whether a row's inputs agree: within the tolerance of its dtype, relative to scale."""
-    rtol, atol = result.tolerances.get(row.dtype, _EXACT)
+    rtol, atol = result.tolerances.get(row.inputs_dtype or row.dtype, _EXACT)
     return row.inputs_rel is not None and row.inputs_rel <= rtol + atol
 
 
@@ -279,8 +307,8 @@ class _ValueTracer(Tracer):
     the node is appended), so an in-place write later in the model does not reach it.
     """
 
-    def __init__(self, wanted: set[int], through: tuple[type, ...]) -> None:
-        super().__init__(through=through)
+    def __init__(self, wanted: set[int], through: tuple[type, ...], through_functions: tuple[str, ...]) -> None:
+        super().__init__(through=through, through_functions=through_functions)
         self.wanted = wanted
         self.values: dict[int, list[torch.Tensor]] = {}
         self.inputs: dict[int, torch.Tensor] = {}  # obj_id -> the model input's value
@@ -347,7 +375,7 @@ def compare_values(
     lives (None for a model held in memory whole). ``opened`` names the layer classes the
     structural trace recorded as the calls they make; the value runs do the same.
     """
-    from ..registry import qualified_name
+    from ..registry import REGISTRY, qualified_name
     from .compare import _OUTPUT_GROUP, _RECURRENT_OPS, _onnx_name, _trace_label
 
     tols = _check_tolerances(tolerances)
@@ -355,6 +383,7 @@ def compare_values(
     through = tuple(dict.fromkeys(
         type(m) for m in model.modules() if qualified_name(type(m)) in set(opened)
     )) if isinstance(model, torch.nn.Module) else ()
+    through_functions = tuple(name for name in opened if name in REGISTRY.functions)  # register_atomic's
 
     # which eager tensor each ONNX value stands for: (row, trace node, output index, ONNX value name)
     rows: dict[int, ValueRow] = {}
@@ -364,6 +393,12 @@ def compare_values(
         for r in n.inputs:
             readers.setdefault(r.obj_id, []).append(n.id)
     slot_of: dict[str, int] | None = None  # ONNX value -> its place among its node's outputs, gaps counted
+    # gid -> a row per other value of the call's region shaped like its output: the matcher may
+    # end a region one op late (a norm's ReduceL2 then the Pow of the square that reads it), and
+    # the value the call returns is then inside it
+    inner: dict[int, dict[str, ValueRow]] = {}
+    missing = set(result.missing)  # only there: a region that reads as missing the call after it
+    feeds_missing = {e.src for e in trace.edges if e.dst in missing}
     for gid in sorted(result.groups):
         group = result.groups[gid]
         if gid < 0 or group.key is None or trace.nodes[gid].kind not in ("module", "function"):
@@ -396,6 +431,11 @@ def compare_values(
             continue
         row.onnx_value = ", ".join(n for _, n in chosen)
         pairs.extend((gid, last.id, i, n) for i, n in chosen)
+        if len(chosen) == 1 and len(t_outs) == 1 and last.id in feeds_missing:
+            inside = _inner_values(og, group.onodes, group.key, t_outs[0].shape)
+            if inside:
+                inner[gid] = {n: ValueRow(gid, label, tn.module_path, row.target, row.onnx_node, n, (), "",
+                                          kind=tn.kind) for n in inside}
     out_group = result.groups.get(_OUTPUT_GROUP)
     o_out = og.nodes[out_group.key] if out_group is not None and out_group.key is not None else None
     out_names = list(o_out.meta.get("names", [])) if o_out is not None else []
@@ -413,7 +453,11 @@ def compare_values(
             by_position = by_position or og.nodes[g.key].name != n.name
     unpaired = [trace.nodes[t].name for t in result.unmatched_inputs[0]] if by_position else []
 
-    session, extra = _session(proto, folder, [n for *_, n in pairs], out_names)
+    # the axes of each ONNX value whose length the file leaves to its data (a NonZero's, an NMS's count)
+    free_axes = {name: tuple(a for a, d in enumerate(ref.shape) if d == -1)
+                 for n in og.nodes for name, ref in zip(n.meta.get("output_names", []), n.outputs, strict=False)}
+    session, extra = _session(proto, folder, [n for *_, n in pairs] + [n for rs in inner.values() for n in rs],
+                              out_names)
     expected = [(i.name, _ORT2DTYPE.get(i.type, i.type), i.shape) for i in session.get_inputs()]
     ort_inputs = {name: dtype for name, dtype, _ in expected}
     wanted = {t for _, t, _, _ in pairs}
@@ -422,7 +466,7 @@ def compare_values(
     numeric.math = math_record(model if isinstance(model, torch.nn.Module) else None, args)
     out_rows: list[ValueRow] = []
     for b, (bargs, bkwargs) in enumerate(batches):
-        tracer = _ValueTracer(wanted, through)
+        tracer = _ValueTracer(wanted, through, through_functions)
         with torch.no_grad(), tracer:
             out = model(*bargs, **bkwargs)
         got = tracer.graph
@@ -450,7 +494,10 @@ def compare_values(
             if eager is None or i >= len(eager) or name not in values:
                 row.compared, row.note = False, "no eager value" if eager is None else "no ONNX value"
                 continue
-            _compare_into(row, eager[i], values[name], tols, record=numeric.math)
+            _compare_into(row, eager[i], values[name], tols, record=numeric.math, free=free_axes.get(name, ()))
+            for other, other_row in inner.get(gid, {}).items():
+                if other in values:
+                    _compare_into(other_row, eager[i], values[other], tols, record=numeric.math)
             if b == 0 and row.compared:
                 numeric.eager[name] = to_numpy(eager[i], torch.float32 if eager[i].is_floating_point() else None)
         # the model's outputs, paired by position (an export that leaves a cache out has fewer)
@@ -468,21 +515,30 @@ def compare_values(
                                   feeder.dtype if feeder is not None and feeder.compared else None, numeric.math)
                 if feeder is not None and feeder.compared:
                     out_rows[k].inputs_rel = feeder.max_rel
+    for gid, others in inner.items():
+        row = rows[gid]
+        found = next((r for r in others.values() if r.compared and r.ok), None)
+        if row.compared and not row.ok and found is not None:
+            row.note = (f"{_INSIDE}{found.onnx_value} inside its ONNX ops; {row.onnx_value}, where they end, "
+                        f"differs by max rel err {_num(row.max_rel)}: a later call's op taken in")
+            row.onnx_value, row.max_abs, row.max_rel, row.ok = found.onnx_value, found.max_abs, found.max_rel, True
+            row.shape, row.dtype = found.shape, found.dtype
     for row in rows.values():
-        rels = []
+        rels: list[tuple[float, str]] = []
         for req in result.reqs.get(row.order, []):
             for fed_by in req:
                 if fed_by in rows and rows[fed_by].compared:
-                    rels.append(rows[fed_by].max_rel)
+                    rels.append((rows[fed_by].max_rel, rows[fed_by].dtype))
                 elif fed_by >= 0 and trace.nodes[fed_by].kind == "input":
-                    rels.append(0.0)
-        row.inputs_rel = max(rels, key=_sortable) if rels else None
+                    rels.append((0.0, ""))
+        if rels:
+            row.inputs_rel, row.inputs_dtype = max(rels, key=lambda r: _sortable(r[0]))
     numeric.rows = sorted(rows.values(), key=lambda r: r.order) + out_rows
     for row in numeric.rows:
         if row.compared and not row.ok:
             row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
     out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
-    numeric.mismatches = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
+    numeric.mismatches, numeric.random = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
     return numeric
 
@@ -535,8 +591,9 @@ def _dims(shape: list[Any]) -> str:
 def _judge_mismatches(
     trace: Graph, og: Graph, result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
     readers: dict[int, list[int]], tols: dict[str, tuple[float, float]],
-) -> list[ValueRow]:
-    """A row per structural mismatch, judged by the nearest compared values after it.
+) -> tuple[list[ValueRow], list[ValueRow]]:
+    """A row per structural mismatch, judged by the nearest compared values after it; and a row per
+    call that draws random numbers whose nearest compared values after it differ.
 
     Where the trace and the ONNX graph differ in structure, the values that flow out of the
     difference settle it: when every nearest compared value downstream agrees, the exporter
@@ -545,7 +602,7 @@ def _judge_mismatches(
     reads its result). Nearest: a path stops at its first compared value, so a divergence
     further on, with causes of its own, is not charged to this mismatch.
     """
-    from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label
+    from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label, draws_random
 
     node2row: dict[int, ValueRow] = {t: rows[g] for g in rows for t in result.groups[g].trace_ids if rows[g].compared}
     node2row.update({t: r for t, r in out_by_node.items() if r.compared})
@@ -619,7 +676,22 @@ def _judge_mismatches(
                        kind="rewired", inputs_rel=inputs_of(dst) if dst >= 0 else None)
         on_side = {"trace": "in the trace only", "onnx": "in ONNX only"}.get(side, "inputs taken in another order")
         judge(row, after, f"edge {edge} ({on_side})")
-    return sorted(out, key=lambda r: r.order)
+    random: list[ValueRow] = []
+    for tn in trace.nodes:
+        if tn.kind not in ("module", "function") or not draws_random(tn):
+            continue
+        own = node2row.get(tn.id)
+        after = [own] if own is not None else after_in_trace([tn.id])
+        bad = [r for r in after if not r.ok]
+        if not bad:
+            continue  # dropout in eval mode, or a draw nothing compared reads
+        worst = max(bad, key=lambda r: (_sortable(r.max_rel), -r.order))
+        fed = inputs_of(tn.id)
+        random.append(ValueRow(tn.id, _trace_label(tn), tn.module_path, tn.target, "", worst.call, worst.shape,
+                               worst.dtype, worst.max_abs, worst.max_rel, ok=False, kind="random",
+                               inputs_rel=0.0 if fed is None else fed,
+                               note="draws random numbers: eager and onnxruntime draw different ones"))
+    return sorted(out, key=lambda r: r.order), random
 
 
 def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:
@@ -683,6 +755,21 @@ def _recurrent_carriers(og: Graph, readers: dict[int, list[int]], group: Any, t_
     return pairs
 
 
+def _inner_values(og: Graph, onodes: Iterable[int], key: int, shape: tuple[int, ...], limit: int = 3) -> list[str]:
+    """Values of a call's ONNX ops other than its key's, shaped like the eager output (at most ``limit``, latest first)."""
+    found: list[str] = []
+    for o in sorted(onodes, reverse=True):
+        n = og.nodes[o]
+        if o == key or n.kind != "function" or n.meta.get("wiring"):
+            continue
+        for name, ref in zip(n.meta.get("output_names", []), n.outputs, strict=False):
+            if name and ref.shape and not _shaped_other(ref.shape, shape):
+                found.append(str(name))
+        if len(found) >= limit:
+            break
+    return found[:limit]
+
+
 def _shaped_other(onnx_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     """Whether shape inference says the ONNX value is shaped unlike the eager tensor (unknown: no)."""
     if not onnx_shape and shape:
@@ -718,12 +805,15 @@ def _pair_dtype(eager: torch.Tensor, onnx_value: np.ndarray, floor: str | None) 
 
 
 def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dict[str, tuple[float, float]],
-                  floor: str | None = None, record: dict[str, Any] | None = None) -> None:
+                  floor: str | None = None, record: dict[str, Any] | None = None,
+                  free: tuple[int, ...] = ()) -> None:
     """Fold one batch's errors into ``row`` (the maximum over batches; the least cosine).
 
     ``floor`` is a dtype the value was computed in before a cast (a float16 model's output
     cast back to float32): the tolerance is that of the least precise. ``record`` is the eager
     run's math record: the arithmetic the pair is judged by when it is out of tolerance.
+    ``free``: the axes whose length the ONNX file leaves to the data; lengths that differ there
+    are a divergence, elsewhere a pairing of two different values, not compared.
     """
     got = np.asarray(onnx_value)
     want = to_numpy(eager, torch.float64 if eager.dtype != torch.bool else None)  # one copy to the host
@@ -731,6 +821,13 @@ def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dic
     if got.shape != want.shape:
         if got.size == want.size and tuple(d for d in got.shape if d != 1) == tuple(d for d in want.shape if d != 1):
             got = got.reshape(want.shape)  # only size-1 axes differ: the same elements in the same order
+        elif got.ndim == want.ndim and all(a in free for a in range(got.ndim) if got.shape[a] != want.shape[a]):
+            # the same value with another count along an axis (boxes an NMS keeps, a mask's
+            # nonzeros): the ONNX model computed something else here, whatever comes after
+            row.ok, row.shape_differs = False, True
+            row.max_abs = row.max_rel = math.inf
+            row.note = f"ONNX value shaped {list(got.shape)}, eager {list(want.shape)}"
+            return
         else:
             row.compared = False
             row.note = f"ONNX value shaped {list(got.shape)}, eager {list(want.shape)}"
@@ -788,8 +885,19 @@ def _session(proto: Any, folder: str | None, values: list[str], out_names: list[
     try:
         session = ort.InferenceSession(data, options, providers=providers(ort))
     except Exception as e:
+        missing = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(e))
+        if missing:
+            op, opset, node = missing.groups()
+            dtype = _input_dtype(proto, node)
+            raise FwdtraceError(
+                f"check_onnx(numeric=True): onnxruntime's CPU provider has no kernel for {op} (opset {opset})"
+                f"{f' in {dtype}' if dtype else ''}, the ONNX node {node!r}: the file cannot run there to be "
+                f"compared. Check a float32 export's numbers (no autocast), or the structure alone "
+                f"(numeric=False)") from e
+        external = folder is None and any(
+            i.data_location == onnx.TensorProto.EXTERNAL for i in graph.initializer)
         raise FwdtraceError(f"check_onnx(numeric=True): onnxruntime could not load the ONNX model"
-                            f"{' (external data: pass the path of the .onnx file, onnx=path)' if folder is None else ''}"
+                            f"{' (external data: pass the path of the .onnx file, onnx=path)' if external else ''}"
                             f": {type(e).__name__}: {e}") from e
     return session, [*out_names, *added]
 
@@ -804,6 +912,23 @@ def providers(ort: Any) -> list[Any]:
     if "CUDAExecutionProvider" in ort.get_available_providers():
         return [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
+
+
+def _input_dtype(proto: Any, node_name: str) -> str:
+    """The element type of the first input of ONNX node ``node_name`` (``bfloat16``), or "" where unknown."""
+    import onnx
+
+    graph = proto.graph
+    node = next((n for n in graph.node if n.name == node_name), None)
+    if node is None or not node.input:
+        return ""
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    types.update({i.name: i.data_type for i in graph.initializer})
+    if node.input[0] not in types:  # a value in between: its type from shape inference
+        inferred = onnx.shape_inference.infer_shapes(proto).graph
+        types.update({v.name: v.type.tensor_type.elem_type for v in inferred.value_info})
+    elem = types.get(node.input[0], 0)
+    return str(onnx.TensorProto.DataType.Name(elem)).lower() if elem else ""
 
 
 def save_repro(numeric: NumericResult, directory: str | os.PathLike[str]) -> dict[str, str]:

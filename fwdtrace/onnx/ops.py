@@ -263,7 +263,13 @@ def inherited_rule_target(target: str) -> str | None:
         return _inherited[target]
     found = None
     cls = _class_named(target)
-    if cls is not None and issubclass(cls, torch.nn.Module):
+    if cls is None:
+        # a class made at run time is in no module: unless it is a parametrized torch layer, which is
+        # known by name, say nothing for now, and nothing cached (noted later, it may be found)
+        if target.startswith(_PARAMETRIZED):
+            return rule_target(f"torch.nn.{target.removeprefix(_PARAMETRIZED)}")
+        return None
+    if issubclass(cls, torch.nn.Module):
         owner = next((k for k in cls.__mro__ if "forward" in k.__dict__), torch.nn.Module)
         for base in cls.__mro__[1:]:
             if qualified_name(base) in _RULES:
@@ -271,6 +277,11 @@ def inherited_rule_target(target: str) -> str | None:
                 break
     _inherited[target] = found
     return found
+
+
+# torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal) swaps a layer's class for one
+# it makes at run time, ``Parametrized<Layer>``, with properties for the weights and the layer's forward
+_PARAMETRIZED = "torch.nn.utils.parametrize.Parametrized"
 
 
 def rule_target(target: str) -> str | None:
