@@ -335,14 +335,24 @@ class Probe:
             return hook
 
         hooked: dict[str, Any] = {**self._key2module, **self._calls.registered_sites()}
-        handles: list[Any] = [EagerRoute(self.model, "Probe.shapes()")]
-        handles += [m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items()]
+        handles: list[Any] = []
+
+        def attach() -> None:
+            handles.append(EagerRoute(self.model, "Probe.shapes()"))
+            handles.extend(m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items())
+
+        def detach() -> None:
+            while handles:
+                handles.pop().remove()
+
+        # A Ctrl-C that lands between attaching and the forward, or on the clean-up, waits for it:
+        # the eager route patches nn.Module._call_impl, which must never stay behind.
+        guard = guarded_enter(_SHAPES_CODE, attach, detach)
         try:
             with layer_notes(self.model), torch.no_grad():
                 self.model(*args, **kwargs)
         finally:
-            for h in handles:
-                h.remove()
+            guarded_exit(guard, detach)
         root = next(reversed(self._key2module))
         if self.name is not None and root in out:
             out[self.name] = out.pop(root)
@@ -688,3 +698,4 @@ class Probe:
 
 
 _PROBE_CODE = (Probe.__enter__.__code__, Probe.__exit__.__code__)
+_SHAPES_CODE = (Probe.shapes.__code__,)
