@@ -40,11 +40,13 @@ from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import GradCall
 from .instrument.keys import key2module, key_path
 from .precision import Agreement, math_record, pair_precision, rounding_explains
+from .summary import BINS, FIELDS, as_dict, compared, summarize, summarize_blocks
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
 
 FORMAT_ATTR = "fwdtrace_dump"
-FORMAT_VERSION = 2  # 2: completeness attributes, sanitized group names
+FORMAT_VERSION = 3  # 2: completeness attributes, sanitized group names; 3: statistics dumps
+VALUES = ("tensors", "statistics")  # what a dump stores per tensor (the file's "values" attribute)
 ORDER_DATASET = "execution_order"
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
 COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
@@ -109,7 +111,7 @@ class _Recording:
 
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
-        overwrite: bool,
+        overwrite: bool, values: str = "tensors",
     ) -> None:
         h5py = _h5py()
         self.path = path
@@ -120,6 +122,7 @@ class _Recording:
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs["epoch"] = epoch
+            self.file.attrs["values"] = values
             self.file.attrs["step"] = step
             if rank is not None:
                 self.file.attrs["rank"] = rank
@@ -129,6 +132,7 @@ class _Recording:
             self.atomic.discard()
             raise
         self.grads = grads
+        self.statistics = values == "statistics"
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.root_calls = 0
@@ -209,6 +213,10 @@ class _Recording:
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
         try:
+            if self.statistics:
+                self._write_statistics(call, name, t)
+                self.order.append(f"{call.name}/{name}")
+                return
             t = host(t)
             store_as = _BITS_AS.get(t.dtype)
             arr = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
@@ -219,6 +227,12 @@ class _Recording:
         except Exception as e:
             raise self._fail(e, f"{call.name}/{name}") from e
         self.order.append(f"{call.name}/{name}")
+
+    def _write_statistics(self, call: _Call, name: str, t: torch.Tensor) -> None:
+        # computed on t's device; one host copy of a few dozen numbers
+        ds = call.group.create_dataset(name, data=to_numpy(summarize(t)))
+        ds.attrs["tensor_shape"] = list(t.shape)
+        ds.attrs["tensor_dtype"] = dtype_name(t.dtype)
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
         for i, (_, t) in enumerate(iter_tensors(obj, prefix)):
@@ -411,13 +425,22 @@ class Dumper:
     module called several times are matched to its calls last first, the order backward
     visits them. The calls of functions registered with ``hook_forward``/``register_atomic``
     (when :meth:`register` runs) are groups of their own, keyed as in a trace's graph.
+
+    ``values="statistics"`` stores per tensor, instead of the tensor, its count, NaN and Inf
+    counts, mean, std, min, max, L2 norm, a 16-bin histogram and 8 sampled values
+    (:mod:`fwdtrace.summary`): computed on the tensor's device, a few hundred bytes per tensor
+    whatever its size. :func:`read_dump` shows them under ``"statistics"``;
+    :func:`compare_dumps` compares them, against a full dump too.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False) -> None:
+    def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
         if not isinstance(overwrite, bool):
             raise FwdtraceError(f"Dumper expected overwrite as a bool, got {describe(overwrite)}")
+        if values not in VALUES:
+            raise FwdtraceError(f"Dumper expected values as one of {', '.join(map(repr, VALUES))}, got {values!r}")
+        self.values = values
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
@@ -452,7 +475,7 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite)
+            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values)
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
         self._recordings.append(recording)
@@ -633,12 +656,33 @@ class _Reader:
             out.append((gname, dname))
         return out
 
+    @property
+    def statistics(self) -> bool:
+        """Whether the dump holds each tensor's statistics (``Dumper(values="statistics")``), not the tensor."""
+        return self.attrs.get("values") == "statistics"
+
     def shape(self, gname: str, dname: str) -> list[int]:
-        return list(self.file[gname][dname].shape)
+        ds = self.file[gname][dname]
+        if self.statistics:
+            return [int(n) for n in _attr(ds.attrs.get("tensor_shape", []))]
+        return list(ds.shape)
 
     def dtype(self, gname: str, dname: str) -> str:
         ds = self.file[gname][dname]
+        if self.statistics:
+            return str(_attr(ds.attrs.get("tensor_dtype", "")))
         return str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
+
+    def summary(self, gname: str, dname: str) -> torch.Tensor:
+        """The tensor's statistics vector (:mod:`fwdtrace.summary`): stored in a statistics dump, computed
+        block by block from a full one."""
+        if self.statistics:
+            vector = self.load(gname, dname).to(torch.float64).reshape(-1)
+            if vector.numel() < len(FIELDS) + BINS:
+                raise self.error(f"where '{gname}/{dname}' holds {vector.numel()} numbers, not a statistics vector")
+            return vector
+        count = math.prod(self.shape(gname, dname)) * (2 if self.dtype(gname, dname).startswith("complex") else 1)
+        return summarize_blocks(lambda: self.blocks(gname, dname), count)
 
     @property
     def math(self) -> dict[str, Any] | None:
@@ -760,10 +804,11 @@ def read_dump(
         try:
             for name, group in r.groups:
                 datasets: dict[str, Any] = {}
-                for dname, ds in group.items():
-                    dtype = str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
-                    entry: dict[str, Any] = {"shape": list(ds.shape), "dtype": dtype}
-                    if values:
+                for dname in group:
+                    entry: dict[str, Any] = {"shape": r.shape(name, dname), "dtype": r.dtype(name, dname)}
+                    if r.statistics:
+                        entry["statistics"] = as_dict(r.summary(name, dname))
+                    elif values:
                         entry["value"] = r.load(name, dname)
                     datasets[dname] = entry
                 attrs = {k: _attr(v) for k, v in group.attrs.items()}
@@ -909,6 +954,21 @@ def _tolerance(value: Any, name: str) -> float:
     return float(value)
 
 
+def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Compare two statistics vectors into ``agreement``: their counts exactly, their moments, extremes, norm
+    and samples by value (the histograms, whose edges move with min and max, are not compared)."""
+    da, db = as_dict(a), as_dict(b)
+    counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
+    ca, cb = compared(a), compared(b)
+    if len(ca) == len(cb):
+        agreement.add(torch.tensor(ca, dtype=torch.float64), torch.tensor(cb, dtype=torch.float64))
+    else:
+        counts.append(f"{len(da['samples'])} vs {len(db['samples'])} samples")
+    if counts:
+        agreement.close = False
+    return "by statistics" + "".join(f"; {c}" for c in counts)
+
+
 def compare_dumps(
     a: str | os.PathLike[str], b: str | os.PathLike[str], rtol: float = 1e-5, atol: float = 1e-8,
     max_bytes: int = MAX_TENSOR_BYTES,
@@ -931,7 +991,11 @@ def compare_dumps(
     ``rounding``: ``"TF32"``, ``"bfloat16"``) and is no divergence. ``first_divergence`` is
     the module path of the first module whose outputs differ beyond that (the root model is
     named by its class), else of the first whose gradients differ, else None. A dump written
-    without a math record is compared elementwise only, and the report says so. The comparison is two-sided: a tensor in only one dump, or of another
+    without a math record is compared elementwise only, and the report says so. Where either dump holds
+    statistics (``Dumper(values="statistics")``), a tensor is judged by its statistics (a full
+    dump's computed block by block): its count and NaN/Inf counts exactly, its mean, std, min,
+    max, norm and sampled values as one vector, elementwise and as a whole, by the same
+    rules; the row's note says ``by statistics``. The comparison is two-sided: a tensor in only one dump, or of another
     shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
     (their rows are compared, but the report is not ``equal``).
     """
@@ -962,10 +1026,13 @@ def compare_dumps(
                     if row.shape != shape_b:
                         row.note = f"shape {shape_b} in b"
                     else:
-                        # block by block: memory stays bounded whatever the tensors' size
                         agreement = Agreement(rtol, atol)
-                        for block_a, block_b in zip(ra.blocks(gname, dname), rb.blocks(gname, dname), strict=True):
-                            agreement.add(block_a, block_b)
+                        if ra.statistics or rb.statistics:
+                            row.note = _by_statistics(agreement, ra.summary(gname, dname), rb.summary(gname, dname))
+                        else:
+                            # block by block: memory stays bounded whatever the tensors' size
+                            for block_a, block_b in zip(ra.blocks(gname, dname), rb.blocks(gname, dname), strict=True):
+                                agreement.add(block_a, block_b)
                         row.cosine, row.max_abs, row.max_rel, row.allclose = (
                             agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
                         row.norm_rel = agreement.norm_rel
