@@ -17,6 +17,7 @@ Reading treats every file as untrusted: only plain datasets inside the file are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import operator
@@ -24,6 +25,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,18 +37,23 @@ from ._files import AtomicFile, not_a_regular_file
 from ._host import host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, describe, one_line
+from .graph import Graph
 from .instrument.calls import ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import GradCall
 from .instrument.keys import key2module, key_path
+from .node import Node
+from .patching import add_call_handler, remove_call_handler
 from .precision import Agreement, math_record, pair_precision, rounding_explains
 from .summary import BINS, FIELDS, as_dict, compared, summarize, summarize_blocks
+from .tracer import Tracer, active_tracer
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
 
 FORMAT_ATTR = "fwdtrace_dump"
 FORMAT_VERSION = 3  # 2: completeness attributes, sanitized group names; 3: statistics dumps
 VALUES = ("tensors", "statistics")  # what a dump stores per tensor (the file's "values" attribute)
+CALLS = ("modules", "functions", "all")  # which calls a dump records (the file's "calls" attribute)
 ORDER_DATASET = "execution_order"
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
 COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
@@ -111,7 +118,7 @@ class _Recording:
 
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
-        overwrite: bool, values: str = "tensors",
+        overwrite: bool, values: str = "tensors", calls: str = "modules",
     ) -> None:
         h5py = _h5py()
         self.path = path
@@ -121,9 +128,7 @@ class _Recording:
             self.file = h5py.File(self.atomic.tmp, "w", track_order=True)
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
-            self.file.attrs["epoch"] = epoch
-            self.file.attrs["values"] = values
-            self.file.attrs["step"] = step
+            self.file.attrs.update({"epoch": epoch, "step": step, "values": values, "calls": calls})
             if rank is not None:
                 self.file.attrs["rank"] = rank
             self.file.attrs["complete"] = False
@@ -133,6 +138,8 @@ class _Recording:
             raise
         self.grads = grads
         self.statistics = values == "statistics"
+        self.record_modules = calls != "functions"
+        self.record_functions = calls != "modules"
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.root_calls = 0
@@ -150,6 +157,7 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
+        self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         try:
             self._register(model, grads)
         except BaseException:
@@ -168,12 +176,19 @@ class _Recording:
         self.layers = len(hooked) > 1  # a model with submodules: a step that records none of them is not complete
         # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run.
         self.forward_handles.append(EagerRoute(model, "Dumper.register()"))
-        # Hooked functions' calls take the same hooks through their function sites (a site's hooks
-        # get the calling module as their first argument: the bookkeeping is by site, not by module).
-        hooked += [
-            (key, site, site.module_path, site.target.name, site.target.path)
-            for key, site in ModelCalls(model).registered_sites().items()
-        ]
+        if self.record_functions:
+            # Function calls as the trace sees them: the step's forward runs inside a Tracer, which hands
+            # each function node over as it is made (hooked functions' calls among them).
+            self.forward_handles.append(_TracedRoot(self, root))
+        else:
+            # Hooked functions' calls take the same hooks through their function sites (a site's hooks
+            # get the calling module as their first argument: the bookkeeping is by site, not by module).
+            hooked += [
+                (key, site, site.module_path, site.target.name, site.target.path)
+                for key, site in ModelCalls(model).registered_sites().items()
+            ]
+        if not self.record_modules:
+            hooked = [h for h in hooked if h[1] is root]  # the root's hooks still mark the step's beginning and end
         for key, owner, path, class_name, function in hooked:
             is_root = owner is root
             self.forward_handles.append(
@@ -286,30 +301,68 @@ class _Recording:
                 self.root_calls += 1
             elif self.root_depth == 0:
                 return  # a submodule called on its own, before the step's forward
-            call_index = self.key2calls.get(key, 0)
-            self.key2calls[key] = call_index + 1
-            name = group_name(self.calls, class_name)
-            try:
-                call = _Call(name, self.file.create_group(name, track_order=True))
-                call.group.attrs["module_key"] = key
-                call.group.attrs["module_path"] = path
-                call.group.attrs["call_index"] = call_index
-                call.group.attrs["class_name"] = class_name
-                if function is not None:
-                    call.group.attrs["function"] = function
-            except Exception as e:
-                raise self._fail(e, name) from e
-            self.calls += 1
             inputs = (args, kwargs) if kwargs else args
-            self._write_all(call, "input", inputs)
-            if self.grads and torch.is_grad_enabled():
-                # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.instrument.grads);
-                # grad_inputN is the gradient of inputN, grad_outputN of outputN.
-                call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
-                self.grad_calls.append(call.grads)
+            with self._unseen():
+                if self.record_modules:
+                    call = self._begin_call(key, path, class_name, function, inputs, is_root)
+                else:  # the root's call without a group: it marks the step's end and its backward's
+                    call = _Call("", None)
+                    if self.grads and torch.is_grad_enabled():
+                        call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
+                        self.grad_calls.append(call.grads)
             self.open_calls.setdefault(owner, []).append(call)
 
         return hook
+
+    def _unseen(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the step runs inside a trace (function calls recorded), the dump's own ops are not part of it."""
+        return torch._C.DisableTorchFunction() if self.record_functions else contextlib.nullcontext()
+
+    def _begin_call(self, key: str, path: str, class_name: str, function: str | None, inputs: Any,
+                    is_root: bool) -> _Call:
+        """A call's group, with its inputs written and its gradients' hooks on."""
+        call_index = self.key2calls.get(key, 0)
+        self.key2calls[key] = call_index + 1
+        name = group_name(self.calls, class_name)
+        try:
+            call = _Call(name, self.file.create_group(name, track_order=True))
+            call.group.attrs.update({"module_key": key, "module_path": path, "call_index": call_index,
+                                     "class_name": class_name, **({"function": function} if function else {})})
+        except Exception as e:
+            raise self._fail(e, name) from e
+        self.calls += 1
+        self._write_all(call, "input", inputs)
+        if self.grads and torch.is_grad_enabled():
+            # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.instrument.grads);
+            # grad_inputN is the gradient of inputN, grad_outputN of outputN.
+            call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
+            self.grad_calls.append(call.grads)
+        return call
+
+    def _end_call(self, call: _Call, result: Any, is_root: bool) -> None:
+        if call.group is not None:
+            self._write_all(call, "output", result)
+            self._note_skipped(call, result)
+        if call.grads is not None:
+            # Every tensor of the result, a ModelOutput's or a dict's too (torch's module
+            # backward hook sees only a tensor or a tuple's tensors).
+            call.grads.hook_outputs(tensors_of(result))
+            self.root_calls_in_backward += is_root
+
+    def function_call(self, node: Node, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                      in_place: bool) -> None:
+        """One function node of the step's trace, with the tensors it read and made, as the tracer files it."""
+        if self.forward_done or self.closed or self.root_depth == 0:
+            return
+        with torch._C.DisableTorchFunction():
+            # an in-place op's inputs are read after its write: they are not dumped, nor its gradients
+            grads, self.grads = self.grads, self.grads and not in_place
+            try:
+                call = self._begin_call(node.key or node.name, node.module_path, node.class_name, node.target,
+                                        [] if in_place else inputs, False)
+            finally:
+                self.grads = grads
+            self._end_call(call, outputs[0] if len(outputs) == 1 else tuple(outputs), False)
 
     def _post_hook(self, owner: int, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
@@ -323,17 +376,12 @@ class _Recording:
                 if call.grads is not None:
                     call.grads.cancel()
                 if self.failed is None:
-                    self.failed = f"the forward raised in {call.name}: {one_line(exc)}"
+                    self.failed = f"the forward raised in {call.name or 'the model'}: {one_line(exc)}"
                 if is_root:
                     self.root_depth -= 1
                 return
-            self._write_all(call, "output", result)
-            self._note_skipped(call, result)
-            if call.grads is not None:
-                # Every tensor of the result, a ModelOutput's or a dict's too (torch's module
-                # backward hook sees only a tensor or a tuple's tensors).
-                call.grads.hook_outputs(tensors_of(result))
-                self.root_calls_in_backward += is_root
+            with self._unseen():
+                self._end_call(call, result, is_root)
             if is_root:
                 self.root_depth -= 1
                 if self.root_depth == 0:
@@ -349,7 +397,8 @@ class _Recording:
         def write(grad_input: list[torch.Tensor | None], grad_output: list[torch.Tensor | None]) -> None:
             if self.closed:
                 return
-            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)):
+            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)) if call.group is not None \
+                    else ():
                 for index, g in enumerate(grads):
                     if g is not None:
                         self._write(call, f"{prefix}{index}", g)
@@ -364,9 +413,9 @@ class _Recording:
         raised = f"; the step raised {one_line(exc)}" if exc is not None else ""
         if self.failed is not None:  # the exception leaving the with block is this one, named already
             return False, self.failed
-        if self.calls == 0:
+        if self.root_calls == 0:
             return False, "the model's forward did not run" + raised
-        if self.layers and self.calls == self.root_calls:
+        if self.layers and self.record_modules and self.calls == self.root_calls:
             return False, "no call of the model's layers was recorded, only the root's" + raised
         if not self.forward_done:
             return False, "the forward did not finish" + raised
@@ -404,6 +453,56 @@ class _Recording:
         return self.path
 
 
+class _TracedRoot:
+    """Runs the step's forward inside a :class:`Tracer` that hands each function node to the recording:
+    function calls keyed as the trace keys them, by the trace's one way of seeing them."""
+
+    def __init__(self, recording: _Recording, root: torch.nn.Module) -> None:
+        self.recording = recording
+        self.root = root
+        self.tracing = threading.local()
+        self.handle: Any = add_call_handler(self._on_call, all_threads=True)
+
+    def _on_call(self, call: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        recording = self.recording
+        if module is not self.root or recording.forward_done or recording.closed or \
+                getattr(self.tracing, "on", False) or active_tracer() is not None:
+            return call(module, *args, **kwargs)
+        self.tracing.on = True
+        try:
+            with _CallTracer(recording) as tracer:
+                # called again, inside the trace: the tracer sees the model's own call as its root
+                out = module(*args, **kwargs)
+        finally:
+            self.tracing.on = False
+        recording.graph = tracer.graph
+        return out
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            remove_call_handler(self.handle)
+            self.handle = None
+
+
+class _CallTracer(Tracer):
+    """A trace that gives the dump each function node where the tracer files its tensors."""
+
+    def __init__(self, recording: _Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def _track_aliases(self, node_id: int, in_tensors: list[torch.Tensor], out_tensors: list[torch.Tensor],
+                       out_refs: Any, in_place: bool) -> None:
+        super()._track_aliases(node_id, in_tensors, out_tensors, out_refs, in_place)
+        node = self.graph.nodes[node_id]
+        if node.kind == "function":
+            self._quiet += 1
+            try:
+                self.recording.function_call(node, in_tensors, out_tensors, in_place)
+            finally:
+                self._quiet -= 1
+
+
 class Dumper:
     """Dump every module call's inputs, outputs and gradients of one training step to HDF5.
 
@@ -431,16 +530,27 @@ class Dumper:
     (:mod:`fwdtrace.summary`): computed on the tensor's device, a few hundred bytes per tensor
     whatever its size. :func:`read_dump` shows them under ``"statistics"``;
     :func:`compare_dumps` compares them, against a full dump too.
+
+    ``calls="functions"`` dumps the torch functions called between layers instead of the
+    modules, ``calls="all"`` both, in execution order: the step's forward runs inside a
+    :class:`~fwdtrace.Tracer`, and each function node it records is a group keyed as that node
+    (``"blocks.0.attn.softmax"``), its ``function`` the node's target. An in-place op's inputs
+    are not dumped (they are read after its write). A step that is traced already (inside
+    ``with fwdtrace.Tracer()``) records module calls only.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors") -> None:
+    def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors",
+                 calls: str = "modules") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
         if not isinstance(overwrite, bool):
             raise FwdtraceError(f"Dumper expected overwrite as a bool, got {describe(overwrite)}")
         if values not in VALUES:
             raise FwdtraceError(f"Dumper expected values as one of {', '.join(map(repr, VALUES))}, got {values!r}")
+        if calls not in CALLS:
+            raise FwdtraceError(f"Dumper expected calls as one of {', '.join(map(repr, CALLS))}, got {calls!r}")
         self.values = values
+        self.calls = calls
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
@@ -475,7 +585,7 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values)
+            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values, self.calls)
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
         self._recordings.append(recording)
@@ -842,6 +952,7 @@ class DumpRow:
     norm_rel: float | None = None  # |a - b| / max(|a|, |b|) over the whole tensor
     precision: str = ""  # the arithmetic it is judged by: the coarser of the two runs' (see fwdtrace.precision)
     rounding: str | None = None  # not allclose, but within what this rounding explains ("TF32", "bfloat16")
+    function: str = ""  # a function call's function ("torch.Tensor.softmax"), "" for a module call
 
 
 @dataclass
@@ -990,7 +1101,8 @@ def compare_dumps(
     allclose but within what that arithmetic's rounding explains is marked so (its row's
     ``rounding``: ``"TF32"``, ``"bfloat16"``) and is no divergence. ``first_divergence`` is
     the module path of the first module whose outputs differ beyond that (the root model is
-    named by its class), else of the first whose gradients differ, else None. A dump written
+    named by its class; a function call is named by its key, ``"blocks.0.attn.softmax"``),
+    else of the first whose gradients differ, else None. A dump written
     without a math record is compared elementwise only, and the report says so. Where either dump holds
     statistics (``Dumper(values="statistics")``), a tensor is judged by its statistics (a full
     dump's computed block by block): its count and NaN/Inf counts exactly, its mean, std, min,
@@ -1018,7 +1130,8 @@ def compare_dumps(
                 group = reader.file[gname]
                 key = str(_attr(group.attrs.get("module_key", gname)))
                 path = str(_attr(group.attrs.get("module_path", "")))
-                row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False)
+                row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
+                              function=str(_attr(group.attrs.get("function", ""))))
                 if (gname, dname) not in other:
                     row.note = note
                 else:
@@ -1043,7 +1156,8 @@ def compare_dumps(
     for prefix in ("output", "grad_input", ""):
         row_found = next((r for r in report.rows if not (r.allclose or r.rounding) and r.name.startswith(prefix)), None)
         if row_found is not None:
-            report.first_divergence = row_found.module_path or row_found.key
+            # a module by its path, a function call by its key (its module's path and its name)
+            report.first_divergence = row_found.key if row_found.function else row_found.module_path or row_found.key
             break
     return report
 
