@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import itertools
 import math
 import operator
@@ -103,8 +104,40 @@ class _Call:
     """One module call's group, with its name (asking HDF5 for a group's name is slow)."""
 
     name: str
-    group: Any
+    group: Any  # None: a call seen but not recorded (the root's, one outside the selection)
     grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
+    ends_scope: bool = False  # the selection's scope ends with this call
+
+
+@dataclass
+class _Selection:
+    """Which calls a dump records: keys matching a glob (a call's key or module path), within a scope
+    that begins with the first call matching ``scope[0]`` and ends after the first call matching
+    ``scope[1]`` from there (its inner calls included)."""
+
+    keys: tuple[str, ...] | None = None
+    scope: tuple[str, str] | None = None
+    state: str = "before"  # of the scope: "before", "in", "after"
+
+    @property
+    def filtered(self) -> bool:
+        return self.keys is not None or self.scope is not None
+
+    def enter(self, key: str, path: str) -> tuple[bool, bool]:
+        """At a call's beginning: (whether it is recorded, whether the scope ends with it)."""
+        ends = False
+        if self.scope is not None:
+            if self.state == "before" and fnmatch.fnmatchcase(key, self.scope[0]):
+                self.state = "in"
+            if self.state != "in":
+                return False, False
+            ends = fnmatch.fnmatchcase(key, self.scope[1])
+        wanted = self.keys is None or any(fnmatch.fnmatchcase(key, g) or fnmatch.fnmatchcase(path, g) for g in self.keys)
+        return wanted, ends
+
+    def leave(self, call: _Call) -> None:
+        if call.ends_scope and self.state == "in":
+            self.state = "after"
 
 
 class _Recording:
@@ -118,7 +151,7 @@ class _Recording:
 
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
-        overwrite: bool, values: str = "tensors", calls: str = "modules",
+        overwrite: bool, values: str = "tensors", calls: str = "modules", selection: _Selection | None = None,
     ) -> None:
         h5py = _h5py()
         self.path = path
@@ -140,6 +173,7 @@ class _Recording:
         self.statistics = values == "statistics"
         self.record_modules = calls != "functions"
         self.record_functions = calls != "modules"
+        self.selection = selection or _Selection()
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.root_calls = 0
@@ -187,7 +221,7 @@ class _Recording:
                 (key, site, site.module_path, site.target.name, site.target.path)
                 for key, site in ModelCalls(model).registered_sites().items()
             ]
-        if not self.record_modules:
+        if not self.record_modules and self.selection.scope is None:
             hooked = [h for h in hooked if h[1] is root]  # the root's hooks still mark the step's beginning and end
         for key, owner, path, class_name, function in hooked:
             is_root = owner is root
@@ -278,6 +312,7 @@ class _Recording:
         self.skipped.clear()
         self.discarded += 1
         self.failed = None
+        self.selection.state = "before"
 
     def _record_math(self, model: torch.nn.Module, args: tuple) -> None:
         """How the step computes, as the file's ``math_*`` attributes: read as the root forward begins,
@@ -302,14 +337,18 @@ class _Recording:
             elif self.root_depth == 0:
                 return  # a submodule called on its own, before the step's forward
             inputs = (args, kwargs) if kwargs else args
+            wanted, ends_scope = self.selection.enter(key, path)
             with self._unseen():
-                if self.record_modules:
+                if self.record_modules and wanted:
                     call = self._begin_call(key, path, class_name, function, inputs, is_root)
-                else:  # the root's call without a group: it marks the step's end and its backward's
+                else:
+                    self._next_call_index(key)
                     call = _Call("", None)
-                    if self.grads and torch.is_grad_enabled():
+                    if is_root and self.grads and torch.is_grad_enabled():
+                        # the root's call without a group still marks the step's end and its backward's
                         call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
                         self.grad_calls.append(call.grads)
+            call.ends_scope = ends_scope
             self.open_calls.setdefault(owner, []).append(call)
 
         return hook
@@ -318,11 +357,16 @@ class _Recording:
         """Where the step runs inside a trace (function calls recorded), the dump's own ops are not part of it."""
         return torch._C.DisableTorchFunction() if self.record_functions else contextlib.nullcontext()
 
+    def _next_call_index(self, key: str) -> int:
+        """Counted for every call, recorded or not: a filtered dump's call indices are the whole run's."""
+        call_index = self.key2calls.get(key, 0)
+        self.key2calls[key] = call_index + 1
+        return call_index
+
     def _begin_call(self, key: str, path: str, class_name: str, function: str | None, inputs: Any,
                     is_root: bool) -> _Call:
         """A call's group, with its inputs written and its gradients' hooks on."""
-        call_index = self.key2calls.get(key, 0)
-        self.key2calls[key] = call_index + 1
+        call_index = self._next_call_index(key)
         name = group_name(self.calls, class_name)
         try:
             call = _Call(name, self.file.create_group(name, track_order=True))
@@ -354,11 +398,18 @@ class _Recording:
         """One function node of the step's trace, with the tensors it read and made, as the tracer files it."""
         if self.forward_done or self.closed or self.root_depth == 0:
             return
+        key = node.key or node.name
+        wanted, ends_scope = self.selection.enter(key, node.module_path)
+        if ends_scope:
+            self.selection.state = "after"  # a function call holds no calls of its own: the scope ends here
+        if not wanted:
+            self._next_call_index(key)
+            return
         with torch._C.DisableTorchFunction():
             # an in-place op's inputs are read after its write: they are not dumped, nor its gradients
             grads, self.grads = self.grads, self.grads and not in_place
             try:
-                call = self._begin_call(node.key or node.name, node.module_path, node.class_name, node.target,
+                call = self._begin_call(key, node.module_path, node.class_name, node.target,
                                         [] if in_place else inputs, False)
             finally:
                 self.grads = grads
@@ -382,6 +433,7 @@ class _Recording:
                 return
             with self._unseen():
                 self._end_call(call, result, is_root)
+            self.selection.leave(call)
             if is_root:
                 self.root_depth -= 1
                 if self.root_depth == 0:
@@ -415,7 +467,7 @@ class _Recording:
             return False, self.failed
         if self.root_calls == 0:
             return False, "the model's forward did not run" + raised
-        if self.layers and self.record_modules and self.calls == self.root_calls:
+        if self.layers and self.record_modules and not self.selection.filtered and self.calls == self.root_calls:
             return False, "no call of the model's layers was recorded, only the root's" + raised
         if not self.forward_done:
             return False, "the forward did not finish" + raised
@@ -451,6 +503,27 @@ class _Recording:
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
         return self.path
+
+
+def _int_set(value: Any, name: str, every: bool) -> int | frozenset[int] | None:
+    """None, a positive int (``every``: every Nth), or a list of non-negative ints, checked."""
+    if value is None:
+        return None
+    if every and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, (list, tuple, set, frozenset, range)) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return frozenset(value)
+    what = "a positive int (every Nth) or a list of non-negative ints" if every else "a list of non-negative ints"
+    raise FwdtraceError(f"Dumper expected {name} as {what}, got {describe(value)} {value!r}")
+
+
+def _rank() -> int:
+    """This process's rank: torch.distributed's once initialised, else the ``RANK`` environment variable, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    rank = os.environ.get("RANK", "")
+    return int(rank) if rank.isdigit() else 0
 
 
 class _TracedRoot:
@@ -537,10 +610,20 @@ class Dumper:
     (``"blocks.0.attn.softmax"``), its ``function`` the node's target. An in-place op's inputs
     are not dumped (they are read after its write). A step that is traced already (inside
     ``with fwdtrace.Tracer()``) records module calls only.
+
+    Filters: ``keys`` (a glob or a list of them) keeps the calls whose key or module path
+    matches one; ``scope=(first, last)`` keeps the calls from the first whose key matches
+    ``first`` to the end of the first, from there, whose key matches ``last`` (its inner calls
+    included); ``steps`` (every Nth step, or a list of steps) and ``ranks`` (a list; the rank
+    is torch.distributed's once initialised, else the ``RANK`` environment variable, else 0) make
+    :meth:`register` of other steps and ranks a no-op that returns False. Call indices
+    count every call, recorded or not, as in an unfiltered dump.
     """
 
     def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors",
-                 calls: str = "modules") -> None:
+                 calls: str = "modules", *, keys: str | list[str] | tuple[str, ...] | None = None,
+                 scope: tuple[str, str] | None = None, steps: int | list[int] | tuple[int, ...] | None = None,
+                 ranks: list[int] | tuple[int, ...] | None = None) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
         if not isinstance(overwrite, bool):
@@ -551,6 +634,17 @@ class Dumper:
             raise FwdtraceError(f"Dumper expected calls as one of {', '.join(map(repr, CALLS))}, got {calls!r}")
         self.values = values
         self.calls = calls
+        if isinstance(keys, str):
+            keys = (keys,)
+        if keys is not None and not (isinstance(keys, (list, tuple)) and keys and all(isinstance(k, str) for k in keys)):
+            raise FwdtraceError(f"Dumper expected keys as a glob or a non-empty list of globs, got {describe(keys)} {keys!r}")
+        self.keys = None if keys is None else tuple(keys)
+        if scope is not None and not (isinstance(scope, (list, tuple)) and len(scope) == 2
+                                      and all(isinstance(k, str) for k in scope)):
+            raise FwdtraceError(f"Dumper expected scope as (first key, last key) globs, got {describe(scope)} {scope!r}")
+        self.scope = None if scope is None else (scope[0], scope[1])
+        self.steps = _int_set(steps, "steps", every=True)
+        self.ranks = _int_set(ranks, "ranks", every=False)
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
@@ -561,7 +655,7 @@ class Dumper:
         """The dumps this dumper has finished so far."""
         return list(self._written)
 
-    def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0, grads: bool = True) -> None:
+    def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0, grads: bool = True) -> bool:
         """Hook ``model`` so its next forward and backward are written to this step's file.
 
         ``epoch`` and ``step`` are non-negative ints (they name the file).
@@ -569,6 +663,8 @@ class Dumper:
         (:mod:`fwdtrace.instrument.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
         ``ModelOutput`` or a dict are fine: ``grad_outputN`` is the gradient of ``outputN``,
         ``grad_inputN`` of ``inputN`` (over all its uses, where that tensor also feeds another branch).
+        Returns whether this step is dumped: False, with nothing hooked, for a step or a rank
+        outside the Dumper's ``steps`` or ``ranks``.
         """
         if not isinstance(model, torch.nn.Module):
             raise FwdtraceError(f"Dumper.register() expected a torch.nn.Module, got {describe(model)}")
@@ -576,6 +672,10 @@ class Dumper:
         step = _non_negative_int(step, "step")
         if not isinstance(grads, bool):
             raise FwdtraceError(f"Dumper.register() expected grads as a bool, got {describe(grads)}")
+        if isinstance(self.steps, int) and step % self.steps or isinstance(self.steps, frozenset) and step not in self.steps:
+            return False
+        if isinstance(self.ranks, frozenset) and _rank() not in self.ranks:
+            return False
         rank = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
@@ -585,10 +685,12 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values, self.calls)
+            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values, self.calls,
+                                   _Selection(self.keys, self.scope))
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
         self._recordings.append(recording)
+        return True
 
     def _check_writable(self) -> None:
         # Fail here, before a training step runs, rather than in the middle of a hook.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -104,3 +106,80 @@ def test_a_float16_softmax_is_the_first_divergence_at_function_level(tmp_path: P
 def test_dumper_checks_calls(tmp_path: Path) -> None:
     with pytest.raises(FwdtraceError, match=r"^Dumper expected calls as one of 'modules', 'functions', 'all', got 'ops'"):
         fwdtrace.Dumper(tmp_path, calls="ops")
+
+
+def _groups(path: Path) -> list[tuple[str, int, torch.Tensor | None]]:
+    """(key, call_index, output0) of every group, in call order."""
+    tree = fwdtrace.read_dump(path, show=False, values=True)
+    return [(g["attrs"]["module_key"], g["attrs"]["call_index"], g["datasets"].get("output0", {}).get("value"))
+            for g in tree["groups"].values()]
+
+
+def _same(got: list, expected: list) -> None:
+    assert [(k, i) for k, i, _ in got] == [(k, i) for k, i, _ in expected]
+    for (_, _, a), (_, _, b) in zip(got, expected, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_key_globs_keep_the_matching_calls_of_the_whole_run(tmp_path: Path) -> None:
+    whole = _groups(_dump(tmp_path, "whole", _Model(), "all"))
+    # the reference: the whole run's groups, filtered by the same globs on key or module path
+    expected = [g for g in whole if fnmatch.fnmatchcase(g[0], "attn.*") or g[0] == "out.Linear"]
+    path = _dump_filtered(tmp_path, "filtered", keys=["attn.*", "out"])
+    assert len(expected) > 3 and fwdtrace.read_dump(path, show=False)["status"] == "complete"
+    _same(_groups(path), expected)
+
+
+def _dump_filtered(tmp_path: Path, name: str, **filters: object) -> Path:
+    model = _Model()
+    with fwdtrace.Dumper(tmp_path / name, calls="all", **filters) as dumper:
+        dumper.register(model)
+        model(_X).sum().backward()
+    return dumper.paths[0]
+
+
+@pytest.mark.parametrize("scope, first, end", [
+    # ends with a function call: the softmax is the last call kept
+    (("attn.q.Linear", "attn.softmax"), "attn.q.Linear", lambda keys: keys.index("attn.softmax") + 1),
+    # ends with a module: its inner calls kept, up to the root's relu after it
+    (("embed*", "attn._Attention"), "embed.Linear", lambda keys: keys.index("relu")),
+])
+def test_a_scope_keeps_the_calls_between_two_keys(tmp_path: Path, scope: tuple, first: str, end: Any) -> None:
+    whole = _groups(_dump(tmp_path, "whole", _Model(), "all"))
+    keys = [k for k, _, _ in whole]
+    expected = whole[keys.index(first):end(keys)]
+    _same(_groups(_dump_filtered(tmp_path, "scoped", scope=scope)), expected)
+
+
+def test_steps_and_ranks_choose_which_registrations_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(2, 2)
+    for steps, dumped in ((2, [0, 2, 4]), ([1, 4], [1, 4])):
+        dumper = fwdtrace.Dumper(tmp_path / f"steps{steps}", steps=steps)
+        for step in range(5):
+            assert dumper.register(model, step=step, grads=False) == (step in dumped)
+            model(torch.ones(1, 2))
+        assert [p.name for p in dumper.remove()] == [f"0-epoch_{s}-step_dump.hdf5" for s in dumped]
+    monkeypatch.setenv("RANK", "1")
+    assert not fwdtrace.Dumper(tmp_path / "r0", ranks=[0]).register(model)  # nothing hooked: nothing to remove
+    dumper = fwdtrace.Dumper(tmp_path / "r1", ranks=[1])
+    assert dumper.register(model, grads=False)
+    model(torch.ones(1, 2))
+    assert len(dumper.remove()) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"keys": []}, r"^Dumper expected keys as a glob or a non-empty list of globs, got list \[\]"),
+    ({"scope": ("a",)}, r"^Dumper expected scope as \(first key, last key\) globs, got tuple \('a',\)"),
+    ({"steps": 0}, r"^Dumper expected steps as a positive int \(every Nth\) or a list of non-negative ints, got int 0"),
+    ({"ranks": 1}, r"^Dumper expected ranks as a list of non-negative ints, got int 1"),
+])
+def test_filters_are_checked(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(FwdtraceError, match=message):
+        fwdtrace.Dumper(tmp_path, **kwargs)
+
+
+def test_a_single_process_without_rank_is_rank_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with fwdtrace.Dumper(tmp_path / "r0", ranks=[0]) as dumper:
+        assert dumper.register(nn.Linear(1, 1))
+    assert not fwdtrace.Dumper(tmp_path / "r1", ranks=[1]).register(nn.Linear(1, 1))
