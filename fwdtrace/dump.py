@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import fnmatch
 import itertools
 import math
@@ -1055,6 +1056,7 @@ class DumpRow:
     precision: str = ""  # the arithmetic it is judged by: the coarser of the two runs' (see fwdtrace.precision)
     rounding: str | None = None  # not allclose, but within what this rounding explains ("TF32", "bfloat16")
     function: str = ""  # a function call's function ("torch.Tensor.softmax"), "" for a module call
+    one_sided: bool = False  # the call is in one run only (an extra cast, an added layer)
 
 
 @dataclass
@@ -1081,6 +1083,20 @@ class DumpReport:
         """Both dumps are complete and every tensor is allclose or differs by what the runs' rounding explains."""
         return not self.incomplete and all(r.allclose or r.rounding for r in self.rows)
 
+    @property
+    def only_in_a(self) -> list[str]:
+        """The keys of the calls only run ``a`` made (matched by key and call index), in its order."""
+        return self._one_sided("missing in b")
+
+    @property
+    def only_in_b(self) -> list[str]:
+        """The keys of the calls only run ``b`` made: an extra cast, an added or renamed layer."""
+        return self._one_sided("missing in a")
+
+    def _one_sided(self, note: str) -> list[str]:
+        groups = {r.group: r.key for r in self.rows if r.one_sided and r.note == note}
+        return list(groups.values())
+
     def to_text(self, only_diverged: bool = False) -> str:
         """The table the ``fwdtrace dump-diff`` command prints."""
         header = ("#", "group", "key", "name", "shape", "cosine", "max_abs", "max_rel", "norm_rel", "allclose")
@@ -1096,6 +1112,8 @@ class DumpReport:
         widths = [max(len(h), *(len(row[j]) for row in body)) if body else len(h) for j, h in enumerate(header)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *body]]
         lines += [f"{Path(p).name}: {status}" for p, status in self.incomplete.items()]
+        lines += [f"calls only in {side}: {', '.join(keys)}" for side, keys in (("a", self.only_in_a),
+                                                                              ("b", self.only_in_b)) if keys]
         lines += self._math_lines()
         explained = [r for r in self.rows if not r.allclose and r.rounding]
         if self.equal:
@@ -1182,6 +1200,85 @@ def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> st
     return "by statistics" + "".join(f"; {c}" for c in counts)
 
 
+def _match_calls(ra: _Reader, rb: _Reader) -> dict[str, str]:
+    """Group of ``a`` -> group of ``b`` holding the same call: the two runs' calls aligned in call order
+    (difflib's longest matching runs) by key and the shapes of their inputs and outputs, the roots with
+    each other, so a call one run makes more (a cast, an added layer) is left out of the pairs, not
+    shifting them."""
+    def calls(reader: _Reader) -> tuple[list[str], list[tuple]]:
+        names, tokens = [], []
+        for gname, group in reader.groups:
+            key = _attr(group.attrs.get("module_key", gname))
+            if _attr(group.attrs.get("module_path")) == "" and "function" not in group.attrs:
+                key = ""  # the root, keyed by its class name: the two runs' models may be of two classes
+            shapes = tuple((d, tuple(reader.shape(gname, d))) for d in group if not d.startswith("grad_"))
+            names.append(gname)
+            tokens.append((str(key), shapes))
+        return names, tokens
+
+    names_a, tokens_a = calls(ra)
+    names_b, tokens_b = calls(rb)
+    pairs = {}
+    for block in difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False).get_matching_blocks():
+        for i in range(block.size):
+            pairs[names_a[block.a + i]] = names_b[block.b + i]
+    return pairs
+
+
+def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
+                 atol: float) -> None:
+    """One tensor of a call in both dumps, by value or by statistics, into ``row``."""
+    shape_b = rb.shape(gb, dname)
+    if row.shape != shape_b:
+        row.note = f"shape {shape_b} in b"
+        return
+    agreement = Agreement(rtol, atol)
+    if ra.statistics or rb.statistics:
+        row.note = _by_statistics(agreement, ra.summary(ga, dname), rb.summary(gb, dname))
+    else:
+        # block by block: memory stays bounded whatever the tensors' size
+        for block_a, block_b in zip(ra.blocks(ga, dname), rb.blocks(gb, dname), strict=True):
+            agreement.add(block_a, block_b)
+    row.cosine, row.max_abs, row.max_rel, row.allclose = (
+        agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
+    row.norm_rel = agreement.norm_rel
+    row.precision = pair_precision(ra.dtype(ga, dname), ra.math, rb.dtype(gb, dname), rb.math)
+    if ra.math is not None and rb.math is not None and not row.allclose:
+        # without both records, no difference is put down to rounding
+        row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+
+
+def _first_divergence(rows: list[DumpRow]) -> str | None:
+    """The earliest call in both runs whose inputs agree and whose outputs do not, as the numeric ONNX
+    check finds it (earliest to finish: a layer before the block around it); else the first whose outputs
+    differ, else the first whose gradients differ."""
+    def name(row: DumpRow) -> str:
+        # a module by its path, a function call by its key (its module's path and its name)
+        return row.key if row.function else row.module_path or row.key
+
+    def agree(row: DumpRow) -> bool:
+        return row.allclose or row.rounding is not None
+
+    by_call: dict[str, list[DumpRow]] = {}
+    finished: dict[str, int] = {}  # a call's first output row: rows are in the order the run wrote them
+    for i, row in enumerate(rows):
+        if not row.one_sided:
+            by_call.setdefault(row.group, []).append(row)
+            if row.name.startswith("output"):
+                finished.setdefault(row.group, i)
+    for group in sorted(finished, key=finished.__getitem__):
+        call_rows = by_call[group]
+        inputs = [r for r in call_rows if r.name.startswith("input")]
+        outputs = [r for r in call_rows if r.name.startswith("output")]
+        if inputs and all(agree(r) for r in inputs) and not all(agree(r) for r in outputs):
+            return name(outputs[0])
+    for prefix in ("output", "grad_input", ""):
+        found = next((r for r in rows if not agree(r) and not r.one_sided and r.name.startswith(prefix)), None)
+        if found is not None:
+            return name(found)
+    return None
+
+
 def compare_dumps(
     a: str | os.PathLike[str], b: str | os.PathLike[str], rtol: float = 1e-5, atol: float = 1e-8,
     max_bytes: int = MAX_TENSOR_BYTES,
@@ -1221,46 +1318,29 @@ def compare_dumps(
             if r.status != "complete":
                 report.incomplete[str(r.path)] = r.status
             report.math[str(r.path)] = r.math
-        # without both records, no difference is put down to rounding: compared as before
-        known = ra.math is not None and rb.math is not None
+        # calls matched in call order by key and shapes: an extra call on one side (a cast, an added layer)
+        # shifts the group numbers, not the matching
+        a2b = _match_calls(ra, rb)
+        b2a = {gb: ga for ga, gb in a2b.items()}
         order_a, order_b = ra.order(), rb.order()
         in_a, in_b = set(order_a), set(order_b)
-        for reader, order, other, note in ((ra, order_a, in_b, "missing in b"), (rb, order_b, in_a, "missing in a")):
+        for reader, order in ((ra, order_a), (rb, order_b)):
             for gname, dname in order:
-                if reader is rb and (gname, dname) in in_a:
+                if reader is rb and (b2a.get(gname), dname) in in_a:
                     continue  # compared already
                 group = reader.file[gname]
                 key = str(_attr(group.attrs.get("module_key", gname)))
                 path = str(_attr(group.attrs.get("module_path", "")))
                 row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
                               function=str(_attr(group.attrs.get("function", ""))))
-                if (gname, dname) not in other:
-                    row.note = note
+                ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
+                if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
+                    row.note = "missing in b" if reader is ra else "missing in a"
+                    row.one_sided = ga is None or gb is None
                 else:
-                    shape_b = rb.shape(gname, dname)
-                    if row.shape != shape_b:
-                        row.note = f"shape {shape_b} in b"
-                    else:
-                        agreement = Agreement(rtol, atol)
-                        if ra.statistics or rb.statistics:
-                            row.note = _by_statistics(agreement, ra.summary(gname, dname), rb.summary(gname, dname))
-                        else:
-                            # block by block: memory stays bounded whatever the tensors' size
-                            for block_a, block_b in zip(ra.blocks(gname, dname), rb.blocks(gname, dname), strict=True):
-                                agreement.add(block_a, block_b)
-                        row.cosine, row.max_abs, row.max_rel, row.allclose = (
-                            agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
-                        row.norm_rel = agreement.norm_rel
-                        row.precision = pair_precision(ra.dtype(gname, dname), ra.math, rb.dtype(gname, dname), rb.math)
-                        if known and not row.allclose:
-                            row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+                    _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
                 report.rows.append(row)
-    for prefix in ("output", "grad_input", ""):
-        row_found = next((r for r in report.rows if not (r.allclose or r.rounding) and r.name.startswith(prefix)), None)
-        if row_found is not None:
-            # a module by its path, a function call by its key (its module's path and its name)
-            report.first_divergence = row_found.key if row_found.function else row_found.module_path or row_found.key
-            break
+    report.first_divergence = _first_divergence(report.rows)
     return report
 
 

@@ -183,3 +183,25 @@ def test_a_single_process_without_rank_is_rank_0(tmp_path: Path, monkeypatch: py
     with fwdtrace.Dumper(tmp_path / "r0", ranks=[0]) as dumper:
         assert dumper.register(nn.Linear(1, 1))
     assert not fwdtrace.Dumper(tmp_path / "r1", ranks=[1]).register(nn.Linear(1, 1))
+
+
+class _RoundTrip(_Model):
+    """The same model with two extra calls that change no value: a cast to float64 and back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).to(torch.float64).to(torch.float32)
+        return self.out(torch.relu(self.attn(h)))
+
+
+def test_calls_are_matched_by_key_and_call_order_with_extra_calls_one_sided(tmp_path: Path) -> None:
+    for values in ("tensors", "statistics"):
+        a = _dump(tmp_path, f"a_{values}", _Model(), "all", values)
+        b = _dump(tmp_path, f"b_{values}", _RoundTrip(), "all", values)
+        report = fwdtrace.compare_dumps(a, b)
+        assert report.only_in_b == ["to", "to"] and report.only_in_a == []
+        # every call of a is matched with b's, though b's group numbers are shifted by two after the casts
+        matched = [r for r in report.rows if not r.one_sided]
+        assert {r.key for r in matched} == set(_keys(a))
+        assert all(r.allclose for r in matched), report.to_text()
+        assert report.first_divergence is None and not report.equal
+        assert "calls only in b: to, to" in report.to_text()
