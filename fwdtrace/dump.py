@@ -57,6 +57,7 @@ FORMAT_VERSION = 3  # 2: completeness attributes, sanitized group names; 3: stat
 VALUES = ("tensors", "statistics")  # what a dump stores per tensor (the file's "values" attribute)
 CALLS = ("modules", "functions", "all")  # which calls a dump records (the file's "calls" attribute)
 ORDER_DATASET = "execution_order"
+GRAPH_DATASET = "trace_graph"  # the step's trace (Graph.to_json) in a dump that records function calls
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
 COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
 MAX_CHUNK_BYTES = 1 << 26  # HDF5 decompresses a whole chunk to read any of it: larger chunks are refused
@@ -496,6 +497,9 @@ class _Recording:
             # One dataset at the end instead of an attribute per tensor: attributes cost more
             # than small datasets. Without it (a file never closed) group order is used.
             self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
+            if self.graph is not None:
+                self.file.create_dataset(GRAPH_DATASET, data=self.graph.to_json(indent=None),
+                                         dtype=_h5py().string_dtype())
             if self.skipped:
                 attrs["skipped"] = "\n".join(self.skipped)
             self.file.close()
@@ -617,7 +621,7 @@ class Dumper:
     ``first`` to the end of the first, from there, whose key matches ``last`` (its inner calls
     included); ``steps`` (every Nth step, or a list of steps) and ``ranks`` (a list; the rank
     is torch.distributed's once initialised, else the ``RANK`` environment variable, else 0) make
-    :meth:`register` of other steps and ranks a no-op that returns False. Call indices
+    :meth:`register` of other steps and ranks a no-op. Call indices
     count every call, recorded or not, as in an unfiltered dump.
     """
 
@@ -656,7 +660,7 @@ class Dumper:
         """The dumps this dumper has finished so far."""
         return list(self._written)
 
-    def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0, grads: bool = True) -> bool:
+    def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0, grads: bool = True) -> None:
         """Hook ``model`` so its next forward and backward are written to this step's file.
 
         ``epoch`` and ``step`` are non-negative ints (they name the file).
@@ -664,8 +668,7 @@ class Dumper:
         (:mod:`fwdtrace.instrument.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
         ``ModelOutput`` or a dict are fine: ``grad_outputN`` is the gradient of ``outputN``,
         ``grad_inputN`` of ``inputN`` (over all its uses, where that tensor also feeds another branch).
-        Returns whether this step is dumped: False, with nothing hooked, for a step or a rank
-        outside the Dumper's ``steps`` or ``ranks``.
+        A step or a rank outside the Dumper's ``steps`` or ``ranks`` is not dumped: nothing is hooked.
         """
         if not isinstance(model, torch.nn.Module):
             raise FwdtraceError(f"Dumper.register() expected a torch.nn.Module, got {describe(model)}")
@@ -674,9 +677,9 @@ class Dumper:
         if not isinstance(grads, bool):
             raise FwdtraceError(f"Dumper.register() expected grads as a bool, got {describe(grads)}")
         if isinstance(self.steps, int) and step % self.steps or isinstance(self.steps, frozenset) and step not in self.steps:
-            return False
+            return
         if isinstance(self.ranks, frozenset) and _rank() not in self.ranks:
-            return False
+            return
         rank = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
@@ -691,7 +694,6 @@ class Dumper:
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
         self._recordings.append(recording)
-        return True
 
     def _check_writable(self) -> None:
         # Fail here, before a training step runs, rather than in the middle of a hook.
@@ -806,7 +808,7 @@ class _Reader:
             self.groups: list[tuple[str, Any]] = []
             for name in names:
                 self._link(f, name, repr(name))
-                if name == ORDER_DATASET:
+                if name in (ORDER_DATASET, GRAPH_DATASET):
                     self._dataset(f[name], repr(name))
                 if not _GROUP_RE.match(name):
                     continue
@@ -873,6 +875,21 @@ class _Reader:
     def statistics(self) -> bool:
         """Whether the dump holds each tensor's statistics (``Dumper(values="statistics")``), not the tensor."""
         return self.attrs.get("values") == "statistics"
+
+    def graph(self) -> Graph | None:
+        """The step's trace, stored by a dump that records function calls; None in one without it."""
+        if GRAPH_DATASET not in self.file:
+            return None
+        ds = self.file[GRAPH_DATASET]
+        if ds.dtype.kind not in "OS" or ds.shape != ():
+            raise self.error(f"whose {GRAPH_DATASET!r} is a {ds.dtype} array of shape {ds.shape}, not one JSON text")
+        try:
+            text = ds[()]
+            return Graph.from_json(text.decode(errors="replace") if isinstance(text, bytes) else str(text))
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise self.damaged(e) from e
 
     def shape(self, gname: str, dname: str) -> list[int]:
         ds = self.file[gname][dname]
@@ -1057,6 +1074,7 @@ class DumpRow:
     rounding: str | None = None  # not allclose, but within what this rounding explains ("TF32", "bfloat16")
     function: str = ""  # a function call's function ("torch.Tensor.softmax"), "" for a module call
     one_sided: bool = False  # the call is in one run only (an extra cast, an added layer)
+    call_index: int = 0  # which call of its key
 
 
 @dataclass
@@ -1072,6 +1090,8 @@ class DumpReport:
     incomplete: dict[str, str] = field(default_factory=dict)  # path -> "incomplete: stopped after ..."
     # path -> how that run computed (see fwdtrace.precision.math_record), None for a dump written without it
     math: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    # the graph of run a's step (of b's where a has none), stored by a dump of function calls
+    graph: Graph | None = field(default=None, repr=False)
 
     @property
     def equal(self) -> bool:
@@ -1092,6 +1112,46 @@ class DumpReport:
     def only_in_b(self) -> list[str]:
         """The keys of the calls only run ``b`` made: an extra cast, an added or renamed layer."""
         return self._one_sided("missing in a")
+
+    def render(self, path: str | os.PathLike[str], depth: int | str | None = "auto", **options: Any) -> str:
+        """Draw the run's graph with each box coloured by its call's error and the first divergence in red.
+
+        >>> import tempfile, torch, fwdtrace
+        >>> paths = []
+        >>> for scale in (1.0, 2.0):
+        ...     d = fwdtrace.Dumper(tempfile.mkdtemp(), calls="all"); model = torch.nn.Sequential(torch.nn.Linear(1, 1))
+        ...     _ = torch.nn.init.constant_(model[0].weight, scale); d.register(model, grads=False)
+        ...     _ = model(torch.ones(1, 1)); paths += d.remove()
+        >>> fwdtrace.compare_dumps(*paths).render(tempfile.mktemp(suffix=".svg")).endswith(".svg")
+        True
+
+        Colours as :func:`fwdtrace.render_side_by_side`'s (:data:`fwdtrace.onnx.compare.ERROR_COLORS`):
+        within a hundredth of ``rtol``, within tolerance (or what rounding explains), beyond. A
+        box's tooltip gives its call's worst output error. ``depth`` and ``options`` are
+        :meth:`fwdtrace.Graph.render`'s. Needs a dump that holds its run's graph: one of
+        ``Dumper(..., calls="functions")`` or ``calls="all"``, whose step runs inside a trace (a
+        dump of module calls only runs no trace, so it has none). Returns the path written.
+        """
+        from .onnx.compare import error_color
+
+        if self.graph is None:
+            raise FwdtraceError("DumpReport.render() expected dumps that hold their run's graph, written by "
+                                "Dumper(..., calls=\"functions\") or calls=\"all\", got dumps of module calls only")
+        call2node = {(n.key, n.call_index): n.id for n in self.graph.nodes if n.kind in ("module", "function")}
+        worst: dict[int, DumpRow] = {}
+        for row in self.rows:
+            node = call2node.get((row.key, row.call_index))
+            if node is None or row.one_sided or not row.name.startswith("output"):
+                continue
+            if node not in worst or _badness(row) > _badness(worst[node]):
+                worst[node] = row
+        fills = {n: error_color(r.max_rel if r.max_rel is not None else math.inf, self.rtol, r.allclose or bool(r.rounding))
+                 for n, r in worst.items()}
+        notes = {n: f"max rel err {_num(r.max_rel)}, cosine {_num(r.cosine)}"
+                 + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose else ", diverges")
+                 for n, r in worst.items()}
+        first = [n for n, r in worst.items() if _call_name(r) == self.first_divergence][:1]
+        return self.graph.render(path, depth, fills=fills, notes=notes, highlight=first, **options)
 
     def _one_sided(self, note: str) -> list[str]:
         groups = {r.group: r.key for r in self.rows if r.one_sided and r.note == note}
@@ -1152,6 +1212,12 @@ class DumpReport:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def _badness(row: DumpRow) -> tuple[int, float]:
+    """How far a row is from agreeing: diverging before within rounding before allclose, then by max_rel."""
+    rank = 0 if row.allclose else 1 if row.rounding else 2
+    return rank, row.max_rel if row.max_rel is not None and not math.isnan(row.max_rel) else math.inf
 
 
 def _num(x: float | None) -> str:
@@ -1248,13 +1314,16 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
         row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
 
 
+def _call_name(row: DumpRow) -> str:
+    """How ``first_divergence`` names a row's call: a module by its path, a function call by its key."""
+    return row.key if row.function else row.module_path or row.key
+
+
 def _first_divergence(rows: list[DumpRow]) -> str | None:
     """The earliest call in both runs whose inputs agree and whose outputs do not, as the numeric ONNX
     check finds it (earliest to finish: a layer before the block around it); else the first whose outputs
     differ, else the first whose gradients differ."""
-    def name(row: DumpRow) -> str:
-        # a module by its path, a function call by its key (its module's path and its name)
-        return row.key if row.function else row.module_path or row.key
+    name = _call_name
 
     def agree(row: DumpRow) -> bool:
         return row.allclose or row.rounding is not None
@@ -1332,7 +1401,8 @@ def compare_dumps(
                 key = str(_attr(group.attrs.get("module_key", gname)))
                 path = str(_attr(group.attrs.get("module_path", "")))
                 row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
-                              function=str(_attr(group.attrs.get("function", ""))))
+                              function=str(_attr(group.attrs.get("function", ""))),
+                              call_index=int(_attr(group.attrs.get("call_index", 0))))
                 ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
                 if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
                     row.note = "missing in b" if reader is ra else "missing in a"
@@ -1340,6 +1410,7 @@ def compare_dumps(
                 else:
                     _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
                 report.rows.append(row)
+        report.graph = ra.graph() or rb.graph()
     report.first_divergence = _first_divergence(report.rows)
     return report
 
@@ -1351,6 +1422,8 @@ def run_cli(args: argparse.Namespace) -> int:
     cut-short run is not a difference between runs."""
     report = compare_dumps(args.a, args.b, rtol=args.rtol, atol=args.atol)
     print(report.to_text(only_diverged=args.only_diverged))
+    if args.picture is not None:
+        print(f"picture: {report.render(args.picture)}")
     if report.incomplete:
         raise FwdtraceError("; ".join(f"{p} is {status}" for p, status in report.incomplete.items()))
     return 0 if report.agree else 1

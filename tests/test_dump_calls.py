@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,10 @@ import torch
 from torch import nn
 
 import fwdtrace
-from fwdtrace import FwdtraceError
+from fwdtrace import FwdtraceError, dump
+from fwdtrace.cli import build_parser
 from fwdtrace.instrument.keys import module_key
+from fwdtrace.onnx.compare import ERROR_COLORS
 
 
 class _Attention(nn.Module):
@@ -156,15 +159,15 @@ def test_steps_and_ranks_choose_which_registrations_dump(tmp_path: Path, monkeyp
     for steps, dumped in ((2, [0, 2, 4]), ([1, 4], [1, 4])):
         dumper = fwdtrace.Dumper(tmp_path / f"steps{steps}", steps=steps)
         for step in range(5):
-            assert dumper.register(model, step=step, grads=False) == (step in dumped)
+            dumper.register(model, step=step, grads=False)
             model(torch.ones(1, 2))
         assert [p.name for p in dumper.remove()] == [f"0-epoch_{s}-step_dump.hdf5" for s in dumped]
     monkeypatch.setenv("RANK", "1")
-    assert not fwdtrace.Dumper(tmp_path / "r0", ranks=[0]).register(model)  # nothing hooked: nothing to remove
-    dumper = fwdtrace.Dumper(tmp_path / "r1", ranks=[1])
-    assert dumper.register(model, grads=False)
-    model(torch.ones(1, 2))
-    assert len(dumper.remove()) == 1
+    for ranks, files in (([0], 0), ([1], 1)):
+        dumper = fwdtrace.Dumper(tmp_path / f"ranks{ranks}", ranks=ranks)
+        dumper.register(model, grads=False)
+        model(torch.ones(1, 2))
+        assert len(dumper.remove()) == files
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -180,9 +183,12 @@ def test_filters_are_checked(tmp_path: Path, kwargs: dict, message: str) -> None
 
 def test_a_single_process_without_rank_is_rank_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
-    with fwdtrace.Dumper(tmp_path / "r0", ranks=[0]) as dumper:
-        assert dumper.register(nn.Linear(1, 1))
-    assert not fwdtrace.Dumper(tmp_path / "r1", ranks=[1]).register(nn.Linear(1, 1))
+    model = nn.Linear(1, 1)
+    for ranks, files in (([0], 1), ([1], 0)):
+        with fwdtrace.Dumper(tmp_path / f"ranks{ranks}", ranks=ranks) as dumper:
+            dumper.register(model, grads=False)
+            model(torch.ones(1))
+        assert len(dumper.paths) == files
 
 
 class _RoundTrip(_Model):
@@ -205,3 +211,38 @@ def test_calls_are_matched_by_key_and_call_order_with_extra_calls_one_sided(tmp_
         assert all(r.allclose for r in matched), report.to_text()
         assert report.first_divergence is None and not report.equal
         assert "calls only in b: to, to" in report.to_text()
+
+
+def _svg_nodes(svg: str) -> dict[str, str]:
+    """Each drawn box's tooltip -> its SVG, from the draw pass's own output."""
+    out = {}
+    for match in re.finditer(r'<g id="node\d+" class="node[^"]*">(.*?)</g>\s*</g>', svg, re.S):
+        tooltip = re.search(r'xlink:title="([^"]*)"', match.group(1))
+        if tooltip:
+            out[tooltip.group(1)] = match.group(1)
+    return out
+
+
+def test_the_picture_colours_each_call_by_its_error_and_marks_the_first_divergence(tmp_path: Path) -> None:
+    a = _dump(tmp_path, "a", _Model(), "all")
+    b = _dump(tmp_path, "b", _Model(torch.float16), "all")
+    report = fwdtrace.compare_dumps(a, b)
+    boxes = _svg_nodes(Path(report.render(tmp_path / "diff.svg")).read_text())
+    softmax = [svg for tip, svg in boxes.items() if "torch.Tensor.softmax" in tip]
+    transpose = [svg for tip, svg in boxes.items() if "torch.Tensor.transpose" in tip]
+    assert len(softmax) == len(transpose) == 1
+    # the reference: the report's own rows (a transpose before the softmax agrees exactly)
+    assert all(r.allclose for r in report.rows if r.key == "attn.transpose" and r.name.startswith("output"))
+    assert ERROR_COLORS["exact"] in transpose[0]
+    assert 'stroke="#c0392b"' in softmax[0] and "diverges" in softmax[0]  # highlighted: the first divergence
+    assert sum('stroke="#c0392b"' in svg for svg in boxes.values()) == 1
+    # from the command line
+    picture = tmp_path / "cli.svg"
+    assert dump.run_cli(build_parser().parse_args(["dump-diff", str(a), str(b), "--picture", str(picture)])) == 1
+    assert picture.read_text().startswith("<?xml")
+
+
+def test_a_dump_of_module_calls_has_no_graph_to_draw(tmp_path: Path) -> None:
+    a = _dump(tmp_path, "a", _Model(), "modules")
+    with pytest.raises(FwdtraceError, match=r"^DumpReport.render\(\) expected dumps that hold their run's graph"):
+        fwdtrace.compare_dumps(a, a).render(tmp_path / "diff.svg")
