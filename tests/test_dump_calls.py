@@ -246,3 +246,32 @@ def test_a_dump_of_module_calls_has_no_graph_to_draw(tmp_path: Path) -> None:
     a = _dump(tmp_path, "a", _Model(), "modules")
     with pytest.raises(FwdtraceError, match=r"^DumpReport.render\(\) expected dumps that hold their run's graph"):
         fwdtrace.compare_dumps(a, a).render(tmp_path / "diff.svg")
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.proj(x)).softmax(-1) @ x.transpose(-1, -2)
+
+
+def test_a_float32_run_and_its_autocast_bfloat16_run_match_call_for_call(tmp_path: Path) -> None:
+    paths = []
+    for name, autocast in (("fp32", False), ("bf16", True)):
+        model = _Block()
+        with fwdtrace.Dumper(tmp_path / name, calls="all") as dumper, torch.autocast("cpu", torch.bfloat16,
+                                                                                     enabled=autocast):
+            dumper.register(model)
+            model(_X).float().sum().backward()
+        paths += dumper.paths
+    report = fwdtrace.compare_dumps(*paths)
+    # autocast's casts happen below torch functions: the two traces are the same calls
+    assert report.only_in_a == report.only_in_b == []
+    bf16 = fwdtrace.read_dump(paths[1], show=False)["groups"]
+    assert bf16["001_Linear"]["datasets"]["output0"]["dtype"] == "bfloat16"
+    # and every difference is what bfloat16's rounding explains
+    assert report.agree and not report.equal, report.to_text()
+    assert {r.rounding for r in report.rows if not r.allclose} == {"bfloat16"}
