@@ -17,6 +17,7 @@ Reading treats every file as untrusted: only plain datasets inside the file are 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import difflib
 import fnmatch
@@ -28,7 +29,7 @@ import re
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ class _Call:
     """One module call's group, with its name (asking HDF5 for a group's name is slow)."""
 
     name: str
-    group: Any  # None: a call seen but not recorded (the root's, one outside the selection)
+    recorded: bool  # False: a call seen but not recorded (the root's, one outside the selection): no group
     grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
     ends_scope: bool = False  # the selection's scope ends with this call
 
@@ -154,9 +155,11 @@ class _Recording:
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
         overwrite: bool, values: str = "tensors", calls: str = "modules", selection: _Selection | None = None,
+        writer: _Writer | None = None,
     ) -> None:
         h5py = _h5py()
         self.path = path
+        self.writer = writer
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         try:
             self.atomic.check_target()
@@ -251,6 +254,8 @@ class _Recording:
         self._remove_hooks()
         self._cancel_grads()
         self.closed = True
+        if self.writer is not None:
+            self.writer.finish()
         try:
             self.file.close()
         except Exception:  # noqa: S110 - the file is being dropped; the first error is the one to report
@@ -263,27 +268,43 @@ class _Recording:
         )
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
+        where = f"{call.name}/{name}"
         try:
+            attrs: dict[str, Any] = {}
             if self.statistics:
-                self._write_statistics(call, name, t)
-                self.order.append(f"{call.name}/{name}")
-                return
-            t = host(t)
-            store_as = _BITS_AS.get(t.dtype)
-            arr = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
-            ds = call.group.create_dataset(name, data=arr)
-            if store_as is not None:
-                # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
-                ds.attrs["torch_dtype"] = dtype_name(t.dtype)
+                # computed on t's device; one host copy of a few dozen numbers
+                arr = to_numpy(summarize(t))
+                attrs = {"tensor_shape": list(t.shape), "tensor_dtype": dtype_name(t.dtype)}
+            else:
+                t = host(t)
+                store_as = _BITS_AS.get(t.dtype)
+                arr = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
+                if store_as is not None:
+                    # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
+                    attrs = {"torch_dtype": dtype_name(t.dtype)}
+            if self.writer is not None:
+                arr = arr.copy()  # a CPU tensor's array shares its memory: the model may write into it before the thread
         except Exception as e:
-            raise self._fail(e, f"{call.name}/{name}") from e
-        self.order.append(f"{call.name}/{name}")
+            raise self._fail(e, where) from e
 
-    def _write_statistics(self, call: _Call, name: str, t: torch.Tensor) -> None:
-        # computed on t's device; one host copy of a few dozen numbers
-        ds = call.group.create_dataset(name, data=to_numpy(summarize(t)))
-        ds.attrs["tensor_shape"] = list(t.shape)
-        ds.attrs["tensor_dtype"] = dtype_name(t.dtype)
+        def create() -> None:
+            self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
+
+        if self._file_op(create, arr.nbytes, where):
+            self.order.append(where)
+
+    def _file_op(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
+        """Run ``op`` on the file now, or queue it for the writer thread; False when the queue was full and the
+        Dumper drops (counted)."""
+        if self.writer is None:
+            try:
+                op()
+            except Exception as e:
+                raise self._fail(e, where) from e
+            return True
+        if self.writer.error is not None:
+            raise self._fail(self.writer.error, self.writer.where)
+        return self.writer.put(op, nbytes, where)
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
         for i, (_, t) in enumerate(iter_tensors(obj, prefix)):
@@ -298,13 +319,19 @@ class _Recording:
             if part is not None and not isinstance(part, torch.Tensor) and not any(True for _ in iter_tensors(part))
         ] + [f"output[{j}]: None" for j, part in parts if part is None]
         if notes:
-            call.group.attrs["skipped"] = "; ".join(notes)
+            text = "; ".join(notes)
+            self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
             self.skipped += [f"{call.name} {n}" for n in notes]
 
     def _restart(self) -> None:
         """Drop the calls of a root forward that raised: the step begins again."""
-        for name in {o.split("/", 1)[0] for o in self.order} | {n for n in self.file if _GROUP_RE.match(n)}:
-            del self.file[name]
+        written = {o.split("/", 1)[0] for o in self.order}
+
+        def drop() -> None:
+            for name in written | {n for n in self.file if _GROUP_RE.match(n)}:
+                del self.file[name]
+
+        self._file_op(drop, 0, "dropping a failed forward")
         self.order.clear()
         self.calls = self.root_calls = 0
         self.key2calls.clear()
@@ -319,11 +346,8 @@ class _Recording:
     def _record_math(self, model: torch.nn.Module, args: tuple) -> None:
         """How the step computes, as the file's ``math_*`` attributes: read as the root forward begins,
         inside the caller's autocast region if any (see :func:`fwdtrace.precision.math_record`)."""
-        try:
-            for name, value in math_record(model, args).items():
-                self.file.attrs[MATH_PREFIX + name] = value
-        except Exception as e:
-            raise self._fail(e, "math record") from e
+        record = {MATH_PREFIX + name: value for name, value in math_record(model, args).items()}
+        self._file_op(lambda: self.file.attrs.update(record), 0, "math record")
 
     def _pre_hook(self, key: str, path: str, owner: int, class_name: str, function: str | None, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -345,7 +369,7 @@ class _Recording:
                     call = self._begin_call(key, path, class_name, function, inputs, is_root)
                 else:
                     self._next_call_index(key)
-                    call = _Call("", None)
+                    call = _Call("", False)
                     if is_root and self.grads and torch.is_grad_enabled():
                         # the root's call without a group still marks the step's end and its backward's
                         call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
@@ -371,11 +395,16 @@ class _Recording:
         call_index = self._next_call_index(key)
         name = group_name(self.calls, class_name)
         try:
-            call = _Call(name, self.file.create_group(name, track_order=True))
-            call.group.attrs.update({"module_key": key, "module_path": path, "call_index": call_index,
-                                     "class_name": class_name, **({"function": function} if function else {})})
+            call = _Call(name, True)
+            attrs = {"module_key": key, "module_path": path, "call_index": call_index, "class_name": class_name,
+                     **({"function": function} if function else {})}
         except Exception as e:
             raise self._fail(e, name) from e
+
+        def create() -> None:
+            self.file.create_group(name, track_order=True).attrs.update(attrs)
+
+        self._file_op(create, 0, name)
         self.calls += 1
         self._write_all(call, "input", inputs)
         if self.grads and torch.is_grad_enabled():
@@ -386,7 +415,7 @@ class _Recording:
         return call
 
     def _end_call(self, call: _Call, result: Any, is_root: bool) -> None:
-        if call.group is not None:
+        if call.recorded:
             self._write_all(call, "output", result)
             self._note_skipped(call, result)
         if call.grads is not None:
@@ -451,7 +480,7 @@ class _Recording:
         def write(grad_input: list[torch.Tensor | None], grad_output: list[torch.Tensor | None]) -> None:
             if self.closed:
                 return
-            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)) if call.group is not None \
+            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)) if call.recorded \
                     else ():
                 for index, g in enumerate(grads):
                     if g is not None:
@@ -475,6 +504,8 @@ class _Recording:
             return False, "the forward did not finish" + raised
         if self.backward_expected and not self.backward_done:
             return False, "the backward did not run" + raised
+        if self.writer is not None and self.writer.dropped:
+            return False, f"{self.writer.dropped} tensors dropped: the write queue was full (when_full='drop')" + raised
         return True, "complete"
 
     def close(self, exc: BaseException | None = None) -> Path | None:
@@ -484,9 +515,15 @@ class _Recording:
         if self.closed:
             return None
         self.closed = True
+        if self.writer is not None:
+            self.writer.finish()
+            if self.writer.error is not None:
+                raise self._fail(self.writer.error, self.writer.where)
         complete, status = self._status(exc)
         try:
             attrs = self.file.attrs
+            if self.writer is not None:
+                attrs["dropped"] = self.writer.dropped
             attrs["calls"] = self.calls
             attrs["complete"] = complete
             attrs["status"] = status
@@ -529,6 +566,65 @@ def _rank() -> int:
         return torch.distributed.get_rank()
     rank = os.environ.get("RANK", "")
     return int(rank) if rank.isdigit() else 0
+
+
+class _Writer:
+    """A thread that runs a dump's file operations in order, with at most ``max_bytes`` of tensors queued.
+
+    A tensor that would go over waits for room (``when_full="wait"``) or is dropped and counted
+    (``"drop"``); one alone in the queue is always taken. An operation that raises stops the
+    writing: the ones after it are skipped and the error is raised on the training thread.
+    """
+
+    def __init__(self, max_bytes: int, when_full: str) -> None:
+        self.max_bytes, self.when_full = max_bytes, when_full
+        self.queue: collections.deque[tuple[Callable[[], None], int, str]] = collections.deque()
+        self.cond = threading.Condition()
+        self.queued_bytes = 0
+        self.dropped = 0
+        self.error: BaseException | None = None
+        self.where = ""
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="fwdtrace-dump-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
+        with self.cond:
+            if nbytes and self.queued_bytes and self.queued_bytes + nbytes > self.max_bytes:
+                if self.when_full == "drop":
+                    self.dropped += 1
+                    return False
+                while self.queued_bytes and self.queued_bytes + nbytes > self.max_bytes and self.error is None:
+                    self.cond.wait()
+            self.queue.append((op, nbytes, where))
+            self.queued_bytes += nbytes
+            self.cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.stopping:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                op, nbytes, where = self.queue[0]
+            if self.error is None:
+                try:
+                    op()
+                except Exception as e:
+                    self.error, self.where = e, where
+            with self.cond:
+                self.queue.popleft()
+                self.queued_bytes -= nbytes
+                self.cond.notify_all()
+
+    def finish(self) -> None:
+        """Wait for every queued operation; the thread ends."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join()
 
 
 class _TracedRoot:
@@ -623,12 +719,19 @@ class Dumper:
     is torch.distributed's once initialised, else the ``RANK`` environment variable, else 0) make
     :meth:`register` of other steps and ranks a no-op. Call indices
     count every call, recorded or not, as in an unfiltered dump.
+
+    ``background=True`` writes on a thread of its own: each tensor is copied to the host (or
+    summarised) in the hook and queued, at most ``queue_bytes`` of them; past that a tensor
+    waits for room (``when_full="wait"``) or is dropped (``"drop"``), counted in the file's
+    ``dropped`` attribute and making the dump incomplete. A write that fails there is raised
+    on the training thread, at the next tensor or when the dump closes.
     """
 
     def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors",
                  calls: str = "modules", *, keys: str | list[str] | tuple[str, ...] | None = None,
                  scope: tuple[str, str] | None = None, steps: int | list[int] | tuple[int, ...] | None = None,
-                 ranks: list[int] | tuple[int, ...] | None = None) -> None:
+                 ranks: list[int] | tuple[int, ...] | None = None, background: bool = False,
+                 queue_bytes: int = 1 << 28, when_full: str = "wait") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
         if not isinstance(overwrite, bool):
@@ -650,6 +753,13 @@ class Dumper:
         self.scope = None if scope is None else (scope[0], scope[1])
         self.steps = _int_set(steps, "steps", every=True)
         self.ranks = _int_set(ranks, "ranks", every=False)
+        if not isinstance(background, bool):
+            raise FwdtraceError(f"Dumper expected background as a bool, got {describe(background)}")
+        if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 1:
+            raise FwdtraceError(f"Dumper expected queue_bytes as a positive int, got {describe(queue_bytes)} {queue_bytes!r}")
+        if when_full not in ("wait", "drop"):
+            raise FwdtraceError(f"Dumper expected when_full as 'wait' or 'drop', got {when_full!r}")
+        self.background, self.queue_bytes, self.when_full = background, queue_bytes, when_full
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
@@ -689,8 +799,14 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values, self.calls,
-                                   _Selection(self.keys, self.scope))
+            writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
+            try:
+                recording = _Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values, self.calls,
+                                       _Selection(self.keys, self.scope), writer)
+            except BaseException:
+                if writer is not None:
+                    writer.finish()
+                raise
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
         self._recordings.append(recording)
