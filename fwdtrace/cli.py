@@ -216,6 +216,9 @@ def _dump_diff_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     parser.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
     parser.add_argument("--only-diverged", action="store_true", help="print only the rows that differ")
+    parser.add_argument("--picture", default=None, metavar="PATH",
+                        help="draw the run's graph coloured by error into PATH (.svg, .png, .pdf); needs dumps "
+                             "written with calls='functions' or 'all'")
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:

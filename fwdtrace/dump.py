@@ -17,6 +17,10 @@ Reading treats every file as untrusted: only plain datasets inside the file are 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import difflib
+import fnmatch
 import itertools
 import math
 import operator
@@ -24,7 +28,8 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,18 +41,32 @@ from ._hdf5 import check_dataset, check_link
 from ._host import host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, describe, one_line
+from .graph import Graph
 from .instrument.calls import ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import GradCall
 from .instrument.keys import key2module, key_path
-from .patching import InterruptGuard, critical, guarded_enter, guarded_exit
+from .node import Node
+from .patching import (
+    InterruptGuard,
+    add_call_handler,
+    critical,
+    guarded_enter,
+    guarded_exit,
+    remove_call_handler,
+)
 from .precision import Agreement, math_record, pair_precision, rounding_explains
+from .summary import BINS, FIELDS, as_dict, compared, summarize, summarize_blocks
+from .tracer import Tracer, active_tracer
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
 
 FORMAT_ATTR = "fwdtrace_dump"
-FORMAT_VERSION = 2  # 2: completeness attributes, sanitized group names
+FORMAT_VERSION = 3  # 2: completeness attributes, sanitized group names; 3: statistics dumps
+VALUES = ("tensors", "statistics")  # what a dump stores per tensor (the file's "values" attribute)
+CALLS = ("modules", "functions", "all")  # which calls a dump records (the file's "calls" attribute)
 ORDER_DATASET = "execution_order"
+GRAPH_DATASET = "trace_graph"  # the step's trace (Graph.to_json) in a dump that records function calls
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
 COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
 MAX_CHUNK_BYTES = 1 << 26  # HDF5 decompresses a whole chunk to read any of it: larger chunks are refused
@@ -96,8 +115,40 @@ class _Call:
     """One module call's group, with its name (asking HDF5 for a group's name is slow)."""
 
     name: str
-    group: Any
+    recorded: bool  # False: a call seen but not recorded (the root's, one outside the selection): no group
     grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
+    ends_scope: bool = False  # the selection's scope ends with this call
+
+
+@dataclass
+class _Selection:
+    """Which calls a dump records: keys matching a glob (a call's key or module path), within a scope
+    that begins with the first call matching ``scope[0]`` and ends after the first call matching
+    ``scope[1]`` from there (its inner calls included)."""
+
+    keys: tuple[str, ...] | None = None
+    scope: tuple[str, str] | None = None
+    state: str = "before"  # of the scope: "before", "in", "after"
+
+    @property
+    def filtered(self) -> bool:
+        return self.keys is not None or self.scope is not None
+
+    def enter(self, key: str, path: str) -> tuple[bool, bool]:
+        """At a call's beginning: (whether it is recorded, whether the scope ends with it)."""
+        ends = False
+        if self.scope is not None:
+            if self.state == "before" and fnmatch.fnmatchcase(key, self.scope[0]):
+                self.state = "in"
+            if self.state != "in":
+                return False, False
+            ends = fnmatch.fnmatchcase(key, self.scope[1])
+        wanted = self.keys is None or any(fnmatch.fnmatchcase(key, g) or fnmatch.fnmatchcase(path, g) for g in self.keys)
+        return wanted, ends
+
+    def leave(self, call: _Call) -> None:
+        if call.ends_scope and self.state == "in":
+            self.state = "after"
 
 
 class _Recording:
@@ -111,18 +162,19 @@ class _Recording:
 
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
-        overwrite: bool,
+        overwrite: bool, values: str = "tensors", calls: str = "modules", selection: _Selection | None = None,
+        writer: _Writer | None = None,
     ) -> None:
         h5py = _h5py()
         self.path = path
+        self.writer = writer
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         try:
             self.atomic.check_target()
             self.file = h5py.File(self.atomic.tmp, "w", track_order=True)
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
-            self.file.attrs["epoch"] = epoch
-            self.file.attrs["step"] = step
+            self.file.attrs.update({"epoch": epoch, "step": step, "values": values, "calls": calls})
             if rank is not None:
                 self.file.attrs["rank"] = rank
             self.file.attrs["complete"] = False
@@ -131,6 +183,10 @@ class _Recording:
             self.atomic.discard()
             raise
         self.grads = grads
+        self.statistics = values == "statistics"
+        self.record_modules = calls != "functions"
+        self.record_functions = calls != "modules"
+        self.selection = selection or _Selection()
         self.order: list[str] = []  # "group/dataset" of every tensor, in the order written
         self.calls = 0
         self.root_calls = 0
@@ -148,6 +204,7 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
+        self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         try:
             self._register(model, grads)
         except BaseException:
@@ -166,12 +223,19 @@ class _Recording:
         self.layers = len(hooked) > 1  # a model with submodules: a step that records none of them is not complete
         # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run.
         self.forward_handles.append(EagerRoute(model, "Dumper.register()"))
-        # Hooked functions' calls take the same hooks through their function sites (a site's hooks
-        # get the calling module as their first argument: the bookkeeping is by site, not by module).
-        hooked += [
-            (key, site, site.module_path, site.target.name, site.target.path)
-            for key, site in ModelCalls(model).registered_sites().items()
-        ]
+        if self.record_functions:
+            # Function calls as the trace sees them: the step's forward runs inside a Tracer, which hands
+            # each function node over as it is made (hooked functions' calls among them).
+            self.forward_handles.append(_TracedRoot(self, root))
+        else:
+            # Hooked functions' calls take the same hooks through their function sites (a site's hooks
+            # get the calling module as their first argument: the bookkeeping is by site, not by module).
+            hooked += [
+                (key, site, site.module_path, site.target.name, site.target.path)
+                for key, site in ModelCalls(model).registered_sites().items()
+            ]
+        if not self.record_modules and self.selection.scope is None:
+            hooked = [h for h in hooked if h[1] is root]  # the root's hooks still mark the step's beginning and end
         for key, owner, path, class_name, function in hooked:
             is_root = owner is root
             self.forward_handles.append(
@@ -198,6 +262,8 @@ class _Recording:
         self._remove_hooks()
         self._cancel_grads()
         self.closed = True
+        if self.writer is not None:
+            self.writer.finish()
         try:
             self.file.close()
         except Exception:  # noqa: S110 - the file is being dropped; the first error is the one to report
@@ -210,17 +276,43 @@ class _Recording:
         )
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
+        where = f"{call.name}/{name}"
         try:
-            t = host(t)
-            store_as = _BITS_AS.get(t.dtype)
-            arr = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
-            ds = call.group.create_dataset(name, data=arr)
-            if store_as is not None:
-                # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
-                ds.attrs["torch_dtype"] = dtype_name(t.dtype)
+            attrs: dict[str, Any] = {}
+            if self.statistics:
+                # computed on t's device; one host copy of a few dozen numbers
+                arr = to_numpy(summarize(t))
+                attrs = {"tensor_shape": list(t.shape), "tensor_dtype": dtype_name(t.dtype)}
+            else:
+                t = host(t)
+                store_as = _BITS_AS.get(t.dtype)
+                arr = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
+                if store_as is not None:
+                    # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
+                    attrs = {"torch_dtype": dtype_name(t.dtype)}
+            if self.writer is not None:
+                arr = arr.copy()  # a CPU tensor's array shares its memory: the model may write into it before the thread
         except Exception as e:
-            raise self._fail(e, f"{call.name}/{name}") from e
-        self.order.append(f"{call.name}/{name}")
+            raise self._fail(e, where) from e
+
+        def create() -> None:
+            self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
+
+        if self._file_op(create, arr.nbytes, where):
+            self.order.append(where)
+
+    def _file_op(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
+        """Run ``op`` on the file now, or queue it for the writer thread; False when the queue was full and the
+        Dumper drops (counted)."""
+        if self.writer is None:
+            try:
+                op()
+            except Exception as e:
+                raise self._fail(e, where) from e
+            return True
+        if self.writer.error is not None:
+            raise self._fail(self.writer.error, self.writer.where)
+        return self.writer.put(op, nbytes, where)
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
         for i, (_, t) in enumerate(iter_tensors(obj, prefix)):
@@ -235,13 +327,19 @@ class _Recording:
             if part is not None and not isinstance(part, torch.Tensor) and not any(True for _ in iter_tensors(part))
         ] + [f"output[{j}]: None" for j, part in parts if part is None]
         if notes:
-            call.group.attrs["skipped"] = "; ".join(notes)
+            text = "; ".join(notes)
+            self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
             self.skipped += [f"{call.name} {n}" for n in notes]
 
     def _restart(self) -> None:
         """Drop the calls of a root forward that raised: the step begins again."""
-        for name in {o.split("/", 1)[0] for o in self.order} | {n for n in self.file if _GROUP_RE.match(n)}:
-            del self.file[name]
+        written = {o.split("/", 1)[0] for o in self.order}
+
+        def drop() -> None:
+            for name in written | {n for n in self.file if _GROUP_RE.match(n)}:
+                del self.file[name]
+
+        self._file_op(drop, 0, "dropping a failed forward")
         self.order.clear()
         self.calls = self.root_calls = 0
         self.key2calls.clear()
@@ -251,15 +349,13 @@ class _Recording:
         self.skipped.clear()
         self.discarded += 1
         self.failed = None
+        self.selection.state = "before"
 
     def _record_math(self, model: torch.nn.Module, args: tuple) -> None:
         """How the step computes, as the file's ``math_*`` attributes: read as the root forward begins,
         inside the caller's autocast region if any (see :func:`fwdtrace.precision.math_record`)."""
-        try:
-            for name, value in math_record(model, args).items():
-                self.file.attrs[MATH_PREFIX + name] = value
-        except Exception as e:
-            raise self._fail(e, "math record") from e
+        record = {MATH_PREFIX + name: value for name, value in math_record(model, args).items()}
+        self._file_op(lambda: self.file.attrs.update(record), 0, "math record")
 
     def _pre_hook(self, key: str, path: str, owner: int, class_name: str, function: str | None, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -274,30 +370,89 @@ class _Recording:
                 self.root_calls += 1
             elif self.root_depth == 0:
                 return  # a submodule called on its own, before the step's forward
-            call_index = self.key2calls.get(key, 0)
-            self.key2calls[key] = call_index + 1
-            name = group_name(self.calls, class_name)
-            try:
-                call = _Call(name, self.file.create_group(name, track_order=True))
-                call.group.attrs["module_key"] = key
-                call.group.attrs["module_path"] = path
-                call.group.attrs["call_index"] = call_index
-                call.group.attrs["class_name"] = class_name
-                if function is not None:
-                    call.group.attrs["function"] = function
-            except Exception as e:
-                raise self._fail(e, name) from e
-            self.calls += 1
             inputs = (args, kwargs) if kwargs else args
-            self._write_all(call, "input", inputs)
-            if self.grads and torch.is_grad_enabled():
-                # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.instrument.grads);
-                # grad_inputN is the gradient of inputN, grad_outputN of outputN.
-                call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
-                self.grad_calls.append(call.grads)
+            wanted, ends_scope = self.selection.enter(key, path)
+            with self._unseen():
+                if self.record_modules and wanted:
+                    call = self._begin_call(key, path, class_name, function, inputs, is_root)
+                else:
+                    self._next_call_index(key)
+                    call = _Call("", False)
+                    if is_root and self.grads and torch.is_grad_enabled():
+                        # the root's call without a group still marks the step's end and its backward's
+                        call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
+                        self.grad_calls.append(call.grads)
+            call.ends_scope = ends_scope
             self.open_calls.setdefault(owner, []).append(call)
 
         return hook
+
+    def _unseen(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the step runs inside a trace (function calls recorded), the dump's own ops are not part of it."""
+        return torch._C.DisableTorchFunction() if self.record_functions else contextlib.nullcontext()
+
+    def _next_call_index(self, key: str) -> int:
+        """Counted for every call, recorded or not: a filtered dump's call indices are the whole run's."""
+        call_index = self.key2calls.get(key, 0)
+        self.key2calls[key] = call_index + 1
+        return call_index
+
+    def _begin_call(self, key: str, path: str, class_name: str, function: str | None, inputs: Any,
+                    is_root: bool) -> _Call:
+        """A call's group, with its inputs written and its gradients' hooks on."""
+        call_index = self._next_call_index(key)
+        name = group_name(self.calls, class_name)
+        try:
+            call = _Call(name, True)
+            attrs = {"module_key": key, "module_path": path, "call_index": call_index, "class_name": class_name,
+                     **({"function": function} if function else {})}
+        except Exception as e:
+            raise self._fail(e, name) from e
+
+        def create() -> None:
+            self.file.create_group(name, track_order=True).attrs.update(attrs)
+
+        self._file_op(create, 0, name)
+        self.calls += 1
+        self._write_all(call, "input", inputs)
+        if self.grads and torch.is_grad_enabled():
+            # Tensor hooks, not a module backward hook: safe beside in-place ops (fwdtrace.instrument.grads);
+            # grad_inputN is the gradient of inputN, grad_outputN of outputN.
+            call.grads = GradCall(tensors_of(inputs), self._grad_writer(call, is_root))
+            self.grad_calls.append(call.grads)
+        return call
+
+    def _end_call(self, call: _Call, result: Any, is_root: bool) -> None:
+        if call.recorded:
+            self._write_all(call, "output", result)
+            self._note_skipped(call, result)
+        if call.grads is not None:
+            # Every tensor of the result, a ModelOutput's or a dict's too (torch's module
+            # backward hook sees only a tensor or a tuple's tensors).
+            call.grads.hook_outputs(tensors_of(result))
+            self.root_calls_in_backward += is_root
+
+    def function_call(self, node: Node, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                      in_place: bool) -> None:
+        """One function node of the step's trace, with the tensors it read and made, as the tracer files it."""
+        if self.forward_done or self.closed or self.root_depth == 0:
+            return
+        key = node.key or node.name
+        wanted, ends_scope = self.selection.enter(key, node.module_path)
+        if ends_scope:
+            self.selection.state = "after"  # a function call holds no calls of its own: the scope ends here
+        if not wanted:
+            self._next_call_index(key)
+            return
+        with torch._C.DisableTorchFunction():
+            # an in-place op's inputs are read after its write: they are not dumped, nor its gradients
+            grads, self.grads = self.grads, self.grads and not in_place
+            try:
+                call = self._begin_call(key, node.module_path, node.class_name, node.target,
+                                        [] if in_place else inputs, False)
+            finally:
+                self.grads = grads
+            self._end_call(call, outputs[0] if len(outputs) == 1 else tuple(outputs), False)
 
     def _post_hook(self, owner: int, is_root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
@@ -311,17 +466,13 @@ class _Recording:
                 if call.grads is not None:
                     call.grads.cancel()
                 if self.failed is None:
-                    self.failed = f"the forward raised in {call.name}: {one_line(exc)}"
+                    self.failed = f"the forward raised in {call.name or 'the model'}: {one_line(exc)}"
                 if is_root:
                     self.root_depth -= 1
                 return
-            self._write_all(call, "output", result)
-            self._note_skipped(call, result)
-            if call.grads is not None:
-                # Every tensor of the result, a ModelOutput's or a dict's too (torch's module
-                # backward hook sees only a tensor or a tuple's tensors).
-                call.grads.hook_outputs(tensors_of(result))
-                self.root_calls_in_backward += is_root
+            with self._unseen():
+                self._end_call(call, result, is_root)
+            self.selection.leave(call)
             if is_root:
                 self.root_depth -= 1
                 if self.root_depth == 0:
@@ -337,7 +488,8 @@ class _Recording:
         def write(grad_input: list[torch.Tensor | None], grad_output: list[torch.Tensor | None]) -> None:
             if self.closed:
                 return
-            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)):
+            for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)) if call.recorded \
+                    else ():
                 for index, g in enumerate(grads):
                     if g is not None:
                         self._write(call, f"{prefix}{index}", g)
@@ -352,14 +504,16 @@ class _Recording:
         raised = f"; the step raised {one_line(exc)}" if exc is not None else ""
         if self.failed is not None:  # the exception leaving the with block is this one, named already
             return False, self.failed
-        if self.calls == 0:
+        if self.root_calls == 0:
             return False, "the model's forward did not run" + raised
-        if self.layers and self.calls == self.root_calls:
+        if self.layers and self.record_modules and not self.selection.filtered and self.calls == self.root_calls:
             return False, "no call of the model's layers was recorded, only the root's" + raised
         if not self.forward_done:
             return False, "the forward did not finish" + raised
         if self.backward_expected and not self.backward_done:
             return False, "the backward did not run" + raised
+        if self.writer is not None and self.writer.dropped:
+            return False, f"{self.writer.dropped} tensors dropped: the write queue was full (when_full='drop')" + raised
         return True, "complete"
 
     def close(self, exc: BaseException | None = None) -> Path | None:
@@ -369,9 +523,15 @@ class _Recording:
         if self.closed:
             return None
         self.closed = True
+        if self.writer is not None:
+            self.writer.finish()
+            if self.writer.error is not None:
+                raise self._fail(self.writer.error, self.writer.where)
         complete, status = self._status(exc)
         try:
             attrs = self.file.attrs
+            if self.writer is not None:
+                attrs["dropped"] = self.writer.dropped
             attrs["calls"] = self.calls
             attrs["complete"] = complete
             attrs["status"] = status
@@ -382,6 +542,9 @@ class _Recording:
             # One dataset at the end instead of an attribute per tensor: attributes cost more
             # than small datasets. Without it (a file never closed) group order is used.
             self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
+            if self.graph is not None:
+                self.file.create_dataset(GRAPH_DATASET, data=self.graph.to_json(indent=None),
+                                         dtype=_h5py().string_dtype())
             if self.skipped:
                 attrs["skipped"] = "\n".join(self.skipped)
             self.file.close()
@@ -390,6 +553,136 @@ class _Recording:
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
         return self.path
+
+
+def _int_set(value: Any, name: str, every: bool) -> int | frozenset[int] | None:
+    """None, a positive int (``every``: every Nth), or a list of non-negative ints, checked."""
+    if value is None:
+        return None
+    if every and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, (list, tuple, set, frozenset, range)) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return frozenset(value)
+    what = "a positive int (every Nth) or a list of non-negative ints" if every else "a list of non-negative ints"
+    raise FwdtraceError(f"Dumper expected {name} as {what}, got {describe(value)} {value!r}")
+
+
+def _rank() -> int:
+    """This process's rank: torch.distributed's once initialised, else the ``RANK`` environment variable, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    rank = os.environ.get("RANK", "")
+    return int(rank) if rank.isdigit() else 0
+
+
+class _Writer:
+    """A thread that runs a dump's file operations in order, with at most ``max_bytes`` of tensors queued.
+
+    A tensor that would go over waits for room (``when_full="wait"``) or is dropped and counted
+    (``"drop"``); one alone in the queue is always taken. An operation that raises stops the
+    writing: the ones after it are skipped and the error is raised on the training thread.
+    """
+
+    def __init__(self, max_bytes: int, when_full: str) -> None:
+        self.max_bytes, self.when_full = max_bytes, when_full
+        self.queue: collections.deque[tuple[Callable[[], None], int, str]] = collections.deque()
+        self.cond = threading.Condition()
+        self.queued_bytes = 0
+        self.dropped = 0
+        self.error: BaseException | None = None
+        self.where = ""
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="fwdtrace-dump-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
+        with self.cond:
+            if nbytes and self.queued_bytes and self.queued_bytes + nbytes > self.max_bytes:
+                if self.when_full == "drop":
+                    self.dropped += 1
+                    return False
+                while self.queued_bytes and self.queued_bytes + nbytes > self.max_bytes and self.error is None:
+                    self.cond.wait()
+            self.queue.append((op, nbytes, where))
+            self.queued_bytes += nbytes
+            self.cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.stopping:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                op, nbytes, where = self.queue[0]
+            if self.error is None:
+                try:
+                    op()
+                except Exception as e:
+                    self.error, self.where = e, where
+            with self.cond:
+                self.queue.popleft()
+                self.queued_bytes -= nbytes
+                self.cond.notify_all()
+
+    def finish(self) -> None:
+        """Wait for every queued operation; the thread ends."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join()
+
+
+class _TracedRoot:
+    """Runs the step's forward inside a :class:`Tracer` that hands each function node to the recording:
+    function calls keyed as the trace keys them, by the trace's one way of seeing them."""
+
+    def __init__(self, recording: _Recording, root: torch.nn.Module) -> None:
+        self.recording = recording
+        self.root = root
+        self.tracing = threading.local()
+        self.handle: Any = add_call_handler(self._on_call, all_threads=True)
+
+    def _on_call(self, call: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        recording = self.recording
+        if module is not self.root or recording.forward_done or recording.closed or \
+                getattr(self.tracing, "on", False) or active_tracer() is not None:
+            return call(module, *args, **kwargs)
+        self.tracing.on = True
+        try:
+            with _CallTracer(recording) as tracer:
+                # called again, inside the trace: the tracer sees the model's own call as its root
+                out = module(*args, **kwargs)
+        finally:
+            self.tracing.on = False
+        recording.graph = tracer.graph
+        return out
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            remove_call_handler(self.handle)
+            self.handle = None
+
+
+class _CallTracer(Tracer):
+    """A trace that gives the dump each function node where the tracer files its tensors."""
+
+    def __init__(self, recording: _Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def _track_aliases(self, node_id: int, in_tensors: list[torch.Tensor], out_tensors: list[torch.Tensor],
+                       out_refs: Any, in_place: bool) -> None:
+        super()._track_aliases(node_id, in_tensors, out_tensors, out_refs, in_place)
+        node = self.graph.nodes[node_id]
+        if node.kind == "function":
+            self._quiet += 1
+            try:
+                self.recording.function_call(node, in_tensors, out_tensors, in_place)
+            finally:
+                self._quiet -= 1
 
 
 class Dumper:
@@ -413,13 +706,68 @@ class Dumper:
     module called several times are matched to its calls last first, the order backward
     visits them. The calls of functions registered with ``hook_forward``/``register_atomic``
     (when :meth:`register` runs) are groups of their own, keyed as in a trace's graph.
+
+    ``values="statistics"`` stores per tensor, instead of the tensor, its count, NaN and Inf
+    counts, mean, std, min, max, L2 norm, a 16-bin histogram and 8 sampled values
+    (:mod:`fwdtrace.summary`): computed on the tensor's device, a few hundred bytes per tensor
+    whatever its size. :func:`read_dump` shows them under ``"statistics"``;
+    :func:`compare_dumps` compares them, against a full dump too.
+
+    ``calls="functions"`` dumps the torch functions called between layers instead of the
+    modules, ``calls="all"`` both, in execution order: the step's forward runs inside a
+    :class:`~fwdtrace.Tracer`, and each function node it records is a group keyed as that node
+    (``"blocks.0.attn.softmax"``), its ``function`` the node's target. An in-place op's inputs
+    are not dumped (they are read after its write). A step that is traced already (inside
+    ``with fwdtrace.Tracer()``) records module calls only.
+
+    Filters: ``keys`` (a glob or a list of them) keeps the calls whose key or module path
+    matches one; ``scope=(first, last)`` keeps the calls from the first whose key matches
+    ``first`` to the end of the first, from there, whose key matches ``last`` (its inner calls
+    included); ``steps`` (every Nth step, or a list of steps) and ``ranks`` (a list; the rank
+    is torch.distributed's once initialised, else the ``RANK`` environment variable, else 0) make
+    :meth:`register` of other steps and ranks a no-op. Call indices
+    count every call, recorded or not, as in an unfiltered dump.
+
+    ``background=True`` writes on a thread of its own: each tensor is copied to the host (or
+    summarised) in the hook and queued, at most ``queue_bytes`` of them; past that a tensor
+    waits for room (``when_full="wait"``) or is dropped (``"drop"``), counted in the file's
+    ``dropped`` attribute and making the dump incomplete. A write that fails there is raised
+    on the training thread, at the next tensor or when the dump closes.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False) -> None:
+    def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors",
+                 calls: str = "modules", *, keys: str | list[str] | tuple[str, ...] | None = None,
+                 scope: tuple[str, str] | None = None, steps: int | list[int] | tuple[int, ...] | None = None,
+                 ranks: list[int] | tuple[int, ...] | None = None, background: bool = False,
+                 queue_bytes: int = 1 << 28, when_full: str = "wait") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
         if not isinstance(overwrite, bool):
             raise FwdtraceError(f"Dumper expected overwrite as a bool, got {describe(overwrite)}")
+        if values not in VALUES:
+            raise FwdtraceError(f"Dumper expected values as one of {', '.join(map(repr, VALUES))}, got {values!r}")
+        if calls not in CALLS:
+            raise FwdtraceError(f"Dumper expected calls as one of {', '.join(map(repr, CALLS))}, got {calls!r}")
+        self.values = values
+        self.calls = calls
+        if isinstance(keys, str):
+            keys = (keys,)
+        if keys is not None and not (isinstance(keys, (list, tuple)) and keys and all(isinstance(k, str) for k in keys)):
+            raise FwdtraceError(f"Dumper expected keys as a glob or a non-empty list of globs, got {describe(keys)} {keys!r}")
+        self.keys = None if keys is None else tuple(keys)
+        if scope is not None and not (isinstance(scope, (list, tuple)) and len(scope) == 2
+                                      and all(isinstance(k, str) for k in scope)):
+            raise FwdtraceError(f"Dumper expected scope as (first key, last key) globs, got {describe(scope)} {scope!r}")
+        self.scope = None if scope is None else (scope[0], scope[1])
+        self.steps = _int_set(steps, "steps", every=True)
+        self.ranks = _int_set(ranks, "ranks", every=False)
+        if not isinstance(background, bool):
+            raise FwdtraceError(f"Dumper expected background as a bool, got {describe(background)}")
+        if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 1:
+            raise FwdtraceError(f"Dumper expected queue_bytes as a positive int, got {describe(queue_bytes)} {queue_bytes!r}")
+        if when_full not in ("wait", "drop"):
+            raise FwdtraceError(f"Dumper expected when_full as 'wait' or 'drop', got {when_full!r}")
+        self.background, self.queue_bytes, self.when_full = background, queue_bytes, when_full
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
@@ -439,6 +787,7 @@ class Dumper:
         (:mod:`fwdtrace.instrument.grads`), so in-place ops (``ReLU(inplace=True)``) and outputs such as a
         ``ModelOutput`` or a dict are fine: ``grad_outputN`` is the gradient of ``outputN``,
         ``grad_inputN`` of ``inputN`` (over all its uses, where that tensor also feeds another branch).
+        A step or a rank outside the Dumper's ``steps`` or ``ranks`` is not dumped: nothing is hooked.
         """
         if not isinstance(model, torch.nn.Module):
             raise FwdtraceError(f"Dumper.register() expected a torch.nn.Module, got {describe(model)}")
@@ -446,6 +795,10 @@ class Dumper:
         step = _non_negative_int(step, "step")
         if not isinstance(grads, bool):
             raise FwdtraceError(f"Dumper.register() expected grads as a bool, got {describe(grads)}")
+        if isinstance(self.steps, int) and step % self.steps or isinstance(self.steps, frozenset) and step not in self.steps:
+            return
+        if isinstance(self.ranks, frozenset) and _rank() not in self.ranks:
+            return
         rank = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
@@ -455,8 +808,15 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
-                self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite))
+            writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
+            try:
+                with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
+                    self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values,
+                                                       self.calls, _Selection(self.keys, self.scope), writer))
+            except BaseException:
+                if writer is not None:
+                    writer.finish()
+                raise
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
 
@@ -567,7 +927,7 @@ class _Reader:
             self.groups: list[tuple[str, Any]] = []
             for name in names:
                 self._link(f, name, repr(name))
-                if name == ORDER_DATASET:
+                if name in (ORDER_DATASET, GRAPH_DATASET):
                     self._dataset(f[name], repr(name))
                 if not _GROUP_RE.match(name):
                     continue
@@ -630,12 +990,48 @@ class _Reader:
             out.append((gname, dname))
         return out
 
+    @property
+    def statistics(self) -> bool:
+        """Whether the dump holds each tensor's statistics (``Dumper(values="statistics")``), not the tensor."""
+        return self.attrs.get("values") == "statistics"
+
+    def graph(self) -> Graph | None:
+        """The step's trace, stored by a dump that records function calls; None in one without it."""
+        if GRAPH_DATASET not in self.file:
+            return None
+        ds = self.file[GRAPH_DATASET]
+        if ds.dtype.kind not in "OS" or ds.shape != ():
+            raise self.error(f"whose {GRAPH_DATASET!r} is a {ds.dtype} array of shape {ds.shape}, not one JSON text")
+        try:
+            text = ds[()]
+            return Graph.from_json(text.decode(errors="replace") if isinstance(text, bytes) else str(text))
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise self.damaged(e) from e
+
     def shape(self, gname: str, dname: str) -> list[int]:
-        return list(self.file[gname][dname].shape)
+        ds = self.file[gname][dname]
+        if self.statistics:
+            return [int(n) for n in _attr(ds.attrs.get("tensor_shape", []))]
+        return list(ds.shape)
 
     def dtype(self, gname: str, dname: str) -> str:
         ds = self.file[gname][dname]
+        if self.statistics:
+            return str(_attr(ds.attrs.get("tensor_dtype", "")))
         return str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
+
+    def summary(self, gname: str, dname: str) -> torch.Tensor:
+        """The tensor's statistics vector (:mod:`fwdtrace.summary`): stored in a statistics dump, computed
+        block by block from a full one."""
+        if self.statistics:
+            vector = self.load(gname, dname).to(torch.float64).reshape(-1)
+            if vector.numel() < len(FIELDS) + BINS:
+                raise self.error(f"where '{gname}/{dname}' holds {vector.numel()} numbers, not a statistics vector")
+            return vector
+        count = math.prod(self.shape(gname, dname)) * (2 if self.dtype(gname, dname).startswith("complex") else 1)
+        return summarize_blocks(lambda: self.blocks(gname, dname), count)
 
     @property
     def math(self) -> dict[str, Any] | None:
@@ -757,10 +1153,11 @@ def read_dump(
         try:
             for name, group in r.groups:
                 datasets: dict[str, Any] = {}
-                for dname, ds in group.items():
-                    dtype = str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
-                    entry: dict[str, Any] = {"shape": list(ds.shape), "dtype": dtype}
-                    if values:
+                for dname in group:
+                    entry: dict[str, Any] = {"shape": r.shape(name, dname), "dtype": r.dtype(name, dname)}
+                    if r.statistics:
+                        entry["statistics"] = as_dict(r.summary(name, dname))
+                    elif values:
                         entry["value"] = r.load(name, dname)
                     datasets[dname] = entry
                 attrs = {k: _attr(v) for k, v in group.attrs.items()}
@@ -794,6 +1191,9 @@ class DumpRow:
     norm_rel: float | None = None  # |a - b| / max(|a|, |b|) over the whole tensor
     precision: str = ""  # the arithmetic it is judged by: the coarser of the two runs' (see fwdtrace.precision)
     rounding: str | None = None  # not allclose, but within what this rounding explains ("TF32", "bfloat16")
+    function: str = ""  # a function call's function ("torch.Tensor.softmax"), "" for a module call
+    one_sided: bool = False  # the call is in one run only (an extra cast, an added layer)
+    call_index: int = 0  # which call of its key
 
 
 @dataclass
@@ -809,6 +1209,8 @@ class DumpReport:
     incomplete: dict[str, str] = field(default_factory=dict)  # path -> "incomplete: stopped after ..."
     # path -> how that run computed (see fwdtrace.precision.math_record), None for a dump written without it
     math: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    # the graph of run a's step (of b's where a has none), stored by a dump of function calls
+    graph: Graph | None = field(default=None, repr=False)
 
     @property
     def equal(self) -> bool:
@@ -819,6 +1221,60 @@ class DumpReport:
     def agree(self) -> bool:
         """Both dumps are complete and every tensor is allclose or differs by what the runs' rounding explains."""
         return not self.incomplete and all(r.allclose or r.rounding for r in self.rows)
+
+    @property
+    def only_in_a(self) -> list[str]:
+        """The keys of the calls only run ``a`` made (matched by key and call index), in its order."""
+        return self._one_sided("missing in b")
+
+    @property
+    def only_in_b(self) -> list[str]:
+        """The keys of the calls only run ``b`` made: an extra cast, an added or renamed layer."""
+        return self._one_sided("missing in a")
+
+    def render(self, path: str | os.PathLike[str], depth: int | str | None = "auto", **options: Any) -> str:
+        """Draw the run's graph with each box coloured by its call's error and the first divergence in red.
+
+        >>> import tempfile, torch, fwdtrace
+        >>> paths = []
+        >>> for scale in (1.0, 2.0):
+        ...     d = fwdtrace.Dumper(tempfile.mkdtemp(), calls="all"); model = torch.nn.Sequential(torch.nn.Linear(1, 1))
+        ...     _ = torch.nn.init.constant_(model[0].weight, scale); d.register(model, grads=False)
+        ...     _ = model(torch.ones(1, 1)); paths += d.remove()
+        >>> fwdtrace.compare_dumps(*paths).render(tempfile.mktemp(suffix=".svg")).endswith(".svg")
+        True
+
+        Colours as :func:`fwdtrace.render_side_by_side`'s (:data:`fwdtrace.onnx.compare.ERROR_COLORS`):
+        within a hundredth of ``rtol``, within tolerance (or what rounding explains), beyond. A
+        box's tooltip gives its call's worst output error. ``depth`` and ``options`` are
+        :meth:`fwdtrace.Graph.render`'s. Needs a dump that holds its run's graph: one of
+        ``Dumper(..., calls="functions")`` or ``calls="all"``, whose step runs inside a trace (a
+        dump of module calls only runs no trace, so it has none). Returns the path written.
+        """
+        from .onnx.compare import error_color
+
+        if self.graph is None:
+            raise FwdtraceError("DumpReport.render() expected dumps that hold their run's graph, written by "
+                                "Dumper(..., calls=\"functions\") or calls=\"all\", got dumps of module calls only")
+        call2node = {(n.key, n.call_index): n.id for n in self.graph.nodes if n.kind in ("module", "function")}
+        worst: dict[int, DumpRow] = {}
+        for row in self.rows:
+            node = call2node.get((row.key, row.call_index))
+            if node is None or row.one_sided or not row.name.startswith("output"):
+                continue
+            if node not in worst or _badness(row) > _badness(worst[node]):
+                worst[node] = row
+        fills = {n: error_color(r.max_rel if r.max_rel is not None else math.inf, self.rtol, r.allclose or bool(r.rounding))
+                 for n, r in worst.items()}
+        notes = {n: f"max rel err {_num(r.max_rel)}, cosine {_num(r.cosine)}"
+                 + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose else ", diverges")
+                 for n, r in worst.items()}
+        first = [n for n, r in worst.items() if _call_name(r) == self.first_divergence][:1]
+        return self.graph.render(path, depth, fills=fills, notes=notes, highlight=first, **options)
+
+    def _one_sided(self, note: str) -> list[str]:
+        groups = {r.group: r.key for r in self.rows if r.one_sided and r.note == note}
+        return list(groups.values())
 
     def to_text(self, only_diverged: bool = False) -> str:
         """The table the ``fwdtrace dump-diff`` command prints."""
@@ -835,6 +1291,8 @@ class DumpReport:
         widths = [max(len(h), *(len(row[j]) for row in body)) if body else len(h) for j, h in enumerate(header)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *body]]
         lines += [f"{Path(p).name}: {status}" for p, status in self.incomplete.items()]
+        lines += [f"calls only in {side}: {', '.join(keys)}" for side, keys in (("a", self.only_in_a),
+                                                                              ("b", self.only_in_b)) if keys]
         lines += self._math_lines()
         explained = [r for r in self.rows if not r.allclose and r.rounding]
         if self.equal:
@@ -875,6 +1333,12 @@ class DumpReport:
         return self.to_text()
 
 
+def _badness(row: DumpRow) -> tuple[int, float]:
+    """How far a row is from agreeing: diverging before within rounding before allclose, then by max_rel."""
+    rank = 0 if row.allclose else 1 if row.rounding else 2
+    return rank, row.max_rel if row.max_rel is not None and not math.isnan(row.max_rel) else math.inf
+
+
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.6g}"
 
@@ -906,6 +1370,103 @@ def _tolerance(value: Any, name: str) -> float:
     return float(value)
 
 
+def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Compare two statistics vectors into ``agreement``: their counts exactly, their moments, extremes, norm
+    and samples by value (the histograms, whose edges move with min and max, are not compared)."""
+    da, db = as_dict(a), as_dict(b)
+    counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
+    ca, cb = compared(a), compared(b)
+    if len(ca) == len(cb):
+        agreement.add(torch.tensor(ca, dtype=torch.float64), torch.tensor(cb, dtype=torch.float64))
+    else:
+        counts.append(f"{len(da['samples'])} vs {len(db['samples'])} samples")
+    if counts:
+        agreement.close = False
+    return "by statistics" + "".join(f"; {c}" for c in counts)
+
+
+def _match_calls(ra: _Reader, rb: _Reader) -> dict[str, str]:
+    """Group of ``a`` -> group of ``b`` holding the same call: the two runs' calls aligned in call order
+    (difflib's longest matching runs) by key and the shapes of their inputs and outputs, the roots with
+    each other, so a call one run makes more (a cast, an added layer) is left out of the pairs, not
+    shifting them."""
+    def calls(reader: _Reader) -> tuple[list[str], list[tuple]]:
+        names, tokens = [], []
+        for gname, group in reader.groups:
+            key = _attr(group.attrs.get("module_key", gname))
+            if _attr(group.attrs.get("module_path")) == "" and "function" not in group.attrs:
+                key = ""  # the root, keyed by its class name: the two runs' models may be of two classes
+            shapes = tuple((d, tuple(reader.shape(gname, d))) for d in group if not d.startswith("grad_"))
+            names.append(gname)
+            tokens.append((str(key), shapes))
+        return names, tokens
+
+    names_a, tokens_a = calls(ra)
+    names_b, tokens_b = calls(rb)
+    pairs = {}
+    for block in difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False).get_matching_blocks():
+        for i in range(block.size):
+            pairs[names_a[block.a + i]] = names_b[block.b + i]
+    return pairs
+
+
+def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
+                 atol: float) -> None:
+    """One tensor of a call in both dumps, by value or by statistics, into ``row``."""
+    shape_b = rb.shape(gb, dname)
+    if row.shape != shape_b:
+        row.note = f"shape {shape_b} in b"
+        return
+    agreement = Agreement(rtol, atol)
+    if ra.statistics or rb.statistics:
+        row.note = _by_statistics(agreement, ra.summary(ga, dname), rb.summary(gb, dname))
+    else:
+        # block by block: memory stays bounded whatever the tensors' size
+        for block_a, block_b in zip(ra.blocks(ga, dname), rb.blocks(gb, dname), strict=True):
+            agreement.add(block_a, block_b)
+    row.cosine, row.max_abs, row.max_rel, row.allclose = (
+        agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
+    row.norm_rel = agreement.norm_rel
+    row.precision = pair_precision(ra.dtype(ga, dname), ra.math, rb.dtype(gb, dname), rb.math)
+    if ra.math is not None and rb.math is not None and not row.allclose:
+        # without both records, no difference is put down to rounding
+        row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+
+
+def _call_name(row: DumpRow) -> str:
+    """How ``first_divergence`` names a row's call: a module by its path, a function call by its key."""
+    return row.key if row.function else row.module_path or row.key
+
+
+def _first_divergence(rows: list[DumpRow]) -> str | None:
+    """The earliest call in both runs whose inputs agree and whose outputs do not, as the numeric ONNX
+    check finds it (earliest to finish: a layer before the block around it); else the first whose outputs
+    differ, else the first whose gradients differ."""
+    name = _call_name
+
+    def agree(row: DumpRow) -> bool:
+        return row.allclose or row.rounding is not None
+
+    by_call: dict[str, list[DumpRow]] = {}
+    finished: dict[str, int] = {}  # a call's first output row: rows are in the order the run wrote them
+    for i, row in enumerate(rows):
+        if not row.one_sided:
+            by_call.setdefault(row.group, []).append(row)
+            if row.name.startswith("output"):
+                finished.setdefault(row.group, i)
+    for group in sorted(finished, key=finished.__getitem__):
+        call_rows = by_call[group]
+        inputs = [r for r in call_rows if r.name.startswith("input")]
+        outputs = [r for r in call_rows if r.name.startswith("output")]
+        if inputs and all(agree(r) for r in inputs) and not all(agree(r) for r in outputs):
+            return name(outputs[0])
+    for prefix in ("output", "grad_input", ""):
+        found = next((r for r in rows if not agree(r) and not r.one_sided and r.name.startswith(prefix)), None)
+        if found is not None:
+            return name(found)
+    return None
+
+
 def compare_dumps(
     a: str | os.PathLike[str], b: str | os.PathLike[str], rtol: float = 1e-5, atol: float = 1e-8,
     max_bytes: int = MAX_TENSOR_BYTES,
@@ -927,8 +1488,13 @@ def compare_dumps(
     allclose but within what that arithmetic's rounding explains is marked so (its row's
     ``rounding``: ``"TF32"``, ``"bfloat16"``) and is no divergence. ``first_divergence`` is
     the module path of the first module whose outputs differ beyond that (the root model is
-    named by its class), else of the first whose gradients differ, else None. A dump written
-    without a math record is compared elementwise only, and the report says so. The comparison is two-sided: a tensor in only one dump, or of another
+    named by its class; a function call is named by its key, ``"blocks.0.attn.softmax"``),
+    else of the first whose gradients differ, else None. A dump written
+    without a math record is compared elementwise only, and the report says so. Where either dump holds
+    statistics (``Dumper(values="statistics")``), a tensor is judged by its statistics (a full
+    dump's computed block by block): its count and NaN/Inf counts exactly, its mean, std, min,
+    max, norm and sampled values as one vector, elementwise and as a whole, by the same
+    rules; the row's note says ``by statistics``. The comparison is two-sided: a tensor in only one dump, or of another
     shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
     (their rows are compared, but the report is not ``equal``).
     """
@@ -940,41 +1506,31 @@ def compare_dumps(
             if r.status != "complete":
                 report.incomplete[str(r.path)] = r.status
             report.math[str(r.path)] = r.math
-        # without both records, no difference is put down to rounding: compared as before
-        known = ra.math is not None and rb.math is not None
+        # calls matched in call order by key and shapes: an extra call on one side (a cast, an added layer)
+        # shifts the group numbers, not the matching
+        a2b = _match_calls(ra, rb)
+        b2a = {gb: ga for ga, gb in a2b.items()}
         order_a, order_b = ra.order(), rb.order()
         in_a, in_b = set(order_a), set(order_b)
-        for reader, order, other, note in ((ra, order_a, in_b, "missing in b"), (rb, order_b, in_a, "missing in a")):
+        for reader, order in ((ra, order_a), (rb, order_b)):
             for gname, dname in order:
-                if reader is rb and (gname, dname) in in_a:
+                if reader is rb and (b2a.get(gname), dname) in in_a:
                     continue  # compared already
                 group = reader.file[gname]
                 key = str(_attr(group.attrs.get("module_key", gname)))
                 path = str(_attr(group.attrs.get("module_path", "")))
-                row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False)
-                if (gname, dname) not in other:
-                    row.note = note
+                row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
+                              function=str(_attr(group.attrs.get("function", ""))),
+                              call_index=int(_attr(group.attrs.get("call_index", 0))))
+                ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
+                if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
+                    row.note = "missing in b" if reader is ra else "missing in a"
+                    row.one_sided = ga is None or gb is None
                 else:
-                    shape_b = rb.shape(gname, dname)
-                    if row.shape != shape_b:
-                        row.note = f"shape {shape_b} in b"
-                    else:
-                        # block by block: memory stays bounded whatever the tensors' size
-                        agreement = Agreement(rtol, atol)
-                        for block_a, block_b in zip(ra.blocks(gname, dname), rb.blocks(gname, dname), strict=True):
-                            agreement.add(block_a, block_b)
-                        row.cosine, row.max_abs, row.max_rel, row.allclose = (
-                            agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
-                        row.norm_rel = agreement.norm_rel
-                        row.precision = pair_precision(ra.dtype(gname, dname), ra.math, rb.dtype(gname, dname), rb.math)
-                        if known and not row.allclose:
-                            row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+                    _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
                 report.rows.append(row)
-    for prefix in ("output", "grad_input", ""):
-        row_found = next((r for r in report.rows if not (r.allclose or r.rounding) and r.name.startswith(prefix)), None)
-        if row_found is not None:
-            report.first_divergence = row_found.module_path or row_found.key
-            break
+        report.graph = ra.graph() or rb.graph()
+    report.first_divergence = _first_divergence(report.rows)
     return report
 
 
@@ -985,6 +1541,8 @@ def run_cli(args: argparse.Namespace) -> int:
     cut-short run is not a difference between runs."""
     report = compare_dumps(args.a, args.b, rtol=args.rtol, atol=args.atol)
     print(report.to_text(only_diverged=args.only_diverged))
+    if args.picture is not None:
+        print(f"picture: {report.render(args.picture)}")
     if report.incomplete:
         raise FwdtraceError("; ".join(f"{p} is {status}" for p, status in report.incomplete.items()))
     return 0 if report.agree else 1

@@ -1,0 +1,126 @@
+"""Statistics dumps: per tensor its statistics instead of the tensor, equal to torch's, compared like full dumps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fwdtrace
+from fwdtrace import FwdtraceError
+from fwdtrace.summary import BINS, sample_positions, summarize, summarize_blocks
+
+
+class _NanInf(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NaN where the first half is negative, -inf where the second is
+        return torch.cat([x[:, :4].sqrt(), x[:, 4:].relu().log()], 1)
+
+
+def _model(nudge: float = 1.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[2].weight.mul_(nudge)
+    return model
+
+
+def _dump(tmp_path: Path, name: str, model: nn.Module, values: str, x: torch.Tensor) -> Path:
+    with fwdtrace.Dumper(tmp_path / name, values=values) as dumper:
+        dumper.register(model)
+        model(x).logsumexp(1).sum().backward()
+    return dumper.paths[0]
+
+
+def _reference(t: torch.Tensor) -> dict:
+    """torch's own statistics of a dumped tensor."""
+    flat = t.reshape(-1).to(torch.float64)
+    finite = flat[torch.isfinite(flat)]
+    ref = {"count": flat.numel(), "nans": int(torch.isnan(flat).sum()), "infs": int(torch.isinf(flat).sum()),
+           "samples": flat[sample_positions(flat.numel())].tolist()}
+    nan = float("nan")
+    ref.update(mean=nan, std=nan, min=nan, max=nan, norm=nan, histogram=[0.0] * BINS)  # no finite value
+    if finite.numel():
+        low, high = float(finite.min()), float(finite.max())
+        ref.update(mean=float(finite.mean()), std=float(finite.std(correction=0)), min=low, max=high,
+                   norm=float(torch.linalg.vector_norm(finite)),
+                   histogram=torch.histc(finite, BINS, low, high).tolist() if high > low else None)
+    return ref
+
+
+def test_statistics_equal_torchs_on_the_dumped_tensors(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(6, 4)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), _NanInf())
+    full = _dump(tmp_path, "full", model, "tensors", x)
+    stats = _dump(tmp_path, "stats", model, "statistics", x)
+    tensors = fwdtrace.read_dump(full, show=False, values=True)["groups"]
+    summaries = fwdtrace.read_dump(stats, show=False)["groups"]
+    assert list(summaries) == list(tensors)
+    seen_nan = seen_inf = 0
+    for gname, group in tensors.items():
+        assert set(summaries[gname]["datasets"]) == set(group["datasets"])
+        for dname, entry in group["datasets"].items():
+            got = summaries[gname]["datasets"][dname]
+            assert (got["shape"], got["dtype"]) == (entry["shape"], entry["dtype"])
+            ref, stat = _reference(entry["value"]), got["statistics"]
+            seen_nan += ref["nans"]
+            seen_inf += ref["infs"]
+            for name in ("count", "nans", "infs"):
+                assert stat[name] == ref[name], (gname, dname, name)
+            assert stat["samples"] == pytest.approx(ref["samples"], nan_ok=True, rel=1e-12)
+            for name in ("mean", "std", "min", "max", "norm"):
+                assert stat[name] == pytest.approx(ref[name], rel=1e-9, abs=1e-12, nan_ok=True), (gname, dname, name)
+            if ref.get("histogram") is not None:
+                assert stat["histogram"] == ref["histogram"], (gname, dname)
+    assert seen_nan and seen_inf  # the model made both, so both counts were checked
+
+
+def test_a_statistics_dump_stores_a_few_hundred_bytes_per_tensor(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(256, 256))
+    path = _dump(tmp_path, "stats", model, "statistics", torch.randn(64, 256))
+    tree = fwdtrace.read_dump(path, show=False)
+    entry = tree["groups"]["001_Linear"]["datasets"]["output0"]
+    assert entry["shape"] == [64, 256] and entry["statistics"]["count"] == 64 * 256
+    assert path.stat().st_size < 64 * 256 * 4  # less than one of its tensors
+
+
+@pytest.mark.parametrize("values_a, values_b", [("statistics", "statistics"), ("statistics", "tensors"),
+                                                ("tensors", "statistics")])
+def test_a_nudged_layer_is_the_first_divergence_by_statistics(tmp_path: Path, values_a: str, values_b: str) -> None:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    a = _dump(tmp_path, "a", _model(), values_a, x)
+    same = _dump(tmp_path, "same", _model(), values_b, x)
+    nudged = _dump(tmp_path, "nudged", _model(1.001), values_b, x)
+    report = fwdtrace.compare_dumps(a, same)
+    assert report.equal and report.first_divergence is None, report.to_text()
+    assert all(r.note.startswith("by statistics") for r in report.rows)
+    report = fwdtrace.compare_dumps(a, nudged)
+    assert report.first_divergence == "2", report.to_text()
+    # the layers before it agree, as they do by values
+    by_values = fwdtrace.compare_dumps(_dump(tmp_path, "fa", _model(), "tensors", x),
+                                       _dump(tmp_path, "fb", _model(1.001), "tensors", x))
+    assert [r.allclose for r in report.rows if r.name.startswith("output")] == \
+        [r.allclose for r in by_values.rows if r.name.startswith("output")]
+
+
+def test_differing_nan_counts_are_a_divergence(tmp_path: Path) -> None:
+    v = summarize(torch.tensor([1.0, float("nan"), 3.0]))
+    w = summarize(torch.tensor([1.0, 2.0, 3.0]))
+    agreement = fwdtrace.precision.Agreement(1e-5, 1e-8)
+    note = fwdtrace.dump._by_statistics(agreement, v, w)
+    assert not agreement.close and "nans 1 vs 0" in note
+
+
+def test_blocks_give_the_statistics_of_the_whole() -> None:
+    t = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    whole = summarize(t)
+    blocks = summarize_blocks(lambda: iter(t.split(77)), t.numel())
+    assert torch.allclose(whole, blocks, rtol=1e-12, atol=1e-12)
+
+
+def test_dumper_checks_values(tmp_path: Path) -> None:
+    with pytest.raises(FwdtraceError, match=r"^Dumper expected values as one of 'tensors', 'statistics', got 'stats'"):
+        fwdtrace.Dumper(tmp_path, values="stats")
