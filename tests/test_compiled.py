@@ -194,6 +194,8 @@ TOOLS: dict[str, tuple[Callable[..., list[float]], Callable[[list[torch.Tensor]]
     "probe": (probe_session, probe_reference),
     "sampler": (sampler_session, lambda outputs: [float(o.double().mean()) for o in outputs]),
 }
+# Where the tool's hooks run inside a compiled copy of the model: one graph compiled while attached.
+IN_GRAPH = {("probe", "torch.compile"), ("probe", "submodule")}
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
@@ -206,8 +208,10 @@ def test_tools_record_eager_values_and_leave_the_model_compiled(tool: str, how: 
     graphs = compile_state()
     got = session(case.given, case.run, 2)
     assert got == pytest.approx(reference(eager_outputs(case.eager, LAYER, 2)), rel=1e-6)
+    armed = compile_state()
+    assert armed == (graphs[0] + ((tool, how) in IN_GRAPH), graphs[1])  # at most the armed copy, unbroken
     after = [step(case.run) for _ in range(2)]
-    assert after == before[-1:] * 2 and compile_state() == graphs  # the same graphs, none compiled anew
+    assert after == before[-1:] * 2 and compile_state() == armed  # the same graphs, none compiled anew
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
@@ -216,9 +220,10 @@ def test_a_tool_attached_before_the_first_compiled_call_leaves_no_broken_up_code
     case = make("torch.compile")
     got = session(case.given, case.run, 2)
     assert got == pytest.approx(reference(eager_outputs(case.eager, LAYER, 2)), rel=1e-6)
-    assert compile_state() == (0, 0)  # nothing the tool did entered dynamo's cache
+    in_graph = (tool, "torch.compile") in IN_GRAPH
+    assert compile_state() == (int(in_graph), 0)  # the tool's own compiled copy at most, unbroken
     assert [step(case.run) for _ in range(3)] == [1, 1, 1]
-    assert compile_state() == (1, 0)
+    assert compile_state() == (1 + in_graph, 0)
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -488,3 +493,117 @@ def test_chaos_on_a_compiled_model_injects_what_it_injects_on_the_eager_one() ->
     torch.testing.assert_close(compiled_out, eager_out)
     assert [i.key for i in chaos.log] == [LAYER]
     assert step(case.run) == 1 and compile_state() == graphs
+
+
+# -- sampled at compiled speed ------------------------------------------------------------------------
+def eager_stats(outputs: list[torch.Tensor], **options: Any) -> dict[str, Any]:
+    stats = fwdtrace.instrument.stats.RunningStats(**options)
+    for o in outputs:
+        stats.update(o)
+    return stats.to_dict()
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "submodule"])
+def test_forward_statistics_are_computed_inside_the_compiled_graph(how: str) -> None:
+    case = make(how)
+    assert [step(case.run) for _ in range(2)] == [1, 1]
+    graphs = compile_state()
+    with fwdtrace.Probe(case.given) as probe:
+        out = probe.running_stats(LAYER)
+        inp = probe.running_stats("block.2.Linear", of="input", bins=4, range=(-0.2, 0.2))
+        armed = [step(case.run) for _ in range(3)]
+        assert "computed inside the compiled graphs" in repr(out)
+    assert armed == [1, 1, 1]  # compiled code while armed, one graph per step
+    assert compile_state() == (graphs[0] + 1, 0)  # arming compiled one graph, with no break
+    assert out.stats[LAYER].to_dict() == pytest.approx(eager_stats(eager_outputs(case.eager, LAYER, 3)), rel=1e-9)
+    gelu = eager_outputs(case.eager, "block.1.GELU", 3)
+    assert inp.stats["block.2.Linear"].to_dict() == pytest.approx(eager_stats(gelu, bins=4, range=(-0.2, 0.2)), rel=1e-9)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+
+
+def test_each_arming_compiles_once_and_disarming_compiles_nothing() -> None:
+    case = make("torch.compile")
+    step(case.run)
+    probe = fwdtrace.Probe(case.given)
+    counts = []
+    for selector in (LAYER, LAYER, "block.*"):
+        handle = probe.running_stats(selector)
+        counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
+        handle.remove()
+        counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
+    assert counts == [[1, 1, 2], [1, 1, 2], [1, 1, 3], [1, 1, 3], [1, 1, 4], [1, 1, 4]]
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_in_graph_statistics_with_aot_autograd_train_as_the_eager_model() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    eager, trained = copy.deepcopy(net), copy.deepcopy(net)
+    compiled = torch.compile(net, backend="aot_eager")
+    with fwdtrace.Probe(compiled) as probe:
+        stats = probe.running_stats(["block.*"], bins=8)
+        for _ in range(2):
+            step(compiled)
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    for key in ("block.0.Linear", "block.1.GELU", "block.2.Linear"):
+        assert stats.stats[key].to_dict() == pytest.approx(eager_stats(eager_outputs(eager, key, 2), bins=8), rel=1e-9)
+    for _ in range(2):
+        step(trained)
+    for p, q in zip(net.parameters(), trained.parameters(), strict=True):  # the hooks left training alone
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+SPECIAL = {
+    "nan and inf": torch.tensor([1.0, float("nan"), -2.0, float("inf"), 0.0, float("-inf")]),
+    "constant": torch.full((5,), 3.0),
+    "no finite value": torch.tensor([float("nan"), float("inf")]),
+    "empty": torch.zeros(0),
+    "complex": torch.tensor([1 + 2j, -3 + 0j]),
+    "half": torch.tensor([0.5, -1.5, 2.0], dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECIAL))
+@pytest.mark.parametrize("range_", [None, (-1.0, 1.0)])
+def test_a_summary_merges_as_running_stats_update(name: str, range_: tuple[float, float] | None) -> None:
+    from fwdtrace.instrument.ingraph import StatsSlot, drain
+    from fwdtrace.instrument.stats import RunningStats
+
+    batches = [SPECIAL[name], torch.linspace(-2, 4, 7).to(SPECIAL[name].dtype)]
+    want, got = RunningStats(4, range_), RunningStats(4, range_)
+    slot = StatsSlot(got)
+    for batch in batches:
+        want.update(batch)
+        slot.add(batch)
+    drain()
+    slot.close()
+    assert got.to_dict() == pytest.approx(want.to_dict(), rel=1e-12, nan_ok=True)
+
+
+def test_in_graph_and_eager_routes_share_a_wrapper_whichever_leaves_first() -> None:
+    case = make("torch.compile")
+    original = case.run.forward
+    step(case.run)
+    probe = fwdtrace.Probe(case.given)
+    stats = probe.running_stats(LAYER)
+    sampler = Sampler(case.given)
+    sampler.arm(LAYER, "forward")  # needs the eager route: the in-graph hooks then run eagerly
+    assert step(case.run) == 0
+    sampler.close()
+    assert step(case.run) == 1  # back in the compiled copy with the probe's hooks
+    probe.remove()
+    assert case.run.forward is original and step(case.run) == 1
+    assert stats.stats[LAYER].to_dict() == pytest.approx(eager_stats(eager_outputs(case.eager, LAYER, 2)), rel=1e-9)
+
+
+@pytest.mark.parametrize(("how", "of", "says"), [
+    ("torch.compile", "output", "computed inside the compiled graphs"),
+    ("torch.compile", "grad_output", "the compiled parts run eagerly while attached"),
+    ("module.compile", "output", "the compiled parts run eagerly while attached"),
+])
+def test_a_stats_handle_says_how_the_model_runs(how: str, of: str, says: str) -> None:
+    case = make(how)
+    with fwdtrace.Probe(case.given) as probe:
+        handle = probe.running_stats(LAYER, of=of)
+        assert repr(handle) == f"StatsHandle({LAYER}; of={of}; {says})"
+        assert handle.in_graph == (says.startswith("computed"))

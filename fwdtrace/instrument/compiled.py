@@ -28,9 +28,11 @@ import torch
 
 from ..errors import FwdtraceError
 from ..patching import Patcher, add_eager_modules, critical, remove_eager_modules
+from .ingraph import drain
 
 __all__ = [
     "CALL_KINDS", "is_compile_wrapper", "compiled_in_place", "eager_module", "eager_path", "compiled_parts", "EagerRoute",
+    "GraphRoute", "graph_routable",
 ]
 
 # What the tools sample through module hooks, which dynamo's compiled code skips: these need the eager route.
@@ -103,71 +105,117 @@ def compiled_parts(model: torch.nn.Module) -> list[tuple[str, str]]:
 
 @dataclass
 class _Routed:
-    """One compiled module running eagerly: the patch that does it, and how many attachments want it."""
+    """One compiled module while tools are attached: the patch that routes its calls, how many attachments
+    want it eager, and (a ``torch.compile`` wrapper only) the in-graph statistics slots armed under it, with
+    a compiled copy of its module per armed set."""
 
     patcher: Patcher
     users: int = 0
+    slots: dict[int, int] = field(default_factory=dict)  # slot id -> how many GraphRoutes hold it
+    graphs: dict[frozenset[int], Any] = field(default_factory=dict)  # armed slot ids -> compiled call
+
+    def idle(self) -> bool:
+        return self.users == 0 and not self.slots
 
 
-_ROUTED: dict[int, _Routed] = {}  # id() of a compiled module -> its eager route
+_ROUTED: dict[int, _Routed] = {}  # id() of a compiled module -> its route
 
 
-@dataclass
-class EagerRoute:
-    """One tool's attachment to a model: while it is held, the model's compiled parts run eagerly.
+def _checked_walk(model: torch.nn.Module, caller: str) -> list[tuple[str, torch.nn.Module]]:
+    walked = list(_walk(model))
+    for path, module in walked:
+        if _compiled_forward(module) and not is_compile_wrapper(module):
+            raise FwdtraceError(
+                f"{caller} cannot reach into module {path or '<root>'!r} ({type(module).__name__}): its "
+                "forward is a torch.compile'd function, which fwdtrace cannot run eagerly; compile the module "
+                "instead (torch.compile(module) or module.compile()), whose layers fwdtrace runs eagerly while attached"
+            )
+    return walked
 
-    >>> import torch
-    >>> from fwdtrace.instrument.compiled import EagerRoute
-    >>> compiled = torch.compile(torch.nn.Linear(2, 2))
-    >>> with EagerRoute(compiled, "Probe"):
-    ...     compiled.forward == compiled._orig_mod.__call__
-    True
 
-    Counted per compiled module: the last attachment to leave (in any order, exceptions and
-    Ctrl-C included: each step is a :class:`~fwdtrace.patching.critical` section) puts back
-    the very objects that were there. :meth:`release` twice is harmless. A model whose
-    ``forward`` attribute is itself a compiled function (``model.forward = torch.compile(...)``)
-    has no eager module fwdtrace could run: ``caller`` raises :class:`FwdtraceError`.
-    """
+def _unseen_wrapper_targets(walked: list[tuple[str, torch.nn.Module]]) -> list[torch.nn.Module]:
+    """The modules a ``torch.compile`` wrapper made later, where fwdtrace cannot see it (``torch.compile(model)``
+    after ``Probe(model)``), must be sent to by the dispatch point while a route is held: every module not
+    already behind a wrapper fwdtrace routes."""
+    wrapped = {id(m._orig_mod) for _, m in walked if is_compile_wrapper(m)}
+    return [m for _, m in walked if not is_compile_wrapper(m) and id(m) not in wrapped]
 
-    model: torch.nn.Module
-    caller: str
-    _modules: list[torch.nn.Module] = field(default_factory=list)
-    _compiled: list[torch.nn.Module] = field(default_factory=list)
-    held: bool = False
 
-    def __post_init__(self) -> None:
+def _compile_again(wrapper: torch.nn.Module) -> Any:
+    """``wrapper``'s module compiled anew, with ``wrapper``'s backend and options, in a cache of its own."""
+    inner = cast("torch.nn.Module", wrapper._orig_mod).__call__
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return inner(*args, **kwargs)
+
+    # Dynamo keeps compiled code per code object and does not guard on module hooks: a copy of this code
+    # object per armed set is compiled with exactly that set's hooks, and never reuses the wrapper's own graphs.
+    call.__code__ = call.__code__.replace()
+    return cast(Any, wrapper).dynamo_ctx(call)
+
+
+def _routing_forward(wrapper: torch.nn.Module, routed: _Routed) -> Any:
+    inner = cast("torch.nn.Module", wrapper._orig_mod).__call__
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if routed.users or not routed.slots:  # a tool that needs the eager route is attached
+            return inner(*args, **kwargs)
+        armed = frozenset(routed.slots)
+        call = routed.graphs.get(armed)
+        if call is None:
+            call = routed.graphs[armed] = _compile_again(wrapper)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            drain()
+
+    return forward
+
+
+def _routed(module: torch.nn.Module) -> _Routed:
+    routed = _ROUTED.get(id(module))
+    if routed is None:
+        routed = _ROUTED[id(module)] = _Routed(Patcher())
+        if is_compile_wrapper(module):  # its own hooks still run, around the routed call
+            routed.patcher.patch(module, "forward", _routing_forward(module, routed))
+        else:
+            routed.patcher.patch(module, "_compiled_call_impl", None)
+    return routed
+
+
+def _put_back_if_idle(module: torch.nn.Module, routed: _Routed, errors: list[Exception]) -> None:
+    if routed.idle():
+        del _ROUTED[id(module)]
+        try:
+            routed.patcher.restore()
+        except Exception as e:  # put back the others all the same
+            errors.append(e)
+
+
+class _Route:
+    """What :class:`EagerRoute` and :class:`GraphRoute` share: held from construction until :meth:`release`
+    (twice is harmless), each step a :class:`~fwdtrace.patching.critical` section; a wrapper made later around
+    the model's modules is sent to them meanwhile. Subclasses say what they take and give back per route."""
+
+    def __init__(self, model: torch.nn.Module, caller: str) -> None:
+        self.model, self.caller = model, caller
+        self.held = False
+        self._modules: list[torch.nn.Module] = []
         self.acquire()
 
-    def acquire(self) -> EagerRoute:
+    def _take(self, walked: list[tuple[str, torch.nn.Module]]) -> None:
+        raise NotImplementedError
+
+    def _give_back(self, errors: list[Exception]) -> None:
+        raise NotImplementedError
+
+    def acquire(self) -> _Route:
         if self.held:
             return self
-        walked = list(_walk(self.model))
-        for path, module in walked:
-            if _compiled_forward(module) and not is_compile_wrapper(module):
-                raise FwdtraceError(
-                    f"{self.caller} cannot reach into module {path or '<root>'!r} ({type(module).__name__}): its "
-                    "forward is a torch.compile'd function, which fwdtrace cannot run eagerly; compile the module "
-                    "instead (torch.compile(module) or module.compile()), whose layers fwdtrace runs eagerly while attached"
-                )
-        wrapped = {id(m._orig_mod) for _, m in walked if is_compile_wrapper(m)}
+        walked = _checked_walk(self.model, self.caller)
         with critical():
-            self._compiled = [  # what another attachment routes already is compiled too
-                m for _, m in walked
-                if id(m) in _ROUTED or is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
-            ]
-            for module in self._compiled:
-                routed = _ROUTED.get(id(module))
-                if routed is None:
-                    routed = _ROUTED[id(module)] = _Routed(Patcher())
-                    if is_compile_wrapper(module):  # its hooks still run, around the eager module
-                        routed.patcher.patch(module, "forward", cast("torch.nn.Module", module._orig_mod).__call__)
-                    else:
-                        routed.patcher.patch(module, "_compiled_call_impl", None)
-                routed.users += 1
-            # A wrapper made later, where fwdtrace cannot see it (torch.compile(model) after Probe(model)), is
-            # sent to its module by the dispatch point: installed for as long as this route is held.
-            self._modules = [m for _, m in walked if not is_compile_wrapper(m) and id(m) not in wrapped]
+            self._take(walked)
+            self._modules = _unseen_wrapper_targets(walked)
             add_eager_modules(self._modules)
             self.held = True
         return self
@@ -178,25 +226,102 @@ class EagerRoute:
                 return
             self.held = False
             remove_eager_modules(self._modules)
-            errors = []
-            for module in reversed(self._compiled):
-                routed = _ROUTED[id(module)]
-                routed.users -= 1
-                if routed.users == 0:
-                    del _ROUTED[id(module)]
-                    try:
-                        routed.patcher.restore()
-                    except Exception as e:  # put back the others all the same
-                        errors.append(e)
-            self._compiled, self._modules = [], []
+            self._modules = []
+            errors: list[Exception] = []
+            self._give_back(errors)
         if errors:
             raise errors[0]
 
     remove = release  # as a torch hook handle, among a tool's hook handles
 
-    def __enter__(self) -> EagerRoute:
+    def __enter__(self) -> _Route:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+
+class EagerRoute(_Route):
+    """One tool's attachment to a model: while it is held, the model's compiled parts run eagerly.
+
+    >>> import torch
+    >>> from fwdtrace.instrument.compiled import EagerRoute
+    >>> compiled = torch.compile(torch.nn.Linear(2, 2))
+    >>> before = compiled.forward
+    >>> with EagerRoute(compiled, "Probe"):
+    ...     compiled.forward is before
+    False
+    >>> compiled.forward is before
+    True
+
+    Counted per compiled module: the last attachment to leave (in any order, exceptions and
+    Ctrl-C included: each step is a :class:`~fwdtrace.patching.critical` section) puts back
+    the very objects that were there. :meth:`release` twice is harmless. A model whose
+    ``forward`` attribute is itself a compiled function (``model.forward = torch.compile(...)``)
+    has no eager module fwdtrace could run: ``caller`` raises :class:`FwdtraceError`.
+    """
+
+
+    def _take(self, walked: list[tuple[str, torch.nn.Module]]) -> None:
+        self._compiled = [  # what another attachment routes already is compiled too
+            m for _, m in walked
+            if id(m) in _ROUTED or is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
+        ]
+        for module in self._compiled:
+            _routed(module).users += 1
+
+    def _give_back(self, errors: list[Exception]) -> None:
+        for module in reversed(self._compiled):
+            routed = _ROUTED[id(module)]
+            routed.users -= 1
+            _put_back_if_idle(module, routed, errors)
+        self._compiled = []
+
+
+def graph_routable(model: torch.nn.Module) -> bool:
+    """Whether in-graph hooks (:mod:`fwdtrace.instrument.ingraph`) can sample ``model`` as it runs compiled:
+    it has compiled parts, and each is a ``torch.compile`` wrapper (a module compiled in place runs its own
+    hooks inside its compiled code, where fwdtrace cannot give it a graph of its own: it takes the eager route)."""
+    parts = compiled_parts(model)
+    return bool(parts) and all(how == "torch.compile" for _, how in parts)
+
+
+class GraphRoute(_Route):
+    """One tool's in-graph hooks on a model: while held, each ``torch.compile`` wrapper with any of them below
+    it runs a compiled copy of its module made with those hooks in place, with the wrapper's backend.
+
+    The copy is compiled once per armed set of slots (arming a key costs one compilation; the wrapper's own
+    graphs are set aside, not changed, so disarming costs none) and kept while its slots are armed. While an
+    :class:`EagerRoute` is also held on a wrapper, the wrapper runs eagerly and the hooks run there.
+    ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
+    """
+
+
+    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]]) -> None:
+        self.modules = modules
+        self._armed: list[tuple[torch.nn.Module, list[int]]] = []
+        super().__init__(model, caller)
+
+    def _take(self, walked: list[tuple[str, torch.nn.Module]]) -> None:
+        for _, wrapper in walked:
+            if not is_compile_wrapper(wrapper):
+                continue
+            inside = {id(m) for m in eager_module(wrapper).modules()}
+            slot_ids = [slot_id for slot_id, module in self.modules if id(module) in inside]
+            if slot_ids:
+                routed = _routed(wrapper)
+                for slot_id in slot_ids:
+                    routed.slots[slot_id] = routed.slots.get(slot_id, 0) + 1
+                self._armed.append((wrapper, slot_ids))
+
+    def _give_back(self, errors: list[Exception]) -> None:
+        for wrapper, slot_ids in reversed(self._armed):
+            routed = _ROUTED[id(wrapper)]
+            for slot_id in slot_ids:
+                routed.slots[slot_id] -= 1
+                if routed.slots[slot_id] == 0:
+                    del routed.slots[slot_id]
+                    # a slot is never armed again: the copies compiled with it go
+                    routed.graphs = {k: v for k, v in routed.graphs.items() if slot_id not in k}
+            _put_back_if_idle(wrapper, routed, errors)
+        self._armed = []

@@ -1,0 +1,193 @@
+"""Statistics computed inside a compiled model's graph: hooks that dynamo traces without a break.
+
+A hook that takes a lock, reads a clock or converts a tensor to a Python number breaks dynamo's
+graph. The hooks made here do none of that: they summarise a tensor with tensor ops only (count,
+finite count, NaN and Inf counts, zeros, mean, sum of squared deviations, min, max, sum of squares,
+a fixed-edge histogram) into one float64 vector, and append ``(slot, vector)`` to a module-level
+list. Dynamo replays that append after the graph has run; :func:`drain` then hands each vector to
+the consumer of its slot, outside compiled code, where it is merged into a
+:class:`~fwdtrace.instrument.stats.RunningStats` exactly as :meth:`RunningStats.update` would have.
+The list is empty whenever a compiled graph starts (it is drained after every routed call), so the
+guard dynamo puts on it holds and no step recompiles.
+
+The same hook runs eagerly (a model not compiled, a tool that needs the eager route): then it
+drains at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._tree import tensors_of
+from .stats import RunningStats
+
+__all__ = ["StatsSlot", "StatsHook", "drain", "summarize", "merge_summary"]
+
+# (slot id, summary vector) appended by the hooks, in graph order; drained outside compiled code.
+_SINK: list[tuple[int, torch.Tensor]] = []
+_SLOT2CONSUMER: dict[int, Callable[[torch.Tensor], None]] = {}
+_DRAINING = threading.Lock()
+_SLOT_IDS = itertools.count()
+
+# Layout of a summary vector (float64): these fields, then the histogram's bins.
+_COUNT, _FINITE, _NANS, _INFS, _ZEROS, _MEAN, _M2, _MIN, _MAX, _SUMSQ, _UNDER, _OVER, _LOW, _HIGH = range(14)
+_HEAD = 14
+
+
+def summarize(tensor: torch.Tensor, bins: int, range_t: torch.Tensor) -> torch.Tensor:
+    """One float64 vector of ``tensor``'s statistics, with tensor ops only (traceable by dynamo).
+
+    ``range_t`` holds the histogram's ``(low, high)``, or NaNs while it is not fixed yet: then the
+    tensor's own finite min and max are the edges, as :class:`RunningStats` takes its first batch's.
+    """
+    x = tensor.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    x = x.to(torch.float64)
+    finite = torch.isfinite(x)
+    n_finite = finite.sum().to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    kept = torch.where(finite, x, zero)
+    mean = kept.sum() / n_finite.clamp(min=1)
+    deviation = torch.where(finite, x - mean, zero)
+    low_b = torch.where(finite, x, math.inf).amin()
+    high_b = torch.where(finite, x, -math.inf).amax()
+    unset = torch.isnan(range_t[0])
+    same = low_b == high_b
+    low = torch.where(unset, torch.where(same, low_b - 0.5, low_b), range_t[0].to(torch.float64))
+    high = torch.where(unset, torch.where(same, high_b + 0.5, high_b), range_t[1].to(torch.float64))
+    inside = finite & (x >= low) & (x <= high)
+    # histc's bin of a value: (x - low) * bins / (high - low), truncated; the top edge goes to the last bin.
+    position = ((torch.where(inside, x, low) - low) * bins / (high - low)).to(torch.int64).clamp(0, bins - 1)
+    histogram = torch.zeros(bins, dtype=torch.float64, device=x.device).index_add_(0, position, inside.to(torch.float64))
+    head = torch.stack([
+        torch.full((), x.numel(), dtype=torch.float64, device=x.device),
+        n_finite,
+        torch.isnan(x).sum().to(torch.float64),
+        torch.isinf(x).sum().to(torch.float64),
+        (x == 0).sum().to(torch.float64),
+        mean,
+        torch.dot(deviation, deviation),
+        low_b,
+        high_b,
+        torch.dot(kept, kept),
+        (finite & (x < low)).sum().to(torch.float64),
+        (finite & (x > high)).sum().to(torch.float64),
+        low,
+        high,
+    ])
+    return torch.cat([head, histogram])
+
+
+def merge_summary(stats: RunningStats, summary: torch.Tensor, range_t: torch.Tensor) -> None:
+    """Fold one :func:`summarize` vector into ``stats`` as ``stats.update(tensor)`` would have, and fix
+    ``range_t`` to the histogram's edges once ``stats`` has them."""
+    values = summary.tolist()
+    other = RunningStats(stats.bins, stats.range, stats.keeps_histogram)
+    other.count = int(values[_COUNT])
+    other.nans, other.infs, other.zeros = int(values[_NANS]), int(values[_INFS]), int(values[_ZEROS])
+    n = other.finite = int(values[_FINITE])
+    with stats._lock:
+        if n:
+            other.mean, other._m2 = values[_MEAN], values[_M2]
+            other.min, other.max, other._sumsq = values[_MIN], values[_MAX], values[_SUMSQ]
+            if stats.keeps_histogram:
+                if stats.range is None and stats.finite == 0:
+                    stats.range = (values[_LOW], values[_HIGH])
+                    range_t.copy_(torch.tensor(stats.range, dtype=range_t.dtype))
+                other.range = stats.range
+                other.histogram = [int(v) for v in values[_HEAD:]]
+                other.underflow, other.overflow = int(values[_UNDER]), int(values[_OVER])
+        stats._merge(other)
+
+
+class StatsSlot:
+    """Where one key's in-graph statistics go: a slot id baked into the compiled graph, and its consumer.
+
+    >>> import torch
+    >>> from fwdtrace.instrument.stats import RunningStats
+    >>> stats = RunningStats(bins=2, range=(0.0, 2.0))
+    >>> slot = StatsSlot(stats)
+    >>> slot.add(torch.tensor([0.5, 1.5])); drain(); stats.histogram
+    [1, 1]
+    >>> slot.close()
+    """
+
+    def __init__(self, stats: RunningStats, on_first: Callable[[], None] | None = None) -> None:
+        self.stats = stats
+        self._on_first = on_first  # called once, before the first summary is merged
+        self.id = next(_SLOT_IDS)
+        low, high = stats.range if stats.range is not None else (math.nan, math.nan)
+        self.range_t = torch.tensor([low, high], dtype=torch.float64)
+        self._ranges: dict[torch.device, torch.Tensor] = {}
+        _SLOT2CONSUMER[self.id] = self._consume
+
+    def _consume(self, summary: torch.Tensor) -> None:
+        on_first = self._on_first
+        if on_first is not None:
+            self._on_first = None
+            on_first()
+        merge_summary(self.stats, summary, self.range_t)
+        for device_range in self._ranges.values():
+            device_range.copy_(self.range_t)
+
+    def range_on(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.range_t
+        found = self._ranges.get(device)
+        if found is None:
+            found = self._ranges[device] = self.range_t.to(device)
+        return found
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Summarise ``tensor`` (traceable) and queue it for this slot's statistics."""
+        if tensor.numel() == 0:  # RunningStats.update() adds nothing but the count of an empty tensor
+            _SINK.append((self.id, torch.zeros(_HEAD + self.stats.bins, dtype=torch.float64)))
+        else:
+            _SINK.append((self.id, summarize(tensor, self.stats.bins, self.range_on(tensor.device))))
+        if not torch.compiler.is_compiling():  # eagerly run: hand it over now (compiled: after the graph)
+            drain()
+
+    def close(self) -> None:
+        drain()
+        _SLOT2CONSUMER.pop(self.id, None)
+
+
+def drain() -> None:
+    """Hand every queued summary to its slot's consumer; outside compiled code (after a routed call)."""
+    if not _SINK:
+        return
+    with _DRAINING:
+        pending = _SINK[:]
+        del _SINK[: len(pending)]
+    for slot_id, summary in pending:
+        consumer = _SLOT2CONSUMER.get(slot_id)
+        if consumer is not None:
+            consumer(summary)
+
+
+class StatsHook:
+    """A forward hook that dynamo traces: every input or output tensor (``of``) of ``module``'s calls goes
+    to ``slot``. Removable as a torch hook handle; removing it hands over what is queued first."""
+
+    def __init__(self, module: torch.nn.Module, slot: StatsSlot, of: str) -> None:
+        self.module, self.slot = module, slot
+
+        def hook(m: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
+            for t in tensors_of((args, kwargs)) if of == "input" else tensors_of(result):
+                if isinstance(t, torch.Tensor):
+                    slot.add(t)
+
+        self._handle = module.register_forward_hook(hook, with_kwargs=True)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.slot.close()
+
+
