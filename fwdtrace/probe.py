@@ -27,7 +27,7 @@ from .errors import FwdtraceError, check_callback, describe
 from .instrument.calls import FunctionSite, ModelCalls
 from .instrument.compiled import EagerRoute, GraphRoute, compiled_parts, eager_module, graph_routable
 from .instrument.grads import register_grad_hook
-from .instrument.ingraph import StatsHook, StatsSlot
+from .instrument.ingraph import ForwardHook, StatsSlot
 from .instrument.keys import Selector, key2module, select_keys
 from .instrument.stats import RunningStats, check_bins, check_range, summary_text
 from .registry import FunctionTarget, resolve_any
@@ -685,7 +685,7 @@ class Probe:
                     handle.stats.setdefault(key, stats)
 
                 stats = handle.stats.get(key) or RunningStats(bins, range)
-                return StatsHook(module, StatsSlot(stats, publish), of)
+                return ForwardHook.stats(module, StatsSlot(stats, publish), of)
             if of in ("input", "output"):
 
                 def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:

@@ -195,7 +195,7 @@ TOOLS: dict[str, tuple[Callable[..., list[float]], Callable[[list[torch.Tensor]]
     "sampler": (sampler_session, lambda outputs: [float(o.double().mean()) for o in outputs]),
 }
 # Where the tool's hooks run inside a compiled copy of the model: one graph compiled while attached.
-IN_GRAPH = {("probe", "torch.compile"), ("probe", "submodule")}
+IN_GRAPH = {(tool, how) for tool in TOOLS for how in ("torch.compile", "submodule")}
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
@@ -341,8 +341,11 @@ def test_the_live_service_names_eager_keys_and_leaves_an_idle_model_compiled(how
         assert {n.module_key for n in server.graph.nodes if n.kind == "module"} <= set(KEYS)  # the page's boxes
         _, answer = request(server, "POST", "/api/sample", {"key": "_orig_mod.block.0", "kind": "forward"})
         assert answer["armed"] == [LAYER]
+        # A torch.compile wrapper runs a compiled copy with the arm's hooks; a model compiled in place, eagerly.
+        assert answer["runs"] == ("compiled" if how == "torch.compile" else "eager")
         _, answer = request(server, "POST", "/api/sample", {"key": LAYER, "kind": "weight"})
-        assert [step(case.run) for _ in range(2)] == [0, 0]  # a forward arm runs the model eagerly
+        assert answer["runs"] == "compiled"
+        assert [step(case.run) for _ in range(2)] == ([1, 1] if how == "torch.compile" else [0, 0])
         _, answer = request(server, "DELETE", f"/api/sample?key={LAYER}&kind=forward")
         assert answer["disarmed"] == [LAYER]
         # The weight arm hooks gradient accumulation, which autograd runs outside compiled graphs.
@@ -359,7 +362,8 @@ def test_the_live_service_names_eager_keys_and_leaves_an_idle_model_compiled(how
     eager_weight = float(case.eager.block[0].weight.detach().double().mean())
     assert [t["mean"] for s in weight["samples"] for t in s["tensors"] if t["role"] == "weight"] == pytest.approx(
         [eager_weight] * 4, rel=1e-6)
-    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+    in_graph = how == "torch.compile"  # the forward arm's compiled copy: one graph more, no break
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + in_graph, graphs[1])
 
 
 def test_regional_compilation_of_a_transformers_models_blocks(tmp_path: Path) -> None:
@@ -587,7 +591,7 @@ def test_in_graph_and_eager_routes_share_a_wrapper_whichever_leaves_first() -> N
     probe = fwdtrace.Probe(case.given)
     stats = probe.running_stats(LAYER)
     sampler = Sampler(case.given)
-    sampler.arm(LAYER, "forward")  # needs the eager route: the in-graph hooks then run eagerly
+    sampler.arm(LAYER, "grad")  # needs the eager route: the in-graph hooks then run eagerly
     assert step(case.run) == 0
     sampler.close()
     assert step(case.run) == 1  # back in the compiled copy with the probe's hooks
@@ -607,3 +611,26 @@ def test_a_stats_handle_says_how_the_model_runs(how: str, of: str, says: str) ->
         handle = probe.running_stats(LAYER, of=of)
         assert repr(handle) == f"StatsHandle({LAYER}; of={of}; {says})"
         assert handle.in_graph == (says.startswith("computed"))
+
+
+def test_a_forward_arm_samples_the_compiled_graphs_copies() -> None:
+    case = make("submodule")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    sampler = Sampler(case.given)
+    try:
+        sampler.arm(LAYER, "forward", every=2)
+        assert sampler.arms[(LAYER, "forward")].info()["runs"] == "compiled"
+        assert [step(case.run) for _ in range(4)] == [1, 1, 1, 1]
+        assert compile_state() == (graphs[0] + 1, 0)  # arming compiled one graph, with no break
+        sampler.disarm(LAYER)
+        assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+        sampler.drain(30)
+        samples = sampler.samples(LAYER, "forward")
+        info = sampler.arms[(LAYER, "forward")].info()
+    finally:
+        sampler.close()
+    assert (info["calls"], info["taken"]) == (4, 2)  # every call counted after its graph, every second sampled
+    want = eager_outputs(case.eager, LAYER, 4)[::2]
+    got = [t["mean"] for s in samples for t in s["tensors"] if t["role"] == "output"]
+    assert got == pytest.approx([float(o.double().mean()) for o in want], rel=1e-9)

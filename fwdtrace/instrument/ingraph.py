@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from .._tree import tensors_of
+from .._tree import iter_tensors, tensors_of
 from .stats import RunningStats
 
-__all__ = ["StatsSlot", "StatsHook", "drain", "summarize", "merge_summary"]
+__all__ = ["Slot", "StatsSlot", "ForwardHook", "drain", "summarize", "merge_summary"]
 
 # (slot id, summary vector) appended by the hooks, in graph order; drained outside compiled code.
 _SINK: list[tuple[int, torch.Tensor]] = []
@@ -107,26 +107,44 @@ def merge_summary(stats: RunningStats, summary: torch.Tensor, range_t: torch.Ten
         stats._merge(other)
 
 
-class StatsSlot:
-    """Where one key's in-graph statistics go: a slot id baked into the compiled graph, and its consumer.
+class Slot:
+    """Where one hook's in-graph results go: a slot id baked into the compiled graph, and the consumer
+    that :func:`drain` hands each queued payload to, outside compiled code. :meth:`close` drains first."""
+
+    def __init__(self, consume: Callable[[Any], None]) -> None:
+        self.id = next(_SLOT_IDS)
+        _SLOT2CONSUMER[self.id] = consume
+
+    def put(self, payload: Any) -> None:
+        """Queue ``payload`` (tensors, and Python values dynamo can rebuild) for this slot's consumer."""
+        _SINK.append((self.id, payload))
+        if not torch.compiler.is_compiling():  # eagerly run: hand it over now (compiled: after the graph)
+            drain()
+
+    def close(self) -> None:
+        drain()
+        _SLOT2CONSUMER.pop(self.id, None)
+
+
+class StatsSlot(Slot):
+    """A slot whose payloads are :func:`summarize` vectors, merged into ``stats``.
 
     >>> import torch
     >>> from fwdtrace.instrument.stats import RunningStats
     >>> stats = RunningStats(bins=2, range=(0.0, 2.0))
     >>> slot = StatsSlot(stats)
-    >>> slot.add(torch.tensor([0.5, 1.5])); drain(); stats.histogram
+    >>> slot.add(torch.tensor([0.5, 1.5])); stats.histogram
     [1, 1]
     >>> slot.close()
     """
 
     def __init__(self, stats: RunningStats, on_first: Callable[[], None] | None = None) -> None:
+        super().__init__(self._consume)
         self.stats = stats
         self._on_first = on_first  # called once, before the first summary is merged
-        self.id = next(_SLOT_IDS)
         low, high = stats.range if stats.range is not None else (math.nan, math.nan)
         self.range_t = torch.tensor([low, high], dtype=torch.float64)
         self._ranges: dict[torch.device, torch.Tensor] = {}
-        _SLOT2CONSUMER[self.id] = self._consume
 
     def _consume(self, summary: torch.Tensor) -> None:
         on_first = self._on_first
@@ -148,15 +166,9 @@ class StatsSlot:
     def add(self, tensor: torch.Tensor) -> None:
         """Summarise ``tensor`` (traceable) and queue it for this slot's statistics."""
         if tensor.numel() == 0:  # RunningStats.update() adds nothing but the count of an empty tensor
-            _SINK.append((self.id, torch.zeros(_HEAD + self.stats.bins, dtype=torch.float64)))
+            self.put(torch.zeros(_HEAD + self.stats.bins, dtype=torch.float64))
         else:
-            _SINK.append((self.id, summarize(tensor, self.stats.bins, self.range_on(tensor.device))))
-        if not torch.compiler.is_compiling():  # eagerly run: hand it over now (compiled: after the graph)
-            drain()
-
-    def close(self) -> None:
-        drain()
-        _SLOT2CONSUMER.pop(self.id, None)
+            self.put(summarize(tensor, self.stats.bins, self.range_on(tensor.device)))
 
 
 def drain() -> None:
@@ -172,19 +184,34 @@ def drain() -> None:
             consumer(summary)
 
 
-class StatsHook:
-    """A forward hook that dynamo traces: every input or output tensor (``of``) of ``module``'s calls goes
-    to ``slot``. Removable as a torch hook handle; removing it hands over what is queued first."""
+class ForwardHook:
+    """A forward hook that dynamo traces, feeding ``slot``; removable as a torch hook handle (removing it
+    hands over what is queued first). :meth:`stats` adds the input or output tensors' summaries to a
+    :class:`StatsSlot`, :meth:`copies` queues detached copies of every input and output tensor, named as
+    :func:`fwdtrace._tree.iter_tensors` names them, as ``(inputs, outputs)``."""
 
-    def __init__(self, module: torch.nn.Module, slot: StatsSlot, of: str) -> None:
+    def __init__(self, module: torch.nn.Module, slot: Slot, hook: Callable[..., None]) -> None:
         self.module, self.slot = module, slot
+        self._handle = module.register_forward_hook(hook, with_kwargs=True)
 
+    @classmethod
+    def stats(cls, module: torch.nn.Module, slot: StatsSlot, of: str) -> ForwardHook:
         def hook(m: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
             for t in tensors_of((args, kwargs)) if of == "input" else tensors_of(result):
                 if isinstance(t, torch.Tensor):
                     slot.add(t)
 
-        self._handle = module.register_forward_hook(hook, with_kwargs=True)
+        return cls(module, slot, hook)
+
+    @classmethod
+    def copies(cls, module: torch.nn.Module, slot: Slot) -> ForwardHook:
+        # A copy, not the tensor: the model may change its output in place later in the step.
+        def hook(m: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
+            inputs = [*iter_tensors(args, "input"), *iter_tensors(kwargs, "input")]
+            slot.put(([(name, t.detach().clone()) for name, t in inputs],
+                      [(name, t.detach().clone()) for name, t in iter_tensors(result, "output")]))
+
+        return cls(module, slot, hook)
 
     def remove(self) -> None:
         self._handle.remove()
