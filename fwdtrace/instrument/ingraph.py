@@ -187,8 +187,8 @@ def drain() -> None:
 class ForwardHook:
     """A forward hook that dynamo traces, feeding ``slot``; removable as a torch hook handle (removing it
     hands over what is queued first). :meth:`stats` adds the input or output tensors' summaries to a
-    :class:`StatsSlot`, :meth:`copies` queues detached copies of every input and output tensor, named as
-    :func:`fwdtrace._tree.iter_tensors` names them, as ``(inputs, outputs)``."""
+    :class:`StatsSlot`, :meth:`copies` queues detached copies of every input (unless ``inputs=False``) and output tensor, named
+    as :func:`fwdtrace._tree.iter_tensors` names them, as ``(inputs, outputs)``."""
 
     def __init__(self, module: torch.nn.Module, slot: Slot, hook: Callable[..., None]) -> None:
         self.module, self.slot = module, slot
@@ -204,11 +204,11 @@ class ForwardHook:
         return cls(module, slot, hook)
 
     @classmethod
-    def copies(cls, module: torch.nn.Module, slot: Slot) -> ForwardHook:
+    def copies(cls, module: torch.nn.Module, slot: Slot, inputs: bool = True) -> ForwardHook:
         # A copy, not the tensor: the model may change its output in place later in the step.
         def hook(m: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
-            inputs = [*iter_tensors(args, "input"), *iter_tensors(kwargs, "input")]
-            slot.put(([(name, t.detach().clone()) for name, t in inputs],
+            given = [*iter_tensors(args, "input"), *iter_tensors(kwargs, "input")] if inputs else []
+            slot.put(([(name, t.detach().clone()) for name, t in given],
                       [(name, t.detach().clone()) for name, t in iter_tensors(result, "output")]))
 
         return cls(module, slot, hook)
