@@ -1,16 +1,24 @@
-"""Compiled models: what ``torch.compile`` wrapped, and running it eagerly while a tool is attached.
+"""Compiled models: what ``torch.compile`` wrapped, and how it runs while a tool is attached.
 
 Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): a
 hook added after a compiled model's first call never runs, and one present when the model is
 compiled is compiled in, broken up wherever it locks, writes a file or reads a clock, and that
-broken-up code stays cached after the hook is gone. So while any fwdtrace tool is attached to a
-model, every compiled part of it runs its eager module instead: an ``OptimizedModule``
-(``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module its plain
-``_call_impl``, and a wrapper made around one of the model's modules that fwdtrace was not shown
-(``torch.compile(model)`` after ``Probe(model)``) is sent to that module by fwdtrace's one dispatch
-point (:func:`fwdtrace.patching.add_eager_modules`, installed while any route is held). The tools then see exactly the eager values,
-nothing they do enters dynamo's cache, and when the last of them leaves, in any order, every
-attribute is put back and the model runs the compiled code it had, without recompiling.
+broken-up code stays cached after the hook is gone. So a tool never lets a wrapper's own graphs
+see its hooks; while it is attached, the compiled parts run one of two routes.
+
+Hooks that dynamo traces without a break (:mod:`fwdtrace.instrument.ingraph`: forward statistics and
+copies) take the :class:`GraphRoute`: a ``torch.compile`` wrapper runs a compiled copy of its module,
+made with those hooks in place and the wrapper's own backend, once per armed set.
+
+Every other hook takes the :class:`EagerRoute`: every compiled part runs its eager module instead. An
+``OptimizedModule`` (``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module
+its plain ``_call_impl``, and a wrapper made around one of the model's modules that fwdtrace was not
+shown (``torch.compile(model)`` after ``Probe(model)``) is sent to that module by fwdtrace's one
+dispatch point (:func:`fwdtrace.patching.add_eager_modules`, installed while any route is held). The
+tools then see exactly the eager values and nothing they do enters dynamo's cache.
+
+Either way, when the last tool leaves, in any order, every attribute is put back and the model runs
+the compiled code it had, without recompiling.
 
 Keys see through the wrappers too: :func:`eager_module` and :func:`eager_path` are how
 :func:`fwdtrace.instrument.keys.key2module` names ``torch.compile(model)``'s layers ``0.Linear``, not

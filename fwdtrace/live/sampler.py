@@ -365,7 +365,8 @@ class Sampler:
             call = self._take(arm)
             if call is not None:
                 inputs, outputs = payload
-                self._submit(arm, call, _series("input", inputs) + _series("output", outputs), copied=True)
+                # Copied again: a compiled graph may reuse its outputs' memory at its next call (CUDA graphs).
+                self._submit(arm, call, _series("input", inputs) + _series("output", outputs))
 
         return taken
 
@@ -449,11 +450,10 @@ class Sampler:
 
         return at_end
 
-    def _submit(self, arm: Arm, call: int, tensors: list[tuple[str, int, torch.Tensor]], copied: bool = False) -> None:
+    def _submit(self, arm: Arm, call: int, tensors: list[tuple[str, int, torch.Tensor]]) -> None:
         """Copy the tensors (the model may change them in place later) and queue them, never waiting.
 
-        ``tensors``: ``(role, index in its group, tensor)`` for each tensor of the sample; ``copied``: they are
-        copies already (taken in a compiled graph).
+        ``tensors``: ``(role, index in its group, tensor)`` for each tensor of the sample.
         """
         size = sum(t.numel() * t.element_size() for _, _, t in tensors)
         with self._memory_lock:
@@ -465,7 +465,7 @@ class Sampler:
                 arm.over_budget += 1
             return
         with torch.no_grad():
-            copies = tensors if copied else [(role, index, t.detach().clone()) for role, index, t in tensors]
+            copies = [(role, index, t.detach().clone()) for role, index, t in tensors]
         with self._progress:
             self._submitted += 1
         try:
