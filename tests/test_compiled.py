@@ -636,3 +636,52 @@ def test_a_forward_arm_samples_the_compiled_graphs_copies() -> None:
     want = eager_outputs(case.eager, LAYER, 4)[::2]
     got = [t["mean"] for s in samples for t in s["tensors"] if t["role"] == "output"]
     assert got == pytest.approx([float(o.double().mean()) for o in want], rel=1e-9)
+
+
+def test_a_transformer_blocks_layers_are_sampled_compiled() -> None:
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    eager = copy.deepcopy(block)
+    compiled = torch.compile(block, backend=counting)
+    x = torch.randn(2, 5, 16)
+    compiled(x).sum().backward()
+    counters.clear()
+    stats, calls = [], []
+    for model in (compiled, eager):
+        with fwdtrace.Probe(model) as probe:
+            # the attention's tuple output, a layer, a norm and the whole block
+            stats.append(probe.running_stats(["self_attn", "linear2", "norm1", "TransformerEncoderLayer"]))
+            for _ in range(2):
+                CALLS[0] = 0
+                model(x).sum().backward()
+                calls.append(CALLS[0])
+    assert calls == [1, 1, 0, 0]
+    assert stats[0].in_graph and sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+    assert list(stats[0].stats) == list(stats[1].stats) and len(stats[1].stats) == 4
+    for key, want in stats[1].stats.items():
+        assert stats[0].stats[key].to_dict() == pytest.approx(want.to_dict(), rel=1e-6), key
+
+
+def test_what_cannot_be_compiled_with_the_hooks_runs_eagerly_and_says_so() -> None:
+    compiles = [0]
+
+    def first_only(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compiles[0] += 1
+        if compiles[0] > 1:
+            raise RuntimeError("this backend compiles one graph")
+        return counting(gm, example_inputs)
+
+    torch.manual_seed(0)
+    net = Net()
+    eager = copy.deepcopy(net)
+    compiled = torch.compile(net, backend=first_only)
+    assert step(compiled) == 1
+    with fwdtrace.Probe(compiled) as probe:
+        stats = probe.running_stats(LAYER)
+        with pytest.warns(RuntimeWarning, match=r"^fwdtrace: compiling Net with the hooks of the tools attached "
+                          r"failed \(BackendCompilerFailed: .*\); it runs eagerly while they are attached"):
+            assert step(compiled) == 0
+        assert step(compiled) == 0  # eager, without trying again
+    assert stats.stats[LAYER].to_dict() == pytest.approx(eager_stats(eager_outputs(eager, LAYER, 2)), rel=1e-9)
+    assert step(compiled) == 1

@@ -28,6 +28,8 @@ Keys see through the wrappers too: :func:`eager_module` and :func:`eager_path` a
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -173,11 +175,30 @@ def _routing_forward(wrapper: torch.nn.Module, routed: _Routed) -> Any:
         if call is None:
             call = routed.graphs[armed] = _compile_again(wrapper)
         try:
-            return call(*args, **kwargs)
+            try:
+                return call(*args, **kwargs)
+            except Exception as e:
+                # Training is never broken by a tool: what dynamo or the backend could not compile with the
+                # hooks runs eagerly while they are attached (an error of the model's own is raised there again).
+                if not _from_dynamo(e) or call is inner:
+                    raise
+                routed.graphs[armed] = inner
+                first_line = (str(e).strip().splitlines() or [""])[0]
+                warnings.warn(
+                    f"fwdtrace: compiling {type(wrapper._orig_mod).__name__} with the hooks of the tools attached "
+                    f"failed ({type(e).__name__}: {first_line}); it runs eagerly while they are attached",
+                    RuntimeWarning, stacklevel=2,
+                )
+                return inner(*args, **kwargs)
         finally:
             drain()
 
     return forward
+
+
+def _from_dynamo(error: Exception) -> bool:
+    dynamo_exc = sys.modules.get("torch._dynamo.exc")
+    return dynamo_exc is not None and isinstance(error, dynamo_exc.TorchDynamoException)
 
 
 def _routed(module: torch.nn.Module) -> _Routed:
