@@ -3,12 +3,13 @@
 Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): a
 hook added after a compiled model's first call never runs, and one present when the model is
 compiled is compiled in, broken up wherever it locks, writes a file or reads a clock, and that
-broken-up code stays cached after the hook is gone. So a tool never lets a wrapper's own graphs
+broken-up code stays cached after the hook is gone. So a tool never lets a part's own compiled graphs
 see its hooks; while it is attached, the compiled parts run one of two routes.
 
 Hooks that dynamo traces without a break (:mod:`fwdtrace.instrument.ingraph`: forward statistics and
-copies) take the :class:`GraphRoute`: a ``torch.compile`` wrapper runs a compiled copy of its module,
-made with those hooks in place and the wrapper's own backend, once per armed set.
+copies) take the :class:`GraphRoute`: a ``torch.compile`` wrapper, or a module compiled in place, runs a
+compiled copy of its module made with those hooks in place and its own backend and options (found in
+dynamo's context), once per armed set.
 
 Every other hook takes the :class:`EagerRoute`: every compiled part runs its eager module instead. An
 ``OptimizedModule`` (``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module
@@ -123,6 +124,7 @@ class _Routed:
     users: int = 0
     slots: dict[int, int] = field(default_factory=dict)  # slot id -> how many GraphRoutes hold it
     graphs: dict[frozenset[int], Any] = field(default_factory=dict)  # armed slot ids -> compiled call
+    context: Any = None  # dynamo's context that compiled the module (its backend and options), if known
 
     def idle(self) -> bool:
         return self.users == 0 and not self.slots
@@ -151,21 +153,44 @@ def _unseen_wrapper_targets(walked: list[tuple[str, torch.nn.Module]]) -> list[t
     return [m for _, m in walked if not is_compile_wrapper(m) and id(m) not in wrapped]
 
 
-def _compile_again(wrapper: torch.nn.Module) -> Any:
-    """``wrapper``'s module compiled anew, with ``wrapper``'s backend and options, in a cache of its own."""
-    inner = cast("torch.nn.Module", wrapper._orig_mod).__call__
+def _dynamo_context(module: torch.nn.Module) -> Any:
+    """What compiled ``module`` (dynamo's context: its backend and options), or None where it cannot be found."""
+    if is_compile_wrapper(module):
+        return module.dynamo_ctx
+    compiled = getattr(module, "_compiled_call_impl", None)  # torch.compile(self._call_impl): the context is in its closure
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if type(value).__name__ == "OptimizeContext" and type(value).__module__.startswith("torch._dynamo"):
+            return value
+    return None
+
+
+def _compile_again(context: Any, inner: Any) -> Any:
+    """``inner`` compiled anew, with ``context``'s backend and options, in a cache of its own."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs)
 
     # Dynamo keeps compiled code per code object and does not guard on module hooks: a copy of this code
-    # object per armed set is compiled with exactly that set's hooks, and never reuses the wrapper's own graphs.
+    # object per armed set is compiled with exactly that set's hooks, and never reuses the module's own graphs.
     call.__code__ = call.__code__.replace()
-    return cast(Any, wrapper).dynamo_ctx(call)
+    return context(call)
 
 
-def _routing_forward(wrapper: torch.nn.Module, routed: _Routed) -> Any:
-    inner = cast("torch.nn.Module", wrapper._orig_mod).__call__
+def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
+    """What a compiled module's calls go to while routed: its eager module (or plain ``_call_impl``) while
+    an eager route is held, else a compiled copy made with the in-graph hooks armed under it."""
+    if is_compile_wrapper(module):
+        inner = cast("torch.nn.Module", module._orig_mod).__call__
+    else:
+
+        def inner(*args: Any, **kwargs: Any) -> Any:  # looked up at each call: fwdtrace's dispatch point patches it
+            return module._call_impl(*args, **kwargs)
+
+    context = routed.context
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if routed.users or not routed.slots:  # a tool that needs the eager route is attached
@@ -173,7 +198,7 @@ def _routing_forward(wrapper: torch.nn.Module, routed: _Routed) -> Any:
         armed = frozenset(routed.slots)
         call = routed.graphs.get(armed)
         if call is None:
-            call = routed.graphs[armed] = _compile_again(wrapper)
+            call = routed.graphs[armed] = _compile_again(context, inner)
         try:
             try:
                 return call(*args, **kwargs)
@@ -185,7 +210,7 @@ def _routing_forward(wrapper: torch.nn.Module, routed: _Routed) -> Any:
                 routed.graphs[armed] = inner
                 first_line = (str(e).strip().splitlines() or [""])[0]
                 warnings.warn(
-                    f"fwdtrace: compiling {type(wrapper._orig_mod).__name__} with the hooks of the tools attached "
+                    f"fwdtrace: compiling {type(eager_module(module)).__name__} with the hooks of the tools attached "
                     f"failed ({type(e).__name__}: {first_line}); it runs eagerly while they are attached",
                     RuntimeWarning, stacklevel=2,
                 )
@@ -204,9 +229,11 @@ def _from_dynamo(error: Exception) -> bool:
 def _routed(module: torch.nn.Module) -> _Routed:
     routed = _ROUTED.get(id(module))
     if routed is None:
-        routed = _ROUTED[id(module)] = _Routed(Patcher())
+        routed = _ROUTED[id(module)] = _Routed(Patcher(), context=_dynamo_context(module))
         if is_compile_wrapper(module):  # its own hooks still run, around the routed call
-            routed.patcher.patch(module, "forward", _routing_forward(module, routed))
+            routed.patcher.patch(module, "forward", _routing_call(module, routed))
+        elif routed.context is not None:  # compiled in place: nn.Module.__call__ calls this instead
+            routed.patcher.patch(module, "_compiled_call_impl", _routing_call(module, routed))
         else:
             routed.patcher.patch(module, "_compiled_call_impl", None)
     return routed
@@ -307,24 +334,29 @@ class EagerRoute(_Route):
         self._compiled = []
 
 
+def _compiled_context(module: torch.nn.Module) -> Any:
+    routed = _ROUTED.get(id(module))
+    return routed.context if routed is not None else _dynamo_context(module)
+
+
 def graph_routable(model: torch.nn.Module) -> bool:
     """Whether in-graph hooks (:mod:`fwdtrace.instrument.ingraph`) can sample ``model`` as it runs compiled:
-    it has compiled parts, and each is a ``torch.compile`` wrapper (a module compiled in place runs its own
-    hooks inside its compiled code, where fwdtrace cannot give it a graph of its own: it takes the eager route)."""
-    parts = compiled_parts(model)
-    return bool(parts) and all(how == "torch.compile" for _, how in parts)
+    it has compiled parts, and fwdtrace knows how each was compiled (a ``torch.compile`` wrapper, or a module
+    compiled in place whose compiled call holds dynamo's context), so that it can compile a copy alike."""
+    compiled = [m for _, m in _walk(model) if is_compile_wrapper(m) or compiled_in_place(m)]
+    return bool(compiled) and all(_compiled_context(m) is not None for m in compiled)
 
 
 class GraphRoute(_Route):
-    """One tool's in-graph hooks on a model: while held, each ``torch.compile`` wrapper with any of them below
-    it runs a compiled copy of its module made with those hooks in place, with the wrapper's backend.
+    """One tool's in-graph hooks on a model: while held, each compiled part with any of them below it (a
+    ``torch.compile`` wrapper, a module compiled in place) runs a compiled copy of its module made with those
+    hooks in place, with the part's backend and options.
 
-    The copy is compiled once per armed set of slots (arming a key costs one compilation; the wrapper's own
+    The copy is compiled once per armed set of slots (arming a key costs one compilation; the part's own
     graphs are set aside, not changed, so disarming costs none) and kept while its slots are armed. While an
-    :class:`EagerRoute` is also held on a wrapper, the wrapper runs eagerly and the hooks run there.
+    :class:`EagerRoute` is also held on a part, the part runs eagerly and the hooks run there.
     ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
     """
-
 
     def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]]) -> None:
         self.modules = modules
@@ -333,7 +365,7 @@ class GraphRoute(_Route):
 
     def _take(self, walked: list[tuple[str, torch.nn.Module]]) -> None:
         for _, wrapper in walked:
-            if not is_compile_wrapper(wrapper):
+            if not (is_compile_wrapper(wrapper) or compiled_in_place(wrapper)):
                 continue
             inside = {id(m) for m in eager_module(wrapper).modules()}
             slot_ids = [slot_id for slot_id, module in self.modules if id(module) in inside]

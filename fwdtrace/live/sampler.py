@@ -265,7 +265,8 @@ class Sampler:
         keys = self.select(selector)
         # Forward arms of a torch.compile'd model copy the call's tensors inside its compiled graph;
         # gradient arms hook autograd around the call, which needs the eager modules.
-        in_graph = kind == "forward" and graph_routable(self.model)
+        # (A root compiled in place runs eagerly while served: see _root_route.)
+        in_graph = kind == "forward" and self._root_route is None and graph_routable(self.model)
         # Hooks are added under the lock that close() takes: an arm racing stop() either lands
         # before close() (which then removes it) or finds the sampler closed; never in between.
         with self._arms_lock:
@@ -276,7 +277,8 @@ class Sampler:
                 roles = [name for name, _ in module_parameters(module)] if kind in PARAMETER_KINDS else []
                 arm = Arm(key, kind, every, count, raw, self.ring, spec, roles)
                 if compiled_parts(self.model):
-                    arm.runs = "eager" if kind in CALL_KINDS and not in_graph else "compiled"
+                    eager = self._root_route is not None or (kind in CALL_KINDS and not in_graph)
+                    arm.runs = "eager" if eager else "compiled"
                 if in_graph:  # copies taken in the compiled graph, sampled after it
                     hook = ForwardHook.copies(module, Slot(self._guard(arm, "the forward hook", self._copies_taken(arm))))
                     arm.handles += [hook, GraphRoute(self.model, "arm()", [(hook.slot.id, module)])]
