@@ -128,7 +128,7 @@ class StatsHandle(Hooks):
 
     def _can_run_in_graph(self) -> bool:
         # Forward statistics are tensor ops dynamo traces; gradient hooks and hooked functions' dispatch
-        # points run outside compiled graphs, and a module compiled in place runs its own hooks.
+        # points run outside compiled graphs.
         return (
             self.of in ("input", "output")
             and not any(isinstance(module, FunctionSite) for _, _, module in self._registrations)

@@ -1,17 +1,18 @@
-"""Statistics computed inside a compiled model's graph: hooks that dynamo traces without a break.
+"""Hooks that dynamo traces without a break: statistics and copies taken inside a compiled model's graph.
 
 A hook that takes a lock, reads a clock or converts a tensor to a Python number breaks dynamo's
 graph. The hooks made here do none of that: they summarise a tensor with tensor ops only (count,
 finite count, NaN and Inf counts, zeros, mean, sum of squared deviations, min, max, sum of squares,
-a fixed-edge histogram) into one float64 vector, and append ``(slot, vector)`` to a module-level
-list. Dynamo replays that append after the graph has run; :func:`drain` then hands each vector to
-the consumer of its slot, outside compiled code, where it is merged into a
-:class:`~fwdtrace.instrument.stats.RunningStats` exactly as :meth:`RunningStats.update` would have.
+a fixed-edge histogram) into one float64 vector (:class:`StatsSlot`), or copy a call's tensors
+(:meth:`ForwardHook.copies`), and append ``(slot id, payload)`` to a module-level list. Dynamo replays
+that append after the graph has run; :func:`drain` then hands each payload to the consumer of its
+slot, outside compiled code: a summary is merged into a :class:`~fwdtrace.instrument.stats.RunningStats`
+exactly as :meth:`RunningStats.update` would have, copies go to the live sampler or the recorder.
 The list is empty whenever a compiled graph starts (it is drained after every routed call), so the
 guard dynamo puts on it holds and no step recompiles.
 
-The same hook runs eagerly (a model not compiled, a tool that needs the eager route): then it
-drains at once.
+The same hooks run eagerly (a model not compiled, a tool that needs the eager route): then they
+drain at once.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from .stats import RunningStats
 
 __all__ = ["Slot", "StatsSlot", "ForwardHook", "drain", "summarize", "merge_summary"]
 
-# (slot id, summary vector) appended by the hooks, in graph order; drained outside compiled code.
-_SINK: list[tuple[int, torch.Tensor]] = []
-_SLOT2CONSUMER: dict[int, Callable[[torch.Tensor], None]] = {}
+# (slot id, payload) appended by the hooks, in graph order; drained outside compiled code.
+_SINK: list[tuple[int, Any]] = []
+_SLOT2CONSUMER: dict[int, Callable[[Any], None]] = {}
 _DRAINING = threading.Lock()
 _SLOT_IDS = itertools.count()
 
