@@ -689,3 +689,22 @@ def test_what_cannot_be_compiled_with_the_hooks_runs_eagerly_and_says_so() -> No
         assert step(compiled) == 0  # eager, without trying again
     assert stats.stats[LAYER].to_dict() == pytest.approx(eager_stats(eager_outputs(eager, LAYER, 2)), rel=1e-9)
     assert step(compiled) == 1
+
+
+def test_a_failing_compiled_forward_arm_disarms_its_key_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make("torch.compile")
+    original = case.run.forward
+    assert step(case.run) == 1
+    sampler = Sampler(case.given)
+    try:
+        def broken(*args: Any) -> None:
+            raise ValueError("no room")
+
+        monkeypatch.setattr(sampler, "_submit", broken)
+        sampler.arm(LAYER, "forward")
+        assert step(case.run) == 1  # the step ran compiled and finished
+        info = sampler.arms[(LAYER, "forward")].info()
+        assert not info["armed"] and info["error"] == "disarmed: the forward hook raised ValueError: no room"
+        assert case.run.forward is original and step(case.run) == 1  # the model's own graph again
+    finally:
+        sampler.close()
