@@ -25,8 +25,9 @@ from ._tree import tensors_of
 from .chaos import Chaos
 from .errors import FwdtraceError, check_callback, describe
 from .instrument.calls import FunctionSite, ModelCalls
-from .instrument.compiled import EagerRoute, eager_module
+from .instrument.compiled import EagerRoute, GraphRoute, compiled_parts, eager_module, graph_routable
 from .instrument.grads import register_grad_hook
+from .instrument.ingraph import ForwardHook, StatsSlot
 from .instrument.keys import Selector, key2module, select_keys
 from .instrument.stats import RunningStats, check_bins, check_has_values, check_range, summary_text
 from .patching import InterruptGuard, critical, guarded_enter, guarded_exit
@@ -65,15 +66,24 @@ class Hooks:
         self.keys = keys
         self._registrations: list[tuple[Callable[[str, Any], Any], str, Any]] = []  # (register, key, module)
         self._torch_handles: list[Any] = []
+        self.in_graph = False  # whether the hooks run inside a compiled model's graph (else it runs eagerly)
+
+    def _can_run_in_graph(self) -> bool:
+        return False
 
     # Attaching and removing are critical sections: a Ctrl-C waits, so no hook is left on untracked.
     def _attach(self) -> None:
         with critical():
             if not self._torch_handles and self._registrations:
-                # While attached, a compiled model's compiled parts run eagerly, so these hooks run.
-                handles: list[Any] = [EagerRoute(self.probe.model, "Probe")]
+                self.in_graph = self._can_run_in_graph()
+                # While attached, a compiled model's compiled parts run eagerly, so these hooks run; hooks
+                # that dynamo can trace run in a compiled copy of them instead.
+                handles: list[Any] = [] if self.in_graph else [EagerRoute(self.probe.model, "Probe")]
                 try:
-                    handles += [register(key, module) for register, key, module in self._registrations]
+                    registered = [register(key, module) for register, key, module in self._registrations]
+                    handles += registered
+                    if self.in_graph:
+                        handles.append(GraphRoute(self.probe.model, "Probe", [(h.slot.id, h.module) for h in registered]))
                 except BaseException:
                     for handle in reversed(handles):
                         handle.remove()
@@ -120,6 +130,24 @@ class StatsHandle(Hooks):
         super().__init__(probe, keys)
         self.of = of
         self.stats: dict[str, RunningStats] = {}
+
+    def _can_run_in_graph(self) -> bool:
+        # Forward statistics are tensor ops dynamo traces; gradient hooks and hooked functions' dispatch
+        # points run outside compiled graphs.
+        return (
+            self.of in ("input", "output")
+            and not any(isinstance(module, FunctionSite) for _, _, module in self._registrations)
+            and graph_routable(self.probe.model)
+        )
+
+    def __repr__(self) -> str:
+        if not compiled_parts(self.probe.model):
+            runs = ""
+        elif self.in_graph:
+            runs = "; computed inside the compiled graphs"
+        else:
+            runs = "; the compiled parts run eagerly while attached"
+        return f"{type(self).__name__}({', '.join(self.keys)}; of={self.of}{runs})"
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """``{key: {"mean": ..., "std": ..., ...}}`` for every key seen so far."""
@@ -678,6 +706,13 @@ class Probe:
                     stats.update(t)
 
         def register(key: str, module: torch.nn.Module) -> Any:
+            if handle.in_graph:  # the statistics are computed in the compiled graph and merged after it
+
+                def publish(key: str = key) -> None:
+                    handle.stats.setdefault(key, stats)
+
+                stats = handle.stats.get(key) or RunningStats(bins, range)
+                return ForwardHook.stats(module, StatsSlot(stats, publish), of)
             if of in ("input", "output"):
 
                 def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:

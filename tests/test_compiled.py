@@ -194,6 +194,9 @@ TOOLS: dict[str, tuple[Callable[..., list[float]], Callable[[list[torch.Tensor]]
     "probe": (probe_session, probe_reference),
     "sampler": (sampler_session, lambda outputs: [float(o.double().mean()) for o in outputs]),
 }
+# Where the tool's hooks run inside a compiled copy of the model: one graph compiled while attached.
+# (A Sampler's root compiled in place runs eagerly while served: its step count hooks it.)
+IN_GRAPH = {(tool, how) for tool in TOOLS for how in HOWS if how != "given eager"} - {("sampler", "module.compile")}
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
@@ -206,8 +209,10 @@ def test_tools_record_eager_values_and_leave_the_model_compiled(tool: str, how: 
     graphs = compile_state()
     got = session(case.given, case.run, 2)
     assert got == pytest.approx(reference(eager_outputs(case.eager, LAYER, 2)), rel=1e-6)
+    armed = compile_state()
+    assert armed == (graphs[0] + ((tool, how) in IN_GRAPH), graphs[1])  # at most the armed copy, unbroken
     after = [step(case.run) for _ in range(2)]
-    assert after == before[-1:] * 2 and compile_state() == graphs  # the same graphs, none compiled anew
+    assert after == before[-1:] * 2 and compile_state() == armed  # the same graphs, none compiled anew
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
@@ -216,9 +221,10 @@ def test_a_tool_attached_before_the_first_compiled_call_leaves_no_broken_up_code
     case = make("torch.compile")
     got = session(case.given, case.run, 2)
     assert got == pytest.approx(reference(eager_outputs(case.eager, LAYER, 2)), rel=1e-6)
-    assert compile_state() == (0, 0)  # nothing the tool did entered dynamo's cache
+    in_graph = (tool, "torch.compile") in IN_GRAPH
+    assert compile_state() == (int(in_graph), 0)  # the tool's own compiled copy at most, unbroken
     assert [step(case.run) for _ in range(3)] == [1, 1, 1]
-    assert compile_state() == (1, 0)
+    assert compile_state() == (1 + in_graph, 0)
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -272,11 +278,11 @@ def test_everything_is_put_back_whichever_tool_leaves_first() -> None:
     probe = fwdtrace.Probe(case.given)
     handle = probe.running_stats(LAYER)
     sampler = Sampler(case.given)
-    sampler.arm(LAYER, "forward")
-    assert case.run._compiled_call_impl is None  # eager while attached
+    sampler.arm(LAYER, "grad")
+    assert case.run._compiled_call_impl is not compiled_call and step(case.run) == 0  # eager while attached
     handle.remove()
-    assert case.run._compiled_call_impl is None  # the sampler's arm still holds it
-    step(case.run)
+    assert case.run._compiled_call_impl is not compiled_call  # the sampler's arm still holds it
+    assert step(case.run) == 0
     sampler.close()
     assert case.run._compiled_call_impl is compiled_call
     assert step(case.run) == 1
@@ -336,8 +342,11 @@ def test_the_live_service_names_eager_keys_and_leaves_an_idle_model_compiled(how
         assert {n.module_key for n in server.graph.nodes if n.kind == "module"} <= set(KEYS)  # the page's boxes
         _, answer = request(server, "POST", "/api/sample", {"key": "_orig_mod.block.0", "kind": "forward"})
         assert answer["armed"] == [LAYER]
+        # A torch.compile wrapper runs a compiled copy with the arm's hooks; a model compiled in place, eagerly.
+        assert answer["runs"] == ("compiled" if how == "torch.compile" else "eager")
         _, answer = request(server, "POST", "/api/sample", {"key": LAYER, "kind": "weight"})
-        assert [step(case.run) for _ in range(2)] == [0, 0]  # a forward arm runs the model eagerly
+        assert answer["runs"] == ("compiled" if how == "torch.compile" else "eager")  # served in place: eager
+        assert [step(case.run) for _ in range(2)] == ([1, 1] if how == "torch.compile" else [0, 0])
         _, answer = request(server, "DELETE", f"/api/sample?key={LAYER}&kind=forward")
         assert answer["disarmed"] == [LAYER]
         # The weight arm hooks gradient accumulation, which autograd runs outside compiled graphs.
@@ -354,7 +363,8 @@ def test_the_live_service_names_eager_keys_and_leaves_an_idle_model_compiled(how
     eager_weight = float(case.eager.block[0].weight.detach().double().mean())
     assert [t["mean"] for s in weight["samples"] for t in s["tensors"] if t["role"] == "weight"] == pytest.approx(
         [eager_weight] * 4, rel=1e-6)
-    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+    in_graph = how == "torch.compile"  # the forward arm's compiled copy: one graph more, no break
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + in_graph, graphs[1])
 
 
 def test_regional_compilation_of_a_transformers_models_blocks(tmp_path: Path) -> None:
@@ -382,7 +392,8 @@ def test_regional_compilation_of_a_transformers_models_blocks(tmp_path: Path) ->
     key = "model.layers.1.mlp.down_proj.Linear"
     with fwdtrace.Probe(model) as probe:
         stats = probe.running_stats(key)
-        llama_step(model)
+        assert llama_step(model) == before[-1]  # the probed block runs a compiled copy with the probe's hooks
+    graphs = (graphs[0] + 1, graphs[1])  # that copy, with no break
     seen: list[torch.Tensor] = []
     handle = eager.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
     llama_step(eager)
@@ -415,13 +426,14 @@ def test_the_recorder_records_a_compiled_models_eager_values_under_eager_keys(tm
     recorded: list[torch.Tensor] = []
     with fwdtrace.Recorder(tmp_path, transform=lambda t: recorded.append(t.clone()) or t, timeout=300.0) as rec:
         assert rec.track(case.given, "_orig_mod.block.0", kind="forward") == [LAYER]
-        for _ in range(2):
-            step(case.run)
+        recording = [step(case.run) for _ in range(2)]
     paths = rec.stop()
     assert sorted(p.name for p in paths) == [f"{LAYER}.forward.mp4", f"{LAYER}.forward.png"]
     for got, want in zip(recorded, eager_outputs(case.eager, LAYER, 2), strict=True):
         torch.testing.assert_close(got, want)
-    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == graphs
+    # The outputs are copied inside a compiled copy of the model: one graph compiled when tracked, no break.
+    assert recording == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
 
 
 def test_a_dump_that_records_no_call_below_the_root_is_not_complete(tmp_path: Path) -> None:
@@ -488,3 +500,211 @@ def test_chaos_on_a_compiled_model_injects_what_it_injects_on_the_eager_one() ->
     torch.testing.assert_close(compiled_out, eager_out)
     assert [i.key for i in chaos.log] == [LAYER]
     assert step(case.run) == 1 and compile_state() == graphs
+
+
+# -- sampled at compiled speed ------------------------------------------------------------------------
+def eager_stats(outputs: list[torch.Tensor], **options: Any) -> dict[str, Any]:
+    stats = fwdtrace.instrument.stats.RunningStats(**options)
+    for o in outputs:
+        stats.update(o)
+    return stats.to_dict()
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "submodule", "module.compile", "submodule.compile"])
+def test_forward_statistics_are_computed_inside_the_compiled_graph(how: str) -> None:
+    case = make(how)
+    assert [step(case.run) for _ in range(2)] == [1, 1]
+    graphs = compile_state()
+    with fwdtrace.Probe(case.given) as probe:
+        out = probe.running_stats([LAYER, "out.Linear"])  # (a submodule compiled alone leaves out.Linear eager)
+        inp = probe.running_stats("block.2.Linear", of="input", bins=4, range=(-0.2, 0.2))
+        armed = [step(case.run) for _ in range(3)]
+        assert "computed inside the compiled graphs" in repr(out)
+    assert armed == [1, 1, 1]  # compiled code while armed, one graph per step
+    assert compile_state() == (graphs[0] + 1, 0)  # arming compiled one graph, with no break
+    for key in (LAYER, "out.Linear"):
+        assert out.stats[key].to_dict() == pytest.approx(eager_stats(eager_outputs(case.eager, key, 3)), rel=1e-9)
+    gelu = eager_outputs(case.eager, "block.1.GELU", 3)
+    assert inp.stats["block.2.Linear"].to_dict() == pytest.approx(eager_stats(gelu, bins=4, range=(-0.2, 0.2)), rel=1e-9)
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+
+
+def test_each_arming_compiles_once_and_disarming_compiles_nothing() -> None:
+    case = make("torch.compile")
+    step(case.run)
+    probe = fwdtrace.Probe(case.given)
+    counts = []
+    for selector in (LAYER, LAYER, "block.*"):
+        handle = probe.running_stats(selector)
+        counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
+        handle.remove()
+        counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
+    assert counts == [[1, 1, 2], [1, 1, 2], [1, 1, 3], [1, 1, 3], [1, 1, 4], [1, 1, 4]]
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_in_graph_statistics_with_aot_autograd_train_as_the_eager_model() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    eager, trained = copy.deepcopy(net), copy.deepcopy(net)
+    compiled = torch.compile(net, backend="aot_eager")
+    with fwdtrace.Probe(compiled) as probe:
+        stats = probe.running_stats(["block.*"], bins=8)
+        for _ in range(2):
+            step(compiled)
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    for key in ("block.0.Linear", "block.1.GELU", "block.2.Linear"):
+        assert stats.stats[key].to_dict() == pytest.approx(eager_stats(eager_outputs(eager, key, 2), bins=8), rel=1e-9)
+    for _ in range(2):
+        step(trained)
+    for p, q in zip(net.parameters(), trained.parameters(), strict=True):  # the hooks left training alone
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+SPECIAL = {
+    "nan and inf": torch.tensor([1.0, float("nan"), -2.0, float("inf"), 0.0, float("-inf")]),
+    "constant": torch.full((5,), 3.0),
+    "no finite value": torch.tensor([float("nan"), float("inf")]),
+    "empty": torch.zeros(0),
+    "complex": torch.tensor([1 + 2j, -3 + 0j]),
+    "half": torch.tensor([0.5, -1.5, 2.0], dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECIAL))
+@pytest.mark.parametrize("range_", [None, (-1.0, 1.0)])
+def test_a_summary_merges_as_running_stats_update(name: str, range_: tuple[float, float] | None) -> None:
+    from fwdtrace.instrument.ingraph import StatsSlot, drain
+    from fwdtrace.instrument.stats import RunningStats
+
+    batches = [SPECIAL[name], torch.linspace(-2, 4, 7).to(SPECIAL[name].dtype)]
+    want, got = RunningStats(4, range_), RunningStats(4, range_)
+    slot = StatsSlot(got)
+    for batch in batches:
+        want.update(batch)
+        slot.add(batch)
+    drain()
+    slot.close()
+    assert got.to_dict() == pytest.approx(want.to_dict(), rel=1e-12, nan_ok=True)
+
+
+def test_in_graph_and_eager_routes_share_a_wrapper_whichever_leaves_first() -> None:
+    case = make("torch.compile")
+    original = case.run.forward
+    step(case.run)
+    probe = fwdtrace.Probe(case.given)
+    stats = probe.running_stats(LAYER)
+    sampler = Sampler(case.given)
+    sampler.arm(LAYER, "grad")  # needs the eager route: the in-graph hooks then run eagerly
+    assert step(case.run) == 0
+    sampler.close()
+    assert step(case.run) == 1  # back in the compiled copy with the probe's hooks
+    probe.remove()
+    assert case.run.forward is original and step(case.run) == 1
+    assert stats.stats[LAYER].to_dict() == pytest.approx(eager_stats(eager_outputs(case.eager, LAYER, 2)), rel=1e-9)
+
+
+@pytest.mark.parametrize(("how", "of", "says"), [
+    ("torch.compile", "output", "computed inside the compiled graphs"),
+    ("torch.compile", "grad_output", "the compiled parts run eagerly while attached"),
+    ("module.compile", "output", "computed inside the compiled graphs"),
+    ("submodule.compile", "input", "computed inside the compiled graphs"),
+    ("submodule.compile", "grad_input", "the compiled parts run eagerly while attached"),
+])
+def test_a_stats_handle_says_how_the_model_runs(how: str, of: str, says: str) -> None:
+    case = make(how)
+    with fwdtrace.Probe(case.given) as probe:
+        handle = probe.running_stats(LAYER, of=of)
+        assert repr(handle) == f"StatsHandle({LAYER}; of={of}; {says})"
+        assert handle.in_graph == (says.startswith("computed"))
+
+
+def test_a_forward_arm_samples_the_compiled_graphs_copies() -> None:
+    case = make("submodule")
+    assert step(case.run) == 1
+    graphs = compile_state()
+    sampler = Sampler(case.given)
+    try:
+        sampler.arm(LAYER, "forward", every=2)
+        assert sampler.arms[(LAYER, "forward")].info()["runs"] == "compiled"
+        assert [step(case.run) for _ in range(4)] == [1, 1, 1, 1]
+        assert compile_state() == (graphs[0] + 1, 0)  # arming compiled one graph, with no break
+        sampler.disarm(LAYER)
+        assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+        sampler.drain(30)
+        samples = sampler.samples(LAYER, "forward")
+        info = sampler.arms[(LAYER, "forward")].info()
+    finally:
+        sampler.close()
+    assert (info["calls"], info["taken"]) == (4, 2)  # every call counted after its graph, every second sampled
+    want = eager_outputs(case.eager, LAYER, 4)[::2]
+    got = [t["mean"] for s in samples for t in s["tensors"] if t["role"] == "output"]
+    assert got == pytest.approx([float(o.double().mean()) for o in want], rel=1e-9)
+
+
+def test_a_transformer_blocks_layers_are_sampled_compiled() -> None:
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    eager = copy.deepcopy(block)
+    compiled = torch.compile(block, backend=counting)
+    x = torch.randn(2, 5, 16)
+    compiled(x).sum().backward()
+    counters.clear()
+    stats, calls = [], []
+    for model in (compiled, eager):
+        with fwdtrace.Probe(model) as probe:
+            # the attention's tuple output, a layer, a norm and the whole block
+            stats.append(probe.running_stats(["self_attn", "linear2", "norm1", "TransformerEncoderLayer"]))
+            for _ in range(2):
+                CALLS[0] = 0
+                model(x).sum().backward()
+                calls.append(CALLS[0])
+    assert calls == [1, 1, 0, 0]
+    assert stats[0].in_graph and sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+    assert list(stats[0].stats) == list(stats[1].stats) and len(stats[1].stats) == 4
+    for key, want in stats[1].stats.items():
+        assert stats[0].stats[key].to_dict() == pytest.approx(want.to_dict(), rel=1e-6), key
+
+
+def test_what_cannot_be_compiled_with_the_hooks_runs_eagerly_and_says_so() -> None:
+    compiles = [0]
+
+    def first_only(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compiles[0] += 1
+        if compiles[0] > 1:
+            raise RuntimeError("this backend compiles one graph")
+        return counting(gm, example_inputs)
+
+    torch.manual_seed(0)
+    net = Net()
+    eager = copy.deepcopy(net)
+    compiled = torch.compile(net, backend=first_only)
+    assert step(compiled) == 1
+    with fwdtrace.Probe(compiled) as probe:
+        stats = probe.running_stats(LAYER)
+        with pytest.warns(RuntimeWarning, match=r"^fwdtrace: compiling Net with the hooks of the tools attached "
+                          r"failed \(BackendCompilerFailed: .*\); it runs eagerly while they are attached"):
+            assert step(compiled) == 0
+        assert step(compiled) == 0  # eager, without trying again
+    assert stats.stats[LAYER].to_dict() == pytest.approx(eager_stats(eager_outputs(eager, LAYER, 2)), rel=1e-9)
+    assert step(compiled) == 1
+
+
+def test_a_failing_compiled_forward_arm_disarms_its_key_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make("torch.compile")
+    original = case.run.forward
+    assert step(case.run) == 1
+    sampler = Sampler(case.given)
+    try:
+        def broken(*args: Any) -> None:
+            raise ValueError("no room")
+
+        monkeypatch.setattr(sampler, "_submit", broken)
+        sampler.arm(LAYER, "forward")
+        assert step(case.run) == 1  # the step ran compiled and finished
+        info = sampler.arms[(LAYER, "forward")].info()
+        assert not info["armed"] and info["error"] == "disarmed: the forward hook raised ValueError: no room"
+        assert case.run.forward is original and step(case.run) == 1  # the model's own graph again
+    finally:
+        sampler.close()

@@ -1,16 +1,25 @@
-"""Compiled models: what ``torch.compile`` wrapped, and running it eagerly while a tool is attached.
+"""Compiled models: what ``torch.compile`` wrapped, and how it runs while a tool is attached.
 
 Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): a
 hook added after a compiled model's first call never runs, and one present when the model is
 compiled is compiled in, broken up wherever it locks, writes a file or reads a clock, and that
-broken-up code stays cached after the hook is gone. So while any fwdtrace tool is attached to a
-model, every compiled part of it runs its eager module instead: an ``OptimizedModule``
-(``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module its plain
-``_call_impl``, and a wrapper made around one of the model's modules that fwdtrace was not shown
-(``torch.compile(model)`` after ``Probe(model)``) is sent to that module by fwdtrace's one dispatch
-point (:func:`fwdtrace.patching.add_eager_modules`, installed while any route is held). The tools then see exactly the eager values,
-nothing they do enters dynamo's cache, and when the last of them leaves, in any order, every
-attribute is put back and the model runs the compiled code it had, without recompiling.
+broken-up code stays cached after the hook is gone. So a tool never lets a part's own compiled graphs
+see its hooks; while it is attached, the compiled parts run one of two routes.
+
+Hooks that dynamo traces without a break (:mod:`fwdtrace.instrument.ingraph`: forward statistics and
+copies) take the :class:`GraphRoute`: a ``torch.compile`` wrapper, or a module compiled in place, runs a
+compiled copy of its module made with those hooks in place and its own backend and options (found in
+dynamo's context), once per armed set.
+
+Every other hook takes the :class:`EagerRoute`: every compiled part runs its eager module instead. An
+``OptimizedModule`` (``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module
+its plain ``_call_impl``, and a wrapper made around one of the model's modules that fwdtrace was not
+shown (``torch.compile(model)`` after ``Probe(model)``) is sent to that module by fwdtrace's one
+dispatch point (:func:`fwdtrace.patching.add_eager_modules`, installed while any route is held). The
+tools then see exactly the eager values and nothing they do enters dynamo's cache.
+
+Either way, when the last tool leaves, in any order, every attribute is put back and the model runs
+the compiled code it had, without recompiling.
 
 Keys see through the wrappers too: :func:`eager_module` and :func:`eager_path` are how
 :func:`fwdtrace.instrument.keys.key2module` names ``torch.compile(model)``'s layers ``0.Linear``, not
@@ -20,6 +29,8 @@ Keys see through the wrappers too: :func:`eager_module` and :func:`eager_path` a
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -28,9 +39,11 @@ import torch
 
 from ..errors import FwdtraceError
 from ..patching import Patcher, add_eager_modules, critical, remove_eager_modules
+from .ingraph import drain
 
 __all__ = [
     "CALL_KINDS", "is_compile_wrapper", "compiled_in_place", "eager_module", "eager_path", "compiled_parts", "EagerRoute",
+    "GraphRoute", "graph_routable",
 ]
 
 # What the tools sample through module hooks, which dynamo's compiled code skips: these need the eager route.
@@ -103,71 +116,162 @@ def compiled_parts(model: torch.nn.Module) -> list[tuple[str, str]]:
 
 @dataclass
 class _Routed:
-    """One compiled module running eagerly: the patch that does it, and how many attachments want it."""
+    """One compiled module while tools are attached: the patch that routes its calls, how many attachments
+    want it eager, and (a ``torch.compile`` wrapper only) the in-graph statistics slots armed under it, with
+    a compiled copy of its module per armed set."""
 
     patcher: Patcher
     users: int = 0
+    slots: dict[int, int] = field(default_factory=dict)  # slot id -> how many GraphRoutes hold it
+    graphs: dict[frozenset[int], Any] = field(default_factory=dict)  # armed slot ids -> compiled call
+    context: Any = None  # dynamo's context that compiled the module (its backend and options), if known
+
+    def idle(self) -> bool:
+        return self.users == 0 and not self.slots
 
 
-_ROUTED: dict[int, _Routed] = {}  # id() of a compiled module -> its eager route
+_ROUTED: dict[int, _Routed] = {}  # id() of a compiled module -> its route
 
 
-@dataclass
-class EagerRoute:
-    """One tool's attachment to a model: while it is held, the model's compiled parts run eagerly.
+def _checked_walk(model: torch.nn.Module, caller: str) -> list[tuple[str, torch.nn.Module]]:
+    walked = list(_walk(model))
+    for path, module in walked:
+        if _compiled_forward(module) and not is_compile_wrapper(module):
+            raise FwdtraceError(
+                f"{caller} cannot reach into module {path or '<root>'!r} ({type(module).__name__}): its "
+                "forward is a torch.compile'd function, which fwdtrace cannot run eagerly; compile the module "
+                "instead (torch.compile(module) or module.compile()), whose layers fwdtrace runs eagerly while attached"
+            )
+    return walked
 
-    >>> import torch
-    >>> from fwdtrace.instrument.compiled import EagerRoute
-    >>> compiled = torch.compile(torch.nn.Linear(2, 2))
-    >>> with EagerRoute(compiled, "Probe"):
-    ...     compiled.forward == compiled._orig_mod.__call__
-    True
 
-    Counted per compiled module: the last attachment to leave (in any order, exceptions and
-    Ctrl-C included: each step is a :class:`~fwdtrace.patching.critical` section) puts back
-    the very objects that were there. :meth:`release` twice is harmless. A model whose
-    ``forward`` attribute is itself a compiled function (``model.forward = torch.compile(...)``)
-    has no eager module fwdtrace could run: ``caller`` raises :class:`FwdtraceError`.
-    """
+def _unseen_wrapper_targets(walked: list[tuple[str, torch.nn.Module]]) -> list[torch.nn.Module]:
+    """The modules a ``torch.compile`` wrapper made later, where fwdtrace cannot see it (``torch.compile(model)``
+    after ``Probe(model)``), must be sent to by the dispatch point while a route is held: every module not
+    already behind a wrapper fwdtrace routes."""
+    wrapped = {id(m._orig_mod) for _, m in walked if is_compile_wrapper(m)}
+    return [m for _, m in walked if not is_compile_wrapper(m) and id(m) not in wrapped]
 
-    model: torch.nn.Module
-    caller: str
-    _modules: list[torch.nn.Module] = field(default_factory=list)
-    _compiled: list[torch.nn.Module] = field(default_factory=list)
-    held: bool = False
 
-    def __post_init__(self) -> None:
+def _dynamo_context(module: torch.nn.Module) -> Any:
+    """What compiled ``module`` (dynamo's context: its backend and options), or None where it cannot be found."""
+    if is_compile_wrapper(module):
+        return module.dynamo_ctx
+    compiled = getattr(module, "_compiled_call_impl", None)  # torch.compile(self._call_impl): the context is in its closure
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if type(value).__name__ == "OptimizeContext" and type(value).__module__.startswith("torch._dynamo"):
+            return value
+    return None
+
+
+def _compile_again(context: Any, inner: Any) -> Any:
+    """``inner`` compiled anew, with ``context``'s backend and options, in a cache of its own."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return inner(*args, **kwargs)
+
+    # Dynamo keeps compiled code per code object and does not guard on module hooks: a copy of this code
+    # object per armed set is compiled with exactly that set's hooks, and never reuses the module's own graphs.
+    call.__code__ = call.__code__.replace()
+    return context(call)
+
+
+def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
+    """What a compiled module's calls go to while routed: its eager module (or plain ``_call_impl``) while
+    an eager route is held, else a compiled copy made with the in-graph hooks armed under it."""
+    if is_compile_wrapper(module):
+        inner = cast("torch.nn.Module", module._orig_mod).__call__
+    else:
+
+        def inner(*args: Any, **kwargs: Any) -> Any:  # looked up at each call: fwdtrace's dispatch point patches it
+            return module._call_impl(*args, **kwargs)
+
+    context = routed.context
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if routed.users or not routed.slots:  # a tool that needs the eager route is attached
+            return inner(*args, **kwargs)
+        armed = frozenset(routed.slots)
+        call = routed.graphs.get(armed)
+        if call is None:
+            call = routed.graphs[armed] = _compile_again(context, inner)
+        try:
+            try:
+                return call(*args, **kwargs)
+            except Exception as e:
+                # Training is never broken by a tool: what dynamo or the backend could not compile with the
+                # hooks runs eagerly while they are attached (an error of the model's own is raised there again).
+                if not _from_dynamo(e) or call is inner:
+                    raise
+                routed.graphs[armed] = inner
+                first_line = (str(e).strip().splitlines() or [""])[0]
+                warnings.warn(
+                    f"fwdtrace: compiling {type(eager_module(module)).__name__} with the hooks of the tools attached "
+                    f"failed ({type(e).__name__}: {first_line}); it runs eagerly while they are attached",
+                    RuntimeWarning, stacklevel=2,
+                )
+                return inner(*args, **kwargs)
+        finally:
+            drain()
+
+    return forward
+
+
+def _from_dynamo(error: Exception) -> bool:
+    dynamo_exc = sys.modules.get("torch._dynamo.exc")
+    return dynamo_exc is not None and isinstance(error, dynamo_exc.TorchDynamoException)
+
+
+def _routed(module: torch.nn.Module) -> _Routed:
+    routed = _ROUTED.get(id(module))
+    if routed is None:
+        routed = _ROUTED[id(module)] = _Routed(Patcher(), context=_dynamo_context(module))
+        if is_compile_wrapper(module):  # its own hooks still run, around the routed call
+            routed.patcher.patch(module, "forward", _routing_call(module, routed))
+        elif routed.context is not None:  # compiled in place: nn.Module.__call__ calls this instead
+            routed.patcher.patch(module, "_compiled_call_impl", _routing_call(module, routed))
+        else:
+            routed.patcher.patch(module, "_compiled_call_impl", None)
+    return routed
+
+
+def _put_back_if_idle(module: torch.nn.Module, routed: _Routed, errors: list[Exception]) -> None:
+    if routed.idle():
+        del _ROUTED[id(module)]
+        try:
+            routed.patcher.restore()
+        except Exception as e:  # put back the others all the same
+            errors.append(e)
+
+
+class _Route:
+    """What :class:`EagerRoute` and :class:`GraphRoute` share: held from construction until :meth:`release`
+    (twice is harmless), each step a :class:`~fwdtrace.patching.critical` section; a wrapper made later around
+    the model's modules is sent to them meanwhile. Subclasses say what they take and give back per route."""
+
+    def __init__(self, model: torch.nn.Module, caller: str) -> None:
+        self.model, self.caller = model, caller
+        self.held = False
+        self._modules: list[torch.nn.Module] = []
         self.acquire()
 
-    def acquire(self) -> EagerRoute:
+    def _take(self, walked: list[tuple[str, torch.nn.Module]]) -> None:
+        raise NotImplementedError
+
+    def _give_back(self, errors: list[Exception]) -> None:
+        raise NotImplementedError
+
+    def acquire(self) -> _Route:
         if self.held:
             return self
-        walked = list(_walk(self.model))
-        for path, module in walked:
-            if _compiled_forward(module) and not is_compile_wrapper(module):
-                raise FwdtraceError(
-                    f"{self.caller} cannot reach into module {path or '<root>'!r} ({type(module).__name__}): its "
-                    "forward is a torch.compile'd function, which fwdtrace cannot run eagerly; compile the module "
-                    "instead (torch.compile(module) or module.compile()), whose layers fwdtrace runs eagerly while attached"
-                )
-        wrapped = {id(m._orig_mod) for _, m in walked if is_compile_wrapper(m)}
+        walked = _checked_walk(self.model, self.caller)
         with critical():
-            self._compiled = [  # what another attachment routes already is compiled too
-                m for _, m in walked
-                if id(m) in _ROUTED or is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
-            ]
-            for module in self._compiled:
-                routed = _ROUTED.get(id(module))
-                if routed is None:
-                    routed = _ROUTED[id(module)] = _Routed(Patcher())
-                    if is_compile_wrapper(module):  # its hooks still run, around the eager module
-                        routed.patcher.patch(module, "forward", cast("torch.nn.Module", module._orig_mod).__call__)
-                    else:
-                        routed.patcher.patch(module, "_compiled_call_impl", None)
-                routed.users += 1
-            # A wrapper made later, where fwdtrace cannot see it (torch.compile(model) after Probe(model)), is
-            # sent to its module by the dispatch point: installed for as long as this route is held.
-            self._modules = [m for _, m in walked if not is_compile_wrapper(m) and id(m) not in wrapped]
+            self._take(walked)
+            self._modules = _unseen_wrapper_targets(walked)
             add_eager_modules(self._modules)
             self.held = True
         return self
@@ -178,25 +282,107 @@ class EagerRoute:
                 return
             self.held = False
             remove_eager_modules(self._modules)
-            errors = []
-            for module in reversed(self._compiled):
-                routed = _ROUTED[id(module)]
-                routed.users -= 1
-                if routed.users == 0:
-                    del _ROUTED[id(module)]
-                    try:
-                        routed.patcher.restore()
-                    except Exception as e:  # put back the others all the same
-                        errors.append(e)
-            self._compiled, self._modules = [], []
+            self._modules = []
+            errors: list[Exception] = []
+            self._give_back(errors)
         if errors:
             raise errors[0]
 
     remove = release  # as a torch hook handle, among a tool's hook handles
 
-    def __enter__(self) -> EagerRoute:
+    def __enter__(self) -> _Route:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+
+class EagerRoute(_Route):
+    """One tool's attachment to a model: while it is held, the model's compiled parts run eagerly.
+
+    >>> import torch
+    >>> from fwdtrace.instrument.compiled import EagerRoute
+    >>> compiled = torch.compile(torch.nn.Linear(2, 2))
+    >>> before = compiled.forward
+    >>> with EagerRoute(compiled, "Probe"):
+    ...     compiled.forward is before
+    False
+    >>> compiled.forward is before
+    True
+
+    Counted per compiled module: the last attachment to leave (in any order, exceptions and
+    Ctrl-C included: each step is a :class:`~fwdtrace.patching.critical` section) puts back
+    the very objects that were there. :meth:`release` twice is harmless. A model whose
+    ``forward`` attribute is itself a compiled function (``model.forward = torch.compile(...)``)
+    has no eager module fwdtrace could run: ``caller`` raises :class:`FwdtraceError`.
+    """
+
+
+    def _take(self, walked: list[tuple[str, torch.nn.Module]]) -> None:
+        self._compiled = [  # what another attachment routes already is compiled too
+            m for _, m in walked
+            if id(m) in _ROUTED or is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
+        ]
+        for module in self._compiled:
+            _routed(module).users += 1
+
+    def _give_back(self, errors: list[Exception]) -> None:
+        for module in reversed(self._compiled):
+            routed = _ROUTED[id(module)]
+            routed.users -= 1
+            _put_back_if_idle(module, routed, errors)
+        self._compiled = []
+
+
+def _compiled_context(module: torch.nn.Module) -> Any:
+    routed = _ROUTED.get(id(module))
+    return routed.context if routed is not None else _dynamo_context(module)
+
+
+def graph_routable(model: torch.nn.Module) -> bool:
+    """Whether in-graph hooks (:mod:`fwdtrace.instrument.ingraph`) can sample ``model`` as it runs compiled:
+    it has compiled parts, and fwdtrace knows how each was compiled (a ``torch.compile`` wrapper, or a module
+    compiled in place whose compiled call holds dynamo's context), so that it can compile a copy alike."""
+    compiled = [m for _, m in _walk(model) if is_compile_wrapper(m) or compiled_in_place(m)]
+    return bool(compiled) and all(_compiled_context(m) is not None for m in compiled)
+
+
+class GraphRoute(_Route):
+    """One tool's in-graph hooks on a model: while held, each compiled part with any of them below it (a
+    ``torch.compile`` wrapper, a module compiled in place) runs a compiled copy of its module made with those
+    hooks in place, with the part's backend and options.
+
+    The copy is compiled once per armed set of slots (arming a key costs one compilation; the part's own
+    graphs are set aside, not changed, so disarming costs none) and kept while its slots are armed. While an
+    :class:`EagerRoute` is also held on a part, the part runs eagerly and the hooks run there.
+    ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
+    """
+
+    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]]) -> None:
+        self.modules = modules
+        self._armed: list[tuple[torch.nn.Module, list[int]]] = []
+        super().__init__(model, caller)
+
+    def _take(self, walked: list[tuple[str, torch.nn.Module]]) -> None:
+        for _, wrapper in walked:
+            if not (is_compile_wrapper(wrapper) or compiled_in_place(wrapper)):
+                continue
+            inside = {id(m) for m in eager_module(wrapper).modules()}
+            slot_ids = [slot_id for slot_id, module in self.modules if id(module) in inside]
+            if slot_ids:
+                routed = _routed(wrapper)
+                for slot_id in slot_ids:
+                    routed.slots[slot_id] = routed.slots.get(slot_id, 0) + 1
+                self._armed.append((wrapper, slot_ids))
+
+    def _give_back(self, errors: list[Exception]) -> None:
+        for wrapper, slot_ids in reversed(self._armed):
+            routed = _ROUTED[id(wrapper)]
+            for slot_id in slot_ids:
+                routed.slots[slot_id] -= 1
+                if routed.slots[slot_id] == 0:
+                    del routed.slots[slot_id]
+                    # a slot is never armed again: the copies compiled with it go
+                    routed.graphs = {k: v for k, v in routed.graphs.items() if slot_id not in k}
+            _put_back_if_idle(wrapper, routed, errors)
+        self._armed = []

@@ -41,8 +41,17 @@ from .._host import to_numpy
 from .._tree import dtype_name, iter_tensors
 from ..errors import FwdtraceError, describe
 from ..instrument.bins import DEFAULT_BINS, SteadyBins, check_bins_spec
-from ..instrument.compiled import CALL_KINDS, EagerRoute, compiled_in_place, eager_module
+from ..instrument.compiled import (
+    CALL_KINDS,
+    EagerRoute,
+    GraphRoute,
+    compiled_in_place,
+    compiled_parts,
+    eager_module,
+    graph_routable,
+)
 from ..instrument.grads import register_grad_hook
+from ..instrument.ingraph import ForwardHook, Slot
 from ..instrument.keys import key2module, select_modules
 from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from ..instrument.stats import RunningStats
@@ -126,6 +135,9 @@ class Arm:
         self.handles: list[Any] = []
         self.armed = True
         self.error: str | None = None
+        # On a compiled model: "compiled" (its compiled code runs while armed) or "eager" (its compiled parts
+        # run their eager modules while armed); None on an eager model.
+        self.runs: str | None = None
 
     @property
     def dropped(self) -> int:
@@ -148,7 +160,7 @@ class Arm:
                 "key": self.key, "kind": self.kind, "every": self.every, "count": self.count, "raw": self.raw,
                 "armed": self.armed, "calls": self.calls, "taken": self.taken, "samples": len(self.buffer),
                 "dropped": self.dropped, "skipped": self.skipped, "over_budget": self.over_budget,
-                "ring": self.buffer.maxlen, "error": self.error, "roles": list(self.series),
+                "ring": self.buffer.maxlen, "error": self.error, "roles": list(self.series), "runs": self.runs,
             }
 
     def detach(self) -> None:
@@ -253,6 +265,10 @@ class Sampler:
             raise FwdtraceError(f"arm() expected kind as one of {', '.join(KINDS)}, got {kind!r}")
         spec = self.bins if bins is None else check_bins_spec(bins, "arm()")
         keys = self.select(selector)
+        # Forward arms of a torch.compile'd model copy the call's tensors inside its compiled graph;
+        # gradient arms hook autograd around the call, which needs the eager modules.
+        # (A root compiled in place runs eagerly while served: see _root_route.)
+        in_graph = kind == "forward" and self._root_route is None and graph_routable(self.model)
         # Hooks are added under the lock that close() takes: an arm racing stop() either lands
         # before close() (which then removes it) or finds the sampler closed; never in between.
         with self._arms_lock:
@@ -262,11 +278,17 @@ class Sampler:
                 module = self.key2module[key]
                 roles = [name for name, _ in module_parameters(module)] if kind in PARAMETER_KINDS else []
                 arm = Arm(key, kind, every, count, raw, self.ring, spec, roles)
-                if kind in CALL_KINDS:  # while armed, the model's compiled parts run eagerly
+                if compiled_parts(self.model):
+                    eager = self._root_route is not None or (kind in CALL_KINDS and not in_graph)
+                    arm.runs = "eager" if eager else "compiled"
+                if in_graph:  # copies taken in the compiled graph, sampled after it
+                    hook = ForwardHook.copies(module, Slot(self._guard(arm, "the forward hook", self._copies_taken(arm))))
+                    arm.handles += [hook, GraphRoute(self.model, "arm()", [(hook.slot.id, module)])]
+                elif kind == "forward":  # while armed, the model's compiled parts run eagerly
                     arm.handles.append(EagerRoute(self.model, "arm()"))
-                if kind == "forward":
                     arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
                 elif kind == "grad":
+                    arm.handles.append(EagerRoute(self.model, "arm()"))
                     arm.handles.append(self._grad_hooks(arm, module))
                 else:
                     parameters = module_parameters(module)
@@ -340,6 +362,17 @@ class Sampler:
                 self._submit(arm, call, _series("input", inputs) + _series("output", list(iter_tensors(rest[-1], "output"))))
 
         return self._guard(arm, "the forward hook", hook)
+
+    def _copies_taken(self, arm: Arm) -> Callable[[Any], None]:
+        """What a compiled forward arm's copies go to, after the graph: every call counts, sampled ones are queued."""
+        def taken(payload: tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]) -> None:
+            call = self._take(arm)
+            if call is not None:
+                inputs, outputs = payload
+                # Copied again: a compiled graph may reuse its outputs' memory at its next call (CUDA graphs).
+                self._submit(arm, call, _series("input", inputs) + _series("output", outputs))
+
+        return taken
 
     def _grad_hooks(self, arm: Arm, module: torch.nn.Module) -> Any:
         def on_grads(call: int, grad_input: tuple, grad_output: tuple) -> None:

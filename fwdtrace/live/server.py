@@ -415,8 +415,11 @@ class Server:
             raise _Reply(503, str(e)) from None
         except FwdtraceError:
             raise _Reply(404, f"{key!r} matches no module key or path", closest=self._closest(key)) from None
+        arms = [self.sampler.arms.get((k, kind)) for k in keys[:1]]
+        # "compiled" or "eager": how a compiled model runs while armed (None: an eager model)
+        runs = arms[0].runs if arms and arms[0] is not None else None
         return _json({"armed": keys, "kind": kind, "every": every, "count": count, "raw": raw,
-                      "bins": self.sampler.bins if bins is None else bins})
+                      "bins": self.sampler.bins if bins is None else bins, "runs": runs})
 
     def disarm(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         key = query.get("key")

@@ -37,8 +37,9 @@ import torch
 from .._tree import tensors_of
 from ..errors import FwdtraceError, check_callback, describe
 from ..instrument.bins import DEFAULT_BINS, check_bins_spec
-from ..instrument.compiled import CALL_KINDS, EagerRoute, eager_module
+from ..instrument.compiled import EagerRoute, GraphRoute, eager_module, graph_routable
 from ..instrument.grads import register_grad_hook
+from ..instrument.ingraph import ForwardHook, Slot
 from ..instrument.keys import Selector, key2module, select_modules
 from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from . import worker as worker_module
@@ -333,6 +334,14 @@ def _on_output(record: Callable[[Any], None]) -> Callable[[torch.nn.Module, Any,
     return hook
 
 
+def _on_copies(record: Callable[[Any], None]) -> Callable[[Any], None]:
+    """What a compiled model's forward copies (``(inputs, outputs)``) go to after the graph: the outputs."""
+    def taken(payload: tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]) -> None:
+        record([t for _, t in payload[1]])
+
+    return taken
+
+
 def _on_grad_output(record: Callable[[Any], None]) -> Callable[[torch.nn.Module, Any, Any], None]:
     def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
         record(grad_output)
@@ -519,15 +528,22 @@ class Recorder:
             return list(selected)
         if not self.processes:
             self._start_workers()
-        if any(k in CALL_KINDS for _, _, k, _, _ in plan):
-            # Module hooks run only outside compiled code: the model's compiled parts run eagerly while recorded.
+        # Outputs of a torch.compile wrapper's layers are copied inside a compiled copy of it and recorded
+        # after its graph; other module hooks run only outside compiled code: the model's compiled parts
+        # then run eagerly while recorded.
+        in_graph = graph_routable(model)
+        if any(k == "grad" or (k == "forward" and not in_graph) for _, _, k, _, _ in plan):
             self._handles.append(EagerRoute(model, "Recorder.track()"))
+        in_graph_hooks: list[ForwardHook] = []
         name2record: dict[tuple[torch.nn.Module, str], dict[str, Callable[[Any], None]]] = {}
         for i, (stem, key, k, module, param) in enumerate(plan, sum(len(c.stats) for c in self._channels)):
             channel = self._channels[i % len(self._channels)]
             channel.add(stem, key, k)
             record = self._recorder_of(stem, f"{key}.{param}" if param else key, k, channel)
-            if k == "forward":
+            if k == "forward" and in_graph:
+                in_graph_hooks.append(ForwardHook.copies(module, Slot(_on_copies(record)), inputs=False))
+                self._handles.append(in_graph_hooks[-1])
+            elif k == "forward":
                 self._handles.append(module.register_forward_hook(_on_output(record)))
             elif k == "grad":
                 self._handles.append(register_grad_hook(module, _on_grad_output(record)))
@@ -536,6 +552,8 @@ class Recorder:
         for (module, _), records in name2record.items():
             named = [(n, p) for n, p in module_parameters(module) if n in records]
             self._handles.extend(after_backward(named, _on_parameter(records)))
+        if in_graph_hooks:
+            self._handles.append(GraphRoute(model, "Recorder.track()", [(h.slot.id, h.module) for h in in_graph_hooks]))
         return list(selected)
 
     def _start_workers(self) -> None:
