@@ -43,8 +43,12 @@ def _emulate_tf32(model: nn.Module) -> nn.Module:
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             with torch.no_grad():
                 m.weight.copy_(tf32(m.weight))
-            # straight through: the forward reads the rounded input, the gradient flows as it was
-            m.register_forward_pre_hook(lambda m, args: (args[0] + (tf32(args[0]) - args[0]).detach(),))
+            # Inside the layer, as a TF32 kernel rounds: the call's input (what a dump records) is the
+            # run's own, the product reads it rounded; straight through, the gradient flows as it was.
+            def forward(x: torch.Tensor, _forward=m.forward) -> torch.Tensor:
+                return _forward(x + (tf32(x) - x).detach())
+
+            m.forward = forward  # type: ignore[method-assign]
     return model
 
 
