@@ -9,6 +9,8 @@ compiled and where it broke them.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -708,3 +710,27 @@ def test_a_failing_compiled_forward_arm_disarms_its_key_and_training_goes_on(mon
         assert case.run.forward is original and step(case.run) == 1  # the model's own graph again
     finally:
         sampler.close()
+
+
+# -- inductor, the backend most training scripts compile with ----------------------------------------
+_CXX = next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+
+
+@pytest.mark.skipif(_CXX is None, reason="inductor on the CPU needs a C++ compiler (g++ or clang++), none on PATH")
+def test_inductor_compiled_forward_statistics_equal_the_eager_models() -> None:
+    """The default backend, which generates and compiles C++: statistics computed inside its code equal a
+    plain hook's on an eager copy (to float32 rounding: inductor fuses), with no graph break."""
+    torch.manual_seed(0)
+    net = Net()
+    eager = copy.deepcopy(net)
+    compiled = torch.compile(net)  # inductor
+    compiled(X).square().mean().backward()
+    with fwdtrace.Probe(compiled) as probe:
+        handle = probe.running_stats(LAYER)
+        for _ in range(2):
+            compiled(X).square().mean().backward()
+        assert "computed inside the compiled graphs" in repr(handle)
+    assert sum(counters["graph_break"].values()) == 0
+    got, want = handle.stats[LAYER].to_dict(), eager_stats(eager_outputs(eager, LAYER, 2))
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert torch.allclose(compiled(X), eager(X), rtol=1e-5, atol=1e-6)  # still the model it was
