@@ -219,6 +219,9 @@ def _dump_diff_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--picture", default=None, metavar="PATH",
                         help="draw the run's graph coloured by error into PATH (.svg, .png, .pdf); needs dumps "
                              "written with calls='functions' or 'all'")
+    parser.add_argument("--model-explorer", default=None, metavar="DIR",
+                        help="write the run's graph with each call's errors as node data for Model Explorer into DIR "
+                             "(diff.json and diff.*.json); needs dumps written with calls='functions' or 'all'")
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,7 +46,8 @@ from .instrument.calls import ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import GradCall
 from .instrument.keys import key2module, key_path
-from .node import Node
+from .node import Node, Scope
+from .passes.align import align
 from .patching import (
     InterruptGuard,
     add_call_handler,
@@ -58,6 +59,9 @@ from .patching import (
 from .precision import Agreement, math_record, pair_precision, rounding_explains
 from .summary import BINS, FIELDS, as_dict, compared, summarize, summarize_blocks
 from .tracer import Tracer, active_tracer
+
+if TYPE_CHECKING:
+    from .passes.model_explorer import ModelExplorerFiles
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
 
@@ -1194,6 +1198,7 @@ class DumpRow:
     function: str = ""  # a function call's function ("torch.Tensor.softmax"), "" for a module call
     one_sided: bool = False  # the call is in one run only (an extra cast, an added layer)
     call_index: int = 0  # which call of its key
+    key_b: str = ""  # the call's key in run b where it differs (a renamed layer, matched through the graphs)
 
 
 @dataclass
@@ -1211,6 +1216,8 @@ class DumpReport:
     math: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     # the graph of run a's step (of b's where a has none), stored by a dump of function calls
     graph: Graph | None = field(default=None, repr=False)
+    # the dumps that hold no graph (of module calls only): calls were matched by key and call order only
+    without_graph: list[str] = field(default_factory=list)
 
     @property
     def equal(self) -> bool:
@@ -1224,13 +1231,21 @@ class DumpReport:
 
     @property
     def only_in_a(self) -> list[str]:
-        """The keys of the calls only run ``a`` made (matched by key and call index), in its order."""
+        """The keys of the calls only run ``a`` made (matched by key and call order, and through the graphs
+        where the dumps hold them), in its order."""
         return self._one_sided("missing in b")
 
     @property
     def only_in_b(self) -> list[str]:
-        """The keys of the calls only run ``b`` made: an extra cast, an added or renamed layer."""
+        """The keys of the calls only run ``b`` made: an extra cast, an added layer (a renamed one too, where a
+        dump holds no graph)."""
         return self._one_sided("missing in a")
+
+    @property
+    def renamed(self) -> list[tuple[str, str]]:
+        """(key in ``a``, key in ``b``) of the calls matched through the graphs under another key, in ``a``'s
+        order: a renamed layer (``("fc.Linear", "proj.Linear")``) and the calls inside it."""
+        return list(dict.fromkeys((r.key, r.key_b) for r in self.rows if r.key_b))
 
     def render(self, path: str | os.PathLike[str], depth: int | str | None = "auto", **options: Any) -> str:
         """Draw the run's graph with each box coloured by its call's error and the first divergence in red.
@@ -1253,8 +1268,43 @@ class DumpReport:
         """
         from .onnx.compare import error_color
 
+        graph, worst = self._worst_by_node("DumpReport.render()")
+        fills = {n: error_color(r.max_rel if r.max_rel is not None else math.inf, self.rtol, r.allclose or bool(r.rounding))
+                 for n, r in worst.items()}
+        notes = {n: f"max rel err {_num(r.max_rel)}, cosine {_num(r.cosine)}"
+                 + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose else ", diverges")
+                 for n, r in worst.items()}
+        first = [n for n, r in worst.items() if _call_name(r) == self.first_divergence][:1]
+        return graph.render(path, depth, fills=fills, notes=notes, highlight=first, **options)
+
+    def to_model_explorer(self, folder: str | os.PathLike[str]) -> ModelExplorerFiles:
+        """Write the run's graph for Model Explorer with each call's errors as node data and the first
+        divergence in red: ``diff.json`` and ``diff.{cosine,norm_rel,max_abs,max_rel,verdict}.json`` in
+        ``folder`` (made if its parent exists).
+
+        >>> files = fwdtrace.compare_dumps("a.hdf5", "b.hdf5").to_model_explorer("diff")  # doctest: +SKIP
+        >>> sorted(files.node_data)  # doctest: +SKIP
+        ['cosine', 'max_abs', 'max_rel', 'norm_rel', 'verdict']
+
+        A call's numbers are its worst output's, as :meth:`render` colours its box; its verdict is
+        0 allclose, 1 within what the runs' rounding explains, 2 diverges (see
+        :func:`fwdtrace.passes.model_explorer.errors_to_model_explorer`). Open them with
+        ``model-explorer diff.json --node_data_paths=diff.max_rel.json,diff.verdict.json``. Needs
+        dumps that hold their run's graph, as :meth:`render` does. Returns the files written.
+        """
+        from .passes.model_explorer import CallErrors, errors_to_model_explorer
+
+        caller = "DumpReport.to_model_explorer()"
+        graph, worst = self._worst_by_node(caller)
+        errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, r.max_rel, 0 if r.allclose else 1 if r.rounding else 2)
+                  for n, r in worst.items()}
+        first = next((n for n, r in worst.items() if _call_name(r) == self.first_divergence), None)
+        return errors_to_model_explorer(graph, folder, errors, first=first, caller=caller)
+
+    def _worst_by_node(self, caller: str) -> tuple[Graph, dict[int, DumpRow]]:
+        """The run's graph and, per node of a call compared in both runs, its worst output row."""
         if self.graph is None:
-            raise FwdtraceError("DumpReport.render() expected dumps that hold their run's graph, written by "
+            raise FwdtraceError(f"{caller} expected dumps that hold their run's graph, written by "
                                 "Dumper(..., calls=\"functions\") or calls=\"all\", got dumps of module calls only")
         call2node = {(n.key, n.call_index): n.id for n in self.graph.nodes if n.kind in ("module", "function")}
         worst: dict[int, DumpRow] = {}
@@ -1264,13 +1314,7 @@ class DumpReport:
                 continue
             if node not in worst or _badness(row) > _badness(worst[node]):
                 worst[node] = row
-        fills = {n: error_color(r.max_rel if r.max_rel is not None else math.inf, self.rtol, r.allclose or bool(r.rounding))
-                 for n, r in worst.items()}
-        notes = {n: f"max rel err {_num(r.max_rel)}, cosine {_num(r.cosine)}"
-                 + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose else ", diverges")
-                 for n, r in worst.items()}
-        first = [n for n, r in worst.items() if _call_name(r) == self.first_divergence][:1]
-        return self.graph.render(path, depth, fills=fills, notes=notes, highlight=first, **options)
+        return self.graph, worst
 
     def _one_sided(self, note: str) -> list[str]:
         groups = {r.group: r.key for r in self.rows if r.one_sided and r.note == note}
@@ -1285,7 +1329,7 @@ class DumpReport:
                 continue
             verdict = "yes" if r.allclose else f"within {r.rounding} rounding" if r.rounding else "NO"
             body.append((
-                str(i), r.group, r.key, r.name, "x".join(map(str, r.shape)) or "scalar", _num(r.cosine),
+                str(i), r.group, r.key + (f" (b: {r.key_b})" if r.key_b else ""), r.name, "x".join(map(str, r.shape)) or "scalar", _num(r.cosine),
                 _num(r.max_abs), _num(r.max_rel), _num(r.norm_rel), verdict + (f" ({r.note})" if r.note else ""),
             ))
         widths = [max(len(h), *(len(row[j]) for row in body)) if body else len(h) for j, h in enumerate(header)]
@@ -1293,6 +1337,11 @@ class DumpReport:
         lines += [f"{Path(p).name}: {status}" for p, status in self.incomplete.items()]
         lines += [f"calls only in {side}: {', '.join(keys)}" for side, keys in (("a", self.only_in_a),
                                                                               ("b", self.only_in_b)) if keys]
+        if self.without_graph and (self.only_in_a or self.only_in_b):
+            sides = [side for side, p in (("a", self.path_a), ("b", self.path_b)) if p in self.without_graph]
+            which = "neither dump holds a graph" if len(sides) == 2 else f"dump {sides[0]} holds no graph"
+            lines.append(f"calls matched by key and call order only: {which} (a dump of module calls), so a renamed "
+                         "layer is one call only in a and one only in b")
         lines += self._math_lines()
         explained = [r for r in self.rows if not r.allclose and r.rounding]
         if self.equal:
@@ -1385,11 +1434,12 @@ def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> st
     return "by statistics" + "".join(f"; {c}" for c in counts)
 
 
-def _match_calls(ra: _Reader, rb: _Reader) -> dict[str, str]:
+def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader, graph_b: Graph | None) -> dict[str, str]:
     """Group of ``a`` -> group of ``b`` holding the same call: the two runs' calls aligned in call order
     (difflib's longest matching runs) by key and the shapes of their inputs and outputs, the roots with
     each other, so a call one run makes more (a cast, an added layer) is left out of the pairs, not
-    shifting them."""
+    shifting them. Where both dumps hold their run's graph, the calls left are paired through the two
+    graphs (:mod:`fwdtrace.passes.align`): a renamed layer pairs with its new name."""
     def calls(reader: _Reader) -> tuple[list[str], list[tuple]]:
         names, tokens = [], []
         for gname, group in reader.groups:
@@ -1407,7 +1457,62 @@ def _match_calls(ra: _Reader, rb: _Reader) -> dict[str, str]:
     for block in difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False).get_matching_blocks():
         for i in range(block.size):
             pairs[names_a[block.a + i]] = names_b[block.b + i]
+    if graph_a is not None and graph_b is not None:
+        shapes = {("a", n): t[1] for n, t in zip(names_a, tokens_a, strict=True)}
+        shapes.update({("b", n): t[1] for n, t in zip(names_b, tokens_b, strict=True)})
+        _match_through_graphs(_GraphCalls(ra, graph_a), _GraphCalls(rb, graph_b), pairs,
+                              lambda ga, gb: shapes["a", ga] == shapes["b", gb])
     return pairs
+
+
+class _GraphCalls:
+    """A dump's groups as its graph's nodes: a call's group by its node, a container module's group (no node:
+    the calls inside it are) by the nodes inside its call."""
+
+    def __init__(self, reader: _Reader, graph: Graph) -> None:
+        call2node = {(n.key, n.call_index): n.id for n in graph.nodes if n.kind in ("module", "function")}
+        scope2nodes: dict[Scope, set[int]] = {}
+        for n in graph.nodes:
+            for s in n.scope:
+                scope2nodes.setdefault(s, set()).add(n.id)
+        self.graph = graph
+        self.node2group: dict[int, str] = {}
+        self.containers: dict[str, tuple[str, set[int]]] = {}  # group -> (its class, the nodes inside its call)
+        for gname, group in reader.groups:
+            attrs = group.attrs
+            key, call_index = str(_attr(attrs.get("module_key", ""))), int(_attr(attrs.get("call_index", 0)))
+            path, class_name = str(_attr(attrs.get("module_path", ""))), str(_attr(attrs.get("class_name", "")))
+            node = call2node.get((key, call_index))
+            if node is not None:
+                self.node2group[node] = gname
+            elif path and "function" not in attrs:
+                self.containers[gname] = class_name, scope2nodes.get(Scope(path, class_name, call_index), set())
+        self.group2node = {g: n for n, g in self.node2group.items()}
+
+
+def _match_through_graphs(a: _GraphCalls, b: _GraphCalls, pairs: dict[str, str],
+                          same_shapes: Callable[[str, str], bool]) -> None:
+    """Add to ``pairs`` the calls the two graphs align: each call by its node, then each container
+    module's call with the one of the same class holding the same aligned calls."""
+    seed = {a.group2node[ga]: b.group2node[gb] for ga, gb in pairs.items()
+            if ga in a.group2node and gb in b.group2node}
+    a2b = align(a.graph, b.graph, seed)
+    taken, aligned_b = set(pairs.values()), set(a2b.values())
+    for na, nb in a2b.items():
+        ga, gb = a.node2group.get(na), b.node2group.get(nb)
+        if ga is not None and gb is not None and ga not in pairs and gb not in taken and same_shapes(ga, gb):
+            pairs[ga] = gb
+            taken.add(gb)
+    for ga, (class_name, inside_a) in a.containers.items():
+        image = {a2b[n] for n in inside_a if n in a2b}
+        if ga in pairs or not image:
+            continue
+        gb = next((gb for gb, (cls, inside_b) in b.containers.items() if gb not in taken and cls == class_name
+                   and inside_b & aligned_b == image and same_shapes(ga, gb)),
+                  None)
+        if gb is not None:
+            pairs[ga] = gb
+            taken.add(gb)
 
 
 def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
@@ -1507,8 +1612,11 @@ def compare_dumps(
                 report.incomplete[str(r.path)] = r.status
             report.math[str(r.path)] = r.math
         # calls matched in call order by key and shapes: an extra call on one side (a cast, an added layer)
-        # shifts the group numbers, not the matching
-        a2b = _match_calls(ra, rb)
+        # shifts the group numbers, not the matching; then through the graphs (a renamed layer)
+        graph_a, graph_b = ra.graph(), rb.graph()
+        report.graph = graph_a or graph_b
+        report.without_graph = [str(r.path) for r, g in ((ra, graph_a), (rb, graph_b)) if g is None]
+        a2b = _match_calls(ra, graph_a, rb, graph_b)
         b2a = {gb: ga for ga, gb in a2b.items()}
         order_a, order_b = ra.order(), rb.order()
         in_a, in_b = set(order_a), set(order_b)
@@ -1528,8 +1636,10 @@ def compare_dumps(
                     row.one_sided = ga is None or gb is None
                 else:
                     _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
+                if reader is ra and gb is not None:
+                    key_b = str(_attr(rb.file[gb].attrs.get("module_key", gb)))
+                    row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
-        report.graph = ra.graph() or rb.graph()
     report.first_divergence = _first_divergence(report.rows)
     return report
 
@@ -1543,6 +1653,9 @@ def run_cli(args: argparse.Namespace) -> int:
     print(report.to_text(only_diverged=args.only_diverged))
     if args.picture is not None:
         print(f"picture: {report.render(args.picture)}")
+    if args.model_explorer is not None:
+        files = report.to_model_explorer(args.model_explorer)
+        print(f"Model Explorer: {files.graph}, node data {', '.join(files.node_data.values())}")
     if report.incomplete:
         raise FwdtraceError("; ".join(f"{p} is {status}" for p, status in report.incomplete.items()))
     return 0 if report.agree else 1

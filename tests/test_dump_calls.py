@@ -258,15 +258,20 @@ class _Block(nn.Module):
         return torch.nn.functional.gelu(self.proj(x)).softmax(-1) @ x.transpose(-1, -2)
 
 
-def test_a_float32_run_and_its_autocast_bfloat16_run_match_call_for_call(tmp_path: Path) -> None:
+def _fp32_and_autocast_bf16(tmp_path: Path, fp32: nn.Module, bf16: nn.Module) -> list[Path]:
+    """A dump of ``fp32``'s step and one of ``bf16``'s under CPU autocast to bfloat16."""
     paths = []
-    for name, autocast in (("fp32", False), ("bf16", True)):
-        model = _Block()
+    for name, model, autocast in (("fp32", fp32, False), ("bf16", bf16, True)):
         with fwdtrace.Dumper(tmp_path / name, calls="all") as dumper, torch.autocast("cpu", torch.bfloat16,
                                                                                      enabled=autocast):
             dumper.register(model)
             model(_X).float().sum().backward()
         paths += dumper.paths
+    return paths
+
+
+def test_a_float32_run_and_its_autocast_bfloat16_run_match_call_for_call(tmp_path: Path) -> None:
+    paths = _fp32_and_autocast_bf16(tmp_path, _Block(), _Block())
     report = fwdtrace.compare_dumps(*paths)
     # autocast's casts happen below torch functions: the two traces are the same calls
     assert report.only_in_a == report.only_in_b == []
@@ -275,3 +280,34 @@ def test_a_float32_run_and_its_autocast_bfloat16_run_match_call_for_call(tmp_pat
     # and every difference is what bfloat16's rounding explains
     assert report.agree and not report.equal, report.to_text()
     assert {r.rounding for r in report.rows if not r.allclose} == {"bfloat16"}
+
+
+class _Mixed(nn.Module):
+    """Attention-like scores; under autocast the softmax runs in float32 between two casts of the model's own."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.name = name
+        self.add_module(name, nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = getattr(self, self.name)(x)
+        low = torch.is_autocast_enabled("cpu")
+        if low:
+            h = h.float()
+        s = h.softmax(-1)
+        if low:
+            s = s.to(torch.bfloat16)
+        return s @ x.transpose(-1, -2)
+
+
+def test_a_float32_run_against_a_renamed_autocast_bfloat16_run_lists_its_casts_as_one_sided(tmp_path: Path) -> None:
+    report = fwdtrace.compare_dumps(*_fp32_and_autocast_bf16(tmp_path, _Mixed("proj"), _Mixed("query")))
+    assert report.only_in_a == [] and report.only_in_b == ["float", "to"]
+    assert report.renamed == [("proj.Linear", "query.Linear")]
+    assert {r.key for r in report.rows if not r.one_sided} == {"_Mixed", "proj.Linear", "softmax", "transpose",
+                                                                "matmul"}
+    # every paired call agrees within what bfloat16's rounding explains
+    assert all(r.allclose or r.rounding == "bfloat16" for r in report.rows if not r.one_sided), report.to_text()
+    assert report.first_divergence is None

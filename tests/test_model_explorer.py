@@ -15,6 +15,7 @@ from torch import nn
 
 import fwdtrace
 from fwdtrace import FwdtraceError
+from fwdtrace.onnx.compare import ERROR_COLORS
 from fwdtrace.passes import model_explorer as mx
 
 graph_builder = pytest.importorskip("model_explorer.graph_builder", reason="pip install ai-edge-model-explorer")
@@ -339,3 +340,73 @@ def test_onnx_pair_marks_missing_and_extra(tmp_path: Path) -> None:
         report.to_model_explorer(tmp_path / "nope" / "pair")
     with pytest.raises(FwdtraceError, match=r"^TopologyReport\.to_model_explorer\(\) expected a folder, or a new one"):
         report.to_model_explorer(pair.mapping)  # a file
+
+
+class _Scores(nn.Module):
+    """Scores offset by 2e4, which softmax ignores and float16 does not: the softmax run in ``dtype`` diverges."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(4, 4)
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(-1, -2) + 2e4
+        return scores.to(self.dtype).softmax(-1).to(x.dtype) @ x
+
+
+def _scores_dumps(tmp_path: Path, calls: str = "all") -> tuple[list[Path], torch.Tensor]:
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
+    paths = []
+    for dtype in (torch.float32, torch.float16):
+        model = _Scores(dtype)
+        with fwdtrace.Dumper(tmp_path / str(dtype), calls=calls) as dumper:
+            dumper.register(model, grads=False)
+            model(x)
+        paths += dumper.paths
+    return paths, x
+
+
+def test_a_dump_comparison_writes_each_calls_errors_as_node_data(tmp_path: Path) -> None:
+    from fwdtrace import dump
+    from fwdtrace.cli import build_parser
+
+    paths, x = _scores_dumps(tmp_path)
+    report = fwdtrace.compare_dumps(*paths)
+    files = report.to_model_explorer(tmp_path / "explorer")
+    assert Path(files.graph) == tmp_path / "explorer" / "diff.json"
+    (me_graph,) = _load(files.graph).graphs
+    data = {name: _load_node_data(path)["fwdtrace"].results for name, path in files.node_data.items()}
+    assert sorted(data) == ["cosine", "max_abs", "max_rel", "norm_rel", "verdict"]
+    assert report.graph is not None
+    softmax = next(str(n.id) for n in report.graph.nodes if n.key == "softmax")
+    q = next(str(n.id) for n in report.graph.nodes if n.key == "q.Linear")
+    # the reference: the softmax's output in float32 and in float16, computed by torch
+    with torch.no_grad():
+        scores = _Scores(torch.float32).q(x) @ x.transpose(-1, -2) + 2e4
+        fp32, fp16 = scores.softmax(-1).double(), scores.half().softmax(-1).double()
+    assert data["max_abs"][softmax].value == pytest.approx((fp32 - fp16).abs().max().item(), rel=1e-9)
+    assert data["cosine"][softmax].value == pytest.approx(
+        torch.nn.functional.cosine_similarity(fp32.flatten(), fp16.flatten(), dim=0).item(), rel=1e-9)
+    assert data["verdict"][softmax].value == 2 and data["verdict"][softmax].bgColor == ERROR_COLORS["diverges"]
+    assert data["verdict"][q].value == 0 and data["max_abs"][q].value == 0  # the same layer, the same input
+    # the first divergence, and it alone, is drawn in red
+    assert report.first_divergence == "softmax"
+    assert [n.id for n in me_graph.nodes if n.style is not None] == [softmax]
+    # from the command line: the same files, byte for byte
+    out = tmp_path / "cli"
+    assert dump.run_cli(build_parser().parse_args(["dump-diff", *map(str, paths), "--model-explorer", str(out)])) == 1
+    assert (out / "diff.json").read_bytes() == Path(files.graph).read_bytes()
+    assert (out / "diff.verdict.json").read_bytes() == Path(files.node_data["verdict"]).read_bytes()
+
+
+def test_a_dump_comparison_without_a_graph_has_nothing_to_write(tmp_path: Path) -> None:
+    paths, _ = _scores_dumps(tmp_path, "modules")
+    report = fwdtrace.compare_dumps(*paths)
+    with pytest.raises(FwdtraceError, match=r"^DumpReport\.to_model_explorer\(\) expected dumps that hold their run's"):
+        report.to_model_explorer(tmp_path / "explorer")
+    paths, _ = _scores_dumps(tmp_path / "all")
+    with pytest.raises(FwdtraceError, match=r"^DumpReport\.to_model_explorer\(\) expected a folder, or a new one"):
+        fwdtrace.compare_dumps(*paths).to_model_explorer(tmp_path / "no" / "such" / "folder")
+    assert not (tmp_path / "explorer").exists()

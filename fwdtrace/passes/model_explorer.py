@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ModelExplorerFiles", "ModelExplorerPair", "graph_collection", "node_data_results", "to_model_explorer",
-    "onnx_pair_to_model_explorer", "view", "INSTALL_HINT",
+    "onnx_pair_to_model_explorer", "errors_to_model_explorer", "CallErrors", "VERDICTS", "view", "INSTALL_HINT",
 ]
 
 INSTALL_HINT = "pip install ai-edge-model-explorer (or pip install 'fwdtrace[model-explorer]')"
@@ -224,9 +224,11 @@ def analysis_node_data(graph: Graph, analysis: Analysis) -> dict[str, dict[Any, 
     return data
 
 
-def _node_data_file(graph_id: str, name: str, results: dict[str, float]) -> dict[str, Any]:
-    # ModelNodeData: GraphNodeData per graph id.
-    return {graph_id: {"name": name, "results": {k: {"value": v} for k, v in results.items()},
+def _node_data_file(graph_id: str, name: str, results: dict[str, float],
+                    colors: Mapping[str, str] | None = None) -> dict[str, Any]:
+    # ModelNodeData: GraphNodeData per graph id; a result's own bgColor takes precedence over the gradient.
+    return {graph_id: {"name": name, "results": {k: {"value": v, **({"bgColor": colors[k]} if colors else {})}
+                                                 for k, v in results.items()},
                        "gradient": [dict(g) for g in _GRADIENT]}}
 
 
@@ -272,18 +274,25 @@ def to_model_explorer(
             f"to_model_explorer() expected node_data as an Analysis or a mapping name -> {{node: number}}, "
             f"got {describe(node_data)}"
         )
+    return _write(graph, target, node_data or {}, {}, graph_id, label, highlight, "to_model_explorer()")
+
+
+def _write(graph: Graph, target: Path, node_data: NodeData, colors: Mapping[str, Mapping[int, str]], graph_id: str,
+           label: str | None, highlight: Iterable[int], caller: str) -> ModelExplorerFiles:
+    """The graph file and one node-data file per name (``colors``: per name, a node's own colour by node id)."""
     files: dict[str, tuple[Path, bytes]] = {}
-    for name, values in (node_data or {}).items():
+    for name, values in node_data.items():
         if not isinstance(values, Mapping):
-            raise FwdtraceError(f"to_model_explorer() expected node_data[{name!r}] as a mapping node -> number, "
+            raise FwdtraceError(f"{caller} expected node_data[{name!r}] as a mapping node -> number, "
                                 f"got {describe(values)}")
-        results = node_data_results(graph, values, "to_model_explorer()")
+        results = node_data_results(graph, values, caller)
+        own = colors.get(name)
+        node_colors = None if own is None else {str(n): c for n, c in own.items()}
         files[str(name)] = (target.with_name(f"{target.stem}.{_slug(str(name))}.json"),
-                            _dump(_node_data_file(graph_id, str(name), results)))
-    write_bytes(target, _dump(graph_collection(graph, graph_id=graph_id, label=label, highlight=highlight)),
-                "to_model_explorer()")
+                            _dump(_node_data_file(graph_id, str(name), results, node_colors)))
+    write_bytes(target, _dump(graph_collection(graph, graph_id=graph_id, label=label, highlight=highlight)), caller)
     for file, data in files.values():
-        write_bytes(file, data, "to_model_explorer()")
+        write_bytes(file, data, caller)
     return ModelExplorerFiles(str(target), {name: str(file) for name, (file, _) in files.items()})
 
 
@@ -309,11 +318,7 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
         raise FwdtraceError(
             f"{caller} expected a report from fwdtrace.check_onnx or compare_onnx, got {describe(report)}"
         )
-    out = Path(folder)
-    if not out.is_dir():
-        if out.exists() or not (out.parent if str(out.parent) else Path(".")).is_dir():
-            raise FwdtraceError(f"{caller} expected a folder, or a new one in an existing folder, got {str(folder)!r}")
-        out.mkdir()
+    out = _folder(folder, caller)
     ids = report.ids
     mapping = {"mappingEntries": [{"leftNodeIds": [str(t)], "rightNodeIds": [str(o) for o in onnx_ids]}
                                   for t, onnx_ids in ids.matched]}
@@ -323,6 +328,68 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
                                   highlight=ids.extra).graph
     write_bytes(out / "mapping.json", _dump(mapping), caller)
     return ModelExplorerPair(trace_file, onnx_file, str(out / "mapping.json"))
+
+
+def _folder(folder: str | os.PathLike[str], caller: str) -> Path:
+    """``folder``, made if its parent exists."""
+    out = Path(folder)
+    if not out.is_dir():
+        if out.exists() or not (out.parent if str(out.parent) else Path(".")).is_dir():
+            raise FwdtraceError(f"{caller} expected a folder, or a new one in an existing folder, got {str(folder)!r}")
+        out.mkdir()
+    return out
+
+
+# -- two runs' errors ------------------------------------------------------------------------------
+VERDICTS = ("allclose", "within rounding", "diverges")  # a call's verdict node data: its index here
+ERROR_FIELDS = ("cosine", "norm_rel", "max_abs", "max_rel")
+
+
+class CallErrors(NamedTuple):
+    """One call's value against another run's, as node data: the errors (None where not computed) and
+    the verdict, an index in :data:`VERDICTS`."""
+
+    cosine: float | None
+    norm_rel: float | None
+    max_abs: float | None
+    max_rel: float | None
+    verdict: int
+
+
+def errors_to_model_explorer(
+    graph: Graph, folder: str | os.PathLike[str], errors: Mapping[int, CallErrors], *, first: int | None = None,
+    caller: str = "errors_to_model_explorer()",
+) -> ModelExplorerFiles:
+    """``graph`` as ``diff.json`` in ``folder`` (made if its parent exists), each call's errors against
+    another run's as node data beside it, the first divergence drawn in red.
+
+    >>> import torch, fwdtrace, tempfile, json
+    >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()), torch.ones(1, 4))
+    >>> files = errors_to_model_explorer(g, tempfile.mkdtemp(), {1: CallErrors(1.0, 0.0, 0.0, 0.0, 0),
+    ...                                                           2: CallErrors(0.5, 0.7, 2.0, 1.0, 2)}, first=2)
+    >>> sorted(files.node_data)
+    ['cosine', 'max_abs', 'max_rel', 'norm_rel', 'verdict']
+    >>> json.load(open(files.node_data["verdict"]))["fwdtrace"]["results"]["2"]
+    {'value': 2.0, 'bgColor': '#f3a683'}
+
+    ``errors`` is keyed by node id. One node-data file per error (``diff.cosine.json``,
+    ``diff.norm_rel.json``, ``diff.max_abs.json``, ``diff.max_rel.json``: pale to red by value;
+    a value that is not finite is left out, as JSON has none) and ``diff.verdict.json``: 0
+    allclose, 1 within what rounding explains, 2 diverges, coloured as :meth:`Graph.render`
+    colours an error (:data:`fwdtrace.onnx.compare.ERROR_COLORS`).
+    """
+    from ..onnx.compare import ERROR_COLORS
+
+    verdict_colors = (ERROR_COLORS["exact"], ERROR_COLORS["within"], ERROR_COLORS["diverges"])
+    out = _folder(folder, caller)
+    data: dict[str, dict[Any, float]] = {
+        name: {n: float(v) for n, e in errors.items()
+               if (v := getattr(e, name)) is not None and math.isfinite(v)} for name in ERROR_FIELDS
+    }
+    data["verdict"] = {n: e.verdict for n, e in errors.items()}
+    colors = {"verdict": {n: verdict_colors[e.verdict] for n, e in errors.items()}}
+    return _write(graph, out / "diff.json", data, colors, "fwdtrace", "fwdtrace diff",
+                  () if first is None else (first,), caller)
 
 
 # -- opening it -----------------------------------------------------------------------------------
