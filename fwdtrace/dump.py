@@ -1599,8 +1599,12 @@ def compare_dumps(
     statistics (``Dumper(values="statistics")``), a tensor is judged by its statistics (a full
     dump's computed block by block): its count and NaN/Inf counts exactly, its mean, std, min,
     max, norm and sampled values as one vector, elementwise and as a whole, by the same
-    rules; the row's note says ``by statistics``. The comparison is two-sided: a tensor in only one dump, or of another
-    shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
+    rules; the row's note says ``by statistics``. Calls are matched by key and call order, so an extra call
+    on one side (a cast, an added layer) shifts nothing; where both dumps hold their run's graph
+    (``calls="functions"`` or ``"all"``), the calls left are matched through the two graphs
+    (:mod:`fwdtrace.passes.align`), so a renamed layer pairs with its new name (``report.renamed``,
+    each row's ``key_b``); ``report.without_graph`` names the dumps that hold none. The comparison is
+    two-sided: a tensor in only one dump, or of another shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
     (their rows are compared, but the report is not ``equal``).
     """
     rtol, atol = _tolerance(rtol, "rtol"), _tolerance(atol, "atol")
