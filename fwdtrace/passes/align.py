@@ -34,23 +34,20 @@ class _Side:
             self.preds[e.dst].add(e.src)
             self.succs[e.src].add(e.dst)
 
-    def anchors(self, node_id: int, paired: Mapping[int, int], forward: bool) -> frozenset[int]:
-        """The nearest paired nodes after (``forward``) or before ``node_id`` in the dataflow, looking through
-        unpaired ones."""
+    def anchors(self, paired: Mapping[int, int], forward: bool) -> list[frozenset[int]]:
+        """Per node, the nearest paired nodes after (``forward``) or before it in the dataflow, looking through
+        unpaired ones: one sweep, as every edge runs from an earlier node to a later one."""
         step = self.succs if forward else self.preds
-        found: set[int] = set()
-        seen = {node_id}
-        todo = list(step[node_id])
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in paired:
-                found.add(n)
-            else:
-                todo.extend(step[n])
-        return frozenset(found)
+        out: list[frozenset[int]] = [frozenset()] * len(step)
+        for n in reversed(range(len(step))) if forward else range(len(step)):
+            found: set[int] = set()
+            for m in step[n]:
+                if m in paired:
+                    found.add(m)
+                else:
+                    found |= out[m]
+            out[n] = frozenset(found)
+        return out
 
 
 def _signature(n: Node) -> tuple:
@@ -80,17 +77,18 @@ def align(a: Graph, b: Graph, pairs: Mapping[int, int]) -> dict[int, int]:
         b2a = {nb: na for na, nb in a2b.items()}
         # (signature, anchors before, anchors after, in b's ids) -> the unpaired calls of each run there
         places: dict[tuple, tuple[list[int], list[int]]] = {}
+        before_a, after_a = side_a.anchors(a2b, False), side_a.anchors(a2b, True)
         for n in a.nodes:
-            if n.kind in _CALLS and n.id not in a2b:
-                before = frozenset(a2b[m] for m in side_a.anchors(n.id, a2b, False))
-                after = frozenset(a2b[m] for m in side_a.anchors(n.id, a2b, True))
-                if before or after:
-                    places.setdefault((_signature(n), before, after), ([], []))[0].append(n.id)
+            if n.kind in _CALLS and n.id not in a2b and (before_a[n.id] or after_a[n.id]):
+                where = (_signature(n), frozenset(a2b[m] for m in before_a[n.id]),
+                         frozenset(a2b[m] for m in after_a[n.id]))
+                places.setdefault(where, ([], []))[0].append(n.id)
         if not places:
             return a2b
+        before_b, after_b = side_b.anchors(b2a, False), side_b.anchors(b2a, True)
         for n in b.nodes:
             if n.kind in _CALLS and n.id not in b2a:
-                where = (_signature(n), side_b.anchors(n.id, b2a, False), side_b.anchors(n.id, b2a, True))
+                where = (_signature(n), before_b[n.id], after_b[n.id])
                 if where in places:
                     places[where][1].append(n.id)
         paired = [(na, nb) for ids_a, ids_b in places.values() if len(ids_a) == len(ids_b)
