@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zoo
 from torch import nn
 
 import fwdtrace
@@ -143,3 +144,35 @@ def test_dumps_without_a_graph_keep_matching_by_key_and_say_so(tmp_path: Path) -
     report = fwdtrace.compare_dumps(with_graph, b)
     assert report.without_graph == [str(b)] and "dump b holds no graph" in report.to_text()
     assert "matched by key and call order only" not in fwdtrace.compare_dumps(a, a).to_text()
+
+
+class _Wrapped(nn.Module):
+    """The model one level down: every key of its calls gains ``backbone.``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.backbone = model
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.backbone(*inputs)
+
+
+ZOO = ["resnetish", "transformer_encoder", "hand_attention", "lstm_tagger", "shared_weights"]  # a row per architecture
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_a_model_whose_every_key_changed_still_pairs_call_for_call(tmp_path: Path, name: str) -> None:
+    model, inputs = getattr(zoo, name)()
+    paths = []
+    for run in (model, _Wrapped(model)):
+        with fwdtrace.Dumper(tmp_path / str(len(paths)), calls="all") as dumper:
+            dumper.register(run, grads=False)
+            with torch.no_grad():
+                run(*inputs)
+        paths += dumper.paths
+    report = fwdtrace.compare_dumps(*paths)
+    # the reference: the wrapper is the one call b added, and every other key is a's behind "backbone."
+    assert report.only_in_a == [] and report.only_in_b == [f"backbone.{type(model).__name__}"], report.to_text()
+    paired = {r.key: r.key_b or r.key for r in report.rows if not r.one_sided and (r.module_path or r.function)}
+    assert paired and all(kb == f"backbone.{ka}" for ka, kb in paired.items())
+    assert all(r.allclose for r in report.rows if not r.one_sided) and report.first_divergence is None
