@@ -1298,8 +1298,8 @@ class DumpReport:
         graph, worst = self._worst_by_node(caller)
         errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, r.max_rel, 0 if r.allclose else 1 if r.rounding else 2)
                   for n, r in worst.items()}
-        first = next((n for n, r in worst.items() if _call_name(r) == self.first_divergence), None)
-        return errors_to_model_explorer(graph, folder, errors, first=first, caller=caller)
+        first = [n for n, r in worst.items() if _call_name(r) == self.first_divergence][:1]
+        return errors_to_model_explorer(graph, folder, errors, highlight=first, caller=caller)
 
     def _worst_by_node(self, caller: str) -> tuple[Graph, dict[int, DumpRow]]:
         """The run's graph and, per node of a call compared in both runs, its worst output row."""

@@ -410,3 +410,35 @@ def test_a_dump_comparison_without_a_graph_has_nothing_to_write(tmp_path: Path) 
     with pytest.raises(FwdtraceError, match=r"^DumpReport\.to_model_explorer\(\) expected a folder, or a new one"):
         fwdtrace.compare_dumps(*paths).to_model_explorer(tmp_path / "no" / "such" / "folder")
     assert not (tmp_path / "explorer").exists()
+
+
+def test_a_numeric_onnx_check_writes_the_traces_errors_as_node_data(tmp_path: Path) -> None:
+    import numpy as np
+    import onnx
+    import onnxruntime
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    x = torch.randn(3, 4)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    (weight,) = [i for i in proto.graph.initializer if tuple(i.dims) in ((2, 4), (4, 2))]  # the last Linear's
+    weight.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(weight) * np.float32(1.01), weight.name))
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    pair = report.to_model_explorer(tmp_path)
+    assert Path(pair.node_data["verdict"]).name == "trace.verdict.json"
+    (trace,) = _load(pair.trace).graphs
+    data = {name: _load_node_data(path)["trace"].results for name, path in pair.node_data.items()}
+    assert sorted(data) == ["cosine", "max_abs", "max_rel", "norm_rel", "verdict"]
+    assert report.trace is not None
+    first, last = (str(n.id) for n in report.trace.nodes if n.target == "torch.nn.Linear")
+    # the reference: onnxruntime's output of the tampered file against the model's own
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {proto.graph.input[0].name: x.numpy()})
+    with torch.no_grad():
+        want = model(x).double().numpy()
+    assert data["max_abs"][last].value == pytest.approx(float(np.abs(got - want).max()), rel=1e-6)
+    assert data["verdict"][last].value == 2 and data["verdict"][last].bgColor == ERROR_COLORS["diverges"]
+    assert data["verdict"][first].value == 0
+    assert [n.id for n in trace.nodes if n.style is not None] == [last]  # the first divergence
+    # a check of the structure only writes no node data
+    assert fwdtrace.check_onnx(model, x, onnx=proto).to_model_explorer(tmp_path / "structure").node_data == {}

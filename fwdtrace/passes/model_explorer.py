@@ -35,6 +35,7 @@ from ..node import Node, Scope
 if TYPE_CHECKING:
     from ..analysis import Analysis
     from ..onnx.compare import TopologyReport
+    from ..onnx.numeric import NumericResult
 
 __all__ = [
     "ModelExplorerFiles", "ModelExplorerPair", "graph_collection", "node_data_results", "to_model_explorer",
@@ -58,11 +59,13 @@ class ModelExplorerFiles(NamedTuple):
 
 
 class ModelExplorerPair(NamedTuple):
-    """What :func:`onnx_pair_to_model_explorer` wrote: both graphs and their node mapping."""
+    """What :func:`onnx_pair_to_model_explorer` wrote: both graphs, their node mapping and, for a numeric check,
+    the trace's node-data files (its calls' errors) by name."""
 
     trace: str
     onnx: str
     mapping: str
+    node_data: dict[str, str] = {}  # noqa: RUF012 - a NamedTuple field's default, never mutated
 
 
 # -- the graph ------------------------------------------------------------------------------------
@@ -311,7 +314,10 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
 
     The mapping is the report's ``matched`` pairs (Model Explorer's node mapping format, to
     load in its split view's "sync navigation"), so selecting a call on one side selects what
-    it became on the other. Missing calls and extra ONNX nodes are drawn in red.
+    it became on the other. Missing calls and extra ONNX nodes are drawn in red. A numeric
+    check (``numeric=True``) also writes each traced call's errors against onnxruntime's values
+    as the trace's node data (``trace.max_rel.json``, ``trace.verdict.json``, ...: see
+    :func:`errors_to_model_explorer`), its first divergence drawn in red.
     """
     trace, og = getattr(report, "trace", None), getattr(report, "onnx_graph", None)
     if trace is None or og is None:
@@ -322,12 +328,33 @@ def onnx_pair_to_model_explorer(report: TopologyReport, folder: str | os.PathLik
     ids = report.ids
     mapping = {"mappingEntries": [{"leftNodeIds": [str(t)], "rightNodeIds": [str(o) for o in onnx_ids]}
                                   for t, onnx_ids in ids.matched]}
-    trace_file = to_model_explorer(trace, out / "trace.json", graph_id="trace", label="traced (PyTorch eager)",
-                                   highlight=ids.missing).graph
+    label = "traced (PyTorch eager)"
+    numeric = getattr(report, "numeric", None)
+    if numeric is None:
+        trace_files = to_model_explorer(trace, out / "trace.json", graph_id="trace", label=label, highlight=ids.missing)
+    else:
+        errors, first = _value_errors(numeric, len(trace.nodes))
+        trace_files = errors_to_model_explorer(trace, out, errors, highlight=[*ids.missing, *first], stem="trace",
+                                               graph_id="trace", label=label, caller=caller)
     onnx_file = to_model_explorer(og, out / "onnx.json", graph_id="onnx", label="exported (ONNX)",
                                   highlight=ids.extra).graph
     write_bytes(out / "mapping.json", _dump(mapping), caller)
-    return ModelExplorerPair(trace_file, onnx_file, str(out / "mapping.json"))
+    return ModelExplorerPair(trace_files.graph, onnx_file, str(out / "mapping.json"), trace_files.node_data)
+
+
+def _value_errors(numeric: NumericResult, nodes: int) -> tuple[dict[int, CallErrors], list[int]]:
+    """A numeric ONNX check's errors per trace node (a node's worst compared value), and its first divergence's
+    node if that is one."""
+    worst: dict[int, Any] = {}
+    for r in numeric.rows:
+        if not r.compared or not 0 <= r.order < nodes:
+            continue
+        badness = (0 if r.ok else 1 if r.rounding else 2, r.max_rel if not math.isnan(r.max_rel) else math.inf)
+        if r.order not in worst or badness > worst[r.order][0]:
+            worst[r.order] = badness, r
+    errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, r.max_rel, verdict) for n, ((verdict, _), r) in worst.items()}
+    first = numeric.first_divergence
+    return errors, [first.order] if first is not None and first.order in errors else []
 
 
 def _folder(folder: str | os.PathLike[str], caller: str) -> Path:
@@ -357,16 +384,18 @@ class CallErrors(NamedTuple):
 
 
 def errors_to_model_explorer(
-    graph: Graph, folder: str | os.PathLike[str], errors: Mapping[int, CallErrors], *, first: int | None = None,
+    graph: Graph, folder: str | os.PathLike[str], errors: Mapping[int, CallErrors], *,
+    highlight: Iterable[int] = (), stem: str = "diff", graph_id: str = "fwdtrace", label: str | None = "fwdtrace diff",
     caller: str = "errors_to_model_explorer()",
 ) -> ModelExplorerFiles:
-    """``graph`` as ``diff.json`` in ``folder`` (made if its parent exists), each call's errors against
-    another run's as node data beside it, the first divergence drawn in red.
+    """``graph`` as ``{stem}.json`` in ``folder`` (made if its parent exists), each call's errors against
+    another run's values as node data beside it: the one way both comparisons (two dumps, the
+    numeric ONNX check) write them.
 
     >>> import torch, fwdtrace, tempfile, json
     >>> g = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()), torch.ones(1, 4))
     >>> files = errors_to_model_explorer(g, tempfile.mkdtemp(), {1: CallErrors(1.0, 0.0, 0.0, 0.0, 0),
-    ...                                                           2: CallErrors(0.5, 0.7, 2.0, 1.0, 2)}, first=2)
+    ...                                                           2: CallErrors(0.5, 0.7, 2.0, 1.0, 2)}, highlight=[2])
     >>> sorted(files.node_data)
     ['cosine', 'max_abs', 'max_rel', 'norm_rel', 'verdict']
     >>> json.load(open(files.node_data["verdict"]))["fwdtrace"]["results"]["2"]
@@ -376,7 +405,8 @@ def errors_to_model_explorer(
     ``diff.norm_rel.json``, ``diff.max_abs.json``, ``diff.max_rel.json``: pale to red by value;
     a value that is not finite is left out, as JSON has none) and ``diff.verdict.json``: 0
     allclose, 1 within what rounding explains, 2 diverges, coloured as :meth:`Graph.render`
-    colours an error (:data:`fwdtrace.onnx.compare.ERROR_COLORS`).
+    colours an error (:data:`fwdtrace.onnx.compare.ERROR_COLORS`). ``highlight`` names the
+    node ids drawn in red (the first divergence).
     """
     from ..onnx.compare import ERROR_COLORS
 
@@ -388,8 +418,7 @@ def errors_to_model_explorer(
     }
     data["verdict"] = {n: e.verdict for n, e in errors.items()}
     colors = {"verdict": {n: verdict_colors[e.verdict] for n, e in errors.items()}}
-    return _write(graph, out / "diff.json", data, colors, "fwdtrace", "fwdtrace diff",
-                  () if first is None else (first,), caller)
+    return _write(graph, out / f"{stem}.json", data, colors, graph_id, label, highlight, caller)
 
 
 # -- opening it -----------------------------------------------------------------------------------
