@@ -1434,7 +1434,7 @@ def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> st
     return "by statistics" + "".join(f"; {c}" for c in counts)
 
 
-def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader, graph_b: Graph | None) -> dict[str, str]:
+def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, str]:
     """Group of ``a`` -> group of ``b`` holding the same call: the two runs' calls aligned in call order
     (difflib's longest matching runs) by key and the shapes of their inputs and outputs, the roots with
     each other, so a call one run makes more (a cast, an added layer) is left out of the pairs, not
@@ -1457,6 +1457,8 @@ def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader, graph_b: Graph
     for block in difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False).get_matching_blocks():
         for i in range(block.size):
             pairs[names_a[block.a + i]] = names_b[block.b + i]
+    # b's graph is read only when calls are left on both sides (the same model twice leaves none)
+    graph_b = rb.graph() if graph_a is not None and len(pairs) < min(len(names_a), len(names_b)) else None
     if graph_a is not None and graph_b is not None:
         shapes = {("a", n): t[1] for n, t in zip(names_a, tokens_a, strict=True)}
         shapes.update({("b", n): t[1] for n, t in zip(names_b, tokens_b, strict=True)})
@@ -1617,10 +1619,10 @@ def compare_dumps(
             report.math[str(r.path)] = r.math
         # calls matched in call order by key and shapes: an extra call on one side (a cast, an added layer)
         # shifts the group numbers, not the matching; then through the graphs (a renamed layer)
-        graph_a, graph_b = ra.graph(), rb.graph()
-        report.graph = graph_a or graph_b
-        report.without_graph = [str(r.path) for r, g in ((ra, graph_a), (rb, graph_b)) if g is None]
-        a2b = _match_calls(ra, graph_a, rb, graph_b)
+        graph_a = ra.graph()
+        report.graph = graph_a or rb.graph()
+        report.without_graph = [str(r.path) for r in (ra, rb) if GRAPH_DATASET not in r.file]
+        a2b = _match_calls(ra, graph_a, rb)
         b2a = {gb: ga for ga, gb in a2b.items()}
         order_a, order_b = ra.order(), rb.order()
         in_a, in_b = set(order_a), set(order_b)
