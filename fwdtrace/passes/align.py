@@ -27,7 +27,6 @@ class _Side:
     """One graph's dataflow neighbours, built once (``Graph.in_edges`` scans every edge)."""
 
     def __init__(self, graph: Graph) -> None:
-        self.graph = graph
         self.preds: list[set[int]] = [set() for _ in graph.nodes]
         self.succs: list[set[int]] = [set() for _ in graph.nodes]
         for e in graph.edges:
