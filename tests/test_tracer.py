@@ -307,6 +307,33 @@ def test_a_subclass_overriding_forward_under_install_runs_callbacks_once_on_its_
         fwdtrace.uninstall()
 
 
+def test_a_quantize_dynamic_model_is_drawn_as_its_layers_not_their_packed_kernels() -> None:
+    torch.manual_seed(0)
+    float_model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LSTM(8, 6, batch_first=True))
+    model = torch.ao.quantization.quantize_dynamic(float_model, {nn.Linear, nn.LSTM}, dtype=torch.qint8)
+    x = torch.randn(2, 5, 4)
+    calls: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
+    handles = [
+        m.register_forward_hook(lambda m, i, o, path=path: calls.append(
+            (path, type(m).__name__, tuple(i[0].shape), tuple((o if isinstance(o, torch.Tensor) else o[0]).shape))))
+        for path, m in model.named_modules() if path
+    ]
+    try:
+        with torch.no_grad():
+            expected = model(x)[0]
+    finally:
+        for h in handles:
+            h.remove()
+    assert [c[1] for c in calls] == ["Linear", "ReLU", "LSTM"]  # the quantized classes keep the float names
+    with torch.no_grad(), fwdtrace.Tracer() as t:
+        got = model(x)[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    nodes = [n for n in t.graph.nodes if n.kind in ("module", "function")]
+    assert [(n.module_path, n.target.rsplit(".", 1)[-1], n.inputs[0].shape, n.outputs[0].shape) for n in nodes] == calls
+    assert nodes[0].target == "torch.ao.nn.quantized.dynamic.modules.linear.Linear"
+    assert nodes[2].target == "torch.ao.nn.quantized.dynamic.modules.rnn.LSTM"
+
+
 def test_user_classes_made_atomic() -> None:
     class Block(nn.Module):
         def __init__(self) -> None:
