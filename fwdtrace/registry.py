@@ -50,13 +50,21 @@ def has_forward(cls: type) -> bool:
 
 
 def default_atomic_classes() -> list[type[torch.nn.Module]]:
-    """Every leaf layer class that ``torch.nn`` exports (Conv*, Linear, norms, activations, RNNs, ...)."""
+    """Every leaf layer class that ``torch.nn`` exports (Conv*, Linear, norms, activations, RNNs, ...),
+    and the layers ``quantize_dynamic`` puts in their place (``torch.ao.nn.quantized.dynamic``)."""
     out = []
     for name in sorted(dir(torch.nn)):
         obj = getattr(torch.nn, name)
         if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and name not in _NOT_LEAF:
             if has_forward(obj):
                 out.append(obj)  # abstract bases such as RNNBase have no forward to run
+    # A dynamically quantized Linear or LSTM is still that layer: one node, not the packed kernel
+    # (quantized.linear_dynamic) it calls. `import torch` imports this package already.
+    dynamic = torch.ao.nn.quantized.dynamic
+    for name in sorted(dir(dynamic)):
+        obj = getattr(dynamic, name)
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and has_forward(obj):
+            out.append(obj)
     return out
 
 

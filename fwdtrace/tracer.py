@@ -112,6 +112,8 @@ class _TypeInfo(NamedTuple):
     scripted: bool  # a torch.jit.ScriptModule: opaque, one node
     compiled: bool  # torch.compile(module): traced through the module it wraps
     target: str  # the node's target: torch.nn.Linear, mypkg.Block, torch.jit.ScriptModule
+    fused: str | None  # the fused kernel torch's own forward of this class may run instead of its layers
+    nests: bool  # torch's own TransformerEncoder.forward: may run its layers on nested tensors
 
 
 _TYPE2INFO: dict[type, _TypeInfo] = {}
@@ -143,7 +145,62 @@ def _type_info(module_type: type) -> _TypeInfo:
         and _registry.forward_owner(module_type) not in reg.atomic
     )
     target = "torch.jit.ScriptModule" if scripted else _registry.qualified_name(module_type)
-    return _TypeInfo(atomic, reg.callbacks_for(module_type), splits, scripted, compiled, target)
+    owner = _registry.forward_owner(module_type) if not atomic and _registry.has_forward(module_type) else None
+    return _TypeInfo(atomic, reg.callbacks_for(module_type), splits, scripted, compiled, target,
+                     _FUSED_FORWARDS.get(owner) if owner is not None else None, owner is torch.nn.TransformerEncoder)
+
+
+# Layers whose own forward runs one fused kernel instead of its sub-layers when torch allows it
+# (eval, no gradient wanted, torch.backends.mha's fast path on, no hooks). One condition is that no
+# TorchFunctionMode is active, which a trace's recorder is: traced as usual, the layer would take
+# its slow path, and the graph would show sub-layers that never run in the user's own forward.
+_FUSED_FORWARDS: dict[type, str] = {torch.nn.TransformerEncoderLayer: "torch._transformer_encoder_layer_fwd"}
+
+
+def _skips_nested(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether torch's ``TransformerEncoder.forward`` would run its layers on nested tensors untraced.
+
+    It does in eval with a ``src_key_padding_mask`` (left-aligned), on the same conditions as
+    its layers' fused path, and gives zeros at the padded positions; an active mode rules it
+    out, so traced, the layers run on the padded tensors and the padded positions differ.
+    """
+    src = args[0] if args else kwargs.get("src")
+    mask = args[1] if len(args) > 1 else kwargs.get("mask")
+    padding = args[2] if len(args) > 2 else kwargs.get("src_key_padding_mask")
+    layers = getattr(module, "layers", None)
+    if not (isinstance(src, torch.Tensor) and isinstance(padding, torch.Tensor) and mask is None and src.dim() == 3
+            and not src.is_nested and getattr(module, "use_nested_tensor", False) and layers
+            and not layers[0].training and torch.backends.mha.get_fastpath_enabled()
+            and not torch.is_autocast_enabled()):
+        return False
+    if torch.is_grad_enabled() and (src.requires_grad or any(p.requires_grad for p in layers[0].parameters())):
+        return False
+    with torch._C.DisableTorchFunction():
+        return not getattr(module, "mask_check", True) or bool(
+            torch._nested_tensor_from_mask_left_aligned(src, padding.logical_not()))
+
+
+class _SlowPath(BaseException):
+    """Raised at the first sub-layer call of a layer tried for its fused path: it took its slow path."""
+
+
+def _may_fuse(module: torch.nn.Module) -> bool:
+    """Whether torch's fused path could run for ``module``, on the conditions that cost nothing to check.
+
+    The layer's forward decides the rest (its inputs' shapes, devices, masks). Hooks anywhere in
+    it or global ones rule the fused path out here, as torch does for the layer's own: the layer
+    is tried with the recorder stepped aside, and a hook would run twice if the try fell through.
+    """
+    if module.training or not torch.backends.mha.get_fastpath_enabled() or torch.is_autocast_enabled():
+        return False
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks \
+            or hooks._global_backward_pre_hooks:
+        return False
+    for m in module.modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+    return not (torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()))
 
 
 class _WeakTensor(weakref.ref):
@@ -225,6 +282,7 @@ class Tracer:
         self._stack: list[tuple[torch.nn.Module, Scope]] = []  # module calls, outermost first
         self._scopes: list[tuple[Scope, ...]] = [()]  # the scope of a node made at each depth
         self._quiet = 0  # > 0 inside a leaf, a callback or fwdtrace's own bookkeeping
+        self._trying_fused = False  # a layer runs with the recorder aside, to see whether torch fuses it
         self._module2path: dict[int, str] = {}
         self._outside: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules not in the model
         self._forgotten = 0  # paths of such modules that died (numbering goes on past them)
@@ -398,14 +456,16 @@ class Tracer:
         info = self._type2info.get(module_type)
         if info is None:  # one look-up per class and trace: registering mid-trace takes effect next trace
             info = _cached_type_info(module_type)
-            if info.atomic and self.through and issubclass(module_type, self.through):
-                info = info._replace(atomic=False)  # opened for this trace only, in this thread only
+            if (info.atomic or info.fused) and self.through and issubclass(module_type, self.through):
+                info = info._replace(atomic=False, fused=None)  # opened for this trace only, in this thread only
             self._type2info[module_type] = info
         return info
 
     def _on_call(self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._guard.pending is not None:  # a Ctrl-C held back in fwdtrace's code: now is safe
             self._guard.raise_pending()
+        if self._trying_fused:  # a layer tried for its fused path calls a sub-layer: its slow path
+            raise _SlowPath
         module_type = type(module)
         info = self._info(module_type)
         if info.compiled:  # torch.compile(module): run the module it wraps, eagerly, as one would read it
@@ -415,6 +475,12 @@ class Tracer:
             out = self._call_noted(call, module, args, kwargs)
             return self._run_callbacks(info.callbacks, module, args, out) if info.callbacks else out
         atomic = info.atomic and not (info.splits and module._modules)
+        fused = info.fused is not None and _may_fuse(module)  # one node if torch's fused path runs
+        if info.nests and _may_fuse(module) and _skips_nested(module, args, kwargs):
+            self._say_unseen(
+                "nn.TransformerEncoder runs its layers on nested tensors untraced (eval, with a "
+                "src_key_padding_mask), which a trace rules out: traced, they ran on the padded tensors, "
+                "and the output's padded positions are not the zeros an untraced run gives", module)
         root = not self._stack
         if root:
             self._begin_root(module, args, kwargs)
@@ -426,10 +492,11 @@ class Tracer:
             self._say_unseen("scripted modules (torch.jit) are opaque, one node each", module)
         in_refs: list[TensorRef] = []
         in_tensors: list[torch.Tensor] = []
-        if atomic:
+        if atomic or fused:
             with torch._C.DisableTorchFunction():
                 in_tensors = _call_tensors(args, kwargs)
                 in_refs = self._refs(in_tensors)
+        if atomic:
             self._quiet += 1
         self._stack.append((module, scope))
         self._scopes.append(self._scopes[-1] if root else (*self._scopes[-1], scope))
@@ -437,7 +504,11 @@ class Tracer:
             if atomic:
                 out = self._call_aside(self._call_noted, call, module, args, kwargs, path)
             else:
-                out = self._call_noted(call, module, args, kwargs, path)
+                if fused:
+                    out = self._call_fused(call, module, args, kwargs, path)
+                    fused = out is not _SlowPath
+                if not fused:
+                    out = self._call_noted(call, module, args, kwargs, path)
         finally:
             self._stack.pop()
             self._scopes.pop()
@@ -445,7 +516,7 @@ class Tracer:
                 self._quiet -= 1
         if info.callbacks:
             out = self._run_callbacks(info.callbacks, module, args, out)
-        if atomic:
+        if atomic or fused:
             with torch._C.DisableTorchFunction():
                 self._add_sources(in_refs)
                 out_tensors = [out] if isinstance(out, torch.Tensor) else tensors_of(out)
@@ -459,6 +530,7 @@ class Tracer:
                     call_index,
                     in_refs,
                     out_refs,
+                    {**_module_attrs(module), "fused": info.fused} if fused else
                     _module_attrs(module) if not info.scripted else _scripted_attrs(module),
                     self._scopes[-1],
                 )
@@ -468,6 +540,24 @@ class Tracer:
         if root:
             self._end_root(out)
         return out
+
+    def _call_fused(
+        self, call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict, path: str
+    ) -> Any:
+        """The layer's call as the user's own forward makes it, or :class:`_SlowPath` where it calls its sub-layers.
+
+        With the recorder stepped aside, torch's forward takes its fused path wherever it would
+        untraced. If it calls a sub-layer instead, that call stops the try before it runs
+        (nothing before it in torch's forward changes any state), and the caller runs the layer
+        again, traced as usual.
+        """
+        self._trying_fused = True
+        try:
+            return self._call_aside(self._call_noted, call, module, args, kwargs, path)
+        except _SlowPath:
+            return _SlowPath
+        finally:
+            self._trying_fused = False
 
     def _call_aside(self, run: Callable[..., Any], *args: Any) -> Any:
         """``run(*args)`` with the function recorder stepped aside, for the inside of a leaf.

@@ -778,6 +778,50 @@ class InPlace(nn.Module):
         return self.body(x)
 
 
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softmax(self.q(x), dim=-1)
+
+
+def test_function_keys_probe_takes_are_listed_armed_and_boxed_with_the_same_strings() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Attn(), _Attn())
+    fwdtrace.register_atomic("torch.nn.functional.softmax")
+    x = torch.randn(3, 4)
+    outputs: list[torch.Tensor] = []  # the reference: each block's output is its softmax's
+    model[0].register_forward_hook(lambda m, i, o: outputs.append(o.detach()))
+    with fwdtrace.serve(model, example_inputs=(x,), port=0) as server:
+        status, rows = request(server, "GET", "/api/keys")
+        functions = [r for r in rows if "function" in r]
+        assert [(r["key"], r["path"], r["function"], r["shapes"]) for r in functions] == [
+            (f"{i}.softmax", str(i), "torch.nn.functional.softmax", {"input": [[3, 4]], "output": [[3, 4]]})
+            for i in range(2)
+        ]
+        with fwdtrace.Probe(model) as probe:  # the same key strings as Probe's
+            assert [list(probe.select(r["key"])) for r in functions] == [[r["key"]] for r in functions]
+        status, svg = request(server, "GET", "/api/graph.svg", raw=True)
+        assert b'data-key="0.softmax"' in svg and b'data-key="1.softmax"' in svg
+        status, answer = request(server, "POST", "/api/sample", {"key": "0.softmax"})
+        assert (status, answer["armed"]) == (200, ["0.softmax"])
+        status, answer = request(server, "POST", "/api/sample", {"key": "0.softmax", "kind": "weight"})
+        assert status == 400 and re.match(r"^arm\(\) samples a function key \('0.softmax'\) by its calls only",
+                                          answer["error"])
+        outputs.clear()
+        for _ in range(2):
+            model(x)
+        server.sampler.drain()
+        status, answer = request(server, "GET", "/api/samples?key=0.softmax&kind=forward")
+    assert (answer["taken"], answer["error"], len(answer["samples"])) == (2, None, 2)
+    for sample, want in zip(answer["samples"], outputs, strict=True):
+        out = next(t for t in sample["tensors"] if t["role"] == "output")
+        assert out["mean"] == pytest.approx(float(want.double().mean()), rel=1e-9)
+        assert out["std"] == pytest.approx(float(want.double().std(correction=0)), rel=1e-9)
+
+
 def test_grad_sampling_works_beside_in_place_ops() -> None:
     torch.manual_seed(0)
     model = InPlace()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -305,6 +306,121 @@ def test_a_subclass_overriding_forward_under_install_runs_callbacks_once_on_its_
         torch.testing.assert_close(layer(x).detach(), expected)
     finally:
         fwdtrace.uninstall()
+
+
+def test_a_quantize_dynamic_model_is_drawn_as_its_layers_not_their_packed_kernels() -> None:
+    torch.manual_seed(0)
+    float_model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LSTM(8, 6, batch_first=True))
+    model = torch.ao.quantization.quantize_dynamic(float_model, {nn.Linear, nn.LSTM}, dtype=torch.qint8)
+    x = torch.randn(2, 5, 4)
+    calls: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
+    handles = [
+        m.register_forward_hook(lambda m, i, o, path=path: calls.append(
+            (path, type(m).__name__, tuple(i[0].shape), tuple((o if isinstance(o, torch.Tensor) else o[0]).shape))))
+        for path, m in model.named_modules() if path
+    ]
+    try:
+        with torch.no_grad():
+            expected = model(x)[0]
+    finally:
+        for h in handles:
+            h.remove()
+    assert [c[1] for c in calls] == ["Linear", "ReLU", "LSTM"]  # the quantized classes keep the float names
+    with torch.no_grad(), fwdtrace.Tracer() as t:
+        got = model(x)[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    nodes = [n for n in t.graph.nodes if n.kind in ("module", "function")]
+    assert [(n.module_path, n.target.rsplit(".", 1)[-1], n.inputs[0].shape, n.outputs[0].shape) for n in nodes] == calls
+    assert nodes[0].target == "torch.ao.nn.quantized.dynamic.modules.linear.Linear"
+    assert nodes[2].target == "torch.ao.nn.quantized.dynamic.modules.rnn.LSTM"
+
+
+def _torch_encoder(heads: int = 2, nested: bool = False) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, heads, 16, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+
+_KERNELS = ("aten::_transformer_encoder_layer_fwd", "aten::_native_multi_head_attention", "aten::layer_norm",
+            "aten::linear", "aten::_nested_tensor_from_mask")
+
+
+def _kernels_run(run: Any) -> collections.Counter[str]:
+    """The kernels torch's profiler sees ``run()`` call, by name (the reference for what really ran)."""
+    with torch.profiler.profile() as prof:
+        run()
+    return collections.Counter(e.name for e in prof.events() if e.name in _KERNELS)
+
+
+def test_an_eval_transformer_encoder_under_no_grad_is_traced_as_the_fused_kernel_torch_runs() -> None:
+    model, x = _torch_encoder(), torch.randn(2, 5, 8)
+    traced: list[Any] = []
+    with torch.no_grad():
+        expected = model(x)
+        untraced = _kernels_run(lambda: model(x))
+
+        def run() -> None:
+            with fwdtrace.Tracer() as t:
+                traced.append(model(x))
+            traced.append(t.graph)
+
+        seen = _kernels_run(run)
+    assert untraced["aten::_transformer_encoder_layer_fwd"] == 2 and "aten::linear" not in untraced
+    assert seen == untraced  # tracing no longer sends the layers down their slow path
+    torch.testing.assert_close(traced[0], expected, rtol=0, atol=0)
+    graph = traced[1]
+    nodes = [n for n in graph.nodes if n.kind in ("module", "function")]
+    assert [(n.kind, n.target, n.module_path, n.attrs["fused"]) for n in nodes] == [
+        ("module", "torch.nn.TransformerEncoderLayer", f"layers.{i}", "torch._transformer_encoder_layer_fwd")
+        for i in range(2)
+    ]
+    (x_ref,) = graph.input_nodes[0].outputs
+    assert [r.obj_id for r in nodes[0].inputs] == [x_ref.obj_id]  # what each fused call really read and gave
+    assert [r.obj_id for r in nodes[1].inputs] == [r.obj_id for r in nodes[0].outputs]
+    assert [r.obj_id for n in graph.output_nodes for r in n.inputs] == [r.obj_id for r in nodes[1].outputs]
+    assert nodes[1].outputs[0].shape == tuple(expected.shape)
+
+
+def test_a_transformer_layer_torch_runs_slowly_is_traced_as_its_sub_layers_each_run_once() -> None:
+    model, x = _torch_encoder(heads=1), torch.randn(2, 5, 8)  # an odd head count rules torch's fused path out
+    with torch.no_grad():
+        untraced = _kernels_run(lambda: model(x))
+        graphs: list[fwdtrace.Graph] = []
+        seen = _kernels_run(lambda: graphs.append(fwdtrace.trace(model, x)))
+    assert "aten::_transformer_encoder_layer_fwd" not in untraced
+    assert seen == untraced  # the try of the fused path ran no sub-layer twice
+    assert module_calls(graphs[0]) == atomic_hook_calls(model, x)
+    assert not any("fused" in n.attrs for n in graphs[0].nodes)
+
+
+def test_multihead_attention_runs_its_fast_path_inside_its_node_as_untraced() -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True)).eval(), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        untraced = _kernels_run(lambda: model[0](x, x, x))
+        seen = _kernels_run(lambda: fwdtrace.trace(model[0], x, x, x))
+    assert untraced["aten::_native_multi_head_attention"] == 1
+    assert seen == untraced
+
+
+def test_training_or_opened_transformer_layers_are_traced_as_their_sub_layers() -> None:
+    model, x = _torch_encoder(), torch.randn(2, 5, 8)
+    with torch.no_grad(), fwdtrace.Tracer(through=(nn.TransformerEncoderLayer,)) as t:
+        model(x)
+    assert module_calls(t.graph) == atomic_hook_calls(model.train(), x)  # the calls they make: slow path
+    assert len(t.graph.find(target="torch.nn.LayerNorm")) == 4
+    graph = fwdtrace.trace(model, x)  # training: torch's slow path, as untraced
+    assert module_calls(graph) == atomic_hook_calls(model, x)
+
+
+def test_an_encoder_that_would_run_nested_tensors_says_the_trace_ran_padded() -> None:
+    model, x = _torch_encoder(nested=True), torch.randn(2, 5, 8)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad(), pytest.warns(UserWarning, match="nested tensors untraced"):
+        fwdtrace.trace(model, x, src_key_padding_mask=padding)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fwdtrace.trace(model, x)  # no padding mask: nothing nested, nothing to say
 
 
 def test_user_classes_made_atomic() -> None:

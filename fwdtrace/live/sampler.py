@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,6 +41,7 @@ from .._host import to_numpy
 from .._tree import dtype_name, iter_tensors
 from ..errors import FwdtraceError, describe
 from ..instrument.bins import DEFAULT_BINS, SteadyBins, check_bins_spec
+from ..instrument.calls import FunctionSite, ModelCalls
 from ..instrument.compiled import (
     CALL_KINDS,
     EagerRoute,
@@ -52,12 +53,12 @@ from ..instrument.compiled import (
 )
 from ..instrument.grads import register_grad_hook
 from ..instrument.ingraph import ForwardHook, Slot
-from ..instrument.keys import key2module, select_modules
+from ..instrument.keys import key2module, select_keys
 from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
 from ..instrument.stats import RunningStats
 from .scalars import ScalarLog
 
-__all__ = ["Sampler", "SamplerClosed", "Arm", "Series", "KINDS", "ROLES"]
+__all__ = ["Sampler", "SamplerClosed", "KindRefused", "Arm", "Series", "KINDS", "ROLES"]
 
 # health: no samples, scalars per backward (gradient norm, NaN and Inf counts of the parameters' gradients).
 KINDS = ("forward", "grad", *PARAMETER_KINDS, "health")
@@ -207,6 +208,7 @@ class Sampler:
                 raise FwdtraceError(f"serve() expected {name} as a positive int, got {value!r}")
         self.model = model
         self.key2module = key2module(model)
+        self.calls = ModelCalls(model)  # the function keys Probe and Dumper take, with the same names
         self.ring, self.raw_cap, self.memory = ring, raw_cap, memory
         self.bins = check_bins_spec(bins, "serve()")
         self.rank, self.world_size = distributed_rank()
@@ -252,7 +254,11 @@ class Sampler:
     # -- arming -----------------------------------------------------------------------------------
     def select(self, selector: str) -> list[str]:
         """The keys a key or glob names; an unknown one raises with the closest keys."""
-        return list(select_modules(self.key2module, selector, "serve()", type(eager_module(self.model)).__name__))
+        return list(self._targets(selector))
+
+    def _targets(self, selector: str) -> dict[str, torch.nn.Module | FunctionSite]:
+        """The modules and function sites (keys of functions hooked by path) a key or glob names, by key."""
+        return select_keys(self.key2module, selector, "serve()", type(eager_module(self.model)).__name__, self.calls)
 
     def arm(self, selector: str, kind: str, every: int = 1, count: int | None = None, raw: bool = False,
             bins: int | Iterable[float] | None = None) -> list[str]:
@@ -264,7 +270,12 @@ class Sampler:
         if kind not in KINDS:
             raise FwdtraceError(f"arm() expected kind as one of {', '.join(KINDS)}, got {kind!r}")
         spec = self.bins if bins is None else check_bins_spec(bins, "arm()")
-        keys = self.select(selector)
+        targets = self._targets(selector)
+        keys = list(targets)
+        functions = [k for k, t in targets.items() if isinstance(t, FunctionSite)]
+        if functions and kind not in ROLES:
+            raise KindRefused(f"arm() samples a function key ({functions[0]!r}) by its calls only, as "
+                              f"{' or '.join(ROLES)}: a function has no parameters of its own, got kind {kind!r}")
         # Forward arms of a torch.compile'd model copy the call's tensors inside its compiled graph;
         # gradient arms hook autograd around the call, which needs the eager modules.
         # (A root compiled in place runs eagerly while served: see _root_route.)
@@ -275,13 +286,15 @@ class Sampler:
             if self.closed:
                 raise SamplerClosed("the live service is stopped: nothing can be armed any more")
             for key in keys:
-                module = self.key2module[key]
-                roles = [name for name, _ in module_parameters(module)] if kind in PARAMETER_KINDS else []
+                module = targets[key]  # a FunctionSite takes the hooks a module takes, on its calls
+                roles = [name for name, _ in module_parameters(cast("torch.nn.Module", module))] \
+                    if kind in PARAMETER_KINDS else []
                 arm = Arm(key, kind, every, count, raw, self.ring, spec, roles)
                 if compiled_parts(self.model):
-                    eager = self._root_route is not None or (kind in CALL_KINDS and not in_graph)
+                    eager = self._root_route is not None or (
+                        kind in CALL_KINDS and not (in_graph and isinstance(module, torch.nn.Module)))
                     arm.runs = "eager" if eager else "compiled"
-                if in_graph:  # copies taken in the compiled graph, sampled after it
+                if in_graph and isinstance(module, torch.nn.Module):  # copies taken in the compiled graph, sampled after it
                     hook = ForwardHook.copies(module, Slot(self._guard(arm, "the forward hook", self._copies_taken(arm))))
                     arm.handles += [hook, GraphRoute(self.model, "arm()", [(hook.slot.id, module)])]
                 elif kind == "forward":  # while armed, the model's compiled parts run eagerly
@@ -291,7 +304,7 @@ class Sampler:
                     arm.handles.append(EagerRoute(self.model, "arm()"))
                     arm.handles.append(self._grad_hooks(arm, module))
                 else:
-                    parameters = module_parameters(module)
+                    parameters = module_parameters(cast("torch.nn.Module", module))
                     at_end = self._health_hook if kind == "health" else self._parameter_hook
                     arm.handles.extend(self._at_backward_end(arm, parameters, at_end(arm, parameters)))
                 old = self.arms.get((key, kind))
@@ -374,7 +387,7 @@ class Sampler:
 
         return taken
 
-    def _grad_hooks(self, arm: Arm, module: torch.nn.Module) -> Any:
+    def _grad_hooks(self, arm: Arm, module: torch.nn.Module | FunctionSite) -> Any:
         def on_grads(call: int, grad_input: tuple, grad_output: tuple) -> None:
             # grad_input: one slot per positional argument; grad_output: one per tensor of the output.
             self._submit(arm, call, _series("grad_input", [(f"grad_input[{i}]", g) for i, g in enumerate(grad_input)])
@@ -668,6 +681,10 @@ def _series(group: str, named: Sequence[tuple[str, torch.Tensor | None]]) -> lis
     if len(named) == 1:
         named = [(group, named[0][1])]
     return [(role, index, t) for index, (role, t) in enumerate(named) if t is not None]
+
+
+class KindRefused(FwdtraceError):
+    """An arm of a kind its key cannot have (a parameter kind of a function key)."""
 
 
 class SamplerClosed(FwdtraceError):

@@ -38,7 +38,7 @@ from ..instrument.bins import DEFAULT_BINS, check_bins_spec
 from ..instrument.compiled import eager_module
 from ..instrument.keys import closest_keys, key_path
 from .history import History
-from .sampler import KINDS, ROLES, Sampler, SamplerClosed, check_positive
+from .sampler import KINDS, ROLES, KindRefused, Sampler, SamplerClosed, check_positive
 
 __all__ = ["Server", "serve"]
 
@@ -274,7 +274,8 @@ class Server:
         return closest_keys(name, [*self._known_keys(), *self._path2key()])
 
     def _known_keys(self) -> Collection[str]:
-        return self.sampler.key2module
+        """Module keys, and the function keys of functions hooked by path (as Probe and Dumper take them)."""
+        return {**self.sampler.key2module, **self.sampler.calls.registered_sites()}
 
     def _path2key(self) -> dict[str, str]:
         """Each module's path (``res.c1``, as in the graph and ``named_modules()``) to its key."""
@@ -358,9 +359,22 @@ class Server:
                 if n.kind == "module" and n.module_key not in shapes:
                     shapes[n.module_key] = {"input": [list(r.shape) for r in n.inputs],
                                             "output": [list(r.shape) for r in n.outputs]}
-        return [{"key": k, "path": key_path(k, m), "class": type(m).__name__,
+        rows = [{"key": k, "path": key_path(k, m), "class": type(m).__name__,
                  "params": sum(p.numel() for p in m.parameters()), "shapes": shapes.get(k)}
                 for k, m in self.sampler.key2module.items()]
+        # A hooked function has a key in every module that may call it: listed are those the traced
+        # forward called (and those armed), each once, in the order of their first call.
+        sites = self.sampler.calls.registered_sites()
+        called = [n.key for n in self.graph.nodes if n.kind == "function"] if self.graph is not None else []
+        listed = dict.fromkeys([k for k in called if k in sites] + sorted(k for k, _ in self.sampler.arms if k in sites))
+        for k in listed:
+            site = sites[k]
+            node = next((n for n in self.graph.nodes if n.kind == "function" and n.key == k), None) \
+                if self.graph is not None else None
+            rows.append({"key": k, "path": site.module_path, "class": site.target.name, "function": site.target.path,
+                         "params": 0, "shapes": None if node is None else {
+                             "input": [list(r.shape) for r in node.inputs], "output": [list(r.shape) for r in node.outputs]}})
+        return rows
 
     def status(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
         graph = "ready" if self.graph is not None else (self.graph_error or "waiting for the first forward")
@@ -413,8 +427,10 @@ class Server:
             keys = self.sampler.arm(key, kind, every=every or 1, count=count, raw=raw, bins=bins)
         except SamplerClosed as e:
             raise _Reply(503, str(e)) from None
+        except KindRefused as e:
+            raise _Reply(400, str(e)) from None
         except FwdtraceError:
-            raise _Reply(404, f"{key!r} matches no module key or path", closest=self._closest(key)) from None
+            raise _Reply(404, f"{key!r} matches no module key, function key or path", closest=self._closest(key)) from None
         arms = [self.sampler.arms.get((k, kind)) for k in keys[:1]]
         # "compiled" or "eager": how a compiled model runs while armed (None: an eager model)
         runs = arms[0].runs if arms and arms[0] is not None else None
@@ -431,7 +447,7 @@ class Server:
         try:
             keys = self.sampler.disarm(key, kind)
         except FwdtraceError:
-            raise _Reply(404, f"{key!r} matches no module key or path", closest=self._closest(key)) from None
+            raise _Reply(404, f"{key!r} matches no module key, function key or path", closest=self._closest(key)) from None
         return _json({"disarmed": keys, "kind": kind})
 
     def samples(self, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:

@@ -595,8 +595,9 @@ def _units(graph: Graph, folds: Folds, depth: int | None, *, collapse_repeats: b
                                module_key=_scope_key(s)))
                 break
         if unit is None:
-            unit = units[f"n:{n.id}"] = _Unit(f"n:{n.id}", n.scope, n.kind, _node_label(n, show_path),
-                                              module_key=_box_key(n.module_path, n.class_name) if n.kind == "module" else None)
+            # An atomic function's box carries its function key, which tools take as they take a module key
+            box_key = _box_key(n.module_path, n.class_name) if n.kind == "module" or n.attrs.get("atomic") is True else None
+            unit = units[f"n:{n.id}"] = _Unit(f"n:{n.id}", n.scope, n.kind, _node_label(n, show_path), module_key=box_key)
         unit.members.append(n.id)
         node2unit[n.id] = unit
     if fold_side:
