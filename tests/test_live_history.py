@@ -562,6 +562,78 @@ def test_a_new_series_costs_the_same_with_200_series_as_with_2(tmp_path: Path, m
         assert [p["value"] for p in history.scalars("s0")] == [1.0] and len(history.series()) == 201
 
 
+HDF5_CALLS = [(h5py.File, "__init__"), (h5py.File, "close"), (h5py.File, "flush"), (h5py.Group, "__getitem__"),
+              (h5py.Group, "create_group"), (h5py.Group, "create_dataset"), (h5py.Dataset, "__getitem__"),
+              (h5py.Dataset, "__setitem__"), (h5py.Dataset, "resize")]
+
+
+def _record_hdf5_calls(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, threading.Thread]]) -> None:
+    """Append ``(call, thread)`` to ``calls`` for every h5py call of :data:`HDF5_CALLS`, as it is made."""
+    def recording(name: str, method: object) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            calls.append((name, threading.current_thread()))
+            return method(*args, **kwargs)  # type: ignore[operator]
+        return call
+
+    for cls, name in HDF5_CALLS:
+        monkeypatch.setattr(cls, name, recording(f"{cls.__name__}.{name}", getattr(cls, name)))
+
+
+def test_a_new_series_never_reopens_the_file_and_costs_the_same_hdf5_calls_at_200_series_as_at_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted in h5py calls (not time): adding a series used to close the file and open it again each time."""
+    calls: list[tuple[str, threading.Thread]] = []
+    with History(tmp_path) as history:
+        def new_series(i: int) -> list[str]:
+            calls.clear()
+            history.append_scalar(f"s{i}", float(i), step=i, time=0.0)
+            history.append("0.Linear", "forward", f"r{i}", step=i, time=0.0, stats={"mean": float(i)}, histogram=[i, 1],
+                           bin_edges=[0.0, 1.0, 2.0])
+            return sorted(name for name, _ in calls)
+
+        new_series(0)
+        _record_hdf5_calls(monkeypatch, calls)
+        with_two = new_series(1)
+        assert "File.__init__" not in with_two and "File.close" not in with_two and with_two.count("File.flush") == 2
+        for i in range(2, 200):
+            assert new_series(i) == with_two or i % 64 == 0  # a table grows by a batch of 64 slots in one resize
+        assert new_series(200) == with_two
+        monkeypatch.undo()
+        assert [p["value"] for p in history.scalars("s7")] == [7.0] and len(history.series()) == 201
+        assert [(r["step"], r["mean"], r["histogram"]) for r in history.rows("0.Linear", "forward", "r150")] == [
+            (150, 150.0, [150, 1])]
+
+
+def test_the_history_is_written_from_the_summariser_only_never_the_training_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, threading.Thread]] = []
+    model = Net()
+    with fwdtrace.serve(model, port=0, logdir=tmp_path) as server:
+        summariser = server.sampler._worker
+        _record_hdf5_calls(monkeypatch, calls)
+        server.sampler.arm("*", "forward")
+        for step in range(6):
+            if step == 3:
+                server.sampler.arm("*", "grad")  # new series while training
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            fwdtrace.live.log_scalar(f"loss{step % 2}", loss)
+        server.sampler.drain(60)
+        fwdtrace.live.log_scalar("last", 1.0)
+        server.sampler.close()  # its last pass writes the scalars, in the summariser
+        monkeypatch.undo()
+        roles = {(s["kind"], s["role"]) for s in server.history.series()}  # type: ignore[union-attr]
+        assert ("grad", "grad_output") in roles and ("forward", "output") in roles
+        assert server.history.scalar_names() == ["loss0", "loss1", "last"]  # type: ignore[union-attr]
+    writes = {name for name, _ in calls}
+    assert {"Dataset.__setitem__", "Dataset.resize", "File.flush"} <= writes  # new series were added meanwhile
+    assert {thread.name for _, thread in calls} == {summariser.name}
+
+
 FULL_DISK = """
 import os, resource, signal, sys
 from fwdtrace.live.history import History
