@@ -604,6 +604,23 @@ def test_a_new_series_never_reopens_the_file_and_costs_the_same_hdf5_calls_at_20
             (150, 150.0, [150, 1])]
 
 
+def test_series_of_any_bins_share_the_tables_and_read_back_as_written(tmp_path: Path) -> None:
+    """A series with more bins than any before widens ``series_values`` in place (SWMR mode), the others unchanged."""
+    rng = np.random.default_rng(3)
+    written = {bins: [_row(rng, step, bins=bins) for step in (1, 2)] for bins in (2, 200, 60)}
+    with History(tmp_path, retention=4) as history:
+        for step in range(2):
+            for bins, rows in written.items():
+                history.append(f"{bins}.Linear", "forward", "output", **rows[step])
+    with h5py.File(tmp_path / HISTORY_FILE, "r") as plain:
+        assert plain["series_values"].shape[2] == 10 + 2 * 200 + 1
+    with History(tmp_path, read_only=True) as finished:
+        for bins, rows in written.items():
+            got = finished.rows(f"{bins}.Linear", "forward", "output")
+            assert [(r["histogram"], r["bin_edges"], r["std"]) for r in got] == [
+                (w["histogram"], w["bin_edges"], w["stats"]["std"]) for w in rows]
+
+
 def test_the_history_is_written_from_the_summariser_only_never_the_training_thread(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, threading.Thread]] = []
