@@ -5,7 +5,7 @@ two rows each) through :meth:`History.append_sample`, as the sampler's sink does
 retention of ``--retention`` rows per series; then reads the newest 64 samples before the
 middle of what is kept. Reported: median and p99 time per append (each ends with a flush), the file's
 bytes per row kept, and the read's time.
-Run: ``.venv/bin/python benchmarks/live_history_cost.py [--samples 5000] [--retention 2000] [--bins 32]``.
+Run: ``.venv/bin/python benchmarks/live_history_cost.py [--samples 5000] [--retention 2000] [--bins 60]``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from fwdtrace.instrument.bins import DEFAULT_BINS
 from fwdtrace.instrument.stats import RunningStats
 from fwdtrace.live.history import History
 
@@ -36,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=5000)
     parser.add_argument("--retention", type=int, default=2000)
-    parser.add_argument("--bins", type=int, default=32)
+    parser.add_argument("--bins", type=int, default=DEFAULT_BINS)
     args = parser.parse_args()
     samples = [sample(step, args.bins) for step in range(1, args.samples + 1)]
     with tempfile.TemporaryDirectory() as folder, History(folder, retention=args.retention) as history:

@@ -7,6 +7,7 @@ loop logged and the gradient norms torch computes, read back from the reopened r
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -37,6 +38,17 @@ def _row(rng: np.random.Generator, step: int, bins: int = 4) -> dict:
         "zero_fraction": 0.0, "underflow": 0, "overflow": 0}, "histogram": counts.tolist(), "bin_edges": edges.tolist()}
 
 
+def _plain_rows(f: h5py.File) -> dict[tuple[str, ...], np.ndarray]:
+    """Every series' and scalar's written ``meta`` rows (physical order), as plain h5py reads the file's catalog."""
+    text = f["names"][:].tobytes()
+    out = {}
+    for entry in f["catalog"][:]:
+        name = tuple(json.loads(text[entry["name_start"]:entry["name_start"] + entry["name_length"]]))
+        meta = f["series_meta" if entry["table"] == 0 else "scalar_meta"][entry["slot"]]
+        out[name] = meta[meta["seq"] >= 0]
+    return out
+
+
 def test_rows_come_back_as_written_and_retention_keeps_the_newest(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     written = [_row(rng, step) for step in range(1, 12)]
@@ -58,7 +70,8 @@ def test_rows_come_back_as_written_and_retention_keeps_the_newest(tmp_path: Path
         assert [(s["role"], s["rows"], s["appended"], s["first_step"], s["last_step"]) for s in history.series()] == [
             ("output", 5, 11, 7, 11), ("input", 1, 1, 1, 1)]
         with h5py.File(history.path, "r", swmr=True) as f:  # on disk: no dataset grew past the retention
-            assert all(f[f"series/{n}/meta"].shape[0] <= 5 for n in f["series"])
+            assert f["series_meta"].shape[1] == f["series_values"].shape[1] == 5
+            assert [len(m) for m in _plain_rows(f).values()] == [5, 1]
 
     # Reopened read-only: the same rows; writing is refused. Reopened to write: the ring goes on.
     with History(tmp_path / "run", read_only=True) as history:
@@ -109,10 +122,9 @@ def test_what_an_append_wrote_is_on_disk_while_the_writer_is_open(tmp_path: Path
         history.append_scalar("lr", 0.1, step=7, time=0.0)
         shutil.copy(history.path, tmp_path / "copy.h5")
         with h5py.File(tmp_path / "copy.h5", "r", libver="latest", swmr=True) as f:
-            metas = {f[f"{g}/{n}"].attrs.get("role", "scalar"): f[f"{g}/{n}/meta"][:]
-                     for g in ("series", "scalars") for n in f[g]}
-        assert metas["grad_output"]["step"].tolist() == list(range(1, 8))
-        assert metas["scalar"]["value"].tolist() == [0.1]
+            metas = _plain_rows(f)
+        assert metas[("a.ReLU", "grad", "grad_output")]["step"].tolist() == list(range(1, 8))
+        assert metas[("lr",)]["value"].tolist() == [0.1]
     finally:
         history.close()
 
@@ -126,7 +138,7 @@ def test_scalar_batches_wrap_the_ring_and_keep_the_newest(tmp_path: Path) -> Non
             logged += points
             assert [(p["step"], p["value"]) for p in history.scalars("loss")] == logged[-5:]
         with h5py.File(history.path, "r", swmr=True) as f:
-            assert f["scalars/0/meta"].shape == (5,) and sorted(f["scalars/0/meta"]["seq"]) == list(range(17, 22))
+            assert f["scalar_meta"].shape[1] == 5 and sorted(_plain_rows(f)[("loss",)]["seq"]) == list(range(17, 22))
     with History(tmp_path) as history:  # continued: the ring goes on from the newest seq
         history.append_scalars([("loss", 22, 7.0, 11.0), ("lr", 22, 7.0, 0.1)])
         assert [p["step"] for p in history.scalars("loss")] == [18, 19, 20, 21, 22]
@@ -342,6 +354,36 @@ def _finished_run(path: Path) -> Path:
     return path / HISTORY_FILE
 
 
+def _groups_run(path: Path) -> Path:
+    """A finished run of the earlier layout, a group per series, as plain h5py writes it."""
+    path.mkdir()
+    with h5py.File(path / HISTORY_FILE, "w", libver="latest") as f:
+        f.attrs["fwdtrace_live_history"], f.attrs["retention"] = 1, 100
+        series, scalars = f.create_group("series").create_group("0"), f.create_group("scalars").create_group("0")
+        series.attrs.update({"key": "0.Linear", "kind": "forward", "role": "output", "bins": 2})
+        meta = np.array([(s, s, 0, 0, 0.0) for s in range(3)], dtype=[("seq", "<i8"), ("step", "<i8"), ("call", "<i8"),
+                                                                   ("index", "<i8"), ("time", "<f8")])
+        series.create_dataset("meta", data=meta, maxshape=(100,), chunks=(64,))
+        values = np.zeros((3, 10 + 2 * 2 + 1))
+        values[:, 1], values[:, 10:12], values[:, 12:] = 1.0, [1, 2], [0.0, 1.0, 2.0]
+        series.create_dataset("values", data=values, maxshape=(100, 15), chunks=(64, 15))
+        scalars.attrs["name"] = "loss"
+        points = np.array([(s, s, 0.0, 1.0 / (s + 1)) for s in range(3)],
+                          dtype=[("seq", "<i8"), ("step", "<i8"), ("time", "<f8"), ("value", "<f8")])
+        scalars.create_dataset("meta", data=points, maxshape=(100,), chunks=(64,))
+    return path / HISTORY_FILE
+
+
+def test_a_run_of_the_earlier_layout_is_read_and_not_continued(tmp_path: Path) -> None:
+    _groups_run(tmp_path / "run")
+    with History(tmp_path / "run", read_only=True) as old:
+        assert old.scalars("loss") == [{"step": s, "time": 0.0, "value": 1.0 / (s + 1)} for s in range(3)]
+        assert [(r["step"], r["mean"], r["histogram"], r["bin_edges"]) for r in old.rows("0.Linear", "forward", "output")
+                ] == [(s, 1.0, [1, 2], [0.0, 1.0, 2.0]) for s in range(3)]
+    with pytest.raises(FwdtraceError, match=r"^History\(\) cannot continue the run in .*written by an earlier fwdtrace"):
+        History(tmp_path / "run")
+
+
 def _replace(file: h5py.File, name: str, **kwargs: object) -> None:
     old = file[name]
     dtype, shape = old.dtype, old.shape
@@ -350,45 +392,74 @@ def _replace(file: h5py.File, name: str, **kwargs: object) -> None:
 
 
 def _external_storage(file: h5py.File, outside: Path) -> None:
-    _replace(file, "scalars/0/meta", external=[(str(outside), 0, 3 * 32)])
+    if "scalars" in file:
+        _replace(file, "scalars/0/meta", external=[(str(outside), 0, 3 * 32)])
+    else:
+        _replace(file, "names", external=[(str(outside), 0, file["names"].shape[0])])
 
 
 def _external_link(file: h5py.File, outside: Path) -> None:
-    del file["scalars/0"]
-    file["scalars/0"] = h5py.ExternalLink(str(outside), "/")
+    name = "scalars/0" if "scalars" in file else "catalog"
+    del file[name]
+    file[name] = h5py.ExternalLink(str(outside), "/")
 
 
 def _soft_link(file: h5py.File, outside: Path) -> None:
-    del file["series/0/values"]
-    file["series/0/values"] = h5py.SoftLink("/scalars/0/meta")
+    name, to = ("series/0/values", "/scalars/0/meta") if "series" in file else ("series_values", "/scalar_meta")
+    del file[name]
+    file[name] = h5py.SoftLink(to)
 
 
 def _huge(file: h5py.File, outside: Path) -> None:
-    file.attrs["retention"] = 4_000_000
-    _replace(file, "scalars/0/meta", shape=(4_000_000,), maxshape=(4_000_000,), chunks=(256,))
+    if "scalars" in file:
+        file.attrs["retention"] = 4_000_000
+        _replace(file, "scalars/0/meta", shape=(4_000_000,), maxshape=(4_000_000,), chunks=(256,))
+    else:
+        _replace(file, "catalog", shape=(4_000_000,), maxshape=(None,), chunks=(256,))
+
+
+def _huge_chunks(file: h5py.File, outside: Path) -> None:  # reading a slot's first chunk would take all its rows
+    _replace(file, "scalar_meta", maxshape=(None, 10_000), chunks=(1, 10_000))
+
+
+def _wide(file: h5py.File, outside: Path) -> None:  # a series declaring more bins than its table holds
+    catalog = file["catalog"][:]
+    catalog["bins"][catalog["table"] == 0] = 1000
+    file["catalog"][:] = catalog
 
 
 def _wrong_layout(file: h5py.File, outside: Path) -> None:
-    del file["series/0"].attrs["kind"]
+    if "series" in file:
+        del file["series/0"].attrs["kind"]
+    else:
+        file["names"][:] = np.frombuffer(b"{" * file["names"].shape[0], np.uint8)
 
 
 CRAFTED = [
     (_external_storage, "keeps its data in external files"),
     (_external_link, "is an external link to"),
     (_soft_link, "is a SoftLink"),
-    (_huge, r"declares \(4000000,\) \(128000000 bytes\) but the file stores"),
-    (_wrong_layout, "lacks the text attributes key, kind, role"),
+    (_huge, r"declares \(4000000,\) \(1[23][28]000000 bytes\) but the file stores"),
+    (_wrong_layout, "lacks the text attributes key, kind, role|where catalog entry 0 is not named as \\[name\\] in JSON"),
+]
+CRAFTED_TABLES = [
+    (_huge_chunks, r"where 'scalar_meta' is \(64, 10000\) in chunks \(1, 10000\), not the layout written"),
+    (_wide, "where catalog entry 1 has 1000 bins, more than its table holds"),
 ]
 
 
-@pytest.mark.parametrize(("craft", "message"), CRAFTED, ids=[c.__name__.strip("_") for c, _ in CRAFTED])
-def test_a_crafted_run_is_refused_with_one_error_naming_it(tmp_path: Path, craft: object, message: str) -> None:
+@pytest.mark.parametrize(("craft", "message", "layout"), [(*c, layout) for c in CRAFTED for layout in ("tables", "groups")]
+                         + [(*c, "tables") for c in CRAFTED_TABLES],
+                         ids=[f"{c.__name__.strip('_')}-{layout}" for c, _ in CRAFTED for layout in ("tables", "groups")]
+                         + [f"{c.__name__.strip('_')}-tables" for c, _ in CRAFTED_TABLES])
+def test_a_crafted_run_is_refused_with_one_error_naming_it(tmp_path: Path, craft: object, message: str,
+                                                           layout: str) -> None:
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"SECRET" * 100)
-    path = _finished_run(tmp_path / "run")
+    path = _finished_run(tmp_path / "run") if layout == "tables" else _groups_run(tmp_path / "run")
     with h5py.File(path, "a") as file:
         craft(file, outside)  # type: ignore[operator]
-    with pytest.raises(FwdtraceError, match=rf"^reopen\(\) expected a fwdtrace live run, got '{re.escape(str(path))}', .*{message}"):
+    with pytest.raises(FwdtraceError, match=rf"^reopen\(\) expected a fwdtrace live run, got '{re.escape(str(path))}', .*({message})"):
         History(tmp_path / "run", read_only=True, caller="reopen()")
 
 
@@ -491,6 +562,95 @@ def test_a_new_series_costs_the_same_with_200_series_as_with_2(tmp_path: Path, m
         assert [p["value"] for p in history.scalars("s0")] == [1.0] and len(history.series()) == 201
 
 
+HDF5_CALLS = [(h5py.File, "__init__"), (h5py.File, "close"), (h5py.File, "flush"), (h5py.Group, "__getitem__"),
+              (h5py.Group, "create_group"), (h5py.Group, "create_dataset"), (h5py.Dataset, "__getitem__"),
+              (h5py.Dataset, "__setitem__"), (h5py.Dataset, "resize")]
+
+
+def _record_hdf5_calls(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, threading.Thread]]) -> None:
+    """Append ``(call, thread)`` to ``calls`` for every h5py call of :data:`HDF5_CALLS`, as it is made."""
+    def recording(name: str, method: object) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            calls.append((name, threading.current_thread()))
+            return method(*args, **kwargs)  # type: ignore[operator]
+        return call
+
+    for cls, name in HDF5_CALLS:
+        monkeypatch.setattr(cls, name, recording(f"{cls.__name__}.{name}", getattr(cls, name)))
+
+
+def test_a_new_series_never_reopens_the_file_and_costs_the_same_hdf5_calls_at_200_series_as_at_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted in h5py calls (not time): adding a series used to close the file and open it again each time."""
+    calls: list[tuple[str, threading.Thread]] = []
+    with History(tmp_path) as history:
+        def new_series(i: int) -> list[str]:
+            calls.clear()
+            history.append_scalar(f"s{i}", float(i), step=i, time=0.0)
+            history.append("0.Linear", "forward", f"r{i}", step=i, time=0.0, stats={"mean": float(i)}, histogram=[i, 1],
+                           bin_edges=[0.0, 1.0, 2.0])
+            return sorted(name for name, _ in calls)
+
+        new_series(0)
+        _record_hdf5_calls(monkeypatch, calls)
+        with_two = new_series(1)
+        assert "File.__init__" not in with_two and "File.close" not in with_two and with_two.count("File.flush") == 2
+        for i in range(2, 200):
+            assert new_series(i) == with_two or i % 64 == 0  # a table grows by a batch of 64 slots in one resize
+        assert new_series(200) == with_two
+        monkeypatch.undo()
+        assert [p["value"] for p in history.scalars("s7")] == [7.0] and len(history.series()) == 201
+        assert [(r["step"], r["mean"], r["histogram"]) for r in history.rows("0.Linear", "forward", "r150")] == [
+            (150, 150.0, [150, 1])]
+
+
+def test_series_of_any_bins_share_the_tables_and_read_back_as_written(tmp_path: Path) -> None:
+    """A series with more bins than any before widens ``series_values`` in place (SWMR mode), the others unchanged."""
+    rng = np.random.default_rng(3)
+    written = {bins: [_row(rng, step, bins=bins) for step in (1, 2)] for bins in (2, 200, 60)}
+    with History(tmp_path, retention=4) as history:
+        for step in range(2):
+            for bins, rows in written.items():
+                history.append(f"{bins}.Linear", "forward", "output", **rows[step])
+    with h5py.File(tmp_path / HISTORY_FILE, "r") as plain:
+        assert plain["series_values"].shape[2] == 10 + 2 * 200 + 1
+    with History(tmp_path, read_only=True) as finished:
+        for bins, rows in written.items():
+            got = finished.rows(f"{bins}.Linear", "forward", "output")
+            assert [(r["histogram"], r["bin_edges"], r["std"]) for r in got] == [
+                (w["histogram"], w["bin_edges"], w["stats"]["std"]) for w in rows]
+
+
+def test_the_history_is_written_from_the_summariser_only_never_the_training_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, threading.Thread]] = []
+    model = Net()
+    with fwdtrace.serve(model, port=0, logdir=tmp_path) as server:
+        summariser = server.sampler._worker
+        _record_hdf5_calls(monkeypatch, calls)
+        server.sampler.arm("*", "forward")
+        for step in range(6):
+            if step == 3:
+                server.sampler.arm("*", "grad")  # new series while training
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            fwdtrace.live.log_scalar(f"loss{step % 2}", loss)
+        server.sampler.drain(60)
+        fwdtrace.live.log_scalar("last", 1.0)
+        server.sampler.close()  # its last pass writes the scalars, in the summariser
+        monkeypatch.undo()
+        roles = {(s["kind"], s["role"]) for s in server.history.series()}  # type: ignore[union-attr]
+        assert ("grad", "grad_output") in roles and ("forward", "output") in roles
+        assert server.history.scalar_names() == ["loss0", "loss1", "last"]  # type: ignore[union-attr]
+    writes = {name for name, _ in calls}
+    assert {"Dataset.__setitem__", "Dataset.resize", "File.flush"} <= writes  # new series were added meanwhile
+    assert {thread.name for _, thread in calls} == {summariser.name}
+
+
 FULL_DISK = """
 import os, resource, signal, sys
 from fwdtrace.live.history import History
@@ -529,7 +689,7 @@ def test_a_full_disk_ends_nothing_writes_resume_when_space_returns_and_the_run_r
         assert [p["value"] for p in finished.scalars("loss")] == [1.0, 3.0]
         assert finished.scalars("after")[0]["value"] == 2.0
     with h5py.File(tmp_path / HISTORY_FILE, "r") as plain:  # and by plain h5py
-        assert "scalars" in plain
+        assert "scalar_meta" in plain and "catalog" in plain
 
 
 def test_serve_on_a_damaged_run_exits_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

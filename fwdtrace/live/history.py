@@ -4,33 +4,38 @@ A run directory holds ``history.h5`` (this store), ``graph.json`` (the traced gr
 ``keys.json`` (the module keys with their classes and parameter counts), so a finished run
 is reopened without the model (``fwdtrace serve --logdir DIR``).
 
-Inside ``history.h5`` each series, one per ``(key, kind, role)``, is a group ``series/N``
-(attributes ``key``, ``kind``, ``role``, ``bins``) with two chunked datasets that grow by one
-row per summarised tensor: ``meta`` (``seq``, ``step``, ``call``, ``index``, ``time``) and
-``values`` (the statistics named in :data:`STATS`, the histogram's counts, then the edges
-they were counted with: bins re-bin, so each row keeps its own). Scalars are groups
-``scalars/N`` (attribute ``name``) with one dataset ``meta`` (``seq``, ``step``, ``time``,
-``value``). Reads take the small ``meta`` dataset whole and only the ``values`` rows asked for.
+Inside ``history.h5`` every series, one per ``(key, kind, role)``, is a slot (a row) of
+tables made once, when the file is created, and shared by all series: ``series_meta``
+(``seq``, ``step``, ``call``, ``index``, ``time`` per kept row) and ``series_values`` (the
+statistics named in :data:`STATS`, the histogram's counts, then the edges they were counted
+with: bins re-bin, so each row keeps its own). Scalars are slots of ``scalar_meta`` (``seq``,
+``step``, ``time``, ``value``). ``catalog`` names each slot (which table, which slot, its
+bins, and where its JSON name lies in ``names``: ``[key, kind, role]`` or ``[name]``).
+A new series takes the next free slot and appends its name: the tables grow by a batch of
+slots at a time, and ``series_values`` widens for more bins, resizes HDF5 makes in
+single-writer/multiple-reader mode (SWMR). So the file is opened once, a new series costs
+the same few writes however many there are, and no reader ever sees the file closed. Reads
+take one slot's ``meta`` row and only the ``values`` rows asked for. Files of the earlier
+layout (a group per series) are read, not continued.
 
 Retention: at most ``retention`` rows per series and per scalar (10 000 by default); past it
-each dataset is a ring, the oldest row overwritten by the newest (``seq`` orders them), in
+each slot is a ring, the oldest row overwritten by the newest (``seq`` orders them), in
 place, so the file stops growing. A row takes ``8 * (len(STATS) + 2 * bins + 1) + 40`` bytes
-(656 at 32 bins): a series at the default retention stays under 7 MB; a layer armed forward
-has two (input and output). Rows are not compressed: HDF5 writes a rewritten compressed chunk
-to new space, and the file would outgrow the retention.
+(1 088 at 60 bins); chunks are allocated as rows reach them: a series at the default
+retention stays under 11 MB; a layer armed forward has two (input and output). Rows are not
+compressed: HDF5 writes a rewritten compressed chunk to new space, and the file would outgrow
+the retention.
 
 Writes come from one thread (the sampler's summariser: samples as they are summarised, the
-scalars logged since its last pass about once a second and at stop), reads from the HTTP
-threads of the same process; one lock covers the file. The file is written in
-HDF5's single-writer/multiple-reader mode (SWMR) and flushed after every append, so what
-an append wrote is on disk when it returns and the file stays valid if the process dies: a
-hard kill (SIGKILL, a crashed node) loses only the append in flight, and the new series
-being created at that moment, if one was (series and scalars are created outside SWMR
-mode, which cannot create objects). A run whose writer was killed reopens read-only;
-writing into it again is refused (HDF5 marks the file as still open for writing). A
-read-only history (``fwdtrace serve --logdir`` beside a running run) takes no file lock,
-so it never stops the writer adding a series; it shows the run as it was when opened. A
-series the writer could not add (a full disk) leaves the history open: the next write tries
+scalars logged since its last pass about once a second and at stop; the training thread
+only queues them), reads from the HTTP threads of the same process; one lock covers the
+file. The file is written in SWMR mode from the first write to ``close()`` and flushed after
+every append, so what an append wrote is on disk when it returns and the file stays valid if
+the process dies: a hard kill (SIGKILL, a crashed node) loses only the append in flight. A
+run whose writer was killed reopens read-only; writing into it again is refused (HDF5 marks
+the file as still open for writing). A read-only history (``fwdtrace serve --logdir`` beside
+a running run) takes no file lock; it shows the run as it was when opened. A write that
+fails (a full disk) leaves the history open: the next write reopens the file and tries
 again, and when space returns writing resumes (clearing the "open for writing" flags a close
 that could not write left on the file, as ``h5clear -s`` would).
 h5py is imported here, only when a history is opened.
@@ -43,7 +48,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,18 +57,34 @@ import numpy as np
 from .._files import write_bytes
 from .._hdf5 import check_dataset, check_link, check_stored
 from ..errors import FwdtraceError, describe, one_line
+from ..instrument.bins import DEFAULT_BINS
 
 __all__ = ["History", "STATS", "DEFAULT_RETENTION", "HISTORY_FILE", "GRAPH_FILE", "KEYS_FILE"]
 
 HISTORY_FILE, GRAPH_FILE, KEYS_FILE = "history.h5", "graph.json", "keys.json"
-FORMAT_ATTR, FORMAT_VERSION = "fwdtrace_live_history", 1
+FORMAT_ATTR, FORMAT_VERSION = "fwdtrace_live_history", 2
+_GROUPS_VERSION = 1  # the earlier layout, a group per series: read, not continued
 DEFAULT_RETENTION = 10_000
 _MAX_RUN_FILE = 256 << 20  # graph.json and keys.json: a graph of a million nodes stays below
 STATS = ("numel", "mean", "std", "min", "max", "nan", "inf", "zero_fraction", "underflow", "overflow")
 _COUNTS = ("numel", "nan", "inf", "underflow", "overflow")  # statistics served as ints
-_CHUNK_ROWS = 64  # rows per HDF5 chunk: a read decompresses whole chunks, an append rewrites one
+_CHUNK_ROWS = 64  # values rows per HDF5 chunk: a read takes whole chunks, an append rewrites one
+_META_CHUNK_ROWS = 256  # meta rows per chunk: a series' meta is read whole, its rows are small
+_SLOT_BATCH = 64  # slots a table grows by at once: one resize for the next 64 new series
+_MAX_BINS = 1 << 16
 _SERIES_META = np.dtype([("seq", "<i8"), ("step", "<i8"), ("call", "<i8"), ("index", "<i8"), ("time", "<f8")])
 _SCALAR_META = np.dtype([("seq", "<i8"), ("step", "<i8"), ("time", "<f8"), ("value", "<f8")])
+_CATALOG = np.dtype([("table", "u1"), ("slot", "<i8"), ("bins", "<i8"), ("name_start", "<i8"), ("name_length", "<i8")])
+_SERIES, _SCALARS, _UNUSED = 0, 1, 255  # catalog tables; a catalog row not yet written reads as _UNUSED
+_TABLES = {_SERIES: ("series_meta", "series_values", _SERIES_META), _SCALARS: ("scalar_meta", None, _SCALAR_META)}
+
+
+def _width(bins: int) -> int:
+    """Values per row of a series with ``bins`` bins: the statistics, the counts, the edges."""
+    return len(STATS) + 2 * bins + 1
+
+
+_VALUE_COLUMNS = _width(DEFAULT_BINS)  # values per chunk across: a row of the default bins is one chunk wide
 
 
 def _h5py() -> Any:
@@ -74,62 +95,68 @@ def _h5py() -> Any:
     return h5py
 
 
-class _FileState:
-    """The history's open file, and how many times it was (re)opened: rings attach to the one open now."""
+class _Table:
+    """The datasets one kind of series shares, a slot (first index) per series; ``values`` only for layer series."""
 
-    def __init__(self) -> None:
-        self.file: Any = None
-        self.generation = 0
+    def __init__(self, meta: Any, values: Any) -> None:
+        self.meta, self.values = meta, values
+        self.used = 0  # slots handed out
 
 
 class _Ring:
-    """One series or scalar: its datasets and how many rows were ever appended (the ring keeps the newest).
+    """One series or scalar: its slot of a table, and how many rows were ever appended (the ring keeps the newest)."""
 
-    Its datasets are looked up again, when next used, after the file was reopened (a series being
-    added): doing it for every ring at each reopen cost time growing with the number of series.
-    """
-
-    def __init__(self, state: _FileState, path: str, order: int) -> None:
-        self.path, self.order = path, order  # the group's path: objects of a closed file forget theirs
-        self._state, self._generation = state, -1
-        n = self.meta.shape[0]
-        self.appended = int(self.meta["seq"].max()) + 1 if n else 0
-
-    def _attach(self) -> None:
-        if self._generation != self._state.generation:
-            self._group = self._state.file[self.path]
-            self._meta = self._group["meta"]
-            self._values = self._group["values"] if "values" in self._group else None
-            self._generation = self._state.generation
-
-    @property
-    def group(self) -> Any:
-        self._attach()
-        return self._group
-
-    @property
-    def meta(self) -> Any:
-        self._attach()
-        return self._meta
-
-    @property
-    def values(self) -> Any:
-        self._attach()
-        return self._values
+    def __init__(self, table: _Table, slot: int, bins: int, order: int, appended: int) -> None:
+        self.table, self.slot, self.bins, self.order, self.appended = table, slot, bins, order, appended
 
     def span(self) -> dict[str, Any]:
         """Rows kept, rows ever appended, and the first and last step kept (None when empty)."""
-        steps = self.meta["step"] if self.meta.shape[0] else np.zeros(0, np.int64)
+        steps = self.logical()[0]["step"]
         return {"rows": len(steps), "appended": self.appended,
                 "first_step": int(steps.min()) if len(steps) else None,
                 "last_step": int(steps.max()) if len(steps) else None}
 
+    def physical(self) -> np.ndarray:
+        """The slot's ``meta`` rows that may hold data (rows ever appended, at most the ring's length)."""
+        return self.table.meta[self.slot, :min(self.appended, self.table.meta.shape[1])]
+
     def logical(self) -> tuple[np.ndarray, np.ndarray]:
         """Every kept ``meta`` row and its physical row number, oldest first."""
-        meta = self.meta[:]
-        where = np.arange(len(meta))
-        order = np.argsort(meta["seq"], kind="stable")
-        return meta[order], where[order]
+        meta = self.physical()
+        # A reader beside a live writer sees rows written after it opened the file: it shows the run as it was.
+        where = np.nonzero((meta["seq"] >= 0) & (meta["seq"] < self.appended))[0]
+        order = np.argsort(meta["seq"][where], kind="stable")
+        return meta[where[order]], where[order]
+
+    def values(self, lo: int, hi: int) -> np.ndarray:
+        return self.table.values[self.slot, lo:hi + 1, :_width(self.bins)]
+
+
+class _GroupRing(_Ring):
+    """A series or scalar of the earlier layout, a group of its own (``meta``, and ``values`` for a layer)."""
+
+    def __init__(self, group: Any, bins: int, order: int) -> None:
+        self.group, self.bins, self.order = group, bins, order
+        meta = group["meta"]
+        self.appended = int(meta["seq"].max()) + 1 if meta.shape[0] else 0
+
+    def physical(self) -> np.ndarray:
+        return self.group["meta"][:]
+
+    def values(self, lo: int, hi: int) -> np.ndarray:
+        return self.group["values"][lo:hi + 1]
+
+
+def _appended(meta: Any, slot: int, retention: int) -> int:
+    """Rows ever appended to a slot, from the newest ``seq`` in it, reading its chunks in order up to the first
+    empty one (rows are written from the slot's start): what a read allocates stays within what the file stores."""
+    newest = -1
+    for start in range(0, retention, _META_CHUNK_ROWS):
+        seq = meta[slot, start:min(start + _META_CHUNK_ROWS, retention)]["seq"]
+        if not (seq >= 0).any():
+            break
+        newest = max(newest, int(seq.max()))
+    return newest + 1
 
 
 class History:
@@ -161,8 +188,10 @@ class History:
         self._lock = threading.Lock()
         self._series: dict[tuple[str, str, str], _Ring] = {}
         self._scalars: dict[str, _Ring] = {}
+        self._tables: dict[int, _Table] = {}
         self._closed = False
-        self._state = _FileState()
+        self._file: Any = None
+        self._values_stored: int | None = None  # a read-only run's stored values bytes: no read allocates more
         h5py = _h5py()
         exists = self.path.exists()
         try:
@@ -172,31 +201,31 @@ class History:
                 self._file = h5py.File(self.path, "a", libver="latest")
             else:
                 self._file = h5py.File(self.path, "w-", libver="latest")
-                self._file.attrs[FORMAT_ATTR] = FORMAT_VERSION
-                self._file.attrs["retention"] = retention or DEFAULT_RETENTION
-                for name in ("series", "scalars"):
-                    self._file.create_group(name)
+                _create_layout(self._file, retention or DEFAULT_RETENTION)
         except OSError as e:
             why = ("its writer was killed or is still running (HDF5 marks it open for writing): reopen it read-only "
                    "with `fwdtrace serve --logdir`, and give a new logdir to write" if "already open" in str(e)
                    else str(e))
             raise FwdtraceError(f"{caller} could not open the history {str(self.path)!r}: {why}") from None
         try:
-            if self._file.attrs.get(FORMAT_ATTR) != FORMAT_VERSION:
+            version = self._file.attrs.get(FORMAT_ATTR)
+            if version not in (FORMAT_VERSION, _GROUPS_VERSION):
                 raise FwdtraceError(f"{caller} expected {str(self.path)!r} to be a fwdtrace live history "
                                     f"(attribute {FORMAT_ATTR}={FORMAT_VERSION}), got an HDF5 file without it")
             self.retention = int(self._file.attrs["retention"])
             if exists and not read_only and retention is not None and retention != self.retention:
                 raise FwdtraceError(f"{caller} expected retention={self.retention} for the run in {str(self.logdir)!r} "
                                     f"(it was written with it), got retention={retention}; give a new logdir to change it")
-            if read_only:
-                self._check_untrusted(h5py)
-            for order, name in enumerate(sorted(self._file["series"], key=int)):
-                g = self._file["series"][name]
-                self._series[(g.attrs["key"], g.attrs["kind"], g.attrs["role"])] = _Ring(self._state, g.name, order)
-            for order, name in enumerate(sorted(self._file["scalars"], key=int)):
-                g = self._file["scalars"][name]
-                self._scalars[g.attrs["name"]] = _Ring(self._state, g.name, order)
+            if version == _GROUPS_VERSION and not read_only:
+                raise FwdtraceError(f"{caller} cannot continue the run in {str(self.logdir)!r}: it was written by an "
+                                    "earlier fwdtrace (a group per series), which this one reads but does not extend; "
+                                    "reopen it read-only with `fwdtrace serve --logdir`, and give a new logdir to write")
+            if not 1 <= self.retention <= 1 << 30:
+                raise self._untrusted(f"whose retention {self.retention} is not a positive row count")
+            if version == _GROUPS_VERSION:
+                self._load_groups(h5py)
+            else:
+                self._load(h5py)
             if not read_only:
                 self._file.swmr_mode = True
         except FwdtraceError:
@@ -209,29 +238,85 @@ class History:
             self._file.close()
             raise
 
-    @property
-    def _file(self) -> Any:
-        return self._state.file
-
-    @_file.setter
-    def _file(self, file: Any) -> None:
-        self._state.file = file
-        self._state.generation += 1  # every ring looks its datasets up again when next used
-
     def _untrusted(self, what: str) -> FwdtraceError:
         return FwdtraceError(f"{self.caller} expected a fwdtrace live run, got {str(self.path)!r}, {what}")
 
-    def _check_untrusted(self, h5py: Any) -> None:
-        """A run reopened is a file from elsewhere: plain objects inside it, of the layout written, sizes as stored."""
+    def _load(self, h5py: Any) -> None:
+        """Every series and scalar of the file, from its catalog. A run reopened is a file from elsewhere: plain
+        datasets inside it, of the layout written, each catalog entry pointing inside them."""
+        f, error, retention = self._file, self._untrusted, self.retention
+        names: dict[str, tuple[np.dtype, int]] = {"catalog": (_CATALOG, 1), "names": (np.dtype("u1"), 1)}
+        for meta_name, values_name, meta_dtype in _TABLES.values():
+            names[meta_name] = (meta_dtype, 2)
+            if values_name:
+                names[values_name] = (np.dtype("<f8"), 3)
+        datasets = {}
+        for name, (dtype, ndim) in names.items():
+            check_link(h5py, f, name, repr(name), error)
+            ds = datasets[name] = f[name]
+            check_dataset(h5py, ds, repr(name), error)
+            if ds.dtype != dtype or len(ds.shape) != ndim or ds.chunks is None:
+                raise error(f"where {name!r} is {ds.dtype} {ds.shape}, not the layout written")
+        for name in ("catalog", "names"):  # read whole: as stored
+            ds = datasets[name]
+            check_stored(ds, repr(name), error, slack=int(np.prod(ds.chunks)) * ds.dtype.itemsize)
+        self._catalog, self._names = datasets["catalog"], datasets["names"]
+        for table, (meta_name, values_name, _) in _TABLES.items():
+            meta = datasets[meta_name]
+            values = datasets[values_name] if values_name else None
+            # Chunks as written, so that reading a slot chunk by chunk allocates no more than the file stores.
+            if meta.shape[1] != retention or meta.chunks != (1, min(retention, _META_CHUNK_ROWS)) or (
+                    values is not None and (values.shape[:2] != meta.shape or values.shape[2] > _width(_MAX_BINS)
+                                            or values.chunks != (1, min(retention, _CHUNK_ROWS), _VALUE_COLUMNS))):
+                what = meta.shape if values is None else f"{meta.shape} and {values.shape}"
+                raise error(f"where {meta_name!r} is {what} in chunks {meta.chunks}, not the layout written")
+            self._tables[table] = _Table(meta, values)
+        if self.read_only:
+            values = self._tables[_SERIES].values
+            self._values_stored = values.id.get_storage_size() + int(np.prod(values.chunks)) * 8
+        catalog, text = self._catalog[:], self._names[:].tobytes()
+        taken: set[tuple[int, int]] = set()
+        for i, entry in enumerate(catalog):
+            table, slot, bins = int(entry["table"]), int(entry["slot"]), int(entry["bins"])
+            if table == _UNUSED:  # a writer killed between growing the catalog and writing its entry
+                continue
+            where = f"where catalog entry {i}"
+            start, length = int(entry["name_start"]), int(entry["name_length"])
+            if table not in self._tables or not 0 <= slot < self._tables[table].meta.shape[0] or (table, slot) in taken:
+                raise error(f"{where} points to table {table} slot {slot}, outside the tables or taken twice")
+            if table == _SERIES and (not 1 <= bins <= _MAX_BINS or _width(bins) > self._tables[table].values.shape[2]):
+                raise error(f"{where} has {bins} bins, more than its table holds")
+            if not (0 <= start and 0 <= length and start + length <= len(text)):
+                raise error(f"{where} names bytes {start}..{start + length} of {len(text)}")
+            try:
+                parts: Any = json.loads(text[start:start + length].decode("utf-8"))
+            except ValueError:
+                parts = None
+            shape = "[key, kind, role]" if table == _SERIES else "[name]"
+            if not isinstance(parts, list) or len(parts) != shape.count(",") + 1 or not all(isinstance(p, str) for p in parts):
+                raise error(f"{where} is not named as {shape} in JSON")
+            taken.add((table, slot))
+            kept = self._tables[table]
+            ring = _Ring(kept, slot, bins, 0, _appended(kept.meta, slot, retention))
+            kept.used = max(kept.used, slot + 1)
+            if table == _SERIES:
+                self._series[(parts[0], parts[1], parts[2])] = ring
+            else:
+                self._scalars[parts[0]] = ring
+        # Orders as created (a slot number may be skipped by a write that failed): the order of the catalog.
+        for rings in (self._series.values(), self._scalars.values()):
+            for order, ring in enumerate(rings):
+                ring.order = order
+
+    def _load_groups(self, h5py: Any) -> None:
+        """A run of the earlier layout, a group per series, checked as a file from elsewhere and read as it is."""
         f, error = self._file, self._untrusted
-        if not 1 <= self.retention <= 1 << 30:
-            raise error(f"whose retention {self.retention} is not a positive row count")
         for kind, meta_dtype in (("series", _SERIES_META), ("scalars", _SCALAR_META)):
             check_link(h5py, f, kind, repr(kind), error)
             parent = f[kind]
             if not isinstance(parent, h5py.Group):
                 raise error(f"where {kind!r} is not a group")
-            for name in parent:
+            for order, name in enumerate(sorted(parent, key=lambda n: int(n) if n.isdigit() else -1)):
                 where = f"'{kind}/{name}'"
                 check_link(h5py, parent, name, where, error)
                 group = parent[name]
@@ -241,11 +326,12 @@ class History:
                 if any(not isinstance(group.attrs.get(a), str) for a in attrs):
                     raise error(f"where {where} lacks the text attributes {', '.join(attrs)}")
                 datasets: dict[str, tuple[Any, int]] = {"meta": (meta_dtype, 1)}
+                bins = 0
                 if kind == "series":
                     bins = group.attrs.get("bins")
-                    if not isinstance(bins, (int, np.integer)) or not 1 <= int(bins) <= 1 << 16:
+                    if not isinstance(bins, (int, np.integer)) or not 1 <= int(bins) <= _MAX_BINS:
                         raise error(f"where {where} has no valid 'bins' attribute")
-                    datasets["values"] = (np.dtype("<f8"), len(STATS) + 2 * int(bins) + 1)
+                    datasets["values"] = (np.dtype("<f8"), _width(int(bins)))
                 rows = None
                 for dname, (dtype, width) in datasets.items():
                     check_link(h5py, group, dname, f"{where}/{dname}", error)
@@ -259,63 +345,41 @@ class History:
                     rows = ds.shape[0]
                     chunk = int(np.prod(ds.chunks)) * ds.dtype.itemsize if ds.chunks else 0
                     check_stored(ds, f"{where}/{dname}", error, slack=chunk)  # a chunk being written when killed
+                ring = _GroupRing(group, int(bins), order)
+                if kind == "series":
+                    self._series[(group.attrs["key"], group.attrs["kind"], group.attrs["role"])] = ring
+                else:
+                    self._scalars[group.attrs["name"]] = ring
 
     # -- writing (one thread) ---------------------------------------------------------------------
-    def _create(self, kind: str, attrs: dict[str, Any], meta: np.dtype, width: int | None) -> _Ring:
-        """A new series or scalar group. SWMR mode cannot create objects: leave it, create, enter it again."""
-        self._file.close()
-        try:
-            self._file = self._reopen()
-        except OSError as e:
-            raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r} to add a series: "
-                                f"{e}; the next write tries again") from None
-        try:
-            parent = self._file[kind]
-            name = str(len(parent))
-            group = parent.create_group(name)
-            try:
-                group.attrs.update(attrs)
-                group.create_dataset("meta", shape=(0,), maxshape=(self.retention,), dtype=meta,
-                                     chunks=(min(self.retention, 4 * _CHUNK_ROWS),))
-                if width is not None:
-                    # Not compressed: a compressed chunk rewritten (every append, once the ring wraps) moves to new
-                    # space in the file and leaves the old behind, so the file would outgrow the retention.
-                    group.create_dataset("values", shape=(0, width), maxshape=(self.retention, width), dtype="<f8",
-                                         chunks=(min(self.retention, _CHUNK_ROWS), width))
-            except BaseException:
-                with contextlib.suppress(Exception):  # no half-made series left behind
-                    del parent[name]
-                raise
-            path, order = group.name, len(parent) - 1
-            self._file.swmr_mode = True
-        except Exception as e:  # a full disk: close what is open; the next write reopens the file
-            with contextlib.suppress(Exception):
-                self._file.close()
-            raise FwdtraceError(f"{self.caller} could not add a series to the history {str(self.path)!r}: "
-                                f"{one_line(e)}; the next write tries again") from None
-        return _Ring(self._state, path, order)
+    def _new_ring(self, table: int, name: list[str], bins: int) -> _Ring:
+        """A new series or scalar: the next free slot of its table, and a catalog entry naming it.
 
-    def _reopen(self) -> Any:
-        """The writer's own file again, in plain append mode."""
-        h5py = _h5py()
-        try:
-            return h5py.File(self.path, "a", libver="latest")
-        except OSError as e:
-            if "already open for write" not in str(e):
-                raise
-        # Ours, left flagged as open when the disk was full and closing could not write: clear the flags.
-        _clear_status_flags(h5py, self.path)
-        return h5py.File(self.path, "a", libver="latest")
+        No object is created (SWMR mode cannot): a table grows by a batch of slots when the last is
+        taken, ``series_values`` widens when more bins come, the catalog and the names grow by one entry.
+        """
+        kept = self._tables[table]
+        if kept.used == kept.meta.shape[0]:
+            kept.meta.resize(kept.used + _SLOT_BATCH, axis=0)
+            if kept.values is not None:
+                kept.values.resize(kept.used + _SLOT_BATCH, axis=0)
+        if kept.values is not None and _width(bins) > kept.values.shape[2]:
+            kept.values.resize(_width(bins), axis=2)
+        slot = kept.used
+        kept.used += 1  # taken even if what follows fails: a slot is never handed out twice
+        text = np.frombuffer(json.dumps(name).encode("utf-8"), np.uint8)
+        start = self._names.shape[0]
+        self._names.resize((start + len(text),))
+        self._names[start:] = text
+        entry = self._catalog.shape[0]
+        self._catalog.resize((entry + 1,))
+        self._catalog[entry] = (table, slot, bins, start, len(text))  # last: the series exists once it is named
+        return _Ring(kept, slot, bins, len(self._series) if table == _SERIES else len(self._scalars), 0)
 
-    def _put(self, ring: _Ring, meta: tuple, values: np.ndarray | None) -> None:
+    def _put(self, ring: _Ring, meta: tuple, values: np.ndarray) -> None:
         row = ring.appended % self.retention
-        if ring.appended < self.retention:
-            ring.meta.resize((row + 1,))
-            if ring.values is not None:
-                ring.values.resize(row + 1, axis=0)
-        if ring.values is not None:
-            ring.values[row] = values
-        ring.meta[row] = (ring.appended, *meta)  # meta last: a row counts once its seq is written
+        ring.table.values[ring.slot, row, :len(values)] = values
+        ring.table.meta[ring.slot, row] = (ring.appended, *meta)  # meta last: a row counts once its seq is written
         ring.appended += 1
 
     def _writable(self) -> None:
@@ -323,24 +387,31 @@ class History:
             raise FwdtraceError(f"{self.caller}: the run in {str(self.logdir)!r} is open read-only")
         if self._closed:
             raise FwdtraceError(f"{self.caller}: the history {str(self.path)!r} is closed")
-        if not self._file:  # adding a series failed (a full disk): the writer still owns its run, try again
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One write, under the lock, flushed at the end.
+
+        One that fails (a full disk) leaves the file open: HDF5 keeps what it could not write and
+        writes it with the next flush, so writing resumes when space returns.
+        """
+        with self._lock:
+            self._writable()
             try:
-                self._file = self._reopen()
-                self._file.swmr_mode = True
-            except Exception as e:
-                with contextlib.suppress(Exception):
-                    self._file.close()
-                raise FwdtraceError(f"{self.caller} could not reopen the history {str(self.path)!r}: {one_line(e)}; "
-                                    "the next write tries again") from None
+                yield
+                self._file.flush()
+            except FwdtraceError:
+                raise
+            except Exception as e:  # a full disk: the file stays open, HDF5 keeps what it could not write for later
+                raise FwdtraceError(f"{self.caller} could not write to the history {str(self.path)!r}: "
+                                    f"{one_line(e)}; the next write tries again") from None
 
     def append(self, key: str, kind: str, role: str, *, step: int, time: float, stats: dict[str, Any],
                histogram: Iterable[float], bin_edges: Iterable[float], call: int = 0, index: int = 0) -> None:
         """One summarised tensor of series ``(key, kind, role)``: ``stats`` (names of :data:`STATS`; missing ones NaN),
         ``histogram`` counted with ``bin_edges``; on disk when this returns."""
-        with self._lock:
-            self._writable()
+        with self._writing():
             self._append(key, kind, role, step, time, stats, histogram, bin_edges, call, index)
-            self._file.flush()
 
     def _append(self, key: str, kind: str, role: str, step: int, time: float, stats: dict[str, Any],
                 histogram: Iterable[float], bin_edges: Iterable[float], call: int, index: int) -> None:
@@ -350,25 +421,23 @@ class History:
                                 f"{key!r} ({kind}, {role}), got {len(edges)}")
         ring = self._series.get((key, kind, role))
         if ring is None:
-            ring = self._create("series", {"key": key, "kind": kind, "role": role, "bins": len(counts)},
-                                _SERIES_META, len(STATS) + 2 * len(counts) + 1)
-            self._series[(key, kind, role)] = ring
-        bins = int(ring.group.attrs["bins"])
-        if len(counts) != bins:
-            raise FwdtraceError(f"{self.caller} expected {bins} histogram bins for {key!r} ({kind}, {role}), "
+            if not 1 <= len(counts) <= _MAX_BINS:
+                raise FwdtraceError(f"{self.caller} expected 1 to {_MAX_BINS} histogram bins for {key!r} ({kind}, "
+                                    f"{role}), got {len(counts)}")
+            ring = self._series[(key, kind, role)] = self._new_ring(_SERIES, [key, kind, role], len(counts))
+        if len(counts) != ring.bins:
+            raise FwdtraceError(f"{self.caller} expected {ring.bins} histogram bins for {key!r} ({kind}, {role}), "
                                 f"as its first row had, got {len(counts)}")
         values = np.array([_number(stats.get(s)) for s in STATS] + counts + edges, dtype=np.float64)
         self._put(ring, (step, call, index, time), values)
 
     def append_sample(self, key: str, kind: str, sample: dict[str, Any]) -> None:
         """Every numeric tensor of a sampler's sample (the ``sink`` signature of :class:`~fwdtrace.live.sampler.Sampler`)."""
-        with self._lock:
-            self._writable()
+        with self._writing():
             for t in sample["tensors"]:
                 if t.get("numeric") and t.get("bin_edges"):
                     self._append(key, kind, t["role"], sample["step"], sample["time"], t, t["histogram"],
                                  t["bin_edges"], sample.get("call", 0), t.get("index", 0))
-            self._file.flush()
 
     def append_scalar(self, name: str, value: float, step: int, time: float) -> None:
         """One value of scalar series ``name``; on disk when this returns."""
@@ -384,27 +453,24 @@ class History:
             if not isinstance(name, str) or not name:
                 raise FwdtraceError(f"{self.caller} expected a scalar's name as a non-empty str, got {describe(name)} {name!r}")
             by_name.setdefault(name, []).append((step, when, _number(value)))
-        with self._lock:
-            self._writable()
+        with self._writing():
             for name, rows in by_name.items():
                 ring = self._scalars.get(name)
                 if ring is None:
-                    ring = self._scalars[name] = self._create("scalars", {"name": name}, _SCALAR_META, None)
+                    ring = self._scalars[name] = self._new_ring(_SCALARS, [name], 0)
                 self._put_meta(ring, rows)
-            self._file.flush()
 
     def _put_meta(self, ring: _Ring, rows: list[tuple[int, float, float]]) -> None:
-        """Append ``rows`` (``meta`` without ``seq``) to a ring without ``values``: at most two slice writes."""
+        """Append ``rows`` (``meta`` without ``seq``) to a scalar's ring: at most two slice writes."""
         end = ring.appended + len(rows)
         first = max(ring.appended, end - self.retention)  # of more than the ring holds, only the newest are kept
-        block = np.array([(first + i, *r) for i, r in enumerate(rows[first - end:])], dtype=ring.meta.dtype)
-        if ring.meta.shape[0] < min(end, self.retention):
-            ring.meta.resize((min(end, self.retention),))
+        meta = ring.table.meta
+        block = np.array([(first + i, *r) for i, r in enumerate(rows[first - end:])], dtype=meta.dtype)
         start = first % self.retention
         head = min(len(block), self.retention - start)
-        ring.meta[start:start + head] = block[:head]
+        meta[ring.slot, start:start + head] = block[:head]
         if head < len(block):  # the ring wrapped: the rest overwrites its oldest rows
-            ring.meta[:len(block) - head] = block[head:]
+            meta[ring.slot, :len(block) - head] = block[head:]
         ring.appended = end
 
     def write_run(self, graph_json: str | None = None, keys: list[dict[str, Any]] | None = None) -> None:
@@ -478,9 +544,10 @@ class History:
         if not len(where):
             return []
         lo, hi = int(where.min()), int(where.max())
-        assert ring.values is not None
-        values = ring.values[lo:hi + 1]
-        bins = int(ring.group.attrs["bins"])
+        bins = ring.bins
+        if self._values_stored is not None and (hi + 1 - lo) * _width(bins) * 8 > self._values_stored:
+            raise self._untrusted(f"whose series {ring.slot} declares more rows than the file stores")
+        values = ring.values(lo, hi)
         out = []
         for m, w in zip(meta, where, strict=True):
             v = values[w - lo]
@@ -550,6 +617,26 @@ class History:
         return f"History({str(self.logdir)!r}, {len(self._series)} series, {len(self._scalars)} scalars)"
 
 
+def _create_layout(file: Any, retention: int) -> None:
+    """The tables every series and scalar will share, empty: a new series only resizes and writes them."""
+    file.attrs[FORMAT_ATTR] = FORMAT_VERSION
+    file.attrs["retention"] = retention
+    file.create_dataset("catalog", shape=(0,), maxshape=(None,), dtype=_CATALOG, chunks=(256,),
+                        fillvalue=np.array((_UNUSED, 0, 0, 0, 0), _CATALOG))
+    file.create_dataset("names", shape=(0,), maxshape=(None,), dtype="u1", chunks=(4096,))
+    for meta_name, values_name, meta_dtype in _TABLES.values():
+        unwritten = np.zeros((), meta_dtype)
+        unwritten["seq"] = -1  # a row never written: not kept
+        file.create_dataset(meta_name, shape=(0, retention), maxshape=(None, retention), dtype=meta_dtype,
+                            chunks=(1, min(retention, _META_CHUNK_ROWS)), fillvalue=unwritten)
+        if values_name:
+            # Not compressed: a compressed chunk rewritten (every append, once the ring wraps) moves to new
+            # space in the file and leaves the old behind, so the file would outgrow the retention.
+            file.create_dataset(values_name, shape=(0, retention, _VALUE_COLUMNS),
+                                maxshape=(None, retention, None), dtype="<f8",
+                                chunks=(1, min(retention, _CHUNK_ROWS), _VALUE_COLUMNS))
+
+
 def _newest_below(meta: np.ndarray, before: int | None, limit: int | None) -> np.ndarray:
     """The positions in ``meta`` (oldest first) of the newest ``limit`` rows with step below ``before``."""
     chosen = np.nonzero(meta["step"] < before)[0] if before is not None else np.arange(len(meta))
@@ -579,13 +666,6 @@ def _ignoring_status_flags(h5py: Any) -> Any:
     if lib.H5Pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
         raise OSError("HDF5 has no clear_status_flags property here")
     return fapl
-
-
-def _clear_status_flags(h5py: Any, path: Path) -> None:
-    """Clear the "open for writing" flags a writer whose close failed (a full disk) left (the writer only)."""
-    fapl = _ignoring_status_flags(h5py)
-    fapl.set_file_locking(True, True)  # a live writer's lock still refuses
-    h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl).close()
 
 
 def _open_for_reading(h5py: Any, path: Path) -> Any:
