@@ -1364,6 +1364,24 @@ def _blocks(shape: tuple[int, ...], per_block: int) -> Iterator[tuple[Any, ...]]
             yield (*outer, slice(start, min(start + step, shape[axis])))
 
 
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """torch on one intra-op thread while comparing, the caller's setting restored after.
+
+    A comparison goes block by block (bounded memory), each block a few dozen small ops: waking
+    the pool's idle workers for each costs more than the block, and on a machine whose cores
+    other processes keep busy a woken worker waits for a core (a comparison 20x slower). One
+    thread reads and compares at disk speed. Under OpenMP (torch's CPU builds) the setting is the
+    calling thread's own.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _tolerance(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise FwdtraceError(f"compare_dumps() expected {name} as a finite number >= 0, got {value!r}")
@@ -1496,12 +1514,15 @@ def compare_dumps(
     max, norm and sampled values as one vector, elementwise and as a whole, by the same
     rules; the row's note says ``by statistics``. The comparison is two-sided: a tensor in only one dump, or of another
     shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
-    (their rows are compared, but the report is not ``equal``).
+    (their rows are compared, but the report is not ``equal``). The comparison runs torch on
+    one intra-op thread (the caller's setting is restored after): block by block, that reads
+    at disk speed on a busy machine, where a thread pool's wake-ups per block would not.
     """
     rtol, atol = _tolerance(rtol, "rtol"), _tolerance(atol, "atol")
     max_bytes = _max_bytes(max_bytes, "compare_dumps()")
     report = DumpReport(str(a), str(b), rtol, atol)
-    with _Reader(a, "compare_dumps()", max_bytes) as ra, _Reader(b, "compare_dumps()", max_bytes) as rb:
+    with _one_intra_op_thread(), _Reader(a, "compare_dumps()", max_bytes) as ra, \
+            _Reader(b, "compare_dumps()", max_bytes) as rb:
         for r in (ra, rb):
             if r.status != "complete":
                 report.incomplete[str(r.path)] = r.status
