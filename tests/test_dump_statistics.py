@@ -176,3 +176,13 @@ def test_a_tensor_over_several_cpu_blocks_has_torchs_statistics(dtype: torch.dty
         assert stat[name] == pytest.approx(ref[name], rel=1e-9), name
     assert stat["histogram"] == ref["histogram"]
     assert stat["samples"] == pytest.approx(ref["samples"], nan_ok=True, rel=1e-12)
+
+
+def test_finite_cpu_tensors_take_a_shorter_route_to_the_same_numbers() -> None:
+    """A CPU tensor of finite values is summarised without the NaN and Inf bookkeeping: the same vector,
+    bit for bit, as the general route's (one block of the same values)."""
+    for t in (torch.randn(3, 1000, generator=torch.Generator().manual_seed(6)), torch.full((7,), 2.5),
+              torch.arange(10, dtype=torch.int64), torch.tensor([1e300, 1e300, -1e300], dtype=torch.float64)):
+        flat = t.reshape(-1)
+        general = summarize_blocks(lambda flat=flat: iter((flat,)), flat.numel())
+        assert torch.equal(summarize(t), general), t
