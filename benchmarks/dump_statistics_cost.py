@@ -1,6 +1,6 @@
 """What a statistics dump of every call, every step, costs a training step, and how much file it writes.
 
-    python benchmarks/dump_statistics_cost.py [--pairs 12] [--steps 5] [--threads 1] [--dir DIR]
+    python benchmarks/dump_statistics_cost.py [--pairs 12] [--steps 5] [--threads 1] [--width 128] [--dir DIR]
 
 The live-cost model (``live_cost.py``'s encoder: d=128, 4 layers, batch 8 x 64 tokens, 1 torch
 thread): training steps (forward, backward, SGD). Each row registers a ``Dumper`` on every step
@@ -12,7 +12,8 @@ runs inside a trace), then ``calls="modules"``. The rows are timed in ``--pairs`
 sees the same machine load on both sides; reported are the median ratios (wall time, and CPU
 time of the whole process: the training thread and the writer threads). "reductions" is the
 training thread's CPU inside the statistics' reductions (``fwdtrace.summary.summarize``), per
-step, against a plain step's CPU; "per step" is the size of one step's file.
+step, against a plain step's CPU; "per step" is the size of one step's file. ``--width`` changes
+the encoder's width (the step's arithmetic grows with its square, the values summarised with it).
 Target: the ``calls="all"`` row under 5% of a plain step, a few KB per step.
 """
 
@@ -73,17 +74,18 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5, help="training steps per segment")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
+    parser.add_argument("--width", type=int, default=128, help="the encoder's width d (live_cost.py's: 128)")
     parser.add_argument("--dir", default=None, help="where to write the dumps (default: a temporary folder)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, x = TransformerEncoder(d=128, layers=4, heads=8), torch.randn(8, 64, 128)
+    model, x = TransformerEncoder(d=args.width, layers=4, heads=8), torch.randn(8, 64, args.width)
     reductions = Reductions()
     rows: list[tuple[str, dict[str, Any]]] = [
         ('statistics, calls="all", background=True', {"calls": "all"}),
         ('statistics, calls="modules", background=True', {"calls": "modules"}),
     ]
-    print(f"encoder d=128 x 4 layers, batch 8 x 64, {args.threads} torch thread(s); {args.pairs} pairs of "
+    print(f"encoder d={args.width} x 4 layers, batch 8 x 64, {args.threads} torch thread(s); {args.pairs} pairs of "
           f"{args.steps}-step segments per row; medians of the pair ratios")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         train(model, x, None, 0, 3)  # warm-up
