@@ -186,3 +186,18 @@ def test_finite_cpu_tensors_take_a_shorter_route_to_the_same_numbers() -> None:
         flat = t.reshape(-1)
         general = summarize_blocks(lambda flat=flat: iter((flat,)), flat.numel())
         assert torch.equal(summarize(t), general), t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_statistics_dump_on_a_writer_thread_equals_the_cpus(tmp_path: Path) -> None:
+    """On CUDA with background=True each vector goes to the host without waiting: the writer waits for it."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(7))
+    paths = []
+    for device in ("cpu", "cuda"):
+        model = _model().to(device)
+        with fwdtrace.Dumper(tmp_path / device, values="statistics", background=True) as dumper:
+            dumper.register(model)
+            model(x.to(device)).logsumexp(1).sum().backward()
+        paths += dumper.paths
+    report = fwdtrace.compare_dumps(*paths, rtol=1e-4, atol=1e-6)
+    assert report.agree and len(report.rows) > 10, report.to_text()
