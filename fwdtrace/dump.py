@@ -29,6 +29,7 @@ import re
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +61,9 @@ from .precision import Agreement, math_record, pair_precision, rounding_explains
 from .summary import BINS, FIELDS, as_dict, compared, summarize, summarize_blocks
 from .tracer import Tracer, active_tracer
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
+    import numpy as np
+
     from .passes.model_explorer import ModelExplorerFiles
 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
@@ -209,6 +212,8 @@ class _Recording:
         self.backward_done = False
         self.closed = False
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
+        # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
+        self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | _HostCopy]] = {}
         try:
             self._register(model, grads)
         except BaseException:
@@ -283,27 +288,49 @@ class _Recording:
         where = f"{call.name}/{name}"
         try:
             attrs: dict[str, Any] = {}
+            data: np.ndarray | _HostCopy
             if self.statistics:
-                # computed on t's device; one host copy of a few dozen numbers
-                arr = to_numpy(summarize(t))
+                data = self._summary(t)
                 attrs = {"tensor_shape": list(t.shape), "tensor_dtype": dtype_name(t.dtype)}
             else:
                 t = host(t)
                 store_as = _BITS_AS.get(t.dtype)
-                arr = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
+                data = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
                 if store_as is not None:
                     # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
                     attrs = {"torch_dtype": dtype_name(t.dtype)}
-            if self.writer is not None:
-                arr = arr.copy()  # a CPU tensor's array shares its memory: the model may write into it before the thread
+                if self.writer is not None:
+                    data = data.copy()  # a CPU tensor's array shares its memory: the model may write into it before the thread
         except Exception as e:
             raise self._fail(e, where) from e
 
         def create() -> None:
+            arr = data.numpy() if isinstance(data, _HostCopy) else data
             self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
 
-        if self._file_op(create, arr.nbytes, where):
+        if self._file_op(create, data.nbytes, where):
             self.order.append(where)
+
+    def _summary(self, t: torch.Tensor) -> np.ndarray | _HostCopy:
+        """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per tensor and
+        version (a layer's output is the next layer's input, one gradient two calls'), one host copy each.
+
+        A CUDA tensor's vector is copied without waiting when a writer thread takes it (it waits for the
+        copy); else the copy is made here.
+        """
+        try:
+            version: int | None = t._version
+        except RuntimeError:  # an inference tensor keeps no version counter: summarised at every use
+            version = None
+        found = self.summaries.get(id(t)) if version is not None else None
+        if found is not None and found[0]() is t and found[1] == version:
+            return found[2]
+        vector = summarize(t)
+        values: np.ndarray | _HostCopy = _HostCopy(vector) if vector.is_cuda and self.writer is not None \
+            else to_numpy(vector)
+        if version is not None:
+            self.summaries[id(t)] = (weakref.ref(t), version, values)
+        return values
 
     def _file_op(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
         """Run ``op`` on the file now, or queue it for the writer thread; False when the queue was full and the
@@ -345,6 +372,7 @@ class _Recording:
 
         self._file_op(drop, 0, "dropping a failed forward")
         self.order.clear()
+        self.summaries.clear()
         self.calls = self.root_calls = 0
         self.key2calls.clear()
         self.open_calls.clear()
@@ -524,6 +552,7 @@ class _Recording:
         """Record the completeness, close the file and rename it; None when it was dropped."""
         self._remove_hooks()
         self._cancel_grads()
+        self.summaries.clear()
         if self.closed:
             return None
         self.closed = True
@@ -578,6 +607,20 @@ def _rank() -> int:
         return torch.distributed.get_rank()
     rank = os.environ.get("RANK", "")
     return int(rank) if rank.isdigit() else 0
+
+
+class _HostCopy:
+    """A small CUDA tensor copied to (pinned) host memory without waiting; :meth:`numpy` waits for the copy."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.host = t.to("cpu", non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        self.nbytes = self.host.numel() * self.host.element_size()
+
+    def numpy(self) -> np.ndarray:
+        self.copied.synchronize()
+        return self.host.numpy()
 
 
 class _Writer:
@@ -1413,6 +1456,24 @@ def _blocks(shape: tuple[int, ...], per_block: int) -> Iterator[tuple[Any, ...]]
             yield (*outer, slice(start, min(start + step, shape[axis])))
 
 
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """torch on one intra-op thread while comparing, the caller's setting restored after.
+
+    A comparison goes block by block (bounded memory), each block a few dozen small ops: waking
+    the pool's idle workers for each costs more than the block, and on a machine whose cores
+    other processes keep busy a woken worker waits for a core (a comparison 20x slower). One
+    thread reads and compares at disk speed. Under OpenMP (torch's CPU builds) the setting is the
+    calling thread's own.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _tolerance(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise FwdtraceError(f"compare_dumps() expected {name} as a finite number >= 0, got {value!r}")
@@ -1606,13 +1667,17 @@ def compare_dumps(
     (``calls="functions"`` or ``"all"``), the calls left are matched through the two graphs
     (:mod:`fwdtrace.passes.align`), so a renamed layer pairs with its new name (``report.renamed``,
     each row's ``key_b``); ``report.without_graph`` names the dumps that hold none. The comparison is
-    two-sided: a tensor in only one dump, or of another shape, is a differing row. ``incomplete`` names the dumps whose step did not complete
-    (their rows are compared, but the report is not ``equal``).
+    two-sided: a tensor in only one dump, or of another shape, is a differing row. ``incomplete`` names
+    the dumps whose step did not complete (their rows are compared, but the report is not ``equal``).
+    The comparison runs torch on one intra-op thread (the caller's setting is restored after): block
+    by block, that reads at disk speed on a busy machine, where a thread pool's wake-ups per block
+    would not.
     """
     rtol, atol = _tolerance(rtol, "rtol"), _tolerance(atol, "atol")
     max_bytes = _max_bytes(max_bytes, "compare_dumps()")
     report = DumpReport(str(a), str(b), rtol, atol)
-    with _Reader(a, "compare_dumps()", max_bytes) as ra, _Reader(b, "compare_dumps()", max_bytes) as rb:
+    with _one_intra_op_thread(), _Reader(a, "compare_dumps()", max_bytes) as ra, \
+            _Reader(b, "compare_dumps()", max_bytes) as rb:
         for r in (ra, rb):
             if r.status != "complete":
                 report.incomplete[str(r.path)] = r.status

@@ -16,7 +16,9 @@ values; with none, they are NaN (the histogram zeros).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import math
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -46,11 +48,12 @@ def _work_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _flat(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in flat C order, in its own dtype (a complex tensor's as real and imaginary parts)."""
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
-    return t.reshape(-1).to(dtype)
+    return t.reshape(-1)
 
 
 def summarize(t: torch.Tensor) -> torch.Tensor:
@@ -60,8 +63,37 @@ def summarize(t: torch.Tensor) -> torch.Tensor:
     >>> as_dict(v)["mean"], as_dict(v)["nans"], as_dict(v)["samples"][:2]
     (2.0, 1.0, [1.0, 2.0])
     """
-    flat = _flat(t, _work_dtype(t.device))
-    return summarize_blocks(lambda: iter((flat,)), flat.numel(), flat.dtype, flat.device)
+    flat = _flat(t)
+    on_cpu = flat.device.type == "cpu" and not torch.compiler.is_compiling()
+    if on_cpu and 0 < flat.numel() <= _CPU_BLOCK:
+        finite = _summarize_finite(flat)
+        if finite is not None:
+            return finite
+    # On a CPU in blocks that a reused workspace holds (see _Workspace); elsewhere whole
+    per_block = _CPU_BLOCK if on_cpu else max(flat.numel(), 1)
+    return summarize_blocks(lambda: iter(flat.split(per_block)), flat.numel(), _work_dtype(flat.device), flat.device)
+
+
+def _summarize_finite(flat: torch.Tensor) -> torch.Tensor | None:
+    """The statistics vector of a CPU tensor of finite values, as :func:`summarize_blocks` computes it (the same
+    operations on the same values, so the same numbers) with a third of its passes; None when a value is not
+    finite. Reading a CPU tensor's sum costs no synchronisation; a compiled graph or another device takes the
+    general route."""
+    n = flat.numel()
+    x, tmp = _Workspace(torch.float64).take(flat)
+    total = float(x.sum())
+    if not math.isfinite(total):  # a NaN or an Inf (or a sum past float64's range): counted the general way
+        return None
+    low, high = (float(v) for v in torch.aminmax(x))
+    mean = total / n
+    m2 = float(torch.dot(d := tmp.copy_(x).sub_(mean), d))
+    sumsq = float(torch.dot(x, x))
+    width = high - low if high > low else 1.0
+    histogram = torch.zeros(BINS, dtype=torch.float64)
+    histogram.scatter_add_(0, _bins(x.sub_(low), torch.tensor(width, dtype=torch.float64)),
+                           torch.ones((), dtype=torch.float64).expand(n))
+    head = torch.tensor([n, n, 0, 0, mean, math.sqrt(m2 / n), low, high, math.sqrt(sumsq)], dtype=torch.float64)
+    return torch.cat([head, histogram, flat[sample_positions(n)].to(torch.float64)])
 
 
 def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
@@ -69,53 +101,106 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
     """The statistics vector of the ``count`` values that ``blocks()`` yields in flat C order.
 
     ``blocks`` is called twice (two passes: the mean and the histogram's edges come first);
-    every sum is a tensor, so nothing waits on the device.
+    every sum is a tensor, so nothing waits on the device. Each block is worked on in ``dtype``
+    in two buffers, in place: on a CPU, allocating a temporary per op costs more than the op.
     """
     zero = torch.zeros((), dtype=dtype, device=device)
-    finite, nans, infs, total, sumsq = zero, zero, zero, zero, zero
+    nonfinite, signed, total, sumsq = zero, zero, zero, zero
     low = torch.full((), torch.inf, dtype=dtype, device=device)
     high = -low
     positions = sample_positions(count)
     picked: list[torch.Tensor] = []
     offset = 0
-    for block in _as_work(blocks(), dtype):
-        ok = torch.isfinite(block)
-        finite = finite + ok.sum()
-        nans = nans + torch.isnan(block).sum()
-        infs = infs + torch.isinf(block).sum()
-        kept = torch.where(ok, block, 0)
+    workspace = _Workspace(dtype)
+    for block in blocks():
+        block = _flat(block)
+        n = block.numel()
+        x, tmp = workspace.take(block)
+        if n:
+            low = torch.minimum(low, tmp.copy_(x).nan_to_num_(nan=torch.inf, neginf=torch.inf).amin())
+            high = torch.maximum(high, tmp.copy_(x).nan_to_num_(nan=-torch.inf, posinf=-torch.inf).amax())
+        kept, bad = _split(x, tmp)
+        # bad is 1 at a NaN, -1 at an Inf: its sum and its sum of squares give both counts
+        signed = signed + bad.sum()
+        nonfinite = nonfinite + torch.dot(bad, bad)
         total = total + kept.sum()
-        sumsq = sumsq + (kept * kept).sum()
-        low = torch.minimum(low, torch.where(ok, block, torch.inf).amin()) if block.numel() else low
-        high = torch.maximum(high, torch.where(ok, block, -torch.inf).amax()) if block.numel() else high
+        sumsq = sumsq + torch.dot(kept, kept)
         # the samples in this block: a run of consecutive i, indexed on the device (no host-to-device copy)
-        i_in = [i for i, p in enumerate(positions) if offset <= p < offset + block.numel()]
+        i_in = [i for i, p in enumerate(positions) if offset <= p < offset + n]
         if i_in:
             i = torch.arange(i_in[0], i_in[-1] + 1, device=block.device)
-            picked.append(block[i * (count - 1) // max(len(positions) - 1, 1) - offset])
-        offset += block.numel()
+            picked.append(block[i * (count - 1) // max(len(positions) - 1, 1) - offset].to(dtype))
+        offset += n
+    finite = count - nonfinite
     none = finite == 0
     nan = torch.full((), torch.nan, dtype=dtype, device=device)
     mean = torch.where(none, nan, total / finite.clamp(min=1))
+    # where no value is finite, the edges are [0, 1] and every value fills bin 0, taken out below
+    fill = torch.where(none, 0, mean)
+    low_edge = torch.where(none, 0, low)
     width = torch.where(high > low, high - low, 1)
     m2 = zero
-    histogram = torch.zeros(BINS + 1, dtype=dtype, device=device)  # the last bin takes the non-finite values
-    for block in _as_work(blocks(), dtype):
-        ok = torch.isfinite(block)
-        m2 = m2 + torch.where(ok, (block - mean) ** 2, 0).sum()
-        bucket = ((torch.where(ok, block, low) - low) / width * BINS).floor().clamp(0, BINS - 1).long()
-        histogram.scatter_add_(0, torch.where(ok, bucket, BINS), torch.ones_like(block))
+    histogram = torch.zeros(BINS, dtype=dtype, device=device)
+    one = torch.ones((), dtype=dtype, device=device)
+    for block in blocks():
+        block = _flat(block)
+        kept, bad = _split(*workspace.take(block))
+        # the non-finite values replaced by the mean: no deviation, and all in the mean's bin (taken out below)
+        filled = bad.mul_(bad).mul_(fill).add_(kept)
+        deviation = kept.copy_(filled).sub_(fill)
+        m2 = m2 + torch.dot(deviation, deviation)
+        histogram.scatter_add_(0, _bins(filled.sub_(low_edge), width), one.expand(block.numel()))
+    histogram.scatter_add_(0, _bins((fill - low_edge).reshape(1), width), -nonfinite.reshape(1))
     std = torch.where(none, nan, (m2 / finite.clamp(min=1)).sqrt())
     norm = torch.where(none, nan, sumsq.sqrt())
     low, high = torch.where(none, nan, low), torch.where(none, nan, high)
-    head = torch.stack([torch.full((), float(count), dtype=dtype, device=device), finite, nans, infs, mean, std, low,
-                        high, norm])
-    return torch.cat([head, histogram[:BINS], *picked])
+    head = torch.stack([torch.full((), float(count), dtype=dtype, device=device), finite, (nonfinite + signed) / 2,
+                        (nonfinite - signed) / 2, mean, std, low, high, norm])
+    return torch.cat([head, histogram, *picked])
 
 
-def _as_work(blocks: Iterable[torch.Tensor], dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    for block in blocks:
-        yield _flat(block, dtype)
+# A CPU tensor is summarised in blocks of at most this many elements, in a workspace kept per thread: a fresh
+# buffer of a few hundred kB costs its page faults each time, more than the arithmetic on it.
+_CPU_BLOCK = 1 << 18
+_CPU_WORKSPACE = threading.local()
+
+
+class _Workspace:
+    """Two buffers of ``dtype`` for one block at a time: the CPU's kept per thread and reused (at most
+    :data:`_CPU_BLOCK` elements each), another device's or a compiled graph's made per call."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.buffers: torch.Tensor | None = None
+
+    def take(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block`` copied into the first buffer in ``dtype``, and the second buffer, both of its size."""
+        n = block.numel()
+        buffers = self.buffers
+        if buffers is None or buffers.shape[1] < n or buffers.device != block.device:
+            reuse = block.device.type == "cpu" and n <= _CPU_BLOCK and not torch.compiler.is_compiling()
+            buffers = getattr(_CPU_WORKSPACE, str(self.dtype), None) if reuse else None
+            if buffers is None or buffers.shape[1] < n:
+                buffers = torch.empty(2, _CPU_BLOCK if reuse else n, dtype=self.dtype, device=block.device)
+                if reuse:
+                    setattr(_CPU_WORKSPACE, str(self.dtype), buffers)
+            self.buffers = buffers
+        x, tmp = buffers[0, :n], buffers[1, :n]
+        return x.copy_(block), tmp
+
+
+def _split(x: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``tmp`` becomes ``x``'s finite values with 0 elsewhere, ``x`` 1 where it held a NaN, -1 an
+    Inf, 0 a finite value. Arithmetic only: torch's boolean reductions (``isfinite(x).sum()``) are several times
+    slower on a CPU."""
+    kept = tmp.copy_(x).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return kept, x.sub_(kept).nan_to_num_(nan=1.0, posinf=-1.0, neginf=-1.0)
+
+
+def _bins(offset: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """The histogram bin of each value ``offset`` above the low edge, as ``torch.histc`` counts it
+    (``offset * bins / width``, truncated; the top edge in the last bin), computed in place in ``offset``."""
+    return offset.mul_(BINS).div_(width).floor_().clamp_(0, BINS - 1).long()
 
 
 def as_dict(vector: Any) -> dict[str, Any]:

@@ -139,6 +139,35 @@ def test_two_identical_seeded_runs_compare_equal(tmp_path: Path) -> None:
     assert _dump_diff(str(a), str(b)) == 0
 
 
+def test_compare_dumps_compares_on_one_intra_op_thread_and_restores_the_callers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block by block on the caller's thread pool, a loaded machine made a comparison 20x slower: each block
+    runs on one thread, and the caller's setting is back after, also when the comparison raises."""
+    a, b = _dump_step(tmp_path / "a"), _dump_step(tmp_path / "b", perturb="blocks.0.c2")
+    threads_seen: list[int] = []
+    add = fwdtrace.precision.Agreement.add
+
+    def spy(self: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        threads_seen.append(torch.get_num_threads())
+        add(self, x, y)
+
+    monkeypatch.setattr(fwdtrace.precision.Agreement, "add", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        report = fwdtrace.compare_dumps(a, b)
+        assert torch.get_num_threads() == 3
+        with pytest.raises(FwdtraceError, match=r"^compare_dumps\(\) expected rtol"):
+            fwdtrace.compare_dumps(a, b, rtol=-1)
+        with pytest.raises(FwdtraceError, match=r"^compare_dumps\(\) expected an HDF5 dump file"):
+            fwdtrace.compare_dumps(a, tmp_path / "missing.hdf5")
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert report.first_divergence == "blocks.0.c2"
+    assert threads_seen and set(threads_seen) == {1}
+
+
 def test_a_perturbed_conv_is_the_first_divergence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = _dump_step(tmp_path / "a")
     b = _dump_step(tmp_path / "b", perturb="blocks.0.c2")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fwdtrace
-from fwdtrace import FwdtraceError
+from fwdtrace import FwdtraceError, dump
 from fwdtrace.summary import BINS, sample_positions, summarize, summarize_blocks
 
 
@@ -110,7 +110,7 @@ def test_differing_nan_counts_are_a_divergence(tmp_path: Path) -> None:
     v = summarize(torch.tensor([1.0, float("nan"), 3.0]))
     w = summarize(torch.tensor([1.0, 2.0, 3.0]))
     agreement = fwdtrace.precision.Agreement(1e-5, 1e-8)
-    note = fwdtrace.dump._by_statistics(agreement, v, w)
+    note = dump._by_statistics(agreement, v, w)
     assert not agreement.close and "nans 1 vs 0" in note
 
 
@@ -124,3 +124,80 @@ def test_blocks_give_the_statistics_of_the_whole() -> None:
 def test_dumper_checks_values(tmp_path: Path) -> None:
     with pytest.raises(FwdtraceError, match=r"^Dumper expected values as one of 'tensors', 'statistics', got 'stats'"):
         fwdtrace.Dumper(tmp_path, values="stats")
+
+
+def test_a_tensor_two_calls_share_is_summarised_once_and_again_after_an_in_place_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's output is the next layer's input (one reduction for both); ReLU(inplace=True) writes into its
+    input, so its output, the same tensor, is summarised again: each equals torch's statistics of it then."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        hidden = model[0](x)
+    reductions: list[int] = []
+    summarize_ = dump.summarize
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        reductions.append(t.numel())
+        return summarize_(t)
+
+    monkeypatch.setattr(dump, "summarize", counted)
+    with fwdtrace.Dumper(tmp_path, values="statistics") as dumper:
+        dumper.register(model, grads=False)
+        model(x)
+    groups = fwdtrace.read_dump(dumper.paths[0], show=False)["groups"]
+    written = sum(len(g["datasets"]) for g in groups.values())
+    # root in/out, Linear in/out, ReLU in/out, Linear in/out: x, hidden before and after the ReLU, the output
+    assert written == 8 and reductions == [20, 40, 40, 15]
+    stats = {(g, d): e["statistics"] for g, group in groups.items() for d, e in group["datasets"].items()}
+    before, after = _reference(hidden), _reference(hidden.relu())
+    for (group, dname), ref in ((("001_Linear", "output0"), before), (("002_ReLU", "input0"), before),
+                                (("002_ReLU", "output0"), after), (("003_Linear", "input0"), after)):
+        for name in ("count", "nans", "infs", "mean", "std", "min", "max", "norm"):
+            assert stats[group, dname][name] == pytest.approx(ref[name], rel=1e-9), (group, dname, name)
+        assert stats[group, dname]["histogram"] == ref["histogram"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int32])
+def test_a_tensor_over_several_cpu_blocks_has_torchs_statistics(dtype: torch.dtype) -> None:
+    """Summarised block by block in a reused workspace: NaN and Inf in both blocks, the extremes in the second."""
+    n = fwdtrace.summary._CPU_BLOCK + 1000
+    t = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 10).to(dtype)
+    if dtype.is_floating_point:
+        t[[3, n - 2]] = float("nan")
+        t[[7, n - 5]] = float("inf")
+        t[n - 9] = -float("inf")
+    t[n - 3], t[n - 4] = 1000, -1000
+    stat, ref = fwdtrace.summary.as_dict(summarize(t)), _reference(t)
+    for name in ("count", "nans", "infs"):
+        assert stat[name] == ref[name], name
+    for name in ("mean", "std", "min", "max", "norm"):
+        assert stat[name] == pytest.approx(ref[name], rel=1e-9), name
+    assert stat["histogram"] == ref["histogram"]
+    assert stat["samples"] == pytest.approx(ref["samples"], nan_ok=True, rel=1e-12)
+
+
+def test_finite_cpu_tensors_take_a_shorter_route_to_the_same_numbers() -> None:
+    """A CPU tensor of finite values is summarised without the NaN and Inf bookkeeping: the same vector,
+    bit for bit, as the general route's (one block of the same values)."""
+    for t in (torch.randn(3, 1000, generator=torch.Generator().manual_seed(6)), torch.full((7,), 2.5),
+              torch.arange(10, dtype=torch.int64), torch.tensor([1e300, 1e300, -1e300], dtype=torch.float64)):
+        flat = t.reshape(-1)
+        general = summarize_blocks(lambda flat=flat: iter((flat,)), flat.numel())
+        assert torch.equal(summarize(t), general), t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_statistics_dump_on_a_writer_thread_equals_the_cpus(tmp_path: Path) -> None:
+    """On CUDA with background=True each vector goes to the host without waiting: the writer waits for it."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(7))
+    paths = []
+    for device in ("cpu", "cuda"):
+        model = _model().to(device)
+        with fwdtrace.Dumper(tmp_path / device, values="statistics", background=True) as dumper:
+            dumper.register(model)
+            model(x.to(device)).logsumexp(1).sum().backward()
+        paths += dumper.paths
+    report = fwdtrace.compare_dumps(*paths, rtol=1e-4, atol=1e-6)
+    assert report.agree and len(report.rows) > 10, report.to_text()
