@@ -1078,6 +1078,20 @@ class WritesThroughViews(torch.nn.Module):
         return self.out(y)
 
 
+class ShiftsTokensRight(torch.nn.Module):
+    """BART's decoder ids: transformers' ``shift_tokens_right`` (two writes by index, then ``masked_fill_``), embedded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 8)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from transformers.models.bart.modeling_bart import shift_tokens_right
+
+        return self.fc(self.embed(shift_tokens_right(ids, 1, 2)))
+
+
 class ScaledThroughView(torch.nn.Module):
     """An op applied in place to a slice: the Mul, then the slice put back."""
 
@@ -1192,6 +1206,7 @@ REAL_PATTERNS = {
     "batch_images": _seeded(BatchImages, torch.randn(3, 6, 5)),
     "writes_through_views": _seeded(WritesThroughViews, torch.randn(3, 8)),
     "scaled_through_view": _seeded(ScaledThroughView, torch.randn(3, 8)),
+    "shift_tokens_right": _seeded(ShiftsTokensRight, torch.randint(3, 100, (2, 6))),
     "mask_per_layer": _seeded(MaskPerLayer, torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])),
     "ragged_adaptive_pool": _seeded(RaggedAdaptivePool, torch.randn(1, 3, 2, 2)),
     "packed_lstm": _seeded(PackedLSTM, torch.randn(3, 5, 4), torch.tensor([5, 3, 2])),
@@ -1489,16 +1504,35 @@ def test_writes_through_views_are_the_scatters_that_put_them_back(exported_patte
         assert written and all(any("Scatter" in n for n in o) for o in written.values()), written
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_each_write_by_index_is_its_own_scatter(exported_patterns, exporter: str) -> None:
+    """``ids[:, 1:] = ...`` then ``ids[:, 0] = start``: one scatter each, not both for the first and the next op for the second."""
+    _, _, graph, proto, _ = _honest(exported_patterns, "shift_tokens_right", exporter)
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+    op_type = {n.name: n.op_type for n in proto.graph.node}
+    matched = dict(report.matched)
+    for write in ("setitem = torch.Tensor.__setitem__", "setitem_1 = torch.Tensor.__setitem__"):
+        assert [op_type[n] for n in matched[write]] in (["ScatterND"], ["ScatterElements"]), (write, matched[write])
+
+
+def test_shift_tokens_right_agrees_in_numbers_under_dynamo() -> None:
+    model, (ids,) = REAL_PATTERNS["shift_tokens_right"]()
+    report = fwdtrace.check_onnx(model, ids, exporter="dynamo", numeric=True)
+    assert report.status == "ok" and report.first_divergence is None, str(report)
+    written = {row.call for row in report.numeric.rows if row.call.startswith("setitem")}
+    assert written == {"setitem = torch.Tensor.__setitem__", "setitem_1 = torch.Tensor.__setitem__"}
+
+
 @pytest.mark.parametrize("exporter", ["dynamo", "fwdtrace"])
 def test_a_write_through_a_view_removed_from_the_export_is_missing(exported_patterns, exporter: str) -> None:
     model, inputs, graph, proto, _ = exported_patterns("writes_through_views", exporter)
     tampered = _bypass(proto, "ScatterND")  # y[:, :2].zero_() undone
     assert _differs(tampered, model, inputs)
     report = fwdtrace.compare_onnx(graph, tampered)
-    # three writes, two scatter chains left: the matcher may pair those left with either write
-    assert not report.ok and len(report.missing) == 1
-    assert report.missing[0] in ("zero = torch.Tensor.zero_", "setitem = torch.Tensor.__setitem__",
-                                 "setitem_1 = torch.Tensor.__setitem__")
+    # three writes, two scatter chains left: each write takes at most a scatter per dimension written, so the
+    # later writes keep theirs and the one undone is missing (the model's own scope anchors nothing)
+    assert not report.ok and report.missing == ["zero = torch.Tensor.zero_"] and not report.rewired, report.text
 
 
 def test_dropped_writes_through_a_view_are_caught() -> None:

@@ -1029,8 +1029,13 @@ class _Matcher:
     def _anchored_fallback(
         self, tn: Node, eq: Equivalence, ops: frozenset[str], budget: Counter[str], scopes: set[str], params: set[str]
     ) -> tuple[tuple[Any, ...], int, set[int]] | None:
-        """A partner away from where the inputs landed, but named by its scope or weights: rewired."""
+        """A partner away from where the inputs landed, but named by its scope or weights: rewired.
+
+        The model's own scope names nothing: every op of the top-level ``forward`` has it, so
+        a write whose scatter is gone would take the next write's.
+        """
         best: tuple[tuple[Any, ...], int, set[int]] | None = None
+        scopes = scopes - {""}
         for n in self.onodes:
             if n.kind != "function" or n.id in self.matched or n.id in self.wiring or self.op(n.id) not in ops:
                 continue
