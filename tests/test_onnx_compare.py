@@ -1131,6 +1131,34 @@ class MaskPerLayer(torch.nn.Module):
         return x
 
 
+class MaskedStack(torch.nn.Module):
+    """A stack building its padding mask as transformers does: the attention mask indexed by tensors made from shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        batch = torch.arange(mask.shape[0])[:, None, None]
+        keys = torch.arange(mask.shape[1])[None, None, :]
+        queries = torch.arange(x.shape[1])[None, :, None]
+        allowed = (queries >= 0) & mask.bool()[batch, keys]
+        scores = (self.q(x) @ x.transpose(-1, -2)).masked_fill(~allowed, -1e4)
+        return scores.softmax(-1) @ x
+
+
+class MaskPerStack(torch.nn.Module):
+    """BART's encoder and decoder, each building the padding mask: dynamo, folding the indices, builds it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = MaskedStack()
+        self.decoder = MaskedStack()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x, mask), mask)
+
+
 class RaggedAdaptivePool(torch.nn.Module):
     """VGG's 7x7 AdaptiveAvgPool2d on a 2x2 map (64 px input): sizes that do not divide, decomposed by dynamo."""
 
@@ -1208,6 +1236,7 @@ REAL_PATTERNS = {
     "scaled_through_view": _seeded(ScaledThroughView, torch.randn(3, 8)),
     "shift_tokens_right": _seeded(ShiftsTokensRight, torch.randint(3, 100, (2, 6))),
     "mask_per_layer": _seeded(MaskPerLayer, torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])),
+    "mask_per_stack": _seeded(MaskPerStack, torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])),
     "ragged_adaptive_pool": _seeded(RaggedAdaptivePool, torch.randn(1, 3, 2, 2)),
     "packed_lstm": _seeded(PackedLSTM, torch.randn(3, 5, 4), torch.tensor([5, 3, 2])),
 }
@@ -1565,6 +1594,23 @@ def test_a_layer_reading_the_mask_uninverted_is_rewired(exported_patterns, expor
     assert _differs(p, model, inputs)
     report = fwdtrace.compare_onnx(graph, p)
     assert not report.ok and report.rewired
+
+
+def test_a_padding_mask_built_by_each_stack_may_be_built_once(exported_patterns) -> None:
+    model, inputs, graph, proto, _ = _honest(exported_patterns, "mask_per_stack", "dynamo")
+    assert [n.op_type for n in proto.graph.node].count("And") == 1  # the pattern's point: one mask for both
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+    assert ("and_1 = torch.Tensor.__and__ in decoder", "simplified: repeats and = torch.Tensor.__and__ in encoder, "
+            "the same mask from the same inputs, computed once") in report.elided
+    # still checked: the decoder fed the mask uninverted is rewired
+    p = copy.deepcopy(proto)
+    (invert,) = [n for n in p.graph.node if n.op_type == "Not"]
+    second = [n for n in p.graph.node if n.op_type == "Where"][-1]
+    second.input[0] = invert.input[0]
+    assert _differs(p, model, inputs)
+    report = fwdtrace.compare_onnx(graph, p)
+    assert not report.ok and report.rewired, report.text
 
 
 def test_a_ragged_adaptive_pool_decomposed_by_dynamo_agrees(exported_patterns) -> None:

@@ -322,6 +322,7 @@ class _Matcher:
         self.n_values = 0
         self.calls: dict[tuple[Any, ...], list[int]] = {}  # (target, input values, attrs) -> such trace nodes
         self.out_groups: dict[int, list[frozenset[int]]] = {}  # trace node id -> what its outputs stood for
+        self.masks: dict[tuple[Any, ...], int] = {}  # a mask's key (_mask_key) -> the first such call matched
         # with the model, layers of one class with equal weights are one computation too
         self.path2module: dict[str, torch.nn.Module] | None = (
             dict(model.named_modules()) if isinstance(model, torch.nn.Module) else None
@@ -701,6 +702,8 @@ class _Matcher:
             eq = scattered_per_dimension(eq, _indexed_dims(tn.inputs[0].shape, tn.inputs[1].shape))
         call_key = self._call_key(tn)
         earlier = self._earlier_call(tn, call_key)
+        mask_key = self._mask_key(tn, data_in) if earlier is None else None
+        same_mask = self.masks.get(mask_key) if mask_key is not None else None
         passthrough = frozenset().union(*reqs) if reqs else frozenset()
         # a BatchNorm after a Conv that is missing would have been folded into it
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
@@ -728,7 +731,7 @@ class _Matcher:
                 eq.folds_into and feeder is not None and feeder.key is not None
                 and self.op(feeder.key) in eq.folds_into
             )
-            simpler = self._simplification(tn, eq, data_in, earlier)
+            simpler = self._simplification(tn, eq, data_in, earlier, same_mask)
             # an op right where the inputs are, or none at all (not one further on, named by its scope)
             strict = can_fold or simpler is not None
             skipped = 0 if strict else _UNOPENED_SKIPPED if through_unopened else MAX_SKIPPED
@@ -758,6 +761,10 @@ class _Matcher:
             else:
                 self._add_missing(tn)
                 tn_out = passthrough
+        if earlier is None and same_mask is not None and tn.id not in self.groups and outs is not None:
+            earlier = same_mask  # elided as the mask computed once: the same values from here on
+        if mask_key is not None and tn.id in self.groups:
+            self.masks.setdefault(mask_key, tn.id)
         values = self.out_values[earlier] if earlier is not None else [self._fresh_value() for _ in tn.outputs]
         self.out_values[tn.id] = values
         for i, r in enumerate(tn.outputs):
@@ -838,6 +845,24 @@ class _Matcher:
             return None
         return next((e for e in self.calls.get(call_key, ()) if self._same_weights(self.tnodes[e], tn)), None)
 
+    def _mask_key(self, tn: Node, data_in: list[TensorRef]) -> tuple[Any, ...] | None:
+        """What makes two mask computations alike where their values cannot be told apart: None for other calls.
+
+        transformers builds a padding mask per stack from the same attention mask by indexing
+        it with tensors made from shapes (BART's encoder and its decoder's cross-attention); the
+        trace keeps no index, so their values are not known equal, yet an exporter that folds
+        the constants sees they are and computes the mask once. Boolean results only: the target,
+        its arguments, the groups the data inputs stand for and every shape must agree.
+        """
+        if not tn.outputs or any(r.dtype != "bool" for r in tn.outputs) or draws_random(tn):
+            return None
+        data = {r.obj_id for r in data_in}
+        reads = tuple(
+            (self.tensor_groups.get(r.obj_id), r.shape) if r.obj_id in data else ("constant", r.shape, r.dtype)
+            for r in tn.inputs
+        )
+        return (canonical_target(tn.target), reads, tuple(r.shape for r in tn.outputs), repr(sorted(tn.attrs.items())))
+
     def _same_weights(self, first: Node, tn: Node) -> bool:
         """Whether two calls of one target use the same weights: one layer, or a layer whose ONNX form has none.
 
@@ -851,7 +876,7 @@ class _Matcher:
         return _equal_layers(self.path2module.get(first.module_path), self.path2module.get(tn.module_path))
 
     def _simplification(
-        self, tn: Node, eq: Equivalence, data_in: list[TensorRef], earlier: int | None
+        self, tn: Node, eq: Equivalence, data_in: list[TensorRef], earlier: int | None, same_mask: int | None = None,
     ) -> tuple[str, list[frozenset[int]] | None] | None:
         """Why an exporter may drop this call without changing the result, and what stands for it.
 
@@ -866,6 +891,9 @@ class _Matcher:
             twin = tn.kind == "module" and first.module_path != tn.module_path and _has_weights(tn)
             return (f"simplified: repeats {_trace_label(first)} on the same inputs"
                     f"{' with equal weights' if twin else ''}, computed once"), self.out_groups[earlier]
+        if same_mask is not None and eq.patterns and not eq.optional:
+            return (f"simplified: repeats {_trace_label(self.tnodes[same_mask])}, the same mask from the same "
+                    "inputs, computed once"), self.out_groups[same_mask]
         target = canonical_target(tn.target)
         succs = [self.tnodes[s] for s in self.trace_succ.get(tn.id, ())]
         if target in _CATS and succs and all(
