@@ -1092,6 +1092,34 @@ class ShiftsTokensRight(torch.nn.Module):
         return self.fc(self.embed(shift_tokens_right(ids, 1, 2)))
 
 
+class TwoWritesThroughViews(torch.nn.Module):
+    """Two writes through views of one tensor, over two dimensions then one: a scatter chain each."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.log(x)
+        x[1:3, 2:4].zero_()
+        x[0].fill_(2.0)
+        return x * 2
+
+
+class GetItemTracking(torch.nn.Module):
+    """torchlens' getitem_tracking: rows read as views, written whole, averaged; then the mean of all."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.log(x)
+        x = x * 0
+        y1 = x[0]
+        y1[:] = 1
+        y1 = y1.mean()
+        y2 = x[1]
+        y2[:] = 1
+        y2 = y2.mean()
+        y3 = x[3]
+        y3[:] = 1
+        y3 = y3.mean()
+        return y1 + y2 + y3 + x.mean()
+
+
 class ScaledThroughView(torch.nn.Module):
     """An op applied in place to a slice: the Mul, then the slice put back."""
 
@@ -1234,6 +1262,8 @@ REAL_PATTERNS = {
     "batch_images": _seeded(BatchImages, torch.randn(3, 6, 5)),
     "writes_through_views": _seeded(WritesThroughViews, torch.randn(3, 8)),
     "scaled_through_view": _seeded(ScaledThroughView, torch.randn(3, 8)),
+    "two_writes_through_views": _seeded(TwoWritesThroughViews, torch.rand(5, 3, 4) + 0.5),
+    "getitem_tracking": _seeded(GetItemTracking, torch.rand(5, 3, 4) + 0.5),
     "shift_tokens_right": _seeded(ShiftsTokensRight, torch.randint(3, 100, (2, 6))),
     "mask_per_layer": _seeded(MaskPerLayer, torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])),
     "mask_per_stack": _seeded(MaskPerStack, torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])),
@@ -1245,7 +1275,7 @@ REAL_PATTERNS = {
 EXPORT_FAILS = {("cdist", "dynamo"), ("cdist", "fwdtrace"), ("ragged_adaptive_pool", "torchscript"),
                 ("packed_lstm", "dynamo"), ("packed_lstm", "fwdtrace")}
 # exports that compute something else, which the check reports (test_dropped_writes_through_a_view_are_caught)
-DISHONEST = {("writes_through_views", "torchscript")}
+DISHONEST = {("writes_through_views", "torchscript"), ("getitem_tracking", "torchscript")}
 
 
 @pytest.fixture(scope="module")
@@ -1543,6 +1573,32 @@ def test_each_write_by_index_is_its_own_scatter(exported_patterns, exporter: str
     matched = dict(report.matched)
     for write in ("setitem = torch.Tensor.__setitem__", "setitem_1 = torch.Tensor.__setitem__"):
         assert [op_type[n] for n in matched[write]] in (["ScatterND"], ["ScatterElements"]), (write, matched[write])
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_two_writes_through_views_take_a_scatter_chain_each(exported_patterns, exporter: str) -> None:
+    _, _, graph, proto, _ = _honest(exported_patterns, "two_writes_through_views", exporter)
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert report.ok, report.text
+    op_type = {n.name: n.op_type for n in proto.graph.node}
+    matched = dict(report.matched)
+    scatters = [op_type[n] for n in matched["zero = torch.Tensor.zero_"] + matched["fill = torch.Tensor.fill_"]]
+    assert sorted(scatters) == sorted(o for o in op_type.values() if o.startswith("Scatter")), report.text
+    assert [op_type[n] for n in matched["fill = torch.Tensor.fill_"]] in (["ScatterND"], ["ScatterElements"])
+
+
+def test_torchscripts_dropped_write_backs_leave_each_mean_with_its_own_reduce_mean(exported_patterns) -> None:
+    """TorchScript writes ``y1[:] = 1`` into the slice and not back into ``x``: a real difference, shown where it is."""
+    model, inputs, graph, proto, _ = exported_patterns("getitem_tracking", "torchscript")
+    assert _differs(proto, model, inputs)
+    report = fwdtrace.compare_onnx(graph, proto)
+    assert not report.ok
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    reads = {name: producer[next(n for n in proto.graph.node if n.name == onnx_names[0]).input[0]].op_type
+             for name, onnx_names in report.matched if name.startswith("mean")}
+    # each row's mean reads its row as written (a scatter); the mean of all reads x, which TorchScript left unwritten
+    assert reads == {"mean = torch.Tensor.mean": "ScatterND", "mean_1 = torch.Tensor.mean": "ScatterND",
+                     "mean_2 = torch.Tensor.mean": "ScatterND", "mean_3 = torch.Tensor.mean": "Mul"}, report.text
 
 
 def test_shift_tokens_right_agrees_in_numbers_under_dynamo() -> None:

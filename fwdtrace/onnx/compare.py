@@ -87,6 +87,7 @@ _WEIGHTED_OPS = frozenset({
     "InstanceNormalization", "RMSNormalization", "Gather", "LSTM", "GRU", "RNN", "PRelu", "Attention",
 })
 _GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
+_SCATTERS = frozenset({"ScatterND", "ScatterElements"})
 _INDEX_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Concat", "Unsqueeze", "Reshape", "Cast", "Expand",
                         "Range", "Where", "Less"})
 _CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
@@ -697,7 +698,7 @@ class _Matcher:
             eq = copied_into_a_fill(eq, len(self.partial_writes[tn.id]) if tn.id in self.partial_writes else None,
                                     self._written_rank(tn))
         elif tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
-            eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
+            eq = written_through_a_view(eq, max(1, _indexed_dims(self.partial_writes[tn.id], tn.outputs[0].shape)))
         elif eq is not None and canonical_target(tn.target) in SETITEM_FUNCTIONS and len(tn.inputs) == 2:
             eq = scattered_per_dimension(eq, _indexed_dims(tn.inputs[0].shape, tn.inputs[1].shape))
         call_key = self._call_key(tn)
@@ -930,6 +931,10 @@ class _Matcher:
         params = {r.param for r in tn.inputs if r.param}
         if tn.kind == "module":  # a layer's own weights are not inputs: match them by their path
             params |= {f"{s}." for s in scopes if s}
+        # after a call that is missing, its op may stand between the inputs and the partner: of the
+        # candidates, the one that reads what the call read (by shape) is the call's, not one skipping less
+        # (TorchScript drops the write-back of ``y = x[0]; y[:] = 1; y.mean()``: the mean reads the slice)
+        after_missing = {r.shape for r in tn.inputs if r.obj_id in self.missing_producer}
         best: tuple[tuple[Any, ...], int, set[int]] | None = None
         for cand, _cost in self._reachable(sources, ops, max_skipped):
             if not self._compatible(tn, cand):
@@ -949,8 +954,9 @@ class _Matcher:
             # index); then the larger; then, of two alike but for wiring, the one that ends the call
             # (floor division's Where after its And, where its Div, Sub and Where only index).
             leaks = len(self._read_outside(results, nodes))
-            score = (self._anchor(cand, nodes, scopes, params), -len(skipped), len(touched), -leaks, size, len(nodes),
-                     -cand)
+            reads_alike = bool(after_missing) and after_missing <= {r.shape for r in self.onodes[cand].inputs}
+            score = (self._anchor(cand, nodes, scopes, params), reads_alike, -len(skipped), len(touched), -leaks, size,
+                     len(nodes), -cand)
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
         if best is None and anchored:
@@ -963,11 +969,17 @@ class _Matcher:
         A call's results leave through its last op (and a recurrent call's stacked final
         states); what its other ops compute is its own. What the region computes from the
         call's inputs alone may be shared (an exporter computes one attention mask's additive
-        form for every layer: :meth:`_prelude`).
+        form for every layer: :meth:`_prelude`), but not a scatter: what reads it sees one write
+        (``x[1:3, 2:4].zero_()`` then ``x[0].fill_(2)``: TorchScript's one ScatterND each).
         """
         found = set()
         for oid in region:
-            if oid in results or not any(self.producer[v] in region for v in self._data_inputs(self.onodes[oid])):
+            if oid in results:
+                continue
+            # a scatter read outside is a write whose result something else sees: the write ends there
+            if self.op(oid) not in _SCATTERS and not any(
+                self.producer[v] in region for v in self._data_inputs(self.onodes[oid])
+            ):
                 continue
             if any(c not in region for r in self.onodes[oid].outputs for c in self.consumers.get(r.obj_id, ())):
                 found.add(oid)
