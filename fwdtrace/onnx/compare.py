@@ -87,6 +87,7 @@ _WEIGHTED_OPS = frozenset({
     "InstanceNormalization", "RMSNormalization", "Gather", "LSTM", "GRU", "RNN", "PRelu", "Attention",
 })
 _GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
+_SCATTERS = frozenset({"ScatterND", "ScatterElements"})
 _INDEX_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Concat", "Unsqueeze", "Reshape", "Cast", "Expand",
                         "Range", "Where", "Less"})
 _CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
@@ -322,6 +323,7 @@ class _Matcher:
         self.n_values = 0
         self.calls: dict[tuple[Any, ...], list[int]] = {}  # (target, input values, attrs) -> such trace nodes
         self.out_groups: dict[int, list[frozenset[int]]] = {}  # trace node id -> what its outputs stood for
+        self.masks: dict[tuple[Any, ...], int] = {}  # a mask's key (_mask_key) -> the first such call matched
         # with the model, layers of one class with equal weights are one computation too
         self.path2module: dict[str, torch.nn.Module] | None = (
             dict(model.named_modules()) if isinstance(model, torch.nn.Module) else None
@@ -696,11 +698,13 @@ class _Matcher:
             eq = copied_into_a_fill(eq, len(self.partial_writes[tn.id]) if tn.id in self.partial_writes else None,
                                     self._written_rank(tn))
         elif tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
-            eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
+            eq = written_through_a_view(eq, max(1, _indexed_dims(self.partial_writes[tn.id], tn.outputs[0].shape)))
         elif eq is not None and canonical_target(tn.target) in SETITEM_FUNCTIONS and len(tn.inputs) == 2:
             eq = scattered_per_dimension(eq, _indexed_dims(tn.inputs[0].shape, tn.inputs[1].shape))
         call_key = self._call_key(tn)
         earlier = self._earlier_call(tn, call_key)
+        mask_key = self._mask_key(tn, data_in) if earlier is None else None
+        same_mask = self.masks.get(mask_key) if mask_key is not None else None
         passthrough = frozenset().union(*reqs) if reqs else frozenset()
         # a BatchNorm after a Conv that is missing would have been folded into it
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
@@ -728,7 +732,7 @@ class _Matcher:
                 eq.folds_into and feeder is not None and feeder.key is not None
                 and self.op(feeder.key) in eq.folds_into
             )
-            simpler = self._simplification(tn, eq, data_in, earlier)
+            simpler = self._simplification(tn, eq, data_in, earlier, same_mask)
             # an op right where the inputs are, or none at all (not one further on, named by its scope)
             strict = can_fold or simpler is not None
             skipped = 0 if strict else _UNOPENED_SKIPPED if through_unopened else MAX_SKIPPED
@@ -758,6 +762,10 @@ class _Matcher:
             else:
                 self._add_missing(tn)
                 tn_out = passthrough
+        if earlier is None and same_mask is not None and tn.id not in self.groups and outs is not None:
+            earlier = same_mask  # elided as the mask computed once: the same values from here on
+        if mask_key is not None and tn.id in self.groups:
+            self.masks.setdefault(mask_key, tn.id)
         values = self.out_values[earlier] if earlier is not None else [self._fresh_value() for _ in tn.outputs]
         self.out_values[tn.id] = values
         for i, r in enumerate(tn.outputs):
@@ -838,6 +846,24 @@ class _Matcher:
             return None
         return next((e for e in self.calls.get(call_key, ()) if self._same_weights(self.tnodes[e], tn)), None)
 
+    def _mask_key(self, tn: Node, data_in: list[TensorRef]) -> tuple[Any, ...] | None:
+        """What makes two mask computations alike where their values cannot be told apart: None for other calls.
+
+        transformers builds a padding mask per stack from the same attention mask by indexing
+        it with tensors made from shapes (BART's encoder and its decoder's cross-attention); the
+        trace keeps no index, so their values are not known equal, yet an exporter that folds
+        the constants sees they are and computes the mask once. Boolean results only: the target,
+        its arguments, the groups the data inputs stand for and every shape must agree.
+        """
+        if not tn.outputs or any(r.dtype != "bool" for r in tn.outputs) or draws_random(tn):
+            return None
+        data = {r.obj_id for r in data_in}
+        reads = tuple(
+            (self.tensor_groups.get(r.obj_id), r.shape) if r.obj_id in data else ("constant", r.shape, r.dtype)
+            for r in tn.inputs
+        )
+        return (canonical_target(tn.target), reads, tuple(r.shape for r in tn.outputs), repr(sorted(tn.attrs.items())))
+
     def _same_weights(self, first: Node, tn: Node) -> bool:
         """Whether two calls of one target use the same weights: one layer, or a layer whose ONNX form has none.
 
@@ -851,7 +877,7 @@ class _Matcher:
         return _equal_layers(self.path2module.get(first.module_path), self.path2module.get(tn.module_path))
 
     def _simplification(
-        self, tn: Node, eq: Equivalence, data_in: list[TensorRef], earlier: int | None
+        self, tn: Node, eq: Equivalence, data_in: list[TensorRef], earlier: int | None, same_mask: int | None = None,
     ) -> tuple[str, list[frozenset[int]] | None] | None:
         """Why an exporter may drop this call without changing the result, and what stands for it.
 
@@ -866,6 +892,9 @@ class _Matcher:
             twin = tn.kind == "module" and first.module_path != tn.module_path and _has_weights(tn)
             return (f"simplified: repeats {_trace_label(first)} on the same inputs"
                     f"{' with equal weights' if twin else ''}, computed once"), self.out_groups[earlier]
+        if same_mask is not None and eq.patterns and not eq.optional:
+            return (f"simplified: repeats {_trace_label(self.tnodes[same_mask])}, the same mask from the same "
+                    "inputs, computed once"), self.out_groups[same_mask]
         target = canonical_target(tn.target)
         succs = [self.tnodes[s] for s in self.trace_succ.get(tn.id, ())]
         if target in _CATS and succs and all(
@@ -902,6 +931,10 @@ class _Matcher:
         params = {r.param for r in tn.inputs if r.param}
         if tn.kind == "module":  # a layer's own weights are not inputs: match them by their path
             params |= {f"{s}." for s in scopes if s}
+        # after a call that is missing, its op may stand between the inputs and the partner: of the
+        # candidates, the one that reads what the call read (by shape) is the call's, not one skipping less
+        # (TorchScript drops the write-back of ``y = x[0]; y[:] = 1; y.mean()``: the mean reads the slice)
+        after_missing = {r.shape for r in tn.inputs if r.obj_id in self.missing_producer}
         best: tuple[tuple[Any, ...], int, set[int]] | None = None
         for cand, _cost in self._reachable(sources, ops, max_skipped):
             if not self._compatible(tn, cand):
@@ -921,8 +954,9 @@ class _Matcher:
             # index); then the larger; then, of two alike but for wiring, the one that ends the call
             # (floor division's Where after its And, where its Div, Sub and Where only index).
             leaks = len(self._read_outside(results, nodes))
-            score = (self._anchor(cand, nodes, scopes, params), -len(skipped), len(touched), -leaks, size, len(nodes),
-                     -cand)
+            reads_alike = bool(after_missing) and after_missing <= {r.shape for r in self.onodes[cand].inputs}
+            score = (self._anchor(cand, nodes, scopes, params), reads_alike, -len(skipped), len(touched), -leaks, size,
+                     len(nodes), -cand)
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
         if best is None and anchored:
@@ -935,11 +969,17 @@ class _Matcher:
         A call's results leave through its last op (and a recurrent call's stacked final
         states); what its other ops compute is its own. What the region computes from the
         call's inputs alone may be shared (an exporter computes one attention mask's additive
-        form for every layer: :meth:`_prelude`).
+        form for every layer: :meth:`_prelude`), but not a scatter: what reads it sees one write
+        (``x[1:3, 2:4].zero_()`` then ``x[0].fill_(2)``: TorchScript's one ScatterND each).
         """
         found = set()
         for oid in region:
-            if oid in results or not any(self.producer[v] in region for v in self._data_inputs(self.onodes[oid])):
+            if oid in results:
+                continue
+            # a scatter read outside is a write whose result something else sees: the write ends there
+            if self.op(oid) not in _SCATTERS and not any(
+                self.producer[v] in region for v in self._data_inputs(self.onodes[oid])
+            ):
                 continue
             if any(c not in region for r in self.onodes[oid].outputs for c in self.consumers.get(r.obj_id, ())):
                 found.add(oid)
@@ -1029,8 +1069,13 @@ class _Matcher:
     def _anchored_fallback(
         self, tn: Node, eq: Equivalence, ops: frozenset[str], budget: Counter[str], scopes: set[str], params: set[str]
     ) -> tuple[tuple[Any, ...], int, set[int]] | None:
-        """A partner away from where the inputs landed, but named by its scope or weights: rewired."""
+        """A partner away from where the inputs landed, but named by its scope or weights: rewired.
+
+        The model's own scope names nothing: every op of the top-level ``forward`` has it, so
+        a write whose scatter is gone would take the next write's.
+        """
         best: tuple[tuple[Any, ...], int, set[int]] | None = None
+        scopes = scopes - {""}
         for n in self.onodes:
             if n.kind != "function" or n.id in self.matched or n.id in self.wiring or self.op(n.id) not in ops:
                 continue

@@ -701,15 +701,31 @@ def scattered_per_dimension(eq: Equivalence, rank: int) -> Equivalence:
 
     >>> eq = Equivalence((Pattern.parse("ScatterND"),))
     >>> [p.text for p in scattered_per_dimension(eq, 2).patterns]
-    ['ScatterND', 'ScatterND*2+ScatterElements*2', 'Expand+ScatterND*2']
+    ['ScatterND', 'ScatterND*2', 'ScatterND+ScatterElements', 'ScatterElements*2', 'Expand+ScatterND*2']
 
     ``im[y0:y1, x0:x1] = m`` (torchvision's ``paste_mask_in_image``) is a ``slice_scatter``
     per sliced dimension when recorded functionally (to_onnx's two ScatterNDs), where
     TorchScript writes one ScatterND.
     """
-    more = (f"ScatterND*{rank}+ScatterElements*{rank}", f"Expand+ScatterND*{rank}")
+    more = (*_scatters(rank), f"Expand+ScatterND*{rank}")
     return replace(eq, patterns=eq.patterns + tuple(Pattern.parse(t) for t in more if t not in
                                                     {p.text for p in eq.patterns}))
+
+
+def _scatters(dims: int) -> list[str]:
+    """``dims`` scatters at most, of either kind: a ``slice_scatter`` (ScatterND) or a ``select_scatter``
+    (ScatterElements) per indexed dimension.
+
+    >>> _scatters(2)
+    ['ScatterND*2', 'ScatterND+ScatterElements', 'ScatterElements*2']
+
+    A bound on the two counts apart would let one write take the next write's scatter
+    (BART's ``shift_tokens_right``: ``ids[:, 1:] = ...`` then ``ids[:, 0] = start``).
+    """
+    def times(op: str, n: int) -> list[str]:
+        return [] if n == 0 else [op if n == 1 else f"{op}*{n}"]
+
+    return ["+".join(times("ScatterND", k) + times("ScatterElements", dims - k)) for k in range(dims, -1, -1) if dims]
 
 
 def written_through_a_view(eq: Equivalence | None, dims: int) -> Equivalence:
@@ -717,14 +733,14 @@ def written_through_a_view(eq: Equivalence | None, dims: int) -> Equivalence:
 
     >>> eq = written_through_a_view(Equivalence((Pattern.parse("Mul"),)), 2)
     >>> [p.text for p in eq.patterns]
-    ['Mul+ScatterND*2+ScatterElements*2', 'Mul+Concat*2', 'Mul+Where']
+    ['Mul+ScatterND*2', 'Mul+ScatterND+ScatterElements', 'Mul+ScatterElements*2', 'Mul+Concat*2', 'Mul+Where']
 
     Exporters turn ``y[:, :2].mul_(2)`` into the Mul on a slice and a scatter into ``y``:
     dynamo a ScatterND or ScatterElements per indexed dimension (``dims`` at most), TorchScript
     one ScatterND; or slices put back together with a Concat, or a Where for a mask. The
     write-back is required: an export that drops it computes something else.
     """
-    back = [f"ScatterND*{dims}+ScatterElements*{dims}", "Concat*2", "Where"]
+    back = [*_scatters(dims), "Concat*2", "Where"]
     own = [p.text for p in eq.patterns] if eq is not None else []
     texts = [f"{o}+{b}" for o in own for b in back] if own else back
     return Equivalence(
