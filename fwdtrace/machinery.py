@@ -18,6 +18,9 @@ A trace runs each method below hidden, as the inside of a leaf layer, and then:
 
 Only methods whose module is imported already are patched (fwdtrace imports neither tool).
 Each entry is the method's path and the node it makes (None: hidden, no node).
+
+``fully_shard`` (and ``replicate``) also swap each module they wrap into a class of their own,
+``FSDPLinear``: graphs, pictures and module keys name the model's class (:func:`model_class`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Machinery", "MACHINERY", "imported_machinery", "module_tensors"]
+__all__ = ["Machinery", "MACHINERY", "imported_machinery", "module_tensors", "model_class"]
 
 _FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
 _FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState"
@@ -98,3 +101,23 @@ def module_tensors(modules: list[torch.nn.Module]) -> dict[tuple[int, str], torc
                 if t is not None:
                     out[(id(module), name)] = t
     return out
+
+
+def model_class(cls: type) -> type:
+    """The model's own class behind a class torch.distributed made for a module it wraps.
+
+    >>> import torch
+    >>> model_class(torch.nn.Linear) is torch.nn.Linear
+    True
+
+    ``fully_shard(linear)`` turns the layer into an ``FSDPLinear``, made as
+    ``type("FSDP" + cls.__name__, (FSDPModule, cls), ...)`` (``replicate`` likewise): one of
+    torch.distributed's classes, then the wrapped one, and no forward of its own.
+    """
+    bases = cls.__bases__
+    while (len(bases) == 2 and cls.__module__.startswith("torch.distributed.")
+           and bases[0].__module__.startswith("torch.distributed.") and cls.__name__.endswith(bases[1].__name__)
+           and "forward" not in vars(cls)):
+        cls = bases[1]
+        bases = cls.__bases__
+    return cls

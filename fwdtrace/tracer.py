@@ -39,7 +39,7 @@ from .errors import FwdtraceError, add_layer_note, describe
 from .graph import Graph
 from .instrument.compiled import EagerRoute, compiled_parts
 from .instrument.keys import module_key
-from .machinery import Machinery, imported_machinery, module_tensors
+from .machinery import Machinery, imported_machinery, model_class, module_tensors
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
 from .patching import (
@@ -115,6 +115,7 @@ class _TypeInfo(NamedTuple):
     target: str  # the node's target: torch.nn.Linear, mypkg.Block, torch.jit.ScriptModule
     fused: str | None  # the fused kernel torch's own forward of this class may run instead of its layers
     nests: bool  # torch's own TransformerEncoder.forward: may run its layers on nested tensors
+    class_name: str  # the class scopes name: the model's own (fully_shard's FSDPLinear is a Linear)
 
 
 _TYPE2INFO: dict[type, _TypeInfo] = {}
@@ -145,10 +146,12 @@ def _type_info(module_type: type) -> _TypeInfo:
         atomic and not scripted and module_type not in reg.atomic and _registry.has_forward(module_type)
         and _registry.forward_owner(module_type) not in reg.atomic
     )
-    target = "torch.jit.ScriptModule" if scripted else _registry.qualified_name(module_type)
+    shown = model_class(module_type)
+    target = "torch.jit.ScriptModule" if scripted else _registry.qualified_name(shown)
     owner = _registry.forward_owner(module_type) if not atomic and _registry.has_forward(module_type) else None
     return _TypeInfo(atomic, reg.callbacks_for(module_type), splits, scripted, compiled, target,
-                     _FUSED_FORWARDS.get(owner) if owner is not None else None, owner is torch.nn.TransformerEncoder)
+                     _FUSED_FORWARDS.get(owner) if owner is not None else None, owner is torch.nn.TransformerEncoder,
+                     shown.__name__)
 
 
 # Layers whose own forward runs one fused kernel instead of its sub-layers when torch allows it
@@ -491,7 +494,7 @@ class Tracer:
         path = "" if root else self._path(module)
         call_index = self._scope_calls.get(path, 0)
         self._scope_calls[path] = call_index + 1
-        scope = new_tuple(Scope, (path, type(module).__name__, call_index))
+        scope = new_tuple(Scope, (path, info.class_name, call_index))
         if info.scripted:
             self._say_unseen("scripted modules (torch.jit) are opaque, one node each", module)
         in_refs: list[TensorRef] = []
@@ -531,7 +534,7 @@ class Tracer:
                     "module",
                     # (a lazy layer became its real class during the call: LazyLinear -> Linear)
                     info.target if type(module) is module_type else _registry.qualified_name(type(module)),
-                    path or type(module).__name__,
+                    path or info.class_name,
                     path,
                     call_index,
                     in_refs,

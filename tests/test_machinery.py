@@ -37,16 +37,11 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Gain(8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
 
 
-# fully_shard gives an atomic layer it wraps a class of its own, FSDPLinear (a Linear subclass): a
-# difference of class names, not of nodes, left as it is here.
-FSDP_CLASSES = {"torch.distributed.fsdp._fully_shard._fsdp_init.FSDPLinear": "torch.nn.Linear"}
-
-
 def skeleton(graph: Graph) -> tuple[list[tuple], list[tuple]]:
-    """The graph without the machinery's nodes: each node by what it is and reads, edges by node positions."""
+    """The graph without the machinery's nodes: each node by what it is, where and what it reads, edges by node positions."""
     kept = [n for n in graph.nodes if n.target not in MACHINERY_TARGETS]
     position = {n.id: i for i, n in enumerate(kept)}
-    nodes = [(n.kind, FSDP_CLASSES.get(n.target, n.target), n.module_path, n.call_index, [(r.param, r.shape, r.dtype) for r in n.inputs],
+    nodes = [(n.kind, n.target, n.module_path, n.call_index, n.scope, [(r.param, r.shape, r.dtype) for r in n.inputs],
               [r.shape for r in n.outputs]) for n in kept]
     edges = sorted((position[e.src], position[e.dst], e.shape) for e in graph.edges if e.src in position and e.dst in position)
     return nodes, edges
@@ -110,6 +105,9 @@ FSDP_UNITS = {
 def test_fsdp2_unshard_is_one_collective_node_per_unit(process_group, pin):
     reference, model = make_model(), sharded(make_model(), ["2", "3", "4"])
     x = torch.randn(3, 4)
+    # fully_shard made each unit's class its own (FSDPLinear, FSDPSequential): keys name the model's
+    assert type(model[4]).__name__ == "FSDPLinear"
+    assert fwdtrace.module_keys(model) == fwdtrace.module_keys(reference)
     expected = fwdtrace.trace(reference, x, pin=pin)
     for _ in range(2):  # the first step also runs FSDP's lazy initialisation
         with fwdtrace.Tracer(pin=pin) as t:
