@@ -47,6 +47,7 @@ from .instrument.calls import ModelCalls
 from .instrument.compiled import EagerRoute, eager_module
 from .instrument.grads import GradCall
 from .instrument.keys import key2module, key_path
+from .machinery import model_class
 from .node import Node, Scope
 from .passes.align import align
 from .patching import (
@@ -226,7 +227,7 @@ class _Recording:
         root = eager_module(model)
         # (key, what takes the hooks, its module path, the group's class name, the function's path)
         hooked: list[tuple[str, Any, str, str, str | None]] = [
-            (key, module, key_path(key, module), type(module).__name__, None)
+            (key, module, key_path(key, module), model_class(type(module)).__name__, None)
             for key, module in key2module(model).items()
         ]
         self.layers = len(hooked) > 1  # a model with submodules: a step that records none of them is not complete

@@ -39,6 +39,7 @@ from .errors import FwdtraceError, add_layer_note, describe
 from .graph import Graph
 from .instrument.compiled import EagerRoute, compiled_parts
 from .instrument.keys import module_key
+from .machinery import Machinery, imported_machinery, model_class, module_tensors
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
 from .patching import (
@@ -114,6 +115,7 @@ class _TypeInfo(NamedTuple):
     target: str  # the node's target: torch.nn.Linear, mypkg.Block, torch.jit.ScriptModule
     fused: str | None  # the fused kernel torch's own forward of this class may run instead of its layers
     nests: bool  # torch's own TransformerEncoder.forward: may run its layers on nested tensors
+    class_name: str  # the class scopes name: the model's own (fully_shard's FSDPLinear is a Linear)
 
 
 _TYPE2INFO: dict[type, _TypeInfo] = {}
@@ -144,10 +146,12 @@ def _type_info(module_type: type) -> _TypeInfo:
         atomic and not scripted and module_type not in reg.atomic and _registry.has_forward(module_type)
         and _registry.forward_owner(module_type) not in reg.atomic
     )
-    target = "torch.jit.ScriptModule" if scripted else _registry.qualified_name(module_type)
+    shown = model_class(module_type)
+    target = "torch.jit.ScriptModule" if scripted else _registry.qualified_name(shown)
     owner = _registry.forward_owner(module_type) if not atomic and _registry.has_forward(module_type) else None
     return _TypeInfo(atomic, reg.callbacks_for(module_type), splits, scripted, compiled, target,
-                     _FUSED_FORWARDS.get(owner) if owner is not None else None, owner is torch.nn.TransformerEncoder)
+                     _FUSED_FORWARDS.get(owner) if owner is not None else None, owner is torch.nn.TransformerEncoder,
+                     shown.__name__)
 
 
 # Layers whose own forward runs one fused kernel instead of its sub-layers when torch allows it
@@ -282,6 +286,7 @@ class Tracer:
         self._stack: list[tuple[torch.nn.Module, Scope]] = []  # module calls, outermost first
         self._scopes: list[tuple[Scope, ...]] = [()]  # the scope of a node made at each depth
         self._quiet = 0  # > 0 inside a leaf, a callback or fwdtrace's own bookkeeping
+        self._leaf_quiet = 0  # _quiet inside the innermost leaf's own call (its hooks'), 0 outside leaves
         self._trying_fused = False  # a layer runs with the recorder aside, to see whether torch fuses it
         self._module2path: dict[int, str] = {}
         self._outside: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules not in the model
@@ -323,6 +328,8 @@ class Tracer:
                 self._handle = add_call_handler(self._on_call)
                 self._function_handles = add_function_handlers(
                     self._function_handler, targets=_registry.function_targets(self.atomic))
+                for entry, owner, name in imported_machinery():
+                    self._function_handles.append(add_function_handler(owner, name, self._machinery_handler(entry)))
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
                 if self._eager_model is not None:
@@ -487,7 +494,7 @@ class Tracer:
         path = "" if root else self._path(module)
         call_index = self._scope_calls.get(path, 0)
         self._scope_calls[path] = call_index + 1
-        scope = new_tuple(Scope, (path, type(module).__name__, call_index))
+        scope = new_tuple(Scope, (path, info.class_name, call_index))
         if info.scripted:
             self._say_unseen("scripted modules (torch.jit) are opaque, one node each", module)
         in_refs: list[TensorRef] = []
@@ -498,6 +505,7 @@ class Tracer:
                 in_refs = self._refs(in_tensors)
         if atomic:
             self._quiet += 1
+            leaf_quiet, self._leaf_quiet = self._leaf_quiet, self._quiet
         self._stack.append((module, scope))
         self._scopes.append(self._scopes[-1] if root else (*self._scopes[-1], scope))
         try:
@@ -514,6 +522,7 @@ class Tracer:
             self._scopes.pop()
             if atomic:
                 self._quiet -= 1
+                self._leaf_quiet = leaf_quiet
         if info.callbacks:
             out = self._run_callbacks(info.callbacks, module, args, out)
         if atomic or fused:
@@ -525,7 +534,7 @@ class Tracer:
                     "module",
                     # (a lazy layer became its real class during the call: LazyLinear -> Linear)
                     info.target if type(module) is module_type else _registry.qualified_name(type(module)),
-                    path or type(module).__name__,
+                    path or info.class_name,
                     path,
                     call_index,
                     in_refs,
@@ -654,6 +663,69 @@ class Tracer:
             module, scope = self._stack[-1]
             _note_layer(e, scope.module_path, module, args, kwargs, op=target.path)
             raise
+
+    # -- other tools' machinery around layers (fwdtrace.machinery) ------------------------------------
+    def _machinery_handler(self, entry: Machinery) -> FunctionHandler:
+        def on_machinery(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            return self._on_machinery(entry, call, args, kwargs)
+
+        return on_machinery
+
+    def _on_machinery(self, entry: Machinery, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run a tool's method hidden; one node for the tensors it put on the layer it serves, if any.
+
+        A node is made for the layer running now (its hooks and wrapped forward run inside its
+        call, an atomic layer's too), not inside a callback, another hidden call or a layer tried
+        for its fused path (it may run again).
+        """
+        if not self._stack:
+            return call(*args, **kwargs)
+        emits = (entry.target is not None and self._quiet == self._leaf_quiet and not self._trying_fused
+                 and len(args) > 1 and args[1] is self._stack[-1][0])
+        if self._quiet and not emits:  # nothing of it would be recorded anyway
+            return call(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            served = entry.served(args) if emits else []
+            before = module_tensors(served)
+            given = tensors_of((args[2:], kwargs))
+        self._quiet += 1
+        try:
+            out = self._call_aside(lambda: call(*args, **kwargs))
+        finally:
+            self._quiet -= 1
+        with torch._C.DisableTorchFunction():
+            self._pass_through(given, tensors_of(out))
+            after = module_tensors(served)
+            placed = [(key, t) for key, t in after.items() if before.get(key) is not t]
+            if placed:
+                for (module_id, name), t in placed:
+                    path = self._module2path.get(module_id)
+                    if path is not None:
+                        self._param_names[id(t)] = (f"{path}.{name}" if path else name, t)
+                module, scope = self._stack[-1]
+                leaf = self._quiet > 0  # an atomic layer's own call: drawn beside the layer, not inside it
+                node_scope = self._scopes[-1][:-1] if leaf and self._scopes[-1] else self._scopes[-1]
+                target = cast(str, entry.target)
+                self.graph._append("function", target, _short_op_name(target), scope.module_path,
+                                   self._next_call(scope.module_path, target), [], self._refs([t for _, t in placed]),
+                                   entry.attrs(args), node_scope)
+        return out
+
+    def _pass_through(self, given: list[torch.Tensor], handed_on: list[torch.Tensor]) -> None:
+        """Tensors a tool handed on in place of those it was given (moved, or viewed to hook the
+        backward) are the same tensors in the graph: they keep the given ones' ids and producers."""
+        if len(given) != len(handed_on):
+            return
+        for old, new in zip(given, handed_on, strict=True):
+            if new is old or new.shape != old.shape or new.dtype != old.dtype:
+                continue
+            oid, _, ref = self._entry(old)
+            if self.pin:
+                self._raw2obj[id(new)] = (oid, new, ref)
+            else:
+                weak = _WeakTensor(new, self._retire)
+                weak.raw = id(new)
+                self._raw2obj[id(new)] = (oid, weak, ref)
 
     # -- torch functions between layers -----------------------------------------------------------
     def _on_function(self, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import FwdtraceError, describe
+from ..machinery import model_class
 from ..registry import REGISTRY, resolve_any
 from .compiled import eager_module, eager_path
 
@@ -35,7 +36,7 @@ Selector = str | type | Iterable[Any]
 
 def module_key(module_path: str, module: torch.nn.Module) -> str:
     """``module_key("seq.0", nn.Conv2d(...)) == "seq.0.Conv2d"``; the root (path ``""``) is its class name."""
-    name = type(module).__name__
+    name = model_class(type(module)).__name__
     return f"{module_path}.{name}" if module_path else name
 
 
@@ -48,7 +49,7 @@ def function_key(module_path: str, name: str) -> str:
 def key_path(key: str, module: torch.nn.Module) -> str:
     """The module path a module key was made from: ``key_path("seq.0.Conv2d", conv) == "seq.0"``,
     ``""`` for the root (whose key is its class name alone)."""
-    name = type(module).__name__
+    name = model_class(type(module)).__name__
     return key[: -len(name) - 1] if len(key) > len(name) else ""
 
 
@@ -212,7 +213,7 @@ def select_keys(
     if isinstance(selector, type) and issubclass(selector, torch.nn.Module):
         found = {k: m for k, m in key2module.items() if isinstance(m, selector)}
         if not found:
-            classes = sorted({type(m).__name__ for m in key2module.values()})
+            classes = sorted({model_class(type(m)).__name__ for m in key2module.values()})
             raise FwdtraceError(
                 f"{what} expected a module key or path, a glob or a class of {model_name}, got "
                 f"{selector.__name__}, of which the model has no instance; its classes: {', '.join(classes)}"

@@ -37,6 +37,7 @@ from ..graph import Graph
 from ..instrument.bins import DEFAULT_BINS, check_bins_spec
 from ..instrument.compiled import eager_module
 from ..instrument.keys import closest_keys, key_path
+from ..machinery import model_class
 from .history import History
 from .sampler import KINDS, ROLES, KindRefused, Sampler, SamplerClosed, check_positive
 
@@ -359,7 +360,7 @@ class Server:
                 if n.kind == "module" and n.module_key not in shapes:
                     shapes[n.module_key] = {"input": [list(r.shape) for r in n.inputs],
                                             "output": [list(r.shape) for r in n.outputs]}
-        rows = [{"key": k, "path": key_path(k, m), "class": type(m).__name__,
+        rows = [{"key": k, "path": key_path(k, m), "class": model_class(type(m)).__name__,
                  "params": sum(p.numel() for p in m.parameters()), "shapes": shapes.get(k)}
                 for k, m in self.sampler.key2module.items()]
         # A hooked function has a key in every module that may call it: listed are those the traced
