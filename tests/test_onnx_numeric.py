@@ -763,6 +763,39 @@ def test_a_random_op_is_named_as_where_the_difference_starts(draw: str, called: 
     assert "draws random numbers" in report.numeric.lead()
 
 
+class _IdleDropout(torch.nn.Module):
+    """A dropout that returns its input (eval mode, as a module or as ``F.dropout(training=False)``), whose
+    result a residual add reads beside a layer the file changes: GPT-2's embedding dropout before its blocks."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.first, self.changed = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h = self.drop(h) if self.form == "module" else torch.nn.functional.dropout(h, 0.5, training=self.training)
+        return h + self.changed(h)
+
+
+@pytest.mark.parametrize("form", ["module", "function"])
+def test_a_dropout_in_eval_mode_draws_nothing_and_is_not_where_a_difference_starts(form: str) -> None:
+    torch.manual_seed(0)
+    model, x = _IdleDropout(form).eval(), torch.randn(4, 8)
+    proto = _scale_initializer(fwdtrace.export_onnx(model, x, exporter="torchscript"), "changed.weight", 1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    # the reference: onnxruntime's value of the changed layer against a plain hook's
+    seen: list[torch.Tensor] = []
+    model.changed.register_forward_hook(lambda m, i, o: seen.append(o))
+    model(x)
+    row = next(r for r in report.numeric.rows if r.module_path == "changed")
+    (got,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [row.onnx_value])
+    assert not np.allclose(got, seen[0].detach().numpy(), rtol=1e-4, atol=1e-5)
+    assert report.numeric.random == []
+    assert report.first_divergence is row, report.numeric.lead()
+
+
 class _Kept(torch.nn.Module):
     """Keeps the positions of a layer's outputs above a threshold: a count that depends on the values, like an NMS."""
 

@@ -538,7 +538,10 @@ def compare_values(
         if row.compared and not row.ok:
             row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
     out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
-    numeric.mismatches, numeric.random = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols)
+    # a Dropout in eval mode (or of p=0) returns its input: it draws nothing, and cannot be where a difference starts
+    idle = {p for p, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            and (not m.training or m.p == 0)} if isinstance(model, torch.nn.Module) else set()
+    numeric.mismatches, numeric.random = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols, idle)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
     return numeric
 
@@ -590,7 +593,7 @@ def _dims(shape: list[Any]) -> str:
 
 def _judge_mismatches(
     trace: Graph, og: Graph, result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
-    readers: dict[int, list[int]], tols: dict[str, tuple[float, float]],
+    readers: dict[int, list[int]], tols: dict[str, tuple[float, float]], idle_dropouts: set[str],
 ) -> tuple[list[ValueRow], list[ValueRow]]:
     """A row per structural mismatch, judged by the nearest compared values after it; and a row per
     call that draws random numbers whose nearest compared values after it differ.
@@ -680,6 +683,9 @@ def _judge_mismatches(
     for tn in trace.nodes:
         if tn.kind not in ("module", "function") or not draws_random(tn):
             continue
+        if (tn.kind == "module" and tn.module_path in idle_dropouts) or tn.attrs.get("training") is False \
+                or tn.attrs.get("p") == 0:
+            continue  # a dropout that returns its input (eval mode, p=0) draws nothing
         own = node2row.get(tn.id)
         after = [own] if own is not None else after_in_trace([tn.id])
         bad = [r for r in after if not r.ok]

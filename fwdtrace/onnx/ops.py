@@ -498,11 +498,14 @@ _set_rule("torch.Tensor.__getitem__", _Rule(_getitem, True, frozenset()))  # opt
 # comparison takes them for constants; a random one may stay in the export as *Like ops).
 _register(OVERWRITE_FUNCTIONS, optional=True)
 _register(NEW_TENSOR_FUNCTIONS, "RandomNormalLike", "RandomUniformLike", "RandomNormal", "RandomUniform", optional=True)
-# Dropout is an ONNX Dropout in a training-mode export and nothing at all in eval mode.
+# Dropout is an ONNX Dropout in a training-mode export and nothing at all in eval mode; emitted
+# from the ATen calls (to_onnx) in training mode, a Mul by its mask (the mask drawn apart, by
+# bernoulli's RandomUniformLike: a new tensor, which the comparison takes for a constant).
 _register(
     _functions("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
     + _nn("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout"),
     "Dropout",
+    "Mul",
     optional=True,
 )
 
