@@ -42,8 +42,9 @@ from ._host import host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, describe, one_line
 from .graph import Graph
+from .instrument.attach import Attachment
 from .instrument.calls import ModelCalls
-from .instrument.compiled import EagerRoute, eager_module
+from .instrument.compiled import eager_module
 from .instrument.grads import GradCall
 from .instrument.keys import key2module, key_path
 from .node import Node
@@ -222,11 +223,12 @@ class _Recording:
         ]
         self.layers = len(hooked) > 1  # a model with submodules: a step that records none of them is not complete
         # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run.
-        self.forward_handles.append(EagerRoute(model, "Dumper.register()"))
+        on = Attachment(model, "Dumper.register()")
+        self.forward_handles.append(on)
         if self.record_functions:
             # Function calls as the trace sees them: the step's forward runs inside a Tracer, which hands
             # each function node over as it is made (hooked functions' calls among them).
-            self.forward_handles.append(_TracedRoot(self, root))
+            on.add(_TracedRoot(self, root))
         else:
             # Hooked functions' calls take the same hooks through their function sites (a site's hooks
             # get the calling module as their first argument: the bookkeeping is by site, not by module).
@@ -238,15 +240,9 @@ class _Recording:
             hooked = [h for h in hooked if h[1] is root]  # the root's hooks still mark the step's beginning and end
         for key, owner, path, class_name, function in hooked:
             is_root = owner is root
-            self.forward_handles.append(
-                owner.register_forward_pre_hook(
-                    self._pre_hook(key, path, id(owner), class_name, function, is_root), with_kwargs=True
-                )
-            )
+            on.forward_pre(owner, self._pre_hook(key, path, id(owner), class_name, function, is_root), with_kwargs=True)
             # always_call: torch runs the hook when the forward raises too, so a failed call is seen
-            self.forward_handles.append(
-                owner.register_forward_hook(self._post_hook(id(owner), is_root), with_kwargs=True, always_call=True)
-            )
+            on.forward(owner, self._post_hook(id(owner), is_root), with_kwargs=True, always_call=True)
 
     def _remove_hooks(self) -> None:
         for h in self.forward_handles:
