@@ -96,19 +96,25 @@ def test_the_eager_route_is_held_while_attached_and_given_back_after() -> None:
     assert compiled.forward is before
 
 
-def test_an_in_graph_attachment_takes_only_in_graph_hooks() -> None:
-    model = nn.Sequential(nn.Linear(2, 2))
+def test_an_in_graph_attachment_takes_plain_hooks_only_outside_compiled_code() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    inner = model[0]
+    model[0] = torch.compile(inner, backend="eager")
     on = Attachment(model, "test", "graph")
-    with pytest.raises(ValueError, match="^test: an in-graph attachment takes statistics and copies only"):
-        on.forward(model[0], lambda m, a, out: None)
+    with pytest.raises(ValueError, match="^test: an in-graph attachment takes only in-graph hooks inside compiled code"):
+        on.forward(inner, lambda m, a, out: None)
+    outside: list[torch.Tensor] = []
+    on.forward(model[1], lambda m, a, out: outside.append(out))  # runs eagerly: allowed
     stats = RunningStats(bins=4)
-    on.stats(model[0], StatsSlot(stats), "output")
+    on.stats(inner, StatsSlot(stats), "output")
     x = torch.randn(3, 2)
     out = model(x)
-    reference = RunningStats(bins=4)
-    reference.update(out)
     on.remove()
-    assert _hook_count(model) == 0
+    reference = RunningStats(bins=4)
+    reference.update(inner(x))  # plain torch, after the fact
+    assert _hook_count(model) == 0 and len(outside) == 1 and torch.equal(outside[0], out)
     assert stats.count == reference.count and stats.mean == pytest.approx(reference.mean)
+    assert stats.histogram == reference.histogram
     with pytest.raises(ValueError, match="^route is one of"):
         Attachment(model, "test", "lazy")

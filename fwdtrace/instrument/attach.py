@@ -11,9 +11,11 @@ Routes (``Attachment.route``):
 
 - ``"eager"``: any hook. While attached, the model's compiled parts run their eager modules, so the hooks
   run and nothing they do enters dynamo's cache. Taken before the first hook is added.
-- ``"graph"``: only hooks dynamo traces without a break (:meth:`Attachment.stats`, :meth:`Attachment.copies`:
-  :mod:`fwdtrace.instrument.ingraph`). A compiled part with such a hook below it runs a compiled copy of
-  itself made with the hooks in place; a model not compiled runs them eagerly.
+- ``"graph"``: hooks dynamo traces without a break (:meth:`Attachment.stats`, :meth:`Attachment.copies`,
+  :meth:`Attachment.traced`: :mod:`fwdtrace.instrument.ingraph`). A compiled part with such a hook below it runs
+  a compiled copy of itself made with the hooks in place; a model not compiled runs them eagerly. Plain
+  hooks are taken only where they run outside compiled code: on modules outside the compiled parts, or on
+  a ``torch.compile`` wrapper itself.
 - ``"none"``: hooks that run outside compiled code anyway (a ``torch.compile`` wrapper's own hooks, a
   parameter's gradient accumulation): no route is taken.
 """
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from ..patching import critical
-from .compiled import EagerRoute, GraphRoute, compiled_parts
+from .compiled import EagerRoute, GraphRoute, compiled_parts, inside_compiled_parts
 from .grads import register_grad_hook
 from .ingraph import ForwardHook, Slot, StatsSlot
 from .params import after_backward
@@ -52,17 +54,22 @@ class Attachment:
     0
 
     ``caller`` names the public function in errors (a model whose ``forward`` is itself a compiled
-    function cannot be run eagerly). ``route`` is one of :data:`ROUTES` (see the module's notes).
+    function cannot be run eagerly). ``route`` is one of :data:`ROUTES` (see the module's notes). ``kept``: a
+    dict the tool keeps across attachments, where the copies compiled for its in-graph hooks wait to be used
+    again by the same hooks on the same slots (:class:`~fwdtrace.instrument.compiled.GraphRoute`).
     Each ``forward*``/``grads``/... method adds its hooks now and returns their handle, which may
     also be removed alone; :meth:`remove` (or leaving ``with``) takes everything off, twice is harmless.
     """
 
-    def __init__(self, model: torch.nn.Module, caller: str, route: str = "eager") -> None:
+    def __init__(self, model: torch.nn.Module, caller: str, route: str = "eager",
+                 kept: dict[int, dict[frozenset[int], Any]] | None = None) -> None:
         if route not in ROUTES:
             raise ValueError(f"route is one of {ROUTES}, got {route!r}")
         self.model, self.caller, self.route = model, caller, route
+        self.kept = kept  # the tool's compiled copies, for the same in-graph hooks attached again (GraphRoute's kept)
         self._handles: list[Any] = []
         self._eager: EagerRoute | None = None
+        self._inside: set[int] | None = None  # id() of every module inside a compiled part, on the graph route
         if route == "eager":
             with critical():
                 self._eager = EagerRoute(model, caller)
@@ -84,9 +91,16 @@ class Attachment:
         self._handles.append(handle)
         return handle
 
-    def _plain(self, what: str) -> None:
-        if self.route == "graph":
-            raise ValueError(f"{self.caller}: an in-graph attachment takes statistics and copies only, not {what}")
+    def inside_compiled(self, owner: Any) -> bool:
+        """Whether ``owner``'s hooks would run inside a compiled part's code (only in-graph hooks may, there)."""
+        if self._inside is None:
+            self._inside = inside_compiled_parts(self.model)
+        return id(owner) in self._inside
+
+    def _plain(self, owner: Any, what: str) -> None:
+        if self.route == "graph" and self.inside_compiled(owner):
+            raise ValueError(f"{self.caller}: an in-graph attachment takes only in-graph hooks inside compiled code, "
+                             f"not {what}")
 
     def add(self, handle: Any) -> Any:
         """Keep ``handle`` (anything with ``remove()``: a function-dispatch handler's) and remove it with the rest."""
@@ -95,14 +109,14 @@ class Attachment:
 
     def forward_pre(self, owner: Any, hook: Callable[..., Any], *, with_kwargs: bool = False) -> Any:
         """``owner.register_forward_pre_hook(hook)``: ``owner`` a module or a function site."""
-        self._plain("forward pre-hooks")
+        self._plain(owner, "forward pre-hooks")
         with critical():
             return self._keep(owner.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
 
     def forward(self, owner: Any, hook: Callable[..., Any], *, with_kwargs: bool = False,
                 always_call: bool = False) -> Any:
         """``owner.register_forward_hook(hook)``: ``owner`` a module or a function site."""
-        self._plain("forward hooks")
+        self._plain(owner, "forward hooks")
         with critical():
             return self._keep(owner.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call))
 
@@ -111,7 +125,7 @@ class Attachment:
               on_error: Callable[[BaseException], Any] | None = None) -> Any:
         """``hook(module, grad_input, grad_output)`` on every backward of ``owner``'s calls
         (:func:`fwdtrace.instrument.grads.register_grad_hook`, whose arguments these are)."""
-        self._plain("gradient hooks")
+        self._plain(owner, "gradient hooks")
         with critical():
             return self._keep(register_grad_hook(owner, hook, replace=replace, begin=begin, on_error=on_error))
 
@@ -119,7 +133,6 @@ class Attachment:
                        callback: Callable[[str, torch.Tensor], None]) -> list[Any]:
         """``callback(name, parameter)`` each time a backward has accumulated into a parameter's ``.grad``
         (:func:`fwdtrace.instrument.params.after_backward`). Autograd runs these outside compiled graphs."""
-        self._plain("parameter hooks")
         with critical():
             handles = after_backward(parameters, callback)
             self._handles.extend(handles)
@@ -129,7 +142,7 @@ class Attachment:
         with critical():
             if self.route == "graph":
                 # The route first: the hook is never seen by the part's own compiled code.
-                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module)]))
+                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module)], self.kept))
             return self._keep(make())
 
     def stats(self, module: torch.nn.Module, slot: StatsSlot, of: str) -> ForwardHook:
@@ -141,6 +154,12 @@ class Attachment:
         """Detached copies of ``module``'s input (unless ``inputs=False``) and output tensors, handed to
         ``slot`` (:meth:`fwdtrace.instrument.ingraph.ForwardHook.copies`)."""
         return self._in_graph(module, slot, lambda: ForwardHook.copies(module, slot, inputs))
+
+    def traced(self, module: torch.nn.Module, slot: Slot, hook: Callable[..., None],
+               pre: Callable[..., None] | None = None) -> ForwardHook:
+        """A forward hook ``hook(module, args, kwargs, result)`` and pre-hook ``pre(module, args, kwargs)`` that
+        dynamo traces without a break: tensor ops, and ``slot.put(payload)`` to hand results out after the graph."""
+        return self._in_graph(module, slot, lambda: ForwardHook(module, slot, hook, pre))
 
     def remove(self) -> None:
         """Take every hook off, last added first, then give the route back; twice is harmless."""
