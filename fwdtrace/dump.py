@@ -29,6 +29,7 @@ import re
 import sys
 import tempfile
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,9 +44,11 @@ from ._host import host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, describe, one_line
 from .graph import Graph
+from .instrument.attach import Attachment
 from .instrument.calls import ModelCalls
-from .instrument.compiled import EagerRoute, eager_module
+from .instrument.compiled import compiled_in_place, compiled_parts, eager_module, graph_routable
 from .instrument.grads import GradCall
+from .instrument.ingraph import Slot
 from .instrument.keys import key2module, key_path
 from .machinery import model_class
 from .node import Node, Scope
@@ -129,6 +132,57 @@ class _Call:
 
 
 @dataclass
+class _Kept:
+    """What a Dumper keeps across its registrations so that dumping a compiled model every step compiles once:
+    the in-graph slot of each hooked module (the compiled copy's hooks append to it), and the copies compiled."""
+
+    slots: dict[tuple[int, str, bool, bool], Slot] = field(default_factory=dict)  # (id(owner), key, statistics, wanted)
+    copies: dict[int, dict[frozenset[int], Any]] = field(default_factory=dict)  # GraphRoute's kept
+
+
+@dataclass
+class _Taken:
+    """A call's tensors as the in-graph hooks took them inside compiled code, handed over after the graph:
+    per tensor (in :func:`~fwdtrace._tree.iter_tensors` order) a detached copy, or for a statistics dump its
+    ``(summary, shape, dtype name)``; and the notes on what of an output was no tensor."""
+
+    tensors: list[Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def _skipped_notes(output: Any) -> list[str]:
+    """What of a call's result gets no dataset (None, ints, strings), as the ``skipped`` attribute says it."""
+    parts = list(enumerate(output)) if isinstance(output, (tuple, list)) else [(None, output)]
+    return [
+        f"output{'' if j is None else f'[{j}]'}: {describe(part)}"
+        for j, part in parts
+        if part is not None and not isinstance(part, torch.Tensor) and not any(True for _ in iter_tensors(part))
+    ] + [f"output[{j}]: None" for j, part in parts if part is None]
+
+
+def _in_graph_hooks(slot: Slot, statistics: bool, wanted: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+    """A dump's pre-hook and hook for a module inside compiled code: traced by dynamo without a break (tensor
+    ops, and the list append :class:`~fwdtrace.instrument.ingraph.Slot` makes), so the part keeps running
+    compiled; what they take is written after the graph. ``wanted=False``: a call the selection never keeps."""
+
+    def take(obj: Any, prefix: str) -> list[Any]:
+        if not wanted:
+            return []
+        if statistics:
+            return [(summarize(t), list(t.shape), dtype_name(t.dtype)) for _, t in iter_tensors(obj, prefix)]
+        # a copy: the model may change the tensor in place later in the step
+        return [t.detach().clone() for _, t in iter_tensors(obj, prefix)]
+
+    def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        slot.put(("pre", take((args, kwargs) if kwargs else args, "input")))
+
+    def post(module: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
+        slot.put(("post", take(result, "output"), _skipped_notes(result)))
+
+    return pre, post
+
+
+@dataclass
 class _Selection:
     """Which calls a dump records: keys matching a glob (a call's key or module path), within a scope
     that begins with the first call matching ``scope[0]`` and ends after the first call matching
@@ -171,11 +225,12 @@ class _Recording:
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
         overwrite: bool, values: str = "tensors", calls: str = "modules", selection: _Selection | None = None,
-        writer: _Writer | None = None,
+        writer: _Writer | None = None, kept: _Kept | None = None,
     ) -> None:
         h5py = _h5py()
         self.path = path
         self.writer = writer
+        self.kept = kept or _Kept()
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         try:
             self.atomic.check_target()
@@ -223,6 +278,28 @@ class _Recording:
             self.atomic.discard()
             raise
 
+    def _route(self, model: torch.nn.Module, root: torch.nn.Module, grads: bool, sites: bool) -> str:
+        """How a compiled model runs while dumped: ``"graph"`` (the forward's tensors taken inside its compiled
+        code) or ``"eager"`` (its compiled parts run eagerly); said in the file's ``compiled`` attribute."""
+        if not compiled_parts(model):
+            return "eager"
+        why = (
+            "gradients are taken by hooks outside compiled code (register(grads=False) dumps the forward "
+            "inside it)" if grads else
+            "function calls are recorded by a trace" if self.record_functions else
+            "hooked functions' calls run outside compiled graphs" if sites else
+            "the root module was compiled in place (its own hooks would run inside its compiled code)"
+            if compiled_in_place(root) else
+            "fwdtrace cannot tell how a compiled part was compiled" if not graph_routable(model) else None
+        )
+        if why is None:
+            self.file.attrs["compiled"] = "compiled: the forward's tensors were taken inside the compiled code"
+            return "graph"
+        self.file.attrs["compiled"] = f"eager: the compiled parts ran eagerly while dumped, as {why}"
+        warnings.warn(f"fwdtrace: Dumper.register() runs the model's compiled parts eagerly for this dump: {why}",
+                      UserWarning, stacklevel=5)
+        return "eager"
+
     def _register(self, model: torch.nn.Module, grads: bool) -> None:
         root = eager_module(model)
         # (key, what takes the hooks, its module path, the group's class name, the function's path)
@@ -231,32 +308,51 @@ class _Recording:
             for key, module in key2module(model).items()
         ]
         self.layers = len(hooked) > 1  # a model with submodules: a step that records none of them is not complete
-        # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run.
-        self.forward_handles.append(EagerRoute(model, "Dumper.register()"))
+        sites = ModelCalls(model).registered_sites() if not self.record_functions else {}
+        route = self._route(model, root, grads, bool(sites))
+        # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run; or,
+        # on the graph route, the hooks of the modules inside them run in compiled copies of them.
+        on = Attachment(model, "Dumper.register()", route, self.kept.copies)
+        self.forward_handles.append(on)
         if self.record_functions:
             # Function calls as the trace sees them: the step's forward runs inside a Tracer, which hands
             # each function node over as it is made (hooked functions' calls among them).
-            self.forward_handles.append(_TracedRoot(self, root))
+            on.add(_TracedRoot(self, root))
         else:
             # Hooked functions' calls take the same hooks through their function sites (a site's hooks
             # get the calling module as their first argument: the bookkeeping is by site, not by module).
             hooked += [
-                (key, site, site.module_path, site.target.name, site.target.path)
-                for key, site in ModelCalls(model).registered_sites().items()
+                (key, site, site.module_path, site.target.name, site.target.path) for key, site in sites.items()
             ]
         if not self.record_modules and self.selection.scope is None:
             hooked = [h for h in hooked if h[1] is root]  # the root's hooks still mark the step's beginning and end
         for key, owner, path, class_name, function in hooked:
             is_root = owner is root
-            self.forward_handles.append(
-                owner.register_forward_pre_hook(
-                    self._pre_hook(key, path, id(owner), class_name, function, is_root), with_kwargs=True
-                )
-            )
+            if route == "graph" and is_root:
+                owner = model  # a torch.compile wrapper's own hooks run outside its compiled code
+            if route == "graph" and on.inside_compiled(owner):
+                pre, post = self._pre_hook(key, path, id(owner), class_name, function, is_root), self._post_hook(id(owner), is_root)
+                wanted = self.selection.scope is not None or self.selection.enter(key, path)[0]
+
+                def consume(event: tuple, pre: Any = pre, post: Any = post) -> None:
+                    # after the graph: the hooks' bodies, as they would have run, on what was taken in it
+                    if event[0] == "pre":
+                        pre(None, _Taken(event[1]), {})
+                    else:
+                        post(None, (), {}, _Taken(event[1], event[2]))
+
+                # the slot its hooks had at the Dumper's last registration: the copy compiled then runs again
+                slot = self.kept.slots.get((id(owner), key, self.statistics, wanted))
+                if slot is None or slot.bound:
+                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume)
+                else:
+                    slot.bind(consume)
+                traced_pre, traced_post = _in_graph_hooks(slot, self.statistics, wanted)
+                on.traced(owner, slot, traced_post, pre=traced_pre)
+                continue
+            on.forward_pre(owner, self._pre_hook(key, path, id(owner), class_name, function, is_root), with_kwargs=True)
             # always_call: torch runs the hook when the forward raises too, so a failed call is seen
-            self.forward_handles.append(
-                owner.register_forward_hook(self._post_hook(id(owner), is_root), with_kwargs=True, always_call=True)
-            )
+            on.forward(owner, self._post_hook(id(owner), is_root), with_kwargs=True, always_call=True)
 
     def _remove_hooks(self) -> None:
         for h in self.forward_handles:
@@ -291,8 +387,13 @@ class _Recording:
             attrs: dict[str, Any] = {}
             data: np.ndarray | _HostCopy
             if self.statistics:
-                data = self._summary(t)
-                attrs = {"tensor_shape": list(t.shape), "tensor_dtype": dtype_name(t.dtype)}
+                if isinstance(t, tuple):  # summarised inside the compiled graph: (vector, shape, dtype)
+                    summary, shape, dtype = t
+                    data = to_numpy(summary)
+                    attrs = {"tensor_shape": shape, "tensor_dtype": dtype}
+                else:
+                    data = self._summary(t)
+                    attrs = {"tensor_shape": list(t.shape), "tensor_dtype": dtype_name(t.dtype)}
             else:
                 t = host(t)
                 store_as = _BITS_AS.get(t.dtype)
@@ -347,17 +448,13 @@ class _Recording:
         return self.writer.put(op, nbytes, where)
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
-        for i, (_, t) in enumerate(iter_tensors(obj, prefix)):
+        tensors = obj.tensors if isinstance(obj, _Taken) else (t for _, t in iter_tensors(obj, prefix))
+        for i, t in enumerate(tensors):
             self._write(call, f"{prefix}{i}", t)
 
     def _note_skipped(self, call: _Call, output: Any) -> None:
         # Non-tensor results (None, ints, strings) get no dataset: say so in the attributes.
-        parts = list(enumerate(output)) if isinstance(output, (tuple, list)) else [(None, output)]
-        notes = [
-            f"output{'' if j is None else f'[{j}]'}: {describe(part)}"
-            for j, part in parts
-            if part is not None and not isinstance(part, torch.Tensor) and not any(True for _ in iter_tensors(part))
-        ] + [f"output[{j}]: None" for j, part in parts if part is None]
+        notes = output.notes if isinstance(output, _Taken) else _skipped_notes(output)
         if notes:
             text = "; ".join(notes)
             self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
@@ -819,6 +916,7 @@ class Dumper:
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
+        self._kept = _Kept()
         self._written: list[Path] = []
         self._guard: InterruptGuard | None = None
 
@@ -860,7 +958,8 @@ class Dumper:
             try:
                 with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
                     self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values,
-                                                       self.calls, _Selection(self.keys, self.scope), writer))
+                                                       self.calls, _Selection(self.keys, self.scope), writer,
+                                                       self._kept))
             except BaseException:
                 if writer is not None:
                     writer.finish()

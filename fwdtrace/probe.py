@@ -4,7 +4,8 @@ A key may also be a hooked function's (``"model.layers.0.self_attn.eager_attenti
 :mod:`fwdtrace.instrument.keys`): its hooks are :class:`fwdtrace.instrument.calls.FunctionSite` hooks, which run on that
 function's calls as torch's hooks run on a module's, so every probe method takes either.
 
-Every hook a :class:`Probe` adds is a torch hook kept in a :class:`Hooks` handle, so it
+Every hook a :class:`Probe` adds is attached through :mod:`fwdtrace.instrument.attach` and kept in a
+:class:`Hooks` handle, so it
 can be removed alone (``handle.remove()``) or with all others (``probe.remove()``, or
 leaving ``with Probe(model) as probe:``, exceptions included). While the ``with`` block
 is active, an error raised in any layer gets the core's note naming that layer.
@@ -24,10 +25,10 @@ import torch.nn.functional as F
 from ._tree import tensors_of
 from .chaos import Chaos
 from .errors import FwdtraceError, check_callback, describe
+from .instrument.attach import Attachment, attach
 from .instrument.calls import FunctionSite, ModelCalls
-from .instrument.compiled import EagerRoute, GraphRoute, compiled_parts, eager_module, graph_routable
-from .instrument.grads import register_grad_hook
-from .instrument.ingraph import ForwardHook, StatsSlot
+from .instrument.compiled import compiled_parts, eager_module, graph_routable
+from .instrument.ingraph import StatsSlot
 from .instrument.keys import Selector, key2module, select_keys
 from .instrument.stats import RunningStats, check_bins, check_has_values, check_range, summary_text
 from .patching import InterruptGuard, critical, guarded_enter, guarded_exit
@@ -64,8 +65,9 @@ class Hooks:
     def __init__(self, probe: Probe, keys: list[str]) -> None:
         self.probe = probe
         self.keys = keys
-        self._registrations: list[tuple[Callable[[str, Any], Any], str, Any]] = []  # (register, key, module)
-        self._torch_handles: list[Any] = []
+        # (register, key, module): register(attachment, key, module) adds that key's hooks to the attachment
+        self._registrations: list[tuple[Callable[[Attachment, str, Any], Any], str, Any]] = []
+        self._attachment: Attachment | None = None
         self.in_graph = False  # whether the hooks run inside a compiled model's graph (else it runs eagerly)
 
     def _can_run_in_graph(self) -> bool:
@@ -74,26 +76,24 @@ class Hooks:
     # Attaching and removing are critical sections: a Ctrl-C waits, so no hook is left on untracked.
     def _attach(self) -> None:
         with critical():
-            if not self._torch_handles and self._registrations:
+            if self._attachment is None and self._registrations:
                 self.in_graph = self._can_run_in_graph()
                 # While attached, a compiled model's compiled parts run eagerly, so these hooks run; hooks
                 # that dynamo can trace run in a compiled copy of them instead.
-                handles: list[Any] = [] if self.in_graph else [EagerRoute(self.probe.model, "Probe")]
+                attachment = Attachment(self.probe.model, "Probe", "graph" if self.in_graph else "eager")
                 try:
-                    registered = [register(key, module) for register, key, module in self._registrations]
-                    handles += registered
-                    if self.in_graph:
-                        handles.append(GraphRoute(self.probe.model, "Probe", [(h.slot.id, h.module) for h in registered]))
+                    for register, key, module in self._registrations:
+                        register(attachment, key, module)
                 except BaseException:
-                    for handle in reversed(handles):
-                        handle.remove()
+                    attachment.remove()
                     raise
-                self._torch_handles = handles
+                self._attachment = attachment
 
     def _detach(self) -> None:
         with critical():
-            while self._torch_handles:
-                self._torch_handles.pop().remove()
+            attachment, self._attachment = self._attachment, None
+            if attachment is not None:
+                attachment.remove()
 
     def remove(self) -> None:
         """Remove every hook of this handle; calling it twice is harmless."""
@@ -321,8 +321,9 @@ class Probe:
             raise FwdtraceError(f"{what} expected a selector naming exactly one module, got {selector!r} naming {list(found)}")
         return next(iter(found))
 
-    def _add(self, handle: Hooks, register: Callable[[str, Any], Any], selector: Selector) -> Any:
-        """Call ``register(key, module)`` for every selected module or function site (now, or when the probe is enabled)."""
+    def _add(self, handle: Hooks, register: Callable[[Attachment, str, Any], Any], selector: Selector) -> Any:
+        """Call ``register(attachment, key, module)`` for every selected module or function site (now, or when
+        the probe is enabled): it adds that key's hooks to the handle's :class:`~fwdtrace.instrument.attach.Attachment`."""
         for key, module in self.select(selector).items():
             handle.keys.append(key)
             handle._registrations.append((register, key, module))
@@ -365,9 +366,8 @@ class Probe:
         hooked: dict[str, Any] = {**self._key2module, **self._calls.registered_sites()}
         handles: list[Any] = []
 
-        def attach() -> None:
-            handles.append(EagerRoute(self.model, "Probe.shapes()"))
-            handles.extend(m.register_forward_hook(record(k), with_kwargs=True) for k, m in hooked.items())
+        def attach_all() -> None:
+            handles.append(attach(self.model, hooked, caller="Probe.shapes()", post=lambda k, m: record(k), with_kwargs=True))
 
         def detach() -> None:
             while handles:
@@ -375,7 +375,7 @@ class Probe:
 
         # A Ctrl-C that lands between attaching and the forward, or on the clean-up, waits for it:
         # the eager route patches nn.Module._call_impl, which must never stay behind.
-        guard = guarded_enter(_SHAPES_CODE, attach, detach)
+        guard = guarded_enter(_SHAPES_CODE, attach_all, detach)
         try:
             with layer_notes(self.model), torch.no_grad():
                 self.model(*args, **kwargs)
@@ -405,7 +405,7 @@ class Probe:
         _check_file(file, "print_io()")
         calls: dict[str, int] = {}
 
-        def register(key: str, module: torch.nn.Module) -> Any:
+        def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:
                 n = calls[key] = calls.get(key, -1) + 1
                 lines = [f"{key} forward call {n}"]
@@ -413,7 +413,7 @@ class Probe:
                 lines += [f"  output{i} {summary_text(t, values)}" for i, t in enumerate(tensors_of(result))]
                 print("\n".join(lines), file=file or sys.stdout)
 
-            return module.register_forward_hook(hook, with_kwargs=True)
+            return on.forward(module, hook, with_kwargs=True)
 
         return self._add(Hooks(self, []), register, selector)
 
@@ -437,7 +437,7 @@ class Probe:
         _check_file(file, "print_grads()")
         calls: dict[str, int] = {}
 
-        def register(key: str, module: torch.nn.Module) -> Any:
+        def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
                 if not self.enabled:  # a forward run while enabled keeps its backward hooks
                     return
@@ -447,7 +447,7 @@ class Probe:
                 lines += [f"  grad_output{i} {summary_text(t, values)}" for i, t in enumerate(grad_output)]
                 print("\n".join(lines), file=file or sys.stdout)
 
-            return register_grad_hook(module, hook)
+            return on.grads(module, hook)
 
         return self._add(Hooks(self, []), register, selector)
 
@@ -467,11 +467,11 @@ class Probe:
         """
         check_callback(fn, "replace_input()", "(module, inputs, None)")
 
-        def register(key: str, module: torch.nn.Module) -> Any:
+        def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple) -> Any:
                 return fn(m, inputs, None)
 
-            return module.register_forward_pre_hook(hook)
+            return on.forward_pre(module, hook)
 
         return self._add(Hooks(self, []), register, selector)
 
@@ -487,11 +487,11 @@ class Probe:
         """
         check_callback(fn, "replace_output()", "(module, inputs, output)")
 
-        def register(key: str, module: torch.nn.Module) -> Any:
+        def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
                 return fn(m, inputs, output)
 
-            return module.register_forward_hook(hook)
+            return on.forward(module, hook)
 
         return self._add(Hooks(self, []), register, selector)
 
@@ -517,7 +517,7 @@ class Probe:
         """
         check_callback(fn, "replace_grad()", "(module, grad_input, grad_output)")
 
-        def register(key: str, module: torch.nn.Module) -> Any:
+        def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> Any:
                 if not self.enabled:
                     return None
@@ -531,7 +531,7 @@ class Probe:
                     )
                 return tuple(new) if new is not None else None
 
-            return register_grad_hook(module, hook, replace=True)
+            return on.grads(module, hook, replace=True)
 
         return self._add(Hooks(self, []), register, selector)
 
@@ -564,8 +564,8 @@ class Probe:
             replaced = fn(args, kwargs, out)
             return out if replaced is None else replaced
 
-        def register(key: str, module: Any) -> Any:
-            return _FunctionHooks(add_function_handlers(lambda _: on_call, all_threads=True, targets=[found]))
+        def register(on: Attachment, key: str, module: Any) -> Any:
+            return on.add(_FunctionHooks(add_function_handlers(lambda _: on_call, all_threads=True, targets=[found])))
 
         handle = Hooks(self, [found.path])
         handle._registrations.append((register, found.path, None))
@@ -593,13 +593,13 @@ class Probe:
             raise FwdtraceError("match() expected at least one (student key, teacher key) pair, got none")
         handle = Match(self, resolved)
 
-        def capture(store: dict[str, torch.Tensor], detach: bool) -> Callable[[str, torch.nn.Module], Any]:
-            def register(key: str, module: torch.nn.Module) -> Any:
+        def capture(store: dict[str, torch.Tensor], detach: bool) -> Callable[[Attachment, str, torch.nn.Module], Any]:
+            def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
                 def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> None:
                     t = tensors_of(output)[0]
                     store[key] = t.detach() if detach else t
 
-                return module.register_forward_hook(hook)
+                return on.forward(module, hook)
 
             return register
 
@@ -628,11 +628,11 @@ class Probe:
         """
         engine = Chaos(fault, p=p, seed=seed, scale=scale)
 
-        def register(key: str, module: torch.nn.Module) -> Any:
+        def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
             def hook(m: torch.nn.Module, inputs: tuple, output: Any) -> Any:
                 return engine.apply(key, m, inputs, output)
 
-            return module.register_forward_hook(hook)
+            return on.forward(module, hook)
 
         return self._add(ChaosHandle(self, [], engine), register, selector)
 
@@ -705,26 +705,26 @@ class Probe:
                     check_has_values(t, f"Probe.running_stats() of {key!r}")
                     stats.update(t)
 
-        def register(key: str, module: torch.nn.Module) -> Any:
+        def register(on: Attachment, key: str, module: torch.nn.Module) -> Any:
             if handle.in_graph:  # the statistics are computed in the compiled graph and merged after it
 
                 def publish(key: str = key) -> None:
                     handle.stats.setdefault(key, stats)
 
                 stats = handle.stats.get(key) or RunningStats(bins, range)
-                return ForwardHook.stats(module, StatsSlot(stats, publish), of)
+                return on.stats(module, StatsSlot(stats, publish), of)
             if of in ("input", "output"):
 
                 def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:
                     add(key, tensors_of((a, kw)) if of == "input" else tensors_of(result))
 
-                return module.register_forward_hook(hook, with_kwargs=True)
+                return on.forward(module, hook, with_kwargs=True)
 
             def grad_hook(m: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
                 if self.enabled:
                     add(key, grad_input if of == "grad_input" else grad_output)
 
-            return register_grad_hook(module, grad_hook)
+            return on.grads(module, grad_hook)
 
         return self._add(handle, register, selector)
 

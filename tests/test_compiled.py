@@ -404,14 +404,19 @@ def test_regional_compilation_of_a_transformers_models_blocks(tmp_path: Path) ->
     assert stats.stats[key].mean == pytest.approx(float(seen[0].double().mean()), rel=1e-5)
     assert [llama_step(model) for _ in range(2)] == before and compile_state() == graphs
 
-    trees = []
+    trees, dumped = [], []
     for m, folder in ((model, tmp_path / "compiled"), (eager, tmp_path / "eager")):
         dumper = fwdtrace.Dumper(folder)
         dumper.register(m, grads=False)
+        CALLS[0] = 0
         with torch.no_grad():
             m(ids)
+        dumped.append(CALLS[0])
         trees.append(fwdtrace.read_dump(dumper.remove()[0], show=False, values=True))
-    assert trees[0]["status"] == "complete"
+    assert dumped[0] == before[-1]  # each block ran a compiled copy with the dump's hooks
+    graphs = (graphs[0] + len(model.model.layers), graphs[1])  # one copy per compiled block, with no break
+    assert compile_state() == graphs
+    assert trees[0]["status"] == "complete" and trees[0]["attrs"]["compiled"].startswith("compiled: ")
     calls = [[(g["attrs"]["module_key"], g["attrs"]["module_path"]) for g in t["groups"].values()] for t in trees]
     assert calls[0] == calls[1]
     for got, want in zip(trees[0]["groups"].values(), trees[1]["groups"].values(), strict=True):
@@ -734,3 +739,82 @@ def test_inductor_compiled_forward_statistics_equal_the_eager_models() -> None:
     got, want = handle.stats[LAYER].to_dict(), eager_stats(eager_outputs(eager, LAYER, 2))
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert torch.allclose(compiled(X), eager(X), rtol=1e-5, atol=1e-6)  # still the model it was
+
+
+# -- forward dumps inside the compiled code ---------------------------------------------------------------
+def dump_step(model: nn.Module, run: nn.Module, folder: Path, values: str) -> tuple[Path, int]:
+    """One step dumped (forward only, ``grads=False``): the dump's path and the compiled-graph calls it made."""
+    dumper = fwdtrace.Dumper(folder, values=values)
+    dumper.register(model, grads=False)
+    calls = step(run)
+    [path] = dumper.remove()
+    return path, calls
+
+
+@pytest.mark.parametrize("values", ["statistics", "tensors"])
+@pytest.mark.parametrize("how", ["torch.compile", "submodule", "submodule.compile"])
+def test_a_forward_dump_runs_inside_the_compiled_code_and_equals_the_eager_models(
+        how: str, values: str, tmp_path: Path) -> None:
+    case = make(how)
+    warm = [step(case.run) for _ in range(2)]
+    assert warm == [1, 1]
+    graphs = compile_state()
+    path, calls = dump_step(case.given, case.run, tmp_path / "compiled", values)
+    assert calls == 1  # the step ran compiled code (the eager route runs none)
+    assert compile_state() == (graphs[0] + 1, 0)  # one compilation for the registration, no graph break
+    eager_path_, _ = dump_step(case.eager, case.eager, tmp_path / "eager", values)
+    tree = fwdtrace.read_dump(path, show=False, values=True)
+    assert tree["status"] == "complete"
+    assert tree["attrs"]["compiled"].startswith("compiled: ")
+    report = fwdtrace.compare_dumps(path, eager_path_, rtol=1e-6)
+    assert report.equal and report.rows and not report.only_in_a and not report.only_in_b
+    groups = {g["attrs"]["module_key"]: g["datasets"] for g in tree["groups"].values()}
+    assert list(groups) == ["Net", "inp.Linear", "block.Block", "block.0.Linear", "block.1.GELU",
+                            "block.2.Linear", "out.Linear"]
+    [want] = eager_outputs(case.eager, LAYER, 1)  # torch itself, on the eager copy
+    got = groups[LAYER]["output0"]
+    if values == "tensors":
+        torch.testing.assert_close(torch.as_tensor(got["value"]), want)
+    else:
+        assert got["shape"] == list(want.shape) and got["dtype"] == "float32"
+        assert got["statistics"]["mean"] == pytest.approx(float(want.double().mean()), rel=1e-6)
+        assert got["statistics"]["max"] == pytest.approx(float(want.max()), rel=1e-6)
+    # removed: the model's own graphs again, nothing compiled anew
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+
+
+def test_a_forward_dump_of_a_model_compiled_before_its_first_call_leaves_no_broken_up_code(tmp_path: Path) -> None:
+    case = make("torch.compile")
+    path, calls = dump_step(case.given, case.run, tmp_path, "statistics")
+    assert calls == 1 and compile_state() == (1, 0)  # the dump's compiled copy only, unbroken
+    assert fwdtrace.read_dump(path, show=False)["status"] == "complete"
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (2, 0)
+
+
+def test_a_gradient_dump_of_a_compiled_model_says_it_ran_eagerly(tmp_path: Path) -> None:
+    case = make("torch.compile")
+    step(case.run)
+    dumper = fwdtrace.Dumper(tmp_path)
+    with pytest.warns(UserWarning, match="runs the model's compiled parts eagerly for this dump: gradients"):
+        dumper.register(case.given)
+    assert step(case.run) == 0  # the eager route: no compiled graph ran
+    tree = fwdtrace.read_dump(dumper.remove()[0], show=False)
+    assert tree["status"] == "complete"
+    assert tree["attrs"]["compiled"].startswith("eager: the compiled parts ran eagerly while dumped, as gradients")
+
+
+def test_dumping_every_step_of_a_compiled_model_compiles_once(tmp_path: Path) -> None:
+    case = make("submodule")
+    step(case.run)
+    graphs = compile_state()
+    dumper = fwdtrace.Dumper(tmp_path / "compiled", values="statistics")
+    calls = []
+    for n in range(3):
+        dumper.register(case.given, step=n, grads=False)
+        calls.append(step(case.run))
+    paths = dumper.remove()
+    assert calls == [1, 1, 1] and compile_state() == (graphs[0] + 1, 0)  # the first registration's copy, run again
+    reference, _ = dump_step(case.eager, case.eager, tmp_path / "eager", "statistics")
+    for path in paths:  # no optimizer step: every step's values are the eager model's
+        assert fwdtrace.compare_dumps(path, reference, rtol=1e-6).equal
+    assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)

@@ -43,7 +43,7 @@ from .ingraph import drain
 
 __all__ = [
     "CALL_KINDS", "is_compile_wrapper", "compiled_in_place", "eager_module", "eager_path", "compiled_parts", "EagerRoute",
-    "GraphRoute", "graph_routable",
+    "GraphRoute", "graph_routable", "inside_compiled_parts",
 ]
 
 # What the tools sample through module hooks, which dynamo's compiled code skips: these need the eager route.
@@ -114,6 +114,16 @@ def compiled_parts(model: torch.nn.Module) -> list[tuple[str, str]]:
     return out
 
 
+def inside_compiled_parts(model: torch.nn.Module) -> set[int]:
+    """``id()`` of every module whose hooks run inside a compiled part of ``model`` (a wrapper's eager module
+    and everything below it, a module compiled in place and everything below it); a wrapper itself is not."""
+    inside: set[int] = set()
+    for _, module in _walk(model):
+        if is_compile_wrapper(module) or compiled_in_place(module):
+            inside.update(id(m) for m in eager_module(module).modules())
+    return inside
+
+
 @dataclass
 class _Routed:
     """One compiled module while tools are attached: the patch that routes its calls, how many attachments
@@ -131,6 +141,7 @@ class _Routed:
 
 
 _ROUTED: dict[int, _Routed] = {}  # id() of a compiled module -> its route
+_KEPT_SETS = 4  # compiled copies a GraphRoute's ``kept`` holds per compiled module, the oldest dropped first
 
 
 def _checked_walk(model: torch.nn.Module, caller: str) -> list[tuple[str, torch.nn.Module]]:
@@ -356,10 +367,17 @@ class GraphRoute(_Route):
     graphs are set aside, not changed, so disarming costs none) and kept while its slots are armed. While an
     :class:`EagerRoute` is also held on a part, the part runs eagerly and the hooks run there.
     ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
+
+    ``kept`` (optional, owned by the tool): where the copies compiled with these slots go when they are given
+    back, and are found again when a route arms the same slots (a tool that arms the same hooks each step, as
+    a Dumper registering every step, then compiles once, not once per step). Dynamo guards on what the
+    hooks read, so a copy whose hooks changed is compiled anew all the same.
     """
 
-    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]]) -> None:
+    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]],
+                 kept: dict[int, dict[frozenset[int], Any]] | None = None) -> None:
         self.modules = modules
+        self.kept = kept
         self._armed: list[tuple[torch.nn.Module, list[int]]] = []
         super().__init__(model, caller)
 
@@ -373,6 +391,9 @@ class GraphRoute(_Route):
                 routed = _routed(wrapper)
                 for slot_id in slot_ids:
                     routed.slots[slot_id] = routed.slots.get(slot_id, 0) + 1
+                if self.kept is not None:
+                    for armed, call in self.kept.get(id(wrapper), {}).items():
+                        routed.graphs.setdefault(armed, call)
                 self._armed.append((wrapper, slot_ids))
 
     def _give_back(self, errors: list[Exception]) -> None:
@@ -382,7 +403,13 @@ class GraphRoute(_Route):
                 routed.slots[slot_id] -= 1
                 if routed.slots[slot_id] == 0:
                     del routed.slots[slot_id]
-                    # a slot is never armed again: the copies compiled with it go
+                    # the copies compiled with it go (to the tool's keeping, if it arms the same slots again)
+                    gone = {k: v for k, v in routed.graphs.items() if slot_id in k}
                     routed.graphs = {k: v for k, v in routed.graphs.items() if slot_id not in k}
+                    if self.kept is not None and gone:
+                        kept = self.kept.setdefault(id(wrapper), {})
+                        kept.update(gone)
+                        while len(kept) > _KEPT_SETS:
+                            del kept[next(iter(kept))]
             _put_back_if_idle(wrapper, routed, errors)
         self._armed = []

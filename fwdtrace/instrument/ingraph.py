@@ -116,6 +116,15 @@ class Slot:
         self.id = next(_SLOT_IDS)
         _SLOT2CONSUMER[self.id] = consume
 
+    @property
+    def bound(self) -> bool:
+        """Whether a consumer takes this slot's payloads (from construction or :meth:`bind` until :meth:`close`)."""
+        return self.id in _SLOT2CONSUMER
+
+    def bind(self, consume: Callable[[Any], None]) -> None:
+        """Hand this slot's payloads to ``consume`` from now on (a slot armed again after :meth:`close`)."""
+        _SLOT2CONSUMER[self.id] = consume
+
     def put(self, payload: Any) -> None:
         """Queue ``payload`` (tensors, and Python values dynamo can rebuild) for this slot's consumer."""
         _SINK.append((self.id, payload))
@@ -186,14 +195,18 @@ def drain() -> None:
 
 
 class ForwardHook:
-    """A forward hook that dynamo traces, feeding ``slot``; removable as a torch hook handle (removing it
+    """A forward hook (``hook(module, args, kwargs, result)``, and optionally a pre-hook ``pre(module, args,
+    kwargs)``) that dynamo traces, feeding ``slot``; removable as a torch hook handle (removing it
     hands over what is queued first). :meth:`stats` adds the input or output tensors' summaries to a
     :class:`StatsSlot`, :meth:`copies` queues detached copies of every input (unless ``inputs=False``) and output tensor, named
     as :func:`fwdtrace._tree.iter_tensors` names them, as ``(inputs, outputs)``."""
 
-    def __init__(self, module: torch.nn.Module, slot: Slot, hook: Callable[..., None]) -> None:
+    def __init__(self, module: torch.nn.Module, slot: Slot, hook: Callable[..., None],
+                 pre: Callable[..., None] | None = None) -> None:
         self.module, self.slot = module, slot
-        self._handle = module.register_forward_hook(hook, with_kwargs=True)
+        self._handles = [module.register_forward_hook(hook, with_kwargs=True)]
+        if pre is not None:
+            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
 
     @classmethod
     def stats(cls, module: torch.nn.Module, slot: StatsSlot, of: str) -> ForwardHook:
@@ -215,7 +228,8 @@ class ForwardHook:
         return cls(module, slot, hook)
 
     def remove(self) -> None:
-        self._handle.remove()
+        while self._handles:
+            self._handles.pop().remove()
         self.slot.close()
 
 

@@ -40,21 +40,13 @@ import torch
 from .._host import to_numpy
 from .._tree import dtype_name, iter_tensors
 from ..errors import FwdtraceError, describe
+from ..instrument.attach import Attachment
 from ..instrument.bins import DEFAULT_BINS, SteadyBins, check_bins_spec
 from ..instrument.calls import FunctionSite, ModelCalls
-from ..instrument.compiled import (
-    CALL_KINDS,
-    EagerRoute,
-    GraphRoute,
-    compiled_in_place,
-    compiled_parts,
-    eager_module,
-    graph_routable,
-)
-from ..instrument.grads import register_grad_hook
-from ..instrument.ingraph import ForwardHook, Slot
+from ..instrument.compiled import CALL_KINDS, compiled_in_place, compiled_parts, eager_module, graph_routable
+from ..instrument.ingraph import Slot
 from ..instrument.keys import key2module, select_keys
-from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
+from ..instrument.params import PARAMETER_KINDS, module_parameters, parameter_value
 from ..instrument.stats import RunningStats
 from .scalars import ScalarLog
 
@@ -233,8 +225,9 @@ class Sampler:
         self._worker.start()
         # The root's hooks (this step count, the graph's first-forward trace) run outside compiled code, in a
         # torch.compile wrapper's call, unless the root itself was compiled in place: then it runs eagerly while served.
-        self._root_route = EagerRoute(model, "serve()") if compiled_in_place(model) else None
-        self._step_handle = model.register_forward_pre_hook(self._count_step)
+        self._root_route = "eager" if compiled_in_place(model) else "none"
+        self._root_hooks = Attachment(model, "serve()", self._root_route)
+        self._root_hooks.forward_pre(model, self._count_step)
         self.scalars = ScalarLog(lambda: self.step)  # fed by fwdtrace.live.log_scalar and health arms
         self.scalars.register()
 
@@ -279,7 +272,7 @@ class Sampler:
         # Forward arms of a torch.compile'd model copy the call's tensors inside its compiled graph;
         # gradient arms hook autograd around the call, which needs the eager modules.
         # (A root compiled in place runs eagerly while served: see _root_route.)
-        in_graph = kind == "forward" and self._root_route is None and graph_routable(self.model)
+        in_graph = kind == "forward" and self._root_route == "none" and graph_routable(self.model)
         # Hooks are added under the lock that close() takes: an arm racing stop() either lands
         # before close() (which then removes it) or finds the sampler closed; never in between.
         with self._arms_lock:
@@ -291,22 +284,26 @@ class Sampler:
                     if kind in PARAMETER_KINDS else []
                 arm = Arm(key, kind, every, count, raw, self.ring, spec, roles)
                 if compiled_parts(self.model):
-                    eager = self._root_route is not None or (
+                    eager = self._root_route == "eager" or (
                         kind in CALL_KINDS and not (in_graph and isinstance(module, torch.nn.Module)))
                     arm.runs = "eager" if eager else "compiled"
-                if in_graph and isinstance(module, torch.nn.Module):  # copies taken in the compiled graph, sampled after it
-                    hook = ForwardHook.copies(module, Slot(self._guard(arm, "the forward hook", self._copies_taken(arm))))
-                    arm.handles += [hook, GraphRoute(self.model, "arm()", [(hook.slot.id, module)])]
-                elif kind == "forward":  # while armed, the model's compiled parts run eagerly
-                    arm.handles.append(EagerRoute(self.model, "arm()"))
-                    arm.handles.append(module.register_forward_hook(self._forward_hook(arm), with_kwargs=True))
+                # Call kinds: in the compiled graph, or with the model's compiled parts run eagerly while armed
+                # (a function key's hooks run where its function is called); parameter kinds hook gradient
+                # accumulation, which runs outside compiled graphs.
+                graph = in_graph and isinstance(module, torch.nn.Module)
+                on = Attachment(self.model, "arm()", "graph" if graph else "eager" if kind in CALL_KINDS else "none")
+                arm.handles.append(on)
+                if graph:  # copies taken in the compiled graph, sampled after it
+                    on.copies(cast("torch.nn.Module", module),
+                              Slot(self._guard(arm, "the forward hook", self._copies_taken(arm))))
+                elif kind == "forward":
+                    on.forward(module, self._forward_hook(arm), with_kwargs=True)
                 elif kind == "grad":
-                    arm.handles.append(EagerRoute(self.model, "arm()"))
-                    arm.handles.append(self._grad_hooks(arm, module))
+                    self._grad_hooks(on, arm, module)
                 else:
                     parameters = module_parameters(cast("torch.nn.Module", module))
                     at_end = self._health_hook if kind == "health" else self._parameter_hook
-                    arm.handles.extend(self._at_backward_end(arm, parameters, at_end(arm, parameters)))
+                    self._at_backward_end(on, arm, parameters, at_end(arm, parameters))
                 old = self.arms.get((key, kind))
                 self.arms[(key, kind)] = arm
                 if old is not None:
@@ -333,9 +330,7 @@ class Sampler:
             self.closed = True
             for arm in self.arms.values():
                 arm.detach()
-        self._step_handle.remove()
-        if self._root_route is not None:
-            self._root_route.release()
+        self._root_hooks.remove()
         self.scalars.unregister()
         if self._worker.is_alive():
             self._queue.put(None)
@@ -387,16 +382,15 @@ class Sampler:
 
         return taken
 
-    def _grad_hooks(self, arm: Arm, module: torch.nn.Module | FunctionSite) -> Any:
+    def _grad_hooks(self, on: Attachment, arm: Arm, module: torch.nn.Module | FunctionSite) -> Any:
         def on_grads(call: int, grad_input: tuple, grad_output: tuple) -> None:
             # grad_input: one slot per positional argument; grad_output: one per tensor of the output.
             self._submit(arm, call, _series("grad_input", [(f"grad_input[{i}]", g) for i, g in enumerate(grad_input)])
                          + _series("grad_output", [(f"grad_output[{i}]", g) for i, g in enumerate(grad_output)]))
 
-        return register_grad_hook(module, on_grads, begin=lambda m: self._take(arm),
-                                  on_error=lambda e: arm.fail("a gradient hook", e))
+        return on.grads(module, on_grads, begin=lambda m: self._take(arm), on_error=lambda e: arm.fail("a gradient hook", e))
 
-    def _at_backward_end(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]],
+    def _at_backward_end(self, on: Attachment, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]],
                          at_end: Callable[[int], None]) -> list[Any]:
         """Hooks on ``parameters`` that count each backward reaching them and run ``at_end(call)`` at the end of a sampled one.
 
@@ -422,7 +416,7 @@ class Sampler:
             if graph_task != counted[0]:
                 guarded(graph_task)
 
-        return after_backward(parameters, hook)
+        return on.after_backward(parameters, hook)
 
     def _parameter_hook(self, arm: Arm, parameters: list[tuple[str, torch.nn.Parameter]]) -> Any:
         """At the end of each ``every``-th backward, one sample of every parameter's value (or ``.grad``).

@@ -34,6 +34,7 @@ import torch
 from .._host import to_numpy
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
+from ..instrument.attach import attach
 from ..instrument.bins import DEFAULT_BINS, check_bins_spec
 from ..instrument.compiled import eager_module
 from ..instrument.keys import closest_keys, key_path
@@ -102,7 +103,8 @@ class Server:
             if example_inputs is not None:
                 self._trace(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})
             else:
-                self._graph_handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
+                self._graph_handle = attach(model, {"": model}, caller="serve()", pre=lambda k, m: self._first_forward,
+                                            with_kwargs=True, route="none")
                 self._save_run()
             bind_port = port + self.sampler.rank if port else 0  # under torch.distributed: rank r serves on port + r
             if bind_port > 65535:

@@ -36,12 +36,12 @@ import torch
 
 from .._tree import tensors_of
 from ..errors import FwdtraceError, check_callback, describe
+from ..instrument.attach import Attachment
 from ..instrument.bins import DEFAULT_BINS, check_bins_spec
-from ..instrument.compiled import EagerRoute, GraphRoute, eager_module, graph_routable
-from ..instrument.grads import register_grad_hook
-from ..instrument.ingraph import ForwardHook, Slot
+from ..instrument.compiled import eager_module, graph_routable
+from ..instrument.ingraph import Slot
 from ..instrument.keys import Selector, key2module, select_modules
-from ..instrument.params import PARAMETER_KINDS, after_backward, module_parameters, parameter_value
+from ..instrument.params import PARAMETER_KINDS, module_parameters, parameter_value
 from . import worker as worker_module
 from .views import VIEWS, reduce
 
@@ -532,29 +532,30 @@ class Recorder:
         # after its graph; other module hooks run only outside compiled code: the model's compiled parts
         # then run eagerly while recorded.
         in_graph = graph_routable(model)
-        if any(k == "grad" or (k == "forward" and not in_graph) for _, _, k, _, _ in plan):
-            self._handles.append(EagerRoute(model, "Recorder.track()"))
-        in_graph_hooks: list[ForwardHook] = []
+        eager = any(k == "grad" or (k == "forward" and not in_graph) for _, _, k, _, _ in plan)
+        on = self._attach(Attachment(model, "Recorder.track()", "eager" if eager else "none"))
+        on_graph = self._attach(Attachment(model, "Recorder.track()", "graph")) if in_graph else None
         name2record: dict[tuple[torch.nn.Module, str], dict[str, Callable[[Any], None]]] = {}
         for i, (stem, key, k, module, param) in enumerate(plan, sum(len(c.stats) for c in self._channels)):
             channel = self._channels[i % len(self._channels)]
             channel.add(stem, key, k)
             record = self._recorder_of(stem, f"{key}.{param}" if param else key, k, channel)
-            if k == "forward" and in_graph:
-                in_graph_hooks.append(ForwardHook.copies(module, Slot(_on_copies(record)), inputs=False))
-                self._handles.append(in_graph_hooks[-1])
+            if k == "forward" and on_graph is not None:
+                on_graph.copies(module, Slot(_on_copies(record)), inputs=False)
             elif k == "forward":
-                self._handles.append(module.register_forward_hook(_on_output(record)))
+                on.forward(module, _on_output(record))
             elif k == "grad":
-                self._handles.append(register_grad_hook(module, _on_grad_output(record)))
+                on.grads(module, _on_grad_output(record))
             elif param is not None:
                 name2record.setdefault((module, k), {})[param] = record
         for (module, _), records in name2record.items():
             named = [(n, p) for n, p in module_parameters(module) if n in records]
-            self._handles.extend(after_backward(named, _on_parameter(records)))
-        if in_graph_hooks:
-            self._handles.append(GraphRoute(model, "Recorder.track()", [(h.slot.id, h.module) for h in in_graph_hooks]))
+            on.after_backward(named, _on_parameter(records))
         return list(selected)
+
+    def _attach(self, attachment: Attachment) -> Attachment:
+        self._handles.append(attachment)  # removed with the recorder's other handles when it stops
+        return attachment
 
     def _start_workers(self) -> None:
         """Spawn the workers, on the first track() (a recorder that tracks nothing costs nothing)."""
