@@ -604,6 +604,22 @@ def test_a_new_series_never_reopens_the_file_and_costs_the_same_hdf5_calls_at_20
             (150, 150.0, [150, 1])]
 
 
+def test_a_catalog_entry_grown_but_never_written_is_skipped_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A writer killed while it named a new series: the catalog grew, its entry reads as never written."""
+    path = _finished_run(tmp_path)
+    with h5py.File(path, "a", libver="latest") as f:
+        f["catalog"].resize((f["catalog"].shape[0] + 1,))
+        f["names"].resize((f["names"].shape[0] + 7,))
+    with History(tmp_path, read_only=True) as killed:
+        assert killed.scalar_names() == ["loss"] and [s["key"] for s in killed.series()] == ["0.Linear"]
+    with History(tmp_path) as continued:
+        continued.append_scalar("lr", 0.5, step=3, time=0.0)
+        continued.append_scalar("loss", 0.25, step=3, time=0.0)
+    with History(tmp_path, read_only=True) as finished:
+        assert finished.scalar_names() == ["loss", "lr"] and finished.scalars("lr")[0]["value"] == 0.5
+        assert [p["value"] for p in finished.scalars("loss")] == [1.0, 0.5, 1.0 / 3, 0.25]
+
+
 def test_series_of_any_bins_share_the_tables_and_read_back_as_written(tmp_path: Path) -> None:
     """A series with more bins than any before widens ``series_values`` in place (SWMR mode), the others unchanged."""
     rng = np.random.default_rng(3)
