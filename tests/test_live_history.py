@@ -463,6 +463,27 @@ def test_a_crafted_run_is_refused_with_one_error_naming_it(tmp_path: Path, craft
         History(tmp_path / "run", read_only=True, caller="reopen()")
 
 
+def test_a_crafted_seq_makes_no_read_take_more_rows_than_the_file_stores(tmp_path: Path) -> None:
+    """A slot whose one stored row claims ``seq`` 2**40, in a run of 4 M rows per series: a read takes the stored rows."""
+    import tracemalloc
+
+    with History(tmp_path, retention=1 << 22) as history:
+        history.append_scalar("loss", 1.0, step=0, time=0.0)
+    with h5py.File(tmp_path / HISTORY_FILE, "a", libver="latest") as f:
+        row = f["scalar_meta"][0, 0]
+        row["seq"] = 1 << 40
+        f["scalar_meta"][0, 0] = row
+    with History(tmp_path, read_only=True) as crafted:
+        tracemalloc.start()
+        try:
+            points = crafted.scalars("loss")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert points == [{"step": 0, "time": 0.0, "value": 1.0}]
+        assert peak < 1 << 20  # 256 rows of 32 bytes, not 4 M of them (134 MB)
+
+
 def test_a_symlinked_history_is_not_followed(tmp_path: Path) -> None:
     real = _finished_run(tmp_path / "real")
     (tmp_path / "run").mkdir()
