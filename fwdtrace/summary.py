@@ -135,9 +135,11 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
     none = finite == 0
     nan = torch.full((), torch.nan, dtype=dtype, device=device)
     mean = torch.where(none, nan, total / finite.clamp(min=1))
-    # where no value is finite, the edges are [0, 1] and every value fills bin 0, taken out below
-    fill = torch.where(none, 0, mean)
+    # Non-finite values are replaced by the mean (no deviation), or by the least finite value where the mean is
+    # not finite (a sum past the dtype's range), or by 0 where no value is finite (the edges are then [0, 1]); all
+    # land in fill's bin, taken out below.
     low_edge = torch.where(none, 0, low)
+    fill = torch.where(mean.isfinite(), mean, low_edge)
     width = torch.where(high > low, high - low, 1)
     m2 = zero
     histogram = torch.zeros(BINS, dtype=dtype, device=device)
@@ -145,9 +147,8 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
     for block in blocks():
         block = _flat(block)
         kept, bad = _split(*workspace.take(block))
-        # the non-finite values replaced by the mean: no deviation, and all in the mean's bin (taken out below)
         filled = bad.mul_(bad).mul_(fill).add_(kept)
-        deviation = kept.copy_(filled).sub_(fill)
+        deviation = kept.copy_(filled).sub_(mean)
         m2 = m2 + torch.dot(deviation, deviation)
         histogram.scatter_add_(0, _bins(filled.sub_(low_edge), width), one.expand(block.numel()))
     histogram.scatter_add_(0, _bins((fill - low_edge).reshape(1), width), -nonfinite.reshape(1))

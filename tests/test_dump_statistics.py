@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,13 @@ def test_a_cuda_statistics_dump_on_a_writer_thread_equals_the_cpus(tmp_path: Pat
         paths += dumper.paths
     report = fwdtrace.compare_dumps(*paths, rtol=1e-4, atol=1e-6)
     assert report.agree and len(report.rows) > 10, report.to_text()
+
+
+def test_a_sum_past_float64s_range_is_summarised() -> None:
+    """Finite values whose sum overflows (the mean is inf): counted, bounded and binned, with a NaN and an Inf."""
+    t = torch.tensor([1.5e308, 1.5e308, -1.0, float("nan"), float("inf")], dtype=torch.float64)
+    stat = fwdtrace.summary.as_dict(summarize(t))
+    assert (stat["count"], stat["finite"], stat["nans"], stat["infs"]) == (5, 3, 1, 1)
+    assert (stat["min"], stat["max"], stat["mean"], stat["std"]) == (-1.0, 1.5e308, math.inf, math.inf)
+    # by hand: torch.histc's own (x - min) * bins overflows here
+    assert stat["histogram"] == [1.0] + [0.0] * (BINS - 2) + [2.0]

@@ -463,6 +463,27 @@ def test_a_crafted_run_is_refused_with_one_error_naming_it(tmp_path: Path, craft
         History(tmp_path / "run", read_only=True, caller="reopen()")
 
 
+def test_a_crafted_seq_makes_no_read_take_more_rows_than_the_file_stores(tmp_path: Path) -> None:
+    """A slot whose one stored row claims ``seq`` 2**40, in a run of 4 M rows per series: a read takes the stored rows."""
+    import tracemalloc
+
+    with History(tmp_path, retention=1 << 22) as history:
+        history.append_scalar("loss", 1.0, step=0, time=0.0)
+    with h5py.File(tmp_path / HISTORY_FILE, "a", libver="latest") as f:
+        row = f["scalar_meta"][0, 0]
+        row["seq"] = 1 << 40
+        f["scalar_meta"][0, 0] = row
+    with History(tmp_path, read_only=True) as crafted:
+        tracemalloc.start()
+        try:
+            points = crafted.scalars("loss")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert points == [{"step": 0, "time": 0.0, "value": 1.0}]
+        assert peak < 1 << 20  # 256 rows of 32 bytes, not 4 M of them (134 MB)
+
+
 def test_a_symlinked_history_is_not_followed(tmp_path: Path) -> None:
     real = _finished_run(tmp_path / "real")
     (tmp_path / "run").mkdir()
@@ -602,6 +623,22 @@ def test_a_new_series_never_reopens_the_file_and_costs_the_same_hdf5_calls_at_20
         assert [p["value"] for p in history.scalars("s7")] == [7.0] and len(history.series()) == 201
         assert [(r["step"], r["mean"], r["histogram"]) for r in history.rows("0.Linear", "forward", "r150")] == [
             (150, 150.0, [150, 1])]
+
+
+def test_a_catalog_entry_grown_but_never_written_is_skipped_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A writer killed while it named a new series: the catalog grew, its entry reads as never written."""
+    path = _finished_run(tmp_path)
+    with h5py.File(path, "a", libver="latest") as f:
+        f["catalog"].resize((f["catalog"].shape[0] + 1,))
+        f["names"].resize((f["names"].shape[0] + 7,))
+    with History(tmp_path, read_only=True) as killed:
+        assert killed.scalar_names() == ["loss"] and [s["key"] for s in killed.series()] == ["0.Linear"]
+    with History(tmp_path) as continued:
+        continued.append_scalar("lr", 0.5, step=3, time=0.0)
+        continued.append_scalar("loss", 0.25, step=3, time=0.0)
+    with History(tmp_path, read_only=True) as finished:
+        assert finished.scalar_names() == ["loss", "lr"] and finished.scalars("lr")[0]["value"] == 0.5
+        assert [p["value"] for p in finished.scalars("loss")] == [1.0, 0.5, 1.0 / 3, 0.25]
 
 
 def test_series_of_any_bins_share_the_tables_and_read_back_as_written(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +281,64 @@ def test_view_beyond_loopback_needs_the_token_it_prints(
     assert seen["none"][0] == 401 and seen["wrong"][0] == 401
     assert seen["first"][0] == seen["cookie"][0] == seen["bearer"][0] == 200
     assert json.loads(seen["cookie"][1])["content"] == (tmp_path / "graph.json").read_text()
+
+
+def _fake_jupyter(monkeypatch: pytest.MonkeyPatch, shown: list[Any]) -> None:
+    """An IPython kernel as a notebook runs one: ``get_ipython().kernel`` set, ``display`` recording what it shows."""
+    ipython, display = types.ModuleType("IPython"), types.ModuleType("IPython.display")
+    ipython.get_ipython = lambda: types.SimpleNamespace(kernel=object())  # type: ignore[attr-defined]
+    display.IFrame = lambda src, width, height: ("iframe", src, width, height)  # type: ignore[attr-defined]
+    display.display = shown.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+
+
+def _fake_colab(monkeypatch: pytest.MonkeyPatch, shown: list[Any]) -> None:
+    """Colab's module: ``serve_kernel_port_as_iframe`` records the port and path it was asked to show."""
+    google, colab, output = (types.ModuleType(n) for n in ("google", "google.colab", "google.colab.output"))
+    output.serve_kernel_port_as_iframe = lambda port, path, height: shown.append(("colab", port, path, height))  # type: ignore[attr-defined]
+    google.colab, colab.output = colab, output  # type: ignore[attr-defined]
+    for module in (google, colab, output):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+@pytest.mark.parametrize("where", ["jupyter", "colab"])
+def test_view_in_a_notebook_shows_the_page_in_the_cell_and_returns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                   where: str) -> None:
+    shown: list[Any] = []
+    (_fake_jupyter if where == "jupyter" else _fake_colab)(monkeypatch, shown)
+    monkeypatch.setattr(mx, "_serve_until_interrupted", lambda server: pytest.fail("a notebook's view() blocked"))
+    monkeypatch.setattr("webbrowser.open_new_tab", lambda url: pytest.fail("a notebook's view() opened a tab"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    try:
+        files = fwdtrace.view(nn.Linear(2, 2), torch.ones(1, 2), folder=str(tmp_path / "a"), port=0)
+        ((kind, *shape),) = shown
+        server = mx._notebook_servers[0]
+        if where == "jupyter":  # an iframe to the loopback page, under the Host check
+            src, width, height = shape
+            assert kind == "iframe" and src.startswith(f"http://127.0.0.1:{server.port}/?data=") and width == "100%"
+            path, host = src[len(server.url) - 1:], f"127.0.0.1:{server.port}"
+            assert _get(server.port, path, host="evil.example")[0] == 403
+        else:  # the port through Colab's proxy, whose requests name its own host
+            port, path, height = shape
+            assert kind == "colab" and port == server.port and path.startswith("/?data=")
+            host = f"{server.port}-m-s-abc.colab.googleusercontent.com"
+        assert height == mx._NOTEBOOK_HEIGHT
+        assert _get(server.port, path, host=host)[0] == 200
+        answer = _get(server.port, f"/api/v1/read_text_file?path={files.graph}", host=host)
+        assert answer[0] == 200 and json.loads(answer[1])["content"] == Path(files.graph).read_text()
+        assert _get(server.port, "/api/v1/read_text_file?path=/etc/passwd", host=host)[0] == 403
+        fwdtrace.view(nn.Linear(2, 2), torch.ones(1, 2), folder=str(tmp_path / "b"), port=0)  # the next one
+        assert len(shown) == 2 and mx._notebook_servers[0] is not server
+        with pytest.raises(OSError):  # the previous server stopped
+            _get(server.port, "/", host=host)
+    finally:
+        while mx._notebook_servers:
+            mx._notebook_servers.pop().stop()
+    with pytest.raises(FwdtraceError, match=r"^fwdtrace\.view\(\) expected notebook as True, False or None \(find "
+                                            r"out\), got str 'yes'"):
+        fwdtrace.view(nn.Linear(2, 2), torch.ones(1, 2), notebook="yes")  # type: ignore[arg-type]
 
 
 def test_onnx_pair_maps_the_reports_matches(tmp_path: Path) -> None:

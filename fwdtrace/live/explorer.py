@@ -55,12 +55,14 @@ class ExplorerServer:
     >>> server.stop()
 
     ``web_app`` is the folder of the page's static files (Model Explorer's ``web_app``).
+    ``any_host`` leaves the ``Host`` check out, for a port reached only through a notebook's proxy.
     ``page_url(data)`` is the address to open, with the page's ``?data=`` (the models and
     node data to load) and the token when there is one.
     """
 
     def __init__(self, web_app: Path, paths: Iterable[str | os.PathLike[str]], host: str = "127.0.0.1",
-                 port: int = 8080, token: str | None = None, caller: str = "fwdtrace.view()") -> None:
+                 port: int = 8080, token: str | None = None, caller: str = "fwdtrace.view()",
+                 any_host: bool = False) -> None:
         self.token = check_network(host, port, token, 64, 60.0, caller)
         self.web_app = Path(web_app).resolve()
         self.paths = {os.path.abspath(os.path.expanduser(os.fspath(p))) for p in paths}
@@ -72,7 +74,8 @@ class ExplorerServer:
         self.httpd.app = self
         self.host = host
         self.port: int = self.httpd.server_address[1]
-        self._hosts = None if host in _WILDCARD else _allowed_hosts(host, self.port)
+        # any_host: requests come through a notebook's proxy (Colab), which names its own host.
+        self._hosts = None if host in _WILDCARD or any_host else _allowed_hosts(host, self.port)
         name = "127.0.0.1" if host in _WILDCARD else host
         self.url = f"http://{'[' + name + ']' if ':' in name else name}:{self.port}/"
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},

@@ -106,8 +106,10 @@ class _Table:
 class _Ring:
     """One series or scalar: its slot of a table, and how many rows were ever appended (the ring keeps the newest)."""
 
-    def __init__(self, table: _Table, slot: int, bins: int, order: int, appended: int) -> None:
+    def __init__(self, table: _Table, slot: int, bins: int, order: int, appended: int, stored: int | None = None
+                 ) -> None:
         self.table, self.slot, self.bins, self.order, self.appended = table, slot, bins, order, appended
+        self.stored = stored  # read-only: the rows of the slot's chunks the file stores, what a read may take
 
     def span(self) -> dict[str, Any]:
         """Rows kept, rows ever appended, and the first and last step kept (None when empty)."""
@@ -118,7 +120,8 @@ class _Ring:
 
     def physical(self) -> np.ndarray:
         """The slot's ``meta`` rows that may hold data (rows ever appended, at most the ring's length)."""
-        return self.table.meta[self.slot, :min(self.appended, self.table.meta.shape[1])]
+        rows = min(self.appended, self.table.meta.shape[1])
+        return self.table.meta[self.slot, :rows if self.stored is None else min(rows, self.stored)]
 
     def logical(self) -> tuple[np.ndarray, np.ndarray]:
         """Every kept ``meta`` row and its physical row number, oldest first."""
@@ -147,16 +150,17 @@ class _GroupRing(_Ring):
         return self.group["values"][lo:hi + 1]
 
 
-def _appended(meta: Any, slot: int, retention: int) -> int:
-    """Rows ever appended to a slot, from the newest ``seq`` in it, reading its chunks in order up to the first
-    empty one (rows are written from the slot's start): what a read allocates stays within what the file stores."""
-    newest = -1
+def _appended(meta: Any, slot: int, retention: int) -> tuple[int, int]:
+    """Rows ever appended to a slot (from the newest ``seq`` in it) and the rows of its chunks that hold any,
+    reading its chunks in order up to the first empty one (rows are written from the slot's start): what a
+    read allocates stays within what the file stores, whatever ``seq`` it holds."""
+    newest, stored = -1, 0
     for start in range(0, retention, _META_CHUNK_ROWS):
         seq = meta[slot, start:min(start + _META_CHUNK_ROWS, retention)]["seq"]
         if not (seq >= 0).any():
             break
-        newest = max(newest, int(seq.max()))
-    return newest + 1
+        newest, stored = max(newest, int(seq.max())), start + len(seq)
+    return newest + 1, stored
 
 
 class History:
@@ -297,7 +301,8 @@ class History:
                 raise error(f"{where} is not named as {shape} in JSON")
             taken.add((table, slot))
             kept = self._tables[table]
-            ring = _Ring(kept, slot, bins, 0, _appended(kept.meta, slot, retention))
+            appended, stored = _appended(kept.meta, slot, retention)
+            ring = _Ring(kept, slot, bins, 0, appended, stored if self.read_only else None)
             kept.used = max(kept.used, slot + 1)
             if table == _SERIES:
                 self._series[(parts[0], parts[1], parts[2])] = ring

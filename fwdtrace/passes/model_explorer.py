@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -425,6 +426,7 @@ def errors_to_model_explorer(
 def view(
     graph_or_model: Any, *args: Any, node_data: NodeData | Analysis | None = None, folder: str | None = None,
     host: str = "127.0.0.1", port: int = 8080, open_browser: bool = True, token: str | None = None,
+    notebook: bool | None = None,
 ) -> ModelExplorerFiles:
     """Open a graph (or ``model(*args)``, traced) in Model Explorer, with its node data.
 
@@ -439,11 +441,22 @@ def view(
     :func:`fwdtrace.serve`: loopback by default; another ``host`` needs ``token`` (one is made
     and printed when None), and the ``Host`` header must name the address bound. Needs
     ``pip install ai-edge-model-explorer``; without it a FwdtraceError says so. Returns the files written.
+
+    In a Jupyter or Colab notebook (``notebook=None`` finds out; ``True``/``False`` decide) the
+    page shows in the cell's output and ``view()`` returns at once: the server runs on until the
+    next ``view()`` in the notebook, or the kernel's end. Jupyter gets an iframe to the loopback
+    address; Colab serves the port through its own proxy
+    (``google.colab.output.serve_kernel_port_as_iframe``), whose requests name the proxy's host:
+    there the ``Host`` check is left out, since the port is reachable only from the notebook's VM
+    and through Colab's signed-in proxy.
     """
     try:
         import model_explorer
     except ImportError:
         raise FwdtraceError(f"fwdtrace.view() needs Model Explorer: {INSTALL_HINT}") from None
+    if notebook is not None and not isinstance(notebook, bool):
+        raise FwdtraceError(f"fwdtrace.view() expected notebook as True, False or None (find out), got "
+                            f"{describe(notebook)} {notebook!r}")
     if isinstance(graph_or_model, Graph):
         if args:
             raise FwdtraceError(f"fwdtrace.view() expected no inputs with a Graph, got {len(args)}")
@@ -461,7 +474,16 @@ def view(
     from ..live.explorer import ExplorerServer
 
     web_app = Path(model_explorer.__file__).parent / "web_app"
-    server = ExplorerServer(web_app, [files.graph, *files.node_data.values()], host, port, token)
+    where_shown = _notebook() if notebook is None else ("colab" if _in_colab() else "jupyter") if notebook else None
+    server = ExplorerServer(web_app, [files.graph, *files.node_data.values()], host, port, token,
+                            any_host=where_shown == "colab")
+    if where_shown is not None:
+        try:
+            _show_in_notebook(server, config.to_url_param_value(), where_shown)
+        except BaseException:
+            server.stop()
+            raise
+        return files
     try:
         url = server.page_url(config.to_url_param_value())
         print(f"fwdtrace.view(): Model Explorer at\n{url}\n(Ctrl+C stops it)", flush=True)
@@ -473,6 +495,40 @@ def view(
     finally:
         server.stop()
     return files
+
+
+_NOTEBOOK_HEIGHT = 800  # pixels of a cell's output the page takes
+_notebook_servers: list[Any] = []  # the server a notebook's view() left running: one at a time
+
+
+def _in_colab() -> bool:
+    return "google.colab" in sys.modules
+
+
+def _notebook() -> str | None:
+    """"colab", "jupyter" (an IPython kernel, which shows HTML), or None (a terminal, a script)."""
+    if _in_colab():
+        return "colab"
+    ipython = sys.modules.get("IPython")  # imported by the kernel itself: never imported here
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return "jupyter" if getattr(shell, "kernel", None) is not None else None
+
+
+def _show_in_notebook(server: Any, data: str, where: str) -> None:
+    """Show the page in the cell's output; the server runs on (the previous one of this notebook stops)."""
+    while _notebook_servers:
+        _notebook_servers.pop().stop()
+    url = server.page_url(data)
+    if where == "colab":
+        from google.colab import output
+
+        output.serve_kernel_port_as_iframe(server.port, path=url[len(server.url) - 1:], height=_NOTEBOOK_HEIGHT)
+    else:
+        from IPython.display import IFrame, display
+
+        display(IFrame(url, width="100%", height=_NOTEBOOK_HEIGHT))
+    _notebook_servers.append(server)
+    print(f"fwdtrace.view(): Model Explorer at\n{url}\n(until the next view() or the kernel's end)", flush=True)
 
 
 def _serve_until_interrupted(server: Any) -> None:
