@@ -8,6 +8,8 @@ torch's own.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -65,7 +67,18 @@ def assert_model_picture(graph: Graph, reference: Graph, target: str, expected: 
         assert not n.inputs
         for e in graph.out_edges(n.id):
             assert any(r.obj_id == e.obj_id and r.param is not None for r in graph.nodes[e.dst].inputs)
-    assert "unused results" not in to_dot(graph).source
+    # the picture: each such node a box of its own, joined by a dashed edge to each layer drawn as
+    # one node whose parameters it put in place (the functions reading them have data edges)
+    source = to_dot(graph).source
+    assert "unused results" not in source
+    assert source.count(f'label="{target}"') == len(expected)
+    layers = {n.module_path for n in reference.nodes if n.kind == "module"}
+    owner2params: dict[str, set[str]] = {}
+    for name in (name for names in expected.values() for name in names):
+        if name.rpartition(".")[0] in layers:
+            owner2params.setdefault(name.rpartition(".")[0], set()).add(name)
+    dashed = re.findall(r'-> \S+ \[style=dashed tooltip="parameters: ([^"]*)"\]', source)
+    assert sorted(sorted(d.split(", ")) for d in dashed) == sorted(sorted(p) for p in owner2params.values())
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------
