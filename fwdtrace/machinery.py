@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Machinery", "MACHINERY", "imported_machinery", "module_tensors", "model_class"]
+__all__ = ["Machinery", "MACHINERY", "imported_machinery", "module_tensors", "model_class", "execution_device"]
 
 _FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
 _FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState"
@@ -121,3 +121,18 @@ def model_class(cls: type) -> type:
         cls = bases[1]
         bases = cls.__bases__
     return cls
+
+
+def execution_device(model: torch.nn.Module) -> torch.device | None:
+    """The device accelerate's hooks run ``model``'s layers on, or None where no hook says.
+
+    Between forwards an offloaded layer's parameters wait on the meta device (``cpu_offload``)
+    or the CPU: the first parameter's device is not where the model runs.
+    """
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or [hook]:  # a SequentialHook holds several
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+    return None

@@ -81,6 +81,16 @@ def assert_model_picture(graph: Graph, reference: Graph, target: str, expected: 
     assert sorted(sorted(d.split(", ")) for d in dashed) == sorted(sorted(p) for p in owner2params.values())
 
 
+def assert_same_analysis(model: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    """``analyze`` says of ``model`` what it says of ``reference``: class, device, sizes, FLOPs, per key; and times it."""
+    def numbers(a: fwdtrace.Analysis) -> tuple:
+        rows = [(r.key, r.module_path, r.class_name, r.calls, r.input_shapes, r.output_shapes, r.params, r.flops, r.flops_total)
+                for r in a.rows]
+        return a.model, a.device, a.params, a.trainable_params, a.flops, a.repeats, rows
+
+    assert numbers(fwdtrace.analyze(model, x, warmup=0, repeats=1)) == numbers(fwdtrace.analyze(reference, x, warmup=0, repeats=1))
+
+
 # -- FSDP2 ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def process_group():
@@ -136,6 +146,7 @@ def test_fsdp2_unshard_is_one_collective_node_per_unit(process_group, pin):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
         model.zero_grad()
         reference.zero_grad()
+    assert_same_analysis(model, reference, x)
     assert not [(o.__name__, n) for o, n in patched_functions() if o.__module__.startswith("torch.distributed")]
 
 
@@ -152,4 +163,7 @@ def test_accelerate_cpu_offload_is_one_transfer_node_per_layer():
     assert_model_picture(t.graph, fwdtrace.trace(reference, x), "accelerate.onload", layers)
     assert {n.attrs["transfer"] for n in t.graph.nodes if n.target == "accelerate.onload"} == {"to cpu"}
     torch.testing.assert_close(y, reference(x))
+    # the weights wait on the meta device between forwards; the model runs on the CPU, and is timed there
+    assert next(model.parameters()).device.type == "meta"
+    assert_same_analysis(model, reference, x)
     assert not [(o.__name__, n) for o, n in patched_functions() if o.__module__.startswith("accelerate")]
