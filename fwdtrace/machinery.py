@@ -31,7 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Machinery", "MACHINERY", "imported_machinery", "module_tensors", "model_class", "execution_device"]
+__all__ = [
+    "Machinery", "MACHINERY", "imported_machinery", "uses_machinery", "module_tensors", "model_class", "execution_device",
+]
 
 _FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
 _FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState"
@@ -90,6 +92,11 @@ def imported_machinery() -> list[tuple[Machinery, Any, str]]:
         if owner is not None and callable(vars(owner).get(name)):
             out.append((entry, owner, name))
     return out
+
+
+def uses_machinery(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` carries accelerate's hooks or is one torch.distributed wrapped (fully_shard)."""
+    return any("_hf_hook" in vars(m) or type(m).__module__.startswith("torch.distributed.") for m in model.modules())
 
 
 def module_tensors(modules: list[torch.nn.Module]) -> dict[tuple[int, str], torch.Tensor]:

@@ -39,7 +39,7 @@ from .errors import FwdtraceError, add_layer_note, describe
 from .graph import Graph
 from .instrument.compiled import EagerRoute, compiled_parts
 from .instrument.keys import module_key
-from .machinery import Machinery, imported_machinery, model_class, module_tensors
+from .machinery import Machinery, imported_machinery, model_class, module_tensors, uses_machinery
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
 from .patching import (
@@ -287,6 +287,7 @@ class Tracer:
         self._scopes: list[tuple[Scope, ...]] = [()]  # the scope of a node made at each depth
         self._quiet = 0  # > 0 inside a leaf, a callback or fwdtrace's own bookkeeping
         self._leaf_quiet = 0  # _quiet inside the innermost leaf's own call (its hooks'), 0 outside leaves
+        self._machinery_patched = False  # other tools' methods patched (fwdtrace.machinery), once a model uses them
         self._trying_fused = False  # a layer runs with the recorder aside, to see whether torch fuses it
         self._module2path: dict[int, str] = {}
         self._outside: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules not in the model
@@ -328,8 +329,6 @@ class Tracer:
                 self._handle = add_call_handler(self._on_call)
                 self._function_handles = add_function_handlers(
                     self._function_handler, targets=_registry.function_targets(self.atomic))
-                for entry, owner, name in imported_machinery():
-                    self._function_handles.append(add_function_handler(owner, name, self._machinery_handler(entry)))
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
                 if self._eager_model is not None:
@@ -603,6 +602,8 @@ class Tracer:
         with torch._C.DisableTorchFunction():
             if self._module2path.get(id(model)) != "":
                 self._module2path, self._param_names = _walk(model)
+                if not self._machinery_patched:
+                    self._patch_machinery(model)
             for name, t in _named_inputs(model, args, kwargs):
                 ref = self._refs([t])[0]
                 if ref.obj_id not in self.graph._producer:
@@ -665,6 +666,18 @@ class Tracer:
             raise
 
     # -- other tools' machinery around layers (fwdtrace.machinery) ------------------------------------
+    def _patch_machinery(self, model: torch.nn.Module) -> None:
+        """Patch the tools' methods (:data:`fwdtrace.machinery.MACHINERY`) once a model they serve is traced.
+
+        Only then: patching and restoring them costs as much as a small model's whole trace.
+        """
+        machinery = imported_machinery()
+        if machinery and uses_machinery(model):
+            with critical():
+                self._machinery_patched = True
+                for entry, owner, name in machinery:
+                    self._function_handles.append(add_function_handler(owner, name, self._machinery_handler(entry)))
+
     def _machinery_handler(self, entry: Machinery) -> FunctionHandler:
         def on_machinery(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             return self._on_machinery(entry, call, args, kwargs)
