@@ -16,8 +16,11 @@ A trace runs each method below hidden, as the inside of a leaf layer, and then:
   views that register the backward) are the same tensors in the graph, so the model's
   dataflow runs through as without the tool.
 
-Only methods whose module is imported already are patched (fwdtrace imports neither tool).
-Each entry is the method's path and the node it makes (None: hidden, no node).
+The methods are patched only while a trace runs a model that uses the tools (a module
+fully_shard wrapped, or carrying accelerate's hooks), and only those whose module is imported
+(fwdtrace imports neither tool). Each entry is the method's path and the node it makes (None:
+hidden, no node). analyze reads the device an offloaded model runs on from accelerate's hooks
+(:func:`execution_device`).
 
 ``fully_shard`` (and ``replicate``) also swap each module they wrap into a class of their own,
 ``FSDPLinear``: graphs, pictures and module keys name the model's class (:func:`model_class`).

@@ -711,18 +711,33 @@ class Tracer:
             after = module_tensors(served)
             placed = [(key, t) for key, t in after.items() if before.get(key) is not t]
             if placed:
-                for (module_id, name), t in placed:
-                    path = self._module2path.get(module_id)
-                    if path is not None:
-                        self._param_names[id(t)] = (f"{path}.{name}" if path else name, t)
-                module, scope = self._stack[-1]
+                scope = self._stack[-1][1]
                 leaf = self._quiet > 0  # an atomic layer's own call: drawn beside the layer, not inside it
                 node_scope = self._scopes[-1][:-1] if leaf and self._scopes[-1] else self._scopes[-1]
                 target = cast(str, entry.target)
                 self.graph._append("function", target, _short_op_name(target), scope.module_path,
-                                   self._next_call(scope.module_path, target), [], self._refs([t for _, t in placed]),
+                                   self._next_call(scope.module_path, target), [], self._placed_refs(placed),
                                    entry.attrs(args), node_scope)
         return out
+
+    def _placed_refs(self, placed: list[tuple[tuple[int, str], torch.Tensor]]) -> list[TensorRef]:
+        """The refs of tensors a tool put on modules, named as the module's parameters and buffers.
+
+        Their names are known only while the refs are made (each tensor's ref keeps it): the
+        name table holds its tensors, and these must be freed when the tool frees them (FSDP's
+        reshard), or a traced forward would keep every unsharded parameter alive.
+        """
+        added = []
+        for (module_id, name), t in placed:
+            path = self._module2path.get(module_id)
+            if path is not None and id(t) not in self._param_names:
+                self._param_names[id(t)] = (f"{path}.{name}" if path else name, t)
+                added.append(id(t))
+        try:
+            return self._refs([t for _, t in placed])
+        finally:
+            for raw in added:
+                del self._param_names[raw]
 
     def _pass_through(self, given: list[torch.Tensor], handed_on: list[torch.Tensor]) -> None:
         """Tensors a tool handed on in place of those it was given (moved, or viewed to hook the

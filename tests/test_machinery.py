@@ -8,6 +8,7 @@ torch's own.
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -155,6 +156,14 @@ def test_accelerate_cpu_offload_is_one_transfer_node_per_layer():
     accelerate = pytest.importorskip("accelerate")
     reference, model = make_model(), accelerate.cpu_offload(make_model(), torch.device("cpu"))
     x = torch.randn(3, 4)
+    with torch.no_grad(), fwdtrace.Tracer():
+        model(x)
+        # the weights brought in are let go after the layer ran, as untraced: the trace holds none
+        gc.collect()
+        loaded = [o for o in gc.get_objects() if type(o) is nn.Parameter and o.device.type == "cpu"
+                  and not any(o is p for p in reference.parameters()) and any(
+                      o.shape == p.shape and torch.equal(o, p) for p in reference.parameters())]
+        assert loaded == []
     with fwdtrace.Tracer() as t:
         y = model(x)
     # accelerate brings each module's own weights in before that module runs
