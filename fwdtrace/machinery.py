@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "Machinery", "MACHINERY", "imported_machinery", "uses_machinery", "module_tensors", "model_class", "execution_device",
+    "Machinery", "MACHINERY", "NODE_TARGETS", "imported_machinery", "uses_machinery", "module_tensors", "model_class", "execution_device",
 ]
 
 _FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
@@ -82,6 +82,9 @@ MACHINERY: tuple[Machinery, ...] = (
               lambda args: {"transfer": f"to {getattr(args[0], 'execution_device', None)}"}),
     Machinery(f"{_ALIGN}.post_forward", None, _no_modules, _no_attrs),  # weights dropped, outputs moved back
 )
+
+# The targets of the nodes the machinery is drawn as: the draw pass joins each to the layers whose parameters it outputs.
+NODE_TARGETS = frozenset(entry.target for entry in MACHINERY if entry.target is not None)
 
 
 def imported_machinery() -> list[tuple[Machinery, Any, str]]:

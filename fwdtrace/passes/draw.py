@@ -38,6 +38,7 @@ import graphviz
 from .._files import write_bytes
 from ..errors import FwdtraceError
 from ..graph import Graph
+from ..machinery import NODE_TARGETS
 from ..node import Edge, Node, Scope
 from .fold import Folds, Item, Loop, find_folds, side_components
 
@@ -726,9 +727,9 @@ def _chain_ops(graph: Graph, node2unit: dict[int, _Unit]) -> None:
 
 
 def _puts_parameters(node: Node) -> bool:
-    """Whether ``node`` reads nothing and outputs parameters: another tool putting a layer's weights in
-    place (FSDP's unshard, accelerate's onload; see fwdtrace.machinery), drawn as a box of its own."""
-    return node.kind == "function" and not node.inputs and bool(node.outputs) and all(r.param for r in node.outputs)
+    """Whether ``node`` is another tool putting a layer's parameters in place (FSDP's unshard,
+    accelerate's onload: :data:`fwdtrace.machinery.NODE_TARGETS`), drawn as a box of its own."""
+    return node.kind == "function" and node.target in NODE_TARGETS
 
 
 def _parameter_edges(graph: Graph, node2unit: dict[int, _Unit]) -> dict[tuple[str, str], list[str]]:
