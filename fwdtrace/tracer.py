@@ -533,7 +533,7 @@ class Tracer:
                     "module",
                     # (a lazy layer became its real class during the call: LazyLinear -> Linear)
                     info.target if type(module) is module_type else _registry.qualified_name(type(module)),
-                    path or info.class_name,
+                    path or (info.class_name if type(module) is module_type else type(module).__name__),
                     path,
                     call_index,
                     in_refs,
