@@ -43,6 +43,7 @@ from .errors import FwdtraceError, describe
 from .flops import flops_of
 from .instrument.compiled import EagerRoute, compiled_parts, eager_module
 from .instrument.keys import closest_names, key2module, key_path
+from .machinery import execution_device, model_class
 from .memory import StorageTracker
 from .registry import qualified_name
 from .tracer import active_tracer, around_module_calls, layer_notes
@@ -284,6 +285,9 @@ def _packed_numel(module: torch.nn.Module) -> int:
 
 
 def _device_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    hooked = execution_device(model)
+    if hooked is not None:
+        return hooked
     for t in [*model.parameters(), *model.buffers(), *tensors_of((args, kwargs))]:
         return t.device
     return torch.device("cpu")
@@ -398,7 +402,7 @@ def _analyze(
         ModuleRow(
             key=k,
             module_path=key_path(k, m),
-            class_name=qualified_name(type(m)),
+            class_name=qualified_name(model_class(type(m))),
             calls=counts.calls[k],
             input_shapes=counts.inputs.get(k, ()),
             output_shapes=counts.outputs.get(k, ()),
@@ -414,7 +418,7 @@ def _analyze(
     )
     params = list(model.parameters())  # each shared parameter once
     return Analysis(
-        model=type(eager_module(model)).__name__,
+        model=model_class(type(eager_module(model))).__name__,
         device=str(device),
         params=sum(p.numel() for p in params) + _packed_numel(model),
         trainable_params=sum(p.numel() for p in params if p.requires_grad),

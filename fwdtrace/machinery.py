@@ -16,8 +16,11 @@ A trace runs each method below hidden, as the inside of a leaf layer, and then:
   views that register the backward) are the same tensors in the graph, so the model's
   dataflow runs through as without the tool.
 
-Only methods whose module is imported already are patched (fwdtrace imports neither tool).
-Each entry is the method's path and the node it makes (None: hidden, no node).
+The methods are patched only while a trace runs a model that uses the tools (a module
+fully_shard wrapped, or carrying accelerate's hooks), and only those whose module is imported
+(fwdtrace imports neither tool). Each entry is the method's path and the node it makes (None:
+hidden, no node). analyze reads the device an offloaded model runs on from accelerate's hooks
+(:func:`execution_device`).
 
 ``fully_shard`` (and ``replicate``) also swap each module they wrap into a class of their own,
 ``FSDPLinear``: graphs, pictures and module keys name the model's class (:func:`model_class`).
@@ -31,7 +34,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Machinery", "MACHINERY", "imported_machinery", "module_tensors", "model_class"]
+__all__ = [
+    "Machinery", "MACHINERY", "NODE_TARGETS", "imported_machinery", "uses_machinery", "module_tensors", "model_class", "execution_device",
+]
 
 _FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
 _FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState"
@@ -78,6 +83,9 @@ MACHINERY: tuple[Machinery, ...] = (
     Machinery(f"{_ALIGN}.post_forward", None, _no_modules, _no_attrs),  # weights dropped, outputs moved back
 )
 
+# The targets of the nodes the machinery is drawn as: the draw pass joins each to the layers whose parameters it outputs.
+NODE_TARGETS = frozenset(entry.target for entry in MACHINERY if entry.target is not None)
+
 
 def imported_machinery() -> list[tuple[Machinery, Any, str]]:
     """Each entry of :data:`MACHINERY` whose module is imported, with the class and attribute holding it."""
@@ -90,6 +98,11 @@ def imported_machinery() -> list[tuple[Machinery, Any, str]]:
         if owner is not None and callable(vars(owner).get(name)):
             out.append((entry, owner, name))
     return out
+
+
+def uses_machinery(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` carries accelerate's hooks or is one torch.distributed wrapped (fully_shard)."""
+    return any("_hf_hook" in vars(m) or type(m).__module__.startswith("torch.distributed.") for m in model.modules())
 
 
 def module_tensors(modules: list[torch.nn.Module]) -> dict[tuple[int, str], torch.Tensor]:
@@ -121,3 +134,18 @@ def model_class(cls: type) -> type:
         cls = bases[1]
         bases = cls.__bases__
     return cls
+
+
+def execution_device(model: torch.nn.Module) -> torch.device | None:
+    """The device accelerate's hooks run ``model``'s layers on, or None where no hook says.
+
+    Between forwards an offloaded layer's parameters wait on the meta device (``cpu_offload``)
+    or the CPU: the first parameter's device is not where the model runs.
+    """
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or [hook]:  # a SequentialHook holds several
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+    return None

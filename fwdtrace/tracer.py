@@ -39,7 +39,7 @@ from .errors import FwdtraceError, add_layer_note, describe
 from .graph import Graph
 from .instrument.compiled import EagerRoute, compiled_parts
 from .instrument.keys import module_key
-from .machinery import Machinery, imported_machinery, model_class, module_tensors
+from .machinery import Machinery, imported_machinery, model_class, module_tensors, uses_machinery
 from .names import function_name
 from .node import Scope, TensorRef, new_tuple
 from .patching import (
@@ -287,6 +287,7 @@ class Tracer:
         self._scopes: list[tuple[Scope, ...]] = [()]  # the scope of a node made at each depth
         self._quiet = 0  # > 0 inside a leaf, a callback or fwdtrace's own bookkeeping
         self._leaf_quiet = 0  # _quiet inside the innermost leaf's own call (its hooks'), 0 outside leaves
+        self._machinery_patched = False  # other tools' methods patched (fwdtrace.machinery), once a model uses them
         self._trying_fused = False  # a layer runs with the recorder aside, to see whether torch fuses it
         self._module2path: dict[int, str] = {}
         self._outside: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules not in the model
@@ -328,8 +329,6 @@ class Tracer:
                 self._handle = add_call_handler(self._on_call)
                 self._function_handles = add_function_handlers(
                     self._function_handler, targets=_registry.function_targets(self.atomic))
-                for entry, owner, name in imported_machinery():
-                    self._function_handles.append(add_function_handler(owner, name, self._machinery_handler(entry)))
                 self._mode = _Recorder(self)
                 self._mode.__enter__()
                 if self._eager_model is not None:
@@ -534,7 +533,7 @@ class Tracer:
                     "module",
                     # (a lazy layer became its real class during the call: LazyLinear -> Linear)
                     info.target if type(module) is module_type else _registry.qualified_name(type(module)),
-                    path or info.class_name,
+                    path or (info.class_name if type(module) is module_type else type(module).__name__),
                     path,
                     call_index,
                     in_refs,
@@ -603,6 +602,8 @@ class Tracer:
         with torch._C.DisableTorchFunction():
             if self._module2path.get(id(model)) != "":
                 self._module2path, self._param_names = _walk(model)
+                if not self._machinery_patched:
+                    self._patch_machinery(model)
             for name, t in _named_inputs(model, args, kwargs):
                 ref = self._refs([t])[0]
                 if ref.obj_id not in self.graph._producer:
@@ -665,6 +666,18 @@ class Tracer:
             raise
 
     # -- other tools' machinery around layers (fwdtrace.machinery) ------------------------------------
+    def _patch_machinery(self, model: torch.nn.Module) -> None:
+        """Patch the tools' methods (:data:`fwdtrace.machinery.MACHINERY`) once a model they serve is traced.
+
+        Only then: patching and restoring them costs as much as a small model's whole trace.
+        """
+        machinery = imported_machinery()
+        if machinery and uses_machinery(model):
+            with critical():
+                self._machinery_patched = True
+                for entry, owner, name in machinery:
+                    self._function_handles.append(add_function_handler(owner, name, self._machinery_handler(entry)))
+
     def _machinery_handler(self, entry: Machinery) -> FunctionHandler:
         def on_machinery(call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             return self._on_machinery(entry, call, args, kwargs)
@@ -698,18 +711,33 @@ class Tracer:
             after = module_tensors(served)
             placed = [(key, t) for key, t in after.items() if before.get(key) is not t]
             if placed:
-                for (module_id, name), t in placed:
-                    path = self._module2path.get(module_id)
-                    if path is not None:
-                        self._param_names[id(t)] = (f"{path}.{name}" if path else name, t)
-                module, scope = self._stack[-1]
+                scope = self._stack[-1][1]
                 leaf = self._quiet > 0  # an atomic layer's own call: drawn beside the layer, not inside it
                 node_scope = self._scopes[-1][:-1] if leaf and self._scopes[-1] else self._scopes[-1]
                 target = cast(str, entry.target)
                 self.graph._append("function", target, _short_op_name(target), scope.module_path,
-                                   self._next_call(scope.module_path, target), [], self._refs([t for _, t in placed]),
+                                   self._next_call(scope.module_path, target), [], self._placed_refs(placed),
                                    entry.attrs(args), node_scope)
         return out
+
+    def _placed_refs(self, placed: list[tuple[tuple[int, str], torch.Tensor]]) -> list[TensorRef]:
+        """The refs of tensors a tool put on modules, named as the module's parameters and buffers.
+
+        Their names are known only while the refs are made (each tensor's ref keeps it): the
+        name table holds its tensors, and these must be freed when the tool frees them (FSDP's
+        reshard), or a traced forward would keep every unsharded parameter alive.
+        """
+        added = []
+        for (module_id, name), t in placed:
+            path = self._module2path.get(module_id)
+            if path is not None and id(t) not in self._param_names:
+                self._param_names[id(t)] = (f"{path}.{name}" if path else name, t)
+                added.append(id(t))
+        try:
+            return self._refs([t for _, t in placed])
+        finally:
+            for raw in added:
+                del self._param_names[raw]
 
     def _pass_through(self, given: list[torch.Tensor], handed_on: list[torch.Tensor]) -> None:
         """Tensors a tool handed on in place of those it was given (moved, or viewed to hook the

@@ -8,6 +8,9 @@ torch's own.
 
 from __future__ import annotations
 
+import gc
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -65,7 +68,28 @@ def assert_model_picture(graph: Graph, reference: Graph, target: str, expected: 
         assert not n.inputs
         for e in graph.out_edges(n.id):
             assert any(r.obj_id == e.obj_id and r.param is not None for r in graph.nodes[e.dst].inputs)
-    assert "unused results" not in to_dot(graph).source
+    # the picture: each such node a box of its own, joined by a dashed edge to each layer drawn as
+    # one node whose parameters it put in place (the functions reading them have data edges)
+    source = to_dot(graph).source
+    assert "unused results" not in source
+    assert source.count(f'label="{target}"') == len(expected)
+    layers = {n.module_path for n in reference.nodes if n.kind == "module"}
+    owner2params: dict[str, set[str]] = {}
+    for name in (name for names in expected.values() for name in names):
+        if name.rpartition(".")[0] in layers:
+            owner2params.setdefault(name.rpartition(".")[0], set()).add(name)
+    dashed = re.findall(r'-> \S+ \[style=dashed tooltip="parameters: ([^"]*)"\]', source)
+    assert sorted(sorted(d.split(", ")) for d in dashed) == sorted(sorted(p) for p in owner2params.values())
+
+
+def assert_same_analysis(model: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    """``analyze`` says of ``model`` what it says of ``reference``: class, device, sizes, FLOPs, per key; and times it."""
+    def numbers(a: fwdtrace.Analysis) -> tuple:
+        rows = [(r.key, r.module_path, r.class_name, r.calls, r.input_shapes, r.output_shapes, r.params, r.flops, r.flops_total)
+                for r in a.rows]
+        return a.model, a.device, a.params, a.trainable_params, a.flops, a.repeats, rows
+
+    assert numbers(fwdtrace.analyze(model, x, warmup=0, repeats=1)) == numbers(fwdtrace.analyze(reference, x, warmup=0, repeats=1))
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------
@@ -123,6 +147,7 @@ def test_fsdp2_unshard_is_one_collective_node_per_unit(process_group, pin):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
         model.zero_grad()
         reference.zero_grad()
+    assert_same_analysis(model, reference, x)
     assert not [(o.__name__, n) for o, n in patched_functions() if o.__module__.startswith("torch.distributed")]
 
 
@@ -131,6 +156,14 @@ def test_accelerate_cpu_offload_is_one_transfer_node_per_layer():
     accelerate = pytest.importorskip("accelerate")
     reference, model = make_model(), accelerate.cpu_offload(make_model(), torch.device("cpu"))
     x = torch.randn(3, 4)
+    with torch.no_grad(), fwdtrace.Tracer():
+        model(x)
+        # the weights brought in are let go after the layer ran, as untraced: the trace holds none
+        gc.collect()
+        loaded = [o for o in gc.get_objects() if type(o) is nn.Parameter and o.device.type == "cpu"
+                  and not any(o is p for p in reference.parameters()) and any(
+                      o.shape == p.shape and torch.equal(o, p) for p in reference.parameters())]
+        assert loaded == []
     with fwdtrace.Tracer() as t:
         y = model(x)
     # accelerate brings each module's own weights in before that module runs
@@ -139,4 +172,7 @@ def test_accelerate_cpu_offload_is_one_transfer_node_per_layer():
     assert_model_picture(t.graph, fwdtrace.trace(reference, x), "accelerate.onload", layers)
     assert {n.attrs["transfer"] for n in t.graph.nodes if n.target == "accelerate.onload"} == {"to cpu"}
     torch.testing.assert_close(y, reference(x))
+    # the weights wait on the meta device between forwards; the model runs on the CPU, and is timed there
+    assert next(model.parameters()).device.type == "meta"
+    assert_same_analysis(model, reference, x)
     assert not [(o.__name__, n) for o, n in patched_functions() if o.__module__.startswith("accelerate")]

@@ -38,6 +38,7 @@ import graphviz
 from .._files import write_bytes
 from ..errors import FwdtraceError
 from ..graph import Graph
+from ..machinery import NODE_TARGETS
 from ..node import Edge, Node, Scope
 from .fold import Folds, Item, Loop, find_folds, side_components
 
@@ -725,6 +726,36 @@ def _chain_ops(graph: Graph, node2unit: dict[int, _Unit]) -> None:
             node2unit[i] = merged
 
 
+def _puts_parameters(node: Node) -> bool:
+    """Whether ``node`` is another tool putting a layer's parameters in place (FSDP's unshard,
+    accelerate's onload: :data:`fwdtrace.machinery.NODE_TARGETS`), drawn as a box of its own."""
+    return node.kind == "function" and node.target in NODE_TARGETS
+
+
+def _parameter_edges(graph: Graph, node2unit: dict[int, _Unit]) -> dict[tuple[str, str], list[str]]:
+    """The parameters each :func:`_puts_parameters` box puts on a layer drawn as one node, by pair of boxes.
+
+    A layer's node lists its activations, not its parameters, so no edge of the graph joins the
+    two; the picture says with a dashed edge which layer's weights the box brought in (its next call).
+    """
+    path2calls: dict[str, list[int]] = {}
+    for n in graph.nodes:
+        if n.kind == "module":
+            path2calls.setdefault(n.module_path, []).append(n.id)
+    read = {(e.src, e.obj_id) for e in graph.edges}
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for n in graph.nodes:
+        if not _puts_parameters(n):
+            continue
+        for r in n.outputs:
+            if (n.id, r.obj_id) in read or r.param is None:
+                continue
+            layer = next((i for i in path2calls.get(r.param.rpartition(".")[0], ()) if i > n.id), None)
+            if layer is not None and node2unit[layer] is not node2unit[n.id]:
+                pairs.setdefault((node2unit[n.id].key, node2unit[layer].key), []).append(r.param)
+    return pairs
+
+
 def _fold_lone_constants(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]) -> None:
     """Draw a side op that reads nothing and feeds one box (an ONNX ``Constant``: an axis, a shape)
     inside that box, as Netron draws a constant input inside its node.
@@ -742,7 +773,7 @@ def _fold_lone_constants(graph: Graph, folds: Folds, node2unit: dict[int, _Unit]
     for i in folds.side:
         own = node2unit[i]
         feeds = consumers.get(i, set())
-        if own.key != f"n:{i}" or i in reads or len(feeds) != 1 or own.key in feeds:
+        if own.key != f"n:{i}" or i in reads or len(feeds) != 1 or own.key in feeds or _puts_parameters(graph.nodes[i]):
             continue
         into = key2unit[next(iter(feeds))]
         if into.kind == "side" or into.key.startswith("n:") and into.members[0] in folds.side:
@@ -1141,6 +1172,9 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
         label = ", ".join(texts) if len(texts) <= 2 else f"{texts[0]}, … {len(texts) - 1} more"
         tooltip = "\n".join(f"%{e.obj_id} {_edge_text(e)}" for e in list(dict.fromkeys(edges))[:_TOOLTIP_LINES])
         dot.edge(names[u_key], names[v_key], label=label if show_shapes else "", tooltip=tooltip)
+    for (u_key, v_key), params in _parameter_edges(graph, node2unit).items():
+        if (u_key, v_key) not in pair2edges:
+            dot.edge(names[u_key], names[v_key], style="dashed", tooltip="parameters: " + ", ".join(params[:_TOOLTIP_LINES]))
     if wrap:
         for u_key, v_key in _wrap_edges([u.key for u in units], set(pair2edges), wrap):
             dot.edge(names[u_key], names[v_key], style="invis")
