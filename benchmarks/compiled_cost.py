@@ -12,7 +12,12 @@ times steps (forward, backward, optimizer step) with one configuration in place:
 - ``+ grad arm``: one ``grad`` arm (gradient hooks: the compiled model runs eagerly while armed);
 - ``compiled + running Probe``: ``Probe.running_stats`` on the same key (statistics computed inside a
   compiled copy of the model, made when it attaches);
-- ``eager`` and ``eager + running Probe``: the same model, not compiled, for reference.
+- ``compiled + statistics dump``: every step dumped, ``Dumper(values="statistics")`` and
+  ``register(grads=False)`` before each step, the last step's dump closed (every layer's forward
+  statistics computed inside a compiled copy of the model, made at the Dumper's first registration and
+  run again by the later ones); ``, background writer``: the same with ``Dumper(background=True)``,
+  which writes the file on a thread of its own;
+- ``eager``, ``eager + running Probe`` and ``eager + statistics dump``: the same model, not compiled, for reference.
 
 Rows alternate over ``--rounds`` rounds and report the median step time (wall, and this
 process's CPU time, which moves less when other programs share the cores), its ratio to the
@@ -26,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from bench_models import TransformerEncoder
@@ -41,11 +49,14 @@ import fwdtrace
 KEY = "layers.1.ff.0.Linear"  # the key every tool looks at (the second block's first MLP layer)
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> tuple[float, float]:
-    """Median (wall, this process's CPU) seconds per training step over ``steps`` steps."""
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int,
+                before_step: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Median (wall, this process's CPU) seconds per training step over ``steps`` steps (``before_step`` in each)."""
     walls, cpus = [], []
     for _ in range(steps):
         wall, cpu = time.perf_counter(), time.process_time()
+        if before_step is not None:
+            before_step()
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
@@ -59,9 +70,23 @@ def dynamo_state() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+# Each configuration is a context manager around the timed steps; what it yields runs before each step.
 @contextlib.contextmanager
 def nothing(model: nn.Module) -> Iterator[None]:
     yield
+
+
+@contextlib.contextmanager
+def dumped(model: nn.Module, background: bool = False) -> Iterator[Callable[[], None]]:
+    with tempfile.TemporaryDirectory() as folder, \
+            fwdtrace.Dumper(folder, values="statistics", background=background) as dumper:
+        steps = itertools.count()
+
+        def each_step() -> None:
+            dumper.remove()  # the last step's dump closed and named
+            dumper.register(model, step=next(steps), grads=False)
+
+        yield each_step
 
 
 @contextlib.contextmanager
@@ -101,25 +126,29 @@ def main() -> None:
     train_steps(compiled, opts[id(compiled)], x, 3)  # compiles forward and backward
     compile_s = time.perf_counter() - start
     train_steps(eager, opts[id(eager)], x, 3)
-    rows: list[tuple[str, nn.Module, Callable[[nn.Module], contextlib.AbstractContextManager[None]]]] = [
+    rows: list[tuple[str, nn.Module, Callable[[nn.Module], contextlib.AbstractContextManager[Any]]]] = [
         ("compiled", compiled, nothing),
         ("compiled + idle service", compiled, served),
         ("compiled + idle service + weight arm", compiled, lambda m: served(m, "weight")),
         ("compiled + idle service + forward arm", compiled, lambda m: served(m, "forward")),
         ("compiled + idle service + grad arm", compiled, lambda m: served(m, "grad")),
         ("compiled + running Probe", compiled, probed),
+        ("compiled + statistics dump", compiled, dumped),
+        ("compiled + statistics dump, background writer", compiled, lambda m: dumped(m, background=True)),
         ("compiled, after", compiled, nothing),
         ("eager", eager, nothing),
         ("eager + running Probe", eager, probed),
+        ("eager + statistics dump", eager, dumped),
     ]
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in rows}
     added: dict[str, list[int]] = {name: [0, 0] for name, _, _ in rows}
     for _ in range(args.rounds):
         for name, m, tool in rows:
-            with tool(m):
+            with tool(m) as each_step:
                 before = dynamo_state()
-                train_steps(m, opts[id(m)], x, 2)  # the service's first forward traces the graph; arming compiles
-                times[name].append(train_steps(m, opts[id(m)], x, args.steps))
+                # the service's first forward traces the graph; arming compiles
+                train_steps(m, opts[id(m)], x, 2, each_step)
+                times[name].append(train_steps(m, opts[id(m)], x, args.steps, each_step))
                 after = dynamo_state()
             added[name] = [a + (n - b) for a, n, b in zip(added[name], after, before, strict=True)]
     wall = {name: statistics.median(w for w, _ in t) for name, t in times.items()}

@@ -41,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._tree import tensors_of
 from .errors import FwdtraceError, describe
 from .flops import flops_of
-from .instrument.compiled import EagerRoute, compiled_parts, eager_module
+from .instrument.attach import Attachment
+from .instrument.compiled import compiled_parts, eager_module
 from .instrument.keys import closest_names, key2module, key_path
 from .machinery import execution_device, model_class
 from .memory import StorageTracker
@@ -343,7 +344,7 @@ def analyze(model: torch.nn.Module, *args: Any, warmup: int = 3, repeats: int = 
     if active_tracer() is not None:
         raise FwdtraceError("analyze() cannot run while a trace is active; call it before or after the trace")
     compiled = tuple(path or "<root>" for path, _ in compiled_parts(model))
-    with EagerRoute(model, "analyze()"):  # compiled parts run eagerly: counted, timed, and left compiled as they were
+    with Attachment(model, "analyze()"):  # compiled parts run eagerly: counted, timed, and left compiled as they were
         return _analyze(model, args, kwargs, warmup, repeats, compiled)
 
 

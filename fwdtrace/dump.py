@@ -326,6 +326,7 @@ class _Recording:
             ]
         if not self.record_modules and self.selection.scope is None:
             hooked = [h for h in hooked if h[1] is root]  # the root's hooks still mark the step's beginning and end
+        traced: list[tuple[torch.nn.Module, Slot, Callable[..., None], Callable[..., None]]] = []
         for key, owner, path, class_name, function in hooked:
             is_root = owner is root
             if route == "graph" and is_root:
@@ -348,11 +349,12 @@ class _Recording:
                 else:
                     slot.bind(consume)
                 traced_pre, traced_post = _in_graph_hooks(slot, self.statistics, wanted)
-                on.traced(owner, slot, traced_post, pre=traced_pre)
+                traced.append((owner, slot, traced_post, traced_pre))
                 continue
             on.forward_pre(owner, self._pre_hook(key, path, id(owner), class_name, function, is_root), with_kwargs=True)
             # always_call: torch runs the hook when the forward raises too, so a failed call is seen
             on.forward(owner, self._post_hook(id(owner), is_root), with_kwargs=True, always_call=True)
+        on.traced(traced)
 
     def _remove_hooks(self) -> None:
         for h in self.forward_handles:

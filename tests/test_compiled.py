@@ -751,8 +751,8 @@ def dump_step(model: nn.Module, run: nn.Module, folder: Path, values: str) -> tu
     return path, calls
 
 
-@pytest.mark.parametrize("values", ["statistics", "tensors"])
-@pytest.mark.parametrize("how", ["torch.compile", "submodule", "submodule.compile"])
+@pytest.mark.parametrize(("how", "values"), [("torch.compile", "statistics"), ("torch.compile", "tensors"),
+                                           ("submodule", "statistics"), ("submodule.compile", "tensors")])
 def test_a_forward_dump_runs_inside_the_compiled_code_and_equals_the_eager_models(
         how: str, values: str, tmp_path: Path) -> None:
     case = make(how)

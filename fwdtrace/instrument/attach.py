@@ -22,6 +22,7 @@ Routes (``Attachment.route``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -138,28 +139,30 @@ class Attachment:
             self._handles.extend(handles)
             return handles
 
-    def _in_graph(self, module: torch.nn.Module, slot: Slot, make: Callable[[], ForwardHook]) -> ForwardHook:
+    def _in_graph(self, made: list[tuple[torch.nn.Module, Slot, Callable[[], ForwardHook]]]) -> list[ForwardHook]:
         with critical():
-            if self.route == "graph":
-                # The route first: the hook is never seen by the part's own compiled code.
-                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module)], self.kept))
-            return self._keep(make())
+            if self.route == "graph" and made:
+                # The route first (one for them all): the hooks are never seen by a part's own compiled code.
+                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module) for module, slot, _ in made], self.kept))
+            return [self._keep(make()) for _, _, make in made]
 
     def stats(self, module: torch.nn.Module, slot: StatsSlot, of: str) -> ForwardHook:
         """The statistics of ``module``'s input or output tensors (``of``), into ``slot``: computed inside
         the compiled graph on the ``"graph"`` route (:meth:`fwdtrace.instrument.ingraph.ForwardHook.stats`)."""
-        return self._in_graph(module, slot, lambda: ForwardHook.stats(module, slot, of))
+        return self._in_graph([(module, slot, lambda: ForwardHook.stats(module, slot, of))])[0]
 
     def copies(self, module: torch.nn.Module, slot: Slot, inputs: bool = True) -> ForwardHook:
         """Detached copies of ``module``'s input (unless ``inputs=False``) and output tensors, handed to
         ``slot`` (:meth:`fwdtrace.instrument.ingraph.ForwardHook.copies`)."""
-        return self._in_graph(module, slot, lambda: ForwardHook.copies(module, slot, inputs))
+        return self._in_graph([(module, slot, lambda: ForwardHook.copies(module, slot, inputs))])[0]
 
-    def traced(self, module: torch.nn.Module, slot: Slot, hook: Callable[..., None],
-               pre: Callable[..., None] | None = None) -> ForwardHook:
-        """A forward hook ``hook(module, args, kwargs, result)`` and pre-hook ``pre(module, args, kwargs)`` that
-        dynamo traces without a break: tensor ops, and ``slot.put(payload)`` to hand results out after the graph."""
-        return self._in_graph(module, slot, lambda: ForwardHook(module, slot, hook, pre))
+    def traced(self, hooks: Iterable[tuple[torch.nn.Module, Slot, Callable[..., None], Callable[..., None] | None]],
+               ) -> list[ForwardHook]:
+        """Per ``(module, slot, hook, pre)``, a forward hook ``hook(module, args, kwargs, result)`` and a pre-hook
+        ``pre(module, args, kwargs)`` (or None) that dynamo traces without a break: tensor ops, and
+        ``slot.put(payload)`` to hand results out after the graph. All of them take one route."""
+        return self._in_graph([(module, slot, functools.partial(ForwardHook, module, slot, hook, pre))
+                               for module, slot, hook, pre in hooks])
 
     def remove(self) -> None:
         """Take every hook off, last added first, then give the route back; twice is harmless."""
