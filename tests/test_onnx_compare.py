@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -2121,3 +2121,34 @@ def test_an_unopened_layer_reading_an_input_for_its_shape_leaves_a_graph_alone_i
     alone = fwdtrace.compare_onnx(fwdtrace.trace(model, **inputs), path)
     assert alone.status == "incomplete" and not alone.rewired, alone.text
     assert alone.not_opened == ["model.decoder.embed_positions (OPTLearnedPositionalEmbedding)"]
+
+
+class HeadCalledPartByPart(torch.nn.Module):
+    """poolformer's head: an ``nn.Sequential`` whose children the model calls one by one, the head itself never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3)
+        self.head = torch.nn.Sequential(OrderedDict(
+            global_pool=torch.nn.AdaptiveAvgPool2d(1), norm=LayerNorm2d(8), flatten=torch.nn.Flatten(1),
+            drop=torch.nn.Dropout(0.0), fc=torch.nn.Linear(8, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head.global_pool(self.stem(x))
+        x = self.head.flatten(self.head.norm(x))
+        return self.head.fc(self.head.drop(x))
+
+
+def test_a_container_never_called_gives_its_children_their_paths_on_a_graph_alone() -> None:
+    torch.manual_seed(0)
+    model, x = HeadCalledPartByPart().eval(), torch.randn(1, 3, 8, 8)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    assert_runs_like_torch(proto, model(x), x)
+    (norm,) = [n.name for n in proto.graph.node if n.op_type == "LayerNormalization"]
+    assert norm.startswith("/norm/")  # the pattern's point: TorchScript names the ops by calls, not by paths
+    assert fwdtrace.check_onnx(model, x, onnx=proto).status == "ok"  # the reference: the layer opened
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, x), proto)
+    # the unopened layer's op is its own, unchecked, not extra
+    assert alone.status == "incomplete" and not alone.extra, alone.text
+    assert alone.not_opened == ["head.norm (LayerNorm2d)"] and f"unchecked: {norm}" in alone.text
+

@@ -271,6 +271,7 @@ class _Matcher:
         self.o = og
         self.tnodes = trace.nodes
         self.onodes = og.nodes
+        _scopes_as_called(trace, og)
         self.op_types = [str(n.meta.get("op_type", n.target.rsplit(".", 1)[-1])) for n in og.nodes]
         self.op_types = [QUANTIZED_OPS.get(op, op) for op in self.op_types]  # MatMulInteger is a MatMul
         # ONNX side: og is pruned, so every node is data; a value with a producer is data
@@ -1318,6 +1319,35 @@ class _Matcher:
                 self.elided.append((s, f"folded in part: into the pads of {_onnx_name(self.onodes[key])} for "
                                        f"{_trace_label(self.tnodes[d])}, a Pad for its other readers"))
         return taken
+
+
+def _scopes_as_called(trace: Graph, og: Graph) -> None:
+    """Give the ONNX nodes of a layer called through a container that is never called the layer's path.
+
+    TorchScript names scopes by calls: poolformer's head, an ``nn.Sequential`` whose children
+    are called one by one (``self.head.norm(x)``), is no call, so ``head.norm``'s ops are
+    ``/norm/...``, as if ``norm`` hung from the caller. The dynamo exporter states full paths.
+    """
+    paths = {n.module_path for n in trace.nodes if n.kind == "module"}
+    called_as: dict[str, str] = {}  # the name the exporter gives -> the layer's path
+    for n in trace.nodes:
+        if n.kind != "module" or "." not in n.module_path:
+            continue
+        caller = n.scope[-1].module_path if n.scope else ""
+        parent, last = n.module_path.rsplit(".", 1)
+        alias = f"{caller}.{last}" if caller else last
+        if parent != caller and alias not in paths:
+            called_as.setdefault(alias, n.module_path)
+    if not called_as:
+        return
+    for on in og.nodes:
+        scope = on.meta.get("scope")
+        if not scope or not str(on.meta.get("onnx_name", "")).startswith("/"):  # scoped by TorchScript's names
+            continue
+        for alias, path in called_as.items():
+            if scope == alias or scope.startswith(alias + "."):
+                on.meta["scope"] = on.module_path = path + scope[len(alias):]
+                break
 
 
 def _has_weights(tn: Node) -> bool:
