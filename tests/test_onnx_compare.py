@@ -1713,6 +1713,21 @@ def test_two_layers_with_equal_weights_on_one_input_may_be_computed_once(twin_he
     assert n_norms == (1 if exporter == "dynamo" else 2)  # dynamo merges the fresh norms, TorchScript does not
 
 
+def test_a_graph_alone_says_why_it_cannot_decide_two_layers_computed_once(twin_heads, tmp_path) -> None:
+    model, x, protos = twin_heads
+    path = str(tmp_path / "twins.onnx")
+    onnx.save(protos["dynamo"], path)
+    assert fwdtrace.check_onnx(model, x, onnx=path).status == "ok"  # the reference: with the model, equal weights
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, x), path)
+    assert alone.status == "incomplete" and not (alone.missing or alone.extra or alone.rewired), alone.text
+    assert [t for t, _ in alone.undecided] == ["head_dist.0 (BatchNorm1d)"]
+    assert "repeats head.0 (BatchNorm1d) on the same inputs" in alone.undecided[0][1]
+    assert "weights" in alone.undecided[0][1] and "check_onnx(model, x, onnx=proto)" in alone.text
+    assert alone.to_dict()["undecided"] == [{"trace": t, "why": why} for t, why in alone.undecided]
+    # TorchScript keeps both norms: nothing to decide
+    assert fwdtrace.compare_onnx(fwdtrace.trace(model, x), protos["torchscript"]).status == "ok"
+
+
 def test_two_layers_with_other_weights_are_not_computed_once() -> None:
     torch.manual_seed(0)
     twins, x = TwinHeads().eval(), torch.randn(3, 8)
