@@ -706,7 +706,7 @@ class _Matcher:
             eq = copied_into_a_fill(eq, len(self.partial_writes[tn.id]) if tn.id in self.partial_writes else None,
                                     self._written_rank(tn))
         elif tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
-            eq = written_through_a_view(eq, max(1, _indexed_dims(self.partial_writes[tn.id], tn.outputs[0].shape)))
+            eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
         elif eq is not None and canonical_target(tn.target) in SETITEM_FUNCTIONS and len(tn.inputs) == 2:
             eq = scattered_per_dimension(eq, _indexed_dims(tn.inputs[0].shape, tn.inputs[1].shape))
         call_key = self._call_key(tn)
@@ -979,13 +979,38 @@ class _Matcher:
             # (floor division's Where after its And, where its Div, Sub and Where only index).
             leaks = len(self._read_outside(results, nodes))
             reads_alike = bool(after_missing) and after_missing <= {r.shape for r in self.onodes[cand].inputs}
-            score = (self._anchor(cand, nodes, scopes, params), reads_alike, -len(skipped), len(touched), -leaks, size,
-                     len(nodes), -cand)
+            # and, of writes, one that does not take the next write's scatter in
+            in_turn = self._writes_in_turn(nodes)
+            score = (self._anchor(cand, nodes, scopes, params), reads_alike, -len(skipped), len(touched), -in_turn,
+                     -leaks, size, len(nodes), -cand)
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
         if best is None and anchored:
             best = self._anchored_fallback(tn, eq, ops, budget, scopes, params)
         return None if best is None else (best[1], best[2])
+
+    def _writes_in_turn(self, region: set[int]) -> bool:
+        """Whether a scatter of the region writes into what another scatter of it wrote: two writes, not one.
+
+        One write through a view nests its scatters, each putting the one inside back into the
+        larger tensor (its update); a later write scatters into the result (its data):
+        ``x[1:3, 2:4].zero_()`` then ``x[0].fill_(2)``, dynamo's two slice scatters then a select scatter.
+        """
+        for oid in region:
+            if self.op(oid) not in _SCATTERS or not self.onodes[oid].inputs:
+                continue
+            data = self.onodes[oid].inputs[0].obj_id
+            seen: set[int] = set()
+            while data in self.producer and (p := self.producer[data]) not in seen:
+                seen.add(p)
+                if self.op(p) in _SCATTERS:
+                    if p in region:
+                        return True
+                    break
+                if p not in self.wiring or not self._data_inputs(self.onodes[p]):
+                    break
+                data = self._data_inputs(self.onodes[p])[0]
+        return False
 
     def _read_outside(self, results: set[int], region: set[int]) -> set[int]:
         """The region's nodes besides ``results`` that compute from its own work and are read outside it.
@@ -993,17 +1018,11 @@ class _Matcher:
         A call's results leave through its last op (and a recurrent call's stacked final
         states); what its other ops compute is its own. What the region computes from the
         call's inputs alone may be shared (an exporter computes one attention mask's additive
-        form for every layer: :meth:`_prelude`), but not a scatter: what reads it sees one write
-        (``x[1:3, 2:4].zero_()`` then ``x[0].fill_(2)``: TorchScript's one ScatterND each).
+        form for every layer: :meth:`_prelude`).
         """
         found = set()
         for oid in region:
-            if oid in results:
-                continue
-            # a scatter read outside is a write whose result something else sees: the write ends there
-            if self.op(oid) not in _SCATTERS and not any(
-                self.producer[v] in region for v in self._data_inputs(self.onodes[oid])
-            ):
+            if oid in results or not any(self.producer[v] in region for v in self._data_inputs(self.onodes[oid])):
                 continue
             if any(c not in region for r in self.onodes[oid].outputs for c in self.consumers.get(r.obj_id, ())):
                 found.add(oid)
