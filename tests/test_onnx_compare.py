@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -1713,6 +1713,21 @@ def test_two_layers_with_equal_weights_on_one_input_may_be_computed_once(twin_he
     assert n_norms == (1 if exporter == "dynamo" else 2)  # dynamo merges the fresh norms, TorchScript does not
 
 
+def test_a_graph_alone_says_why_it_cannot_decide_two_layers_computed_once(twin_heads, tmp_path) -> None:
+    model, x, protos = twin_heads
+    path = str(tmp_path / "twins.onnx")
+    onnx.save(protos["dynamo"], path)
+    assert fwdtrace.check_onnx(model, x, onnx=path).status == "ok"  # the reference: with the model, equal weights
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, x), path)
+    assert alone.status == "incomplete" and not (alone.missing or alone.extra or alone.rewired), alone.text
+    assert [t for t, _ in alone.undecided] == ["head_dist.0 (BatchNorm1d)"]
+    assert "repeats head.0 (BatchNorm1d) on the same inputs" in alone.undecided[0][1]
+    assert "weights" in alone.undecided[0][1] and "check_onnx(model, x, onnx=proto)" in alone.text
+    assert alone.to_dict()["undecided"] == [{"trace": t, "why": why} for t, why in alone.undecided]
+    # TorchScript keeps both norms: nothing to decide
+    assert fwdtrace.compare_onnx(fwdtrace.trace(model, x), protos["torchscript"]).status == "ok"
+
+
 def test_two_layers_with_other_weights_are_not_computed_once() -> None:
     torch.manual_seed(0)
     twins, x = TwinHeads().eval(), torch.randn(3, 8)
@@ -2121,3 +2136,34 @@ def test_an_unopened_layer_reading_an_input_for_its_shape_leaves_a_graph_alone_i
     alone = fwdtrace.compare_onnx(fwdtrace.trace(model, **inputs), path)
     assert alone.status == "incomplete" and not alone.rewired, alone.text
     assert alone.not_opened == ["model.decoder.embed_positions (OPTLearnedPositionalEmbedding)"]
+
+
+class HeadCalledPartByPart(torch.nn.Module):
+    """poolformer's head: an ``nn.Sequential`` whose children the model calls one by one, the head itself never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3)
+        self.head = torch.nn.Sequential(OrderedDict(
+            global_pool=torch.nn.AdaptiveAvgPool2d(1), norm=LayerNorm2d(8), flatten=torch.nn.Flatten(1),
+            drop=torch.nn.Dropout(0.0), fc=torch.nn.Linear(8, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head.global_pool(self.stem(x))
+        x = self.head.flatten(self.head.norm(x))
+        return self.head.fc(self.head.drop(x))
+
+
+def test_a_container_never_called_gives_its_children_their_paths_on_a_graph_alone() -> None:
+    torch.manual_seed(0)
+    model, x = HeadCalledPartByPart().eval(), torch.randn(1, 3, 8, 8)
+    proto = fwdtrace.export_onnx(model, x, exporter="torchscript")
+    assert_runs_like_torch(proto, model(x), x)
+    (norm,) = [n.name for n in proto.graph.node if n.op_type == "LayerNormalization"]
+    assert norm.startswith("/norm/")  # the pattern's point: TorchScript names the ops by calls, not by paths
+    assert fwdtrace.check_onnx(model, x, onnx=proto).status == "ok"  # the reference: the layer opened
+    alone = fwdtrace.compare_onnx(fwdtrace.trace(model, x), proto)
+    # the unopened layer's op is its own, unchecked, not extra
+    assert alone.status == "incomplete" and not alone.extra, alone.text
+    assert alone.not_opened == ["head.norm (LayerNorm2d)"] and f"unchecked: {norm}" in alone.text
+

@@ -871,3 +871,57 @@ def test_a_call_is_compared_at_its_value_inside_a_region_that_took_in_the_next_c
     p.graph.initializer.append(onnx.numpy_helper.from_array(np.array(3.0, dtype=np.float32), "three"))
     square.input[1] = "three"
     assert fwdtrace.check_onnx(model, x, onnx=p, numeric=True).numeric.status == "diverges"
+
+
+class _CdistByProducts(torch.nn.Module):
+    """cdist past 25 rows: torch's matrix-product form (norms and -2x concatenated with ones, a product, a root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cdist(self.fc(x), x) + 1
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "fwdtrace"])  # dynamo cannot export aten::_cdist_forward
+def test_cdist_by_matrix_products_is_compared_at_its_distances(exporter: str) -> None:
+    torch.manual_seed(0)
+    model, x = _CdistByProducts().eval(), torch.randn(2, 30, 4)
+    report = fwdtrace.check_onnx(model, x, exporter=exporter, numeric=True)
+    numeric = report.numeric
+    assert numeric is not None and report.status == "ok" and report.first_divergence is None, str(report)
+    (cdist,) = [r for r in numeric.rows if r.target == "torch.cdist"]
+    # the reference: onnxruntime's value the row names is torch's distances, not a term of their decomposition
+    (value,) = _run_ort(numeric.proto, numeric.feeds, [cdist.onnx_value])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(value), torch.cdist(model.fc(x), x), rtol=1e-4, atol=1e-5)
+
+
+class _WindowsOfWindows(torch.nn.Module):
+    """Patches cut by two ``Tensor.unfold`` calls: each a Gather then a Transpose under dynamo, Concats under TorchScript."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).unfold(2, 3, 2).unfold(3, 3, 2).mean((-1, -2)) * 2
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript", "fwdtrace"])
+def test_each_unfold_is_compared_at_the_windows_it_returns(exporter: str) -> None:
+    torch.manual_seed(0)
+    model, x = _WindowsOfWindows().eval(), torch.randn(1, 2, 7, 7)
+    report = fwdtrace.check_onnx(model, x, exporter=exporter, numeric=True)
+    numeric = report.numeric
+    assert numeric is not None and report.status == "ok" and report.first_divergence is None, str(report)
+    rows = [r for r in numeric.rows if r.target == "torch.Tensor.unfold"]
+    with torch.no_grad():
+        rows_eager = model.conv(x).unfold(2, 3, 2)
+        expected = [rows_eager, rows_eager.unfold(3, 3, 2)]
+    assert len(rows) == 2 and all(r.compared for r in rows), str(report)
+    # the reference: onnxruntime's values the rows name are torch's windows
+    for row, want in zip(rows, expected, strict=True):
+        (value,) = _run_ort(numeric.proto, numeric.feeds, [row.onnx_value])
+        torch.testing.assert_close(torch.from_numpy(value), want)

@@ -134,9 +134,12 @@ class TopologyReport:
     ``opened`` names the layer classes no rule knows, which :func:`check_onnx` compared as
     the torch calls they make. ``not_opened`` lists the calls of such layers that
     :func:`compare_onnx`, given a graph alone, could not open: the ONNX ops between their
-    inputs and their readers are theirs, unchecked. ``status`` is ``'ok'``, ``'mismatch'``
-    (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened: neither
-    ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` opens them); ``ok`` is
+    inputs and their readers are theirs, unchecked. ``undecided`` pairs the calls a graph alone
+    cannot decide with why: a layer repeating another of its class on the same inputs that the
+    export computes once, right only if their weights are equal (LeViT's two heads, fresh from
+    their initialiser), which only the model shows. ``status`` is ``'ok'``, ``'mismatch'``
+    (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened or calls
+    undecided: neither ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` decides them); ``ok`` is
     ``status == 'ok'``. ``left_out`` names the outputs of the model the ONNX model does not
     return (a transformers cache exported without it: ``cache.layers[0].conv_states[0]``),
     by their paths in what the model returned; the others are compared. With ``numeric=True``
@@ -157,6 +160,7 @@ class TopologyReport:
     opened: list[str] = field(default_factory=list)
     not_opened: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)
+    undecided: list[tuple[str, str]] = field(default_factory=list)
     # check_onnx(numeric=True): every matched call's output against its ONNX value (fwdtrace.onnx.numeric)
     numeric: NumericResult | None = field(default=None, repr=False)
     # What the lists above name, by node id, and the two graphs compared (the trace with the
@@ -205,7 +209,7 @@ class TopologyReport:
 
     @property
     def status(self) -> str:
-        """``'ok'``, ``'mismatch'`` or ``'incomplete'`` (layers a graph alone cannot open); with numbers
+        """``'ok'``, ``'mismatch'`` or ``'incomplete'`` (layers a graph alone cannot open, calls it cannot decide); with numbers
         (``numeric=True``) also ``'diverges'`` and ``'rewritten'``.
 
         ``'diverges'``: a value is out of tolerance, or a structural mismatch has a value
@@ -218,7 +222,7 @@ class TopologyReport:
             return "diverges"
         if self.missing or self.extra or self.rewired:
             return "rewritten" if numbers == "rewritten" else "mismatch"
-        return "incomplete" if self.not_opened else "ok"
+        return "incomplete" if self.not_opened or self.undecided else "ok"
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-friendly data."""
@@ -233,6 +237,7 @@ class TopologyReport:
             "elided": [{"trace": t, "how": how} for t, how in self.elided],
             "opened": list(self.opened),
             "not_opened": list(self.not_opened),
+            "undecided": [{"trace": t, "why": why} for t, why in self.undecided],
             "left_out": list(self.left_out),
             **({"numeric": self.numeric.to_dict()} if self.numeric is not None else {}),
         }
@@ -263,6 +268,7 @@ class _Result:
     unopened: dict[int, list[int]] = field(default_factory=dict)
     outputs_fed: dict[int, list[str]] = field(default_factory=dict)  # gid -> the trace outputs it feeds
     left_out: list[str] = field(default_factory=list)  # cache outputs the export does not return
+    undecided: list[tuple[int, str]] = field(default_factory=list)  # trace node id -> why a graph alone cannot tell
 
 
 class _Matcher:
@@ -271,6 +277,7 @@ class _Matcher:
         self.o = og
         self.tnodes = trace.nodes
         self.onodes = og.nodes
+        _scopes_as_called(trace, og)
         self.op_types = [str(n.meta.get("op_type", n.target.rsplit(".", 1)[-1])) for n in og.nodes]
         self.op_types = [QUANTIZED_OPS.get(op, op) for op in self.op_types]  # MatMulInteger is a MatMul
         # ONNX side: og is pruned, so every node is data; a value with a producer is data
@@ -315,6 +322,7 @@ class _Matcher:
         self.missing: list[int] = []
         self.missing_producer: dict[int, int] = {}  # obj_id -> missing trace node that wrote it
         self.elided: list[tuple[int, str]] = []
+        self.undecided: list[tuple[int, str]] = []  # calls a graph alone cannot decide, and why
         self.written_by: dict[int, int] = {}  # trace obj_id -> the node that last wrote it
         # Value numbers: two tensors with one number hold the same values, made by the same
         # calls from the same inputs (dynamo computes DeBERTa's padding mask once for all layers).
@@ -501,7 +509,7 @@ class _Matcher:
                 outputs_fed.setdefault(gid, []).append(_output_label(n))
         return _Result(self.groups, self.missing, extra, self.elided, rewired,
                        ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs, reordered, unopened,
-                       outputs_fed, [_output_label(n) for n in self.left_out])
+                       outputs_fed, [_output_label(n) for n in self.left_out], self.undecided)
 
     def _constants_indexed(self) -> None:
         """A Gather from a constant by a computed index that no call took as its op is wiring.
@@ -698,13 +706,14 @@ class _Matcher:
             eq = copied_into_a_fill(eq, len(self.partial_writes[tn.id]) if tn.id in self.partial_writes else None,
                                     self._written_rank(tn))
         elif tn.id in self.partial_writes:  # y[:, :2].mul_(2): the Mul, then a scatter into y
-            eq = written_through_a_view(eq, max(1, _indexed_dims(self.partial_writes[tn.id], tn.outputs[0].shape)))
+            eq = written_through_a_view(eq, len(self.partial_writes[tn.id]))
         elif eq is not None and canonical_target(tn.target) in SETITEM_FUNCTIONS and len(tn.inputs) == 2:
             eq = scattered_per_dimension(eq, _indexed_dims(tn.inputs[0].shape, tn.inputs[1].shape))
         call_key = self._call_key(tn)
         earlier = self._earlier_call(tn, call_key)
         mask_key = self._mask_key(tn, data_in) if earlier is None else None
         same_mask = self.masks.get(mask_key) if mask_key is not None else None
+        twin = self._twin_of_unknown_weights(tn, call_key) if earlier is None and same_mask is None else None
         passthrough = frozenset().union(*reqs) if reqs else frozenset()
         # a BatchNorm after a Conv that is missing would have been folded into it
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
@@ -732,7 +741,7 @@ class _Matcher:
                 eq.folds_into and feeder is not None and feeder.key is not None
                 and self.op(feeder.key) in eq.folds_into
             )
-            simpler = self._simplification(tn, eq, data_in, earlier, same_mask)
+            simpler = self._simplification(tn, eq, data_in, earlier, same_mask, twin)
             # an op right where the inputs are, or none at all (not one further on, named by its scope)
             strict = can_fold or simpler is not None
             skipped = 0 if strict else _UNOPENED_SKIPPED if through_unopened else MAX_SKIPPED
@@ -743,7 +752,7 @@ class _Matcher:
                 tn_out = frozenset({tn.id})
             elif simpler is not None:
                 how, outs = simpler
-                self.elided.append((tn.id, how))
+                (self.undecided if twin is not None else self.elided).append((tn.id, how))
                 tn_out = passthrough
             elif can_fold and feeder is not None and feeder.key is not None:
                 feeder.trace_ids.append(tn.id)
@@ -762,8 +771,9 @@ class _Matcher:
             else:
                 self._add_missing(tn)
                 tn_out = passthrough
-        if earlier is None and same_mask is not None and tn.id not in self.groups and outs is not None:
-            earlier = same_mask  # elided as the mask computed once: the same values from here on
+        if earlier is None and tn.id not in self.groups and outs is not None:
+            # elided as the mask or the layer computed once: the same values from here on
+            earlier = same_mask if same_mask is not None else twin
         if mask_key is not None and tn.id in self.groups:
             self.masks.setdefault(mask_key, tn.id)
         values = self.out_values[earlier] if earlier is not None else [self._fresh_value() for _ in tn.outputs]
@@ -864,6 +874,16 @@ class _Matcher:
         )
         return (canonical_target(tn.target), reads, tuple(r.shape for r in tn.outputs), repr(sorted(tn.attrs.items())))
 
+    def _twin_of_unknown_weights(self, tn: Node, call_key: tuple[Any, ...]) -> int | None:
+        """An earlier layer of the same class on the same inputs, where there is no model to compare weights.
+
+        Given a graph alone, LeViT's two heads (fresh from their initialiser, so equal) that the
+        dynamo exporter computes once cannot be told from an export that dropped a layer.
+        """
+        if self.path2module is not None or tn.kind != "module" or not _has_weights(tn) or draws_random(tn):
+            return None
+        return next((e for e in self.calls.get(call_key, ()) if self.tnodes[e].module_path != tn.module_path), None)
+
     def _same_weights(self, first: Node, tn: Node) -> bool:
         """Whether two calls of one target use the same weights: one layer, or a layer whose ONNX form has none.
 
@@ -878,6 +898,7 @@ class _Matcher:
 
     def _simplification(
         self, tn: Node, eq: Equivalence, data_in: list[TensorRef], earlier: int | None, same_mask: int | None = None,
+        twin: int | None = None,
     ) -> tuple[str, list[frozenset[int]] | None] | None:
         """Why an exporter may drop this call without changing the result, and what stands for it.
 
@@ -892,6 +913,9 @@ class _Matcher:
             twin = tn.kind == "module" and first.module_path != tn.module_path and _has_weights(tn)
             return (f"simplified: repeats {_trace_label(first)} on the same inputs"
                     f"{' with equal weights' if twin else ''}, computed once"), self.out_groups[earlier]
+        if twin is not None and eq.patterns and not eq.optional:
+            return (f"repeats {_trace_label(self.tnodes[twin])} on the same inputs, which the export computes once: "
+                    "right if their weights are equal, which a graph alone does not show"), self.out_groups[twin]
         if same_mask is not None and eq.patterns and not eq.optional:
             return (f"simplified: repeats {_trace_label(self.tnodes[same_mask])}, the same mask from the same "
                     "inputs, computed once"), self.out_groups[same_mask]
@@ -955,13 +979,38 @@ class _Matcher:
             # (floor division's Where after its And, where its Div, Sub and Where only index).
             leaks = len(self._read_outside(results, nodes))
             reads_alike = bool(after_missing) and after_missing <= {r.shape for r in self.onodes[cand].inputs}
-            score = (self._anchor(cand, nodes, scopes, params), reads_alike, -len(skipped), len(touched), -leaks, size,
-                     len(nodes), -cand)
+            # and, of writes, one that does not take the next write's scatter in
+            in_turn = self._writes_in_turn(nodes)
+            score = (self._anchor(cand, nodes, scopes, params), reads_alike, -len(skipped), len(touched), -in_turn,
+                     -leaks, size, len(nodes), -cand)
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
         if best is None and anchored:
             best = self._anchored_fallback(tn, eq, ops, budget, scopes, params)
         return None if best is None else (best[1], best[2])
+
+    def _writes_in_turn(self, region: set[int]) -> bool:
+        """Whether a scatter of the region writes into what another scatter of it wrote: two writes, not one.
+
+        One write through a view nests its scatters, each putting the one inside back into the
+        larger tensor (its update); a later write scatters into the result (its data):
+        ``x[1:3, 2:4].zero_()`` then ``x[0].fill_(2)``, dynamo's two slice scatters then a select scatter.
+        """
+        for oid in region:
+            if self.op(oid) not in _SCATTERS or not self.onodes[oid].inputs:
+                continue
+            data = self.onodes[oid].inputs[0].obj_id
+            seen: set[int] = set()
+            while data in self.producer and (p := self.producer[data]) not in seen:
+                seen.add(p)
+                if self.op(p) in _SCATTERS:
+                    if p in region:
+                        return True
+                    break
+                if p not in self.wiring or not self._data_inputs(self.onodes[p]):
+                    break
+                data = self._data_inputs(self.onodes[p])[0]
+        return False
 
     def _read_outside(self, results: set[int], region: set[int]) -> set[int]:
         """The region's nodes besides ``results`` that compute from its own work and are read outside it.
@@ -969,17 +1018,11 @@ class _Matcher:
         A call's results leave through its last op (and a recurrent call's stacked final
         states); what its other ops compute is its own. What the region computes from the
         call's inputs alone may be shared (an exporter computes one attention mask's additive
-        form for every layer: :meth:`_prelude`), but not a scatter: what reads it sees one write
-        (``x[1:3, 2:4].zero_()`` then ``x[0].fill_(2)``: TorchScript's one ScatterND each).
+        form for every layer: :meth:`_prelude`).
         """
         found = set()
         for oid in region:
-            if oid in results:
-                continue
-            # a scatter read outside is a write whose result something else sees: the write ends there
-            if self.op(oid) not in _SCATTERS and not any(
-                self.producer[v] in region for v in self._data_inputs(self.onodes[oid])
-            ):
+            if oid in results or not any(self.producer[v] in region for v in self._data_inputs(self.onodes[oid])):
                 continue
             if any(c not in region for r in self.onodes[oid].outputs for c in self.consumers.get(r.obj_id, ())):
                 found.add(oid)
@@ -1320,6 +1363,35 @@ class _Matcher:
         return taken
 
 
+def _scopes_as_called(trace: Graph, og: Graph) -> None:
+    """Give the ONNX nodes of a layer called through a container that is never called the layer's path.
+
+    TorchScript names scopes by calls: poolformer's head, an ``nn.Sequential`` whose children
+    are called one by one (``self.head.norm(x)``), is no call, so ``head.norm``'s ops are
+    ``/norm/...``, as if ``norm`` hung from the caller. The dynamo exporter states full paths.
+    """
+    paths = {n.module_path for n in trace.nodes if n.kind == "module"}
+    called_as: dict[str, str] = {}  # the name the exporter gives -> the layer's path
+    for n in trace.nodes:
+        if n.kind != "module" or "." not in n.module_path:
+            continue
+        caller = n.scope[-1].module_path if n.scope else ""
+        parent, last = n.module_path.rsplit(".", 1)
+        alias = f"{caller}.{last}" if caller else last
+        if parent != caller and alias not in paths:
+            called_as.setdefault(alias, n.module_path)
+    if not called_as:
+        return
+    for on in og.nodes:
+        scope = on.meta.get("scope")
+        if not scope or not str(on.meta.get("onnx_name", "")).startswith("/"):  # scoped by TorchScript's names
+            continue
+        for alias, path in called_as.items():
+            if scope == alias or scope.startswith(alias + "."):
+                on.meta["scope"] = on.module_path = path + scope[len(alias):]
+                break
+
+
 def _has_weights(tn: Node) -> bool:
     """Whether a layer may carry weights: its ONNX form has ops that take them, or no rule says."""
     eq = equivalence_for(tn)
@@ -1583,11 +1655,14 @@ def _build_report(
             )
     elided = [(_trace_label(trace.nodes[i]), how) for i, how in result.elided]
     not_opened = [_trace_label(trace.nodes[i]) for i in result.unopened]
-    ok = not (missing or extra or rewired or not_opened)
+    undecided = [(_trace_label(trace.nodes[i]), why) for i, why in result.undecided]
+    ok = not (missing or extra or rewired or not_opened or undecided)
+    unsure = [f"{len(not_opened)} layer call{'s' if len(not_opened) > 1 else ''} not opened"] if not_opened else []
+    unsure += [f"{len(undecided)} call{'s' if len(undecided) > 1 else ''} undecided"] if undecided else []
     verdict = (
         "the export has the topology of the trace" if ok
         else "the export DIFFERS from the trace" if missing or extra or rewired
-        else f"INCOMPLETE: {len(not_opened)} layer call{'s' if len(not_opened) > 1 else ''} not opened"
+        else f"INCOMPLETE: {', '.join(unsure)}"
     )
 
     kinds = Counter(
@@ -1602,7 +1677,8 @@ def _build_report(
         f"  {len(matched)} traced calls matched to {sum(len(o) for _, o in matched)} ONNX nodes; "
         f"{len(elided)} elided{f' ({how_elided})' if how_elided else ''}; "
         f"{len(missing)} missing, {len(extra)} extra, {len(rewired)} rewired"
-        + (f", {len(not_opened)} not opened" if not_opened else ""),
+        + (f", {len(not_opened)} not opened" if not_opened else "")
+        + (f", {len(undecided)} undecided" if undecided else ""),
     ]
     if opened:
         lines.append(f"  compared as the calls they make (no ONNX rule): {', '.join(opened)}")
@@ -1615,6 +1691,9 @@ def _build_report(
         for i in result.unopened:
             ops = [_onnx_name(og.nodes[o]) for o in result.unopened[i]]
             lines.append(f"  - {_trace_label(trace.nodes[i])}" + (f", unchecked: {', '.join(ops)}" if ops else ""))
+    if undecided:
+        lines.append("undecided (a graph alone cannot tell; pass the model, fwdtrace.check_onnx(model, x, onnx=proto)):")
+        lines += [f"  - {label}: {why}" for label, why in undecided]
     if result.missing or result.unmatched_inputs[0]:
         lines.append("missing (in the trace, not in the ONNX graph):")
         for i in result.missing + result.unmatched_inputs[0]:
@@ -1644,7 +1723,7 @@ def _build_report(
         for lbl, how in folded:
             lines.append(f"  {lbl.ljust(width)}  <->  {how}")
     return TopologyReport(ok, matched, missing, extra, rewired, elided, "\n".join(lines), exporter, list(opened or []),
-                          not_opened, list(result.left_out), ids=ids, trace=trace, onnx_graph=og)
+                          not_opened, list(result.left_out), undecided, ids=ids, trace=trace, onnx_graph=og)
 
 
 def _load_onnx_file(path: str | os.PathLike[str], caller: str) -> Any:

@@ -712,7 +712,7 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
     names = on.meta.get("output_names", [])
     start = on.outputs[index]
     if not _shaped_other(start.shape, shape):
-        return str(names[index])
+        return _last_alike_view(og, readers, key, index, shape) if on.meta.get("wiring") else str(names[index])
     frontier = [(key, index)]
     for _ in range(4):  # a few views, not a walk into the next call
         nxt = []
@@ -726,6 +726,26 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
                 nxt.append((c, 0))
         frontier = nxt
     return str(names[index])
+
+
+def _last_alike_view(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:
+    """The last value shaped like the eager output along the views that alone read a view call's key.
+
+    A call that is views only (``x.unfold(3, 3, 2)``: a Gather, then a Transpose of the two
+    last axes) may hold the eager shape before its last view: the Gather's square windows are
+    not yet the windows torch returns.
+    """
+    nid, i = key, index
+    for _ in range(4):
+        reading = readers.get(og.nodes[nid].outputs[i].obj_id, [])
+        if len(reading) != 1:
+            break
+        cn = og.nodes[reading[0]]
+        if cn.kind != "function" or not cn.meta.get("wiring") or not cn.outputs or _shaped_other(cn.outputs[0].shape,
+                                                                                                 shape):
+            break
+        nid, i = cn.id, 0
+    return str(og.nodes[nid].meta["output_names"][i])
 
 
 def _recurrent_carriers(og: Graph, readers: dict[int, list[int]], group: Any, t_outs: list[Any],

@@ -787,8 +787,13 @@ _register(_functions("index_add", "index_add_", "index_copy", "index_copy_", "ma
           "ScatterND", "ScatterElements")
 _register(_functions("cross_entropy"), "SoftmaxCrossEntropyLoss", "LogSoftmax+NegativeLogLikelihoodLoss")
 _register(_functions("nll_loss"), "NegativeLogLikelihoodLoss")
+# windows along one dimension: gathered (dynamo, torchlib's form), or sliced and concatenated (TorchScript)
+_register(["torch.Tensor.unfold"], "Add+Gather*2+Sub", "Concat")
+# cdist past 25 rows is torch's matrix-product form: the squared norms and -2x concatenated with ones, one
+# product, clamped at 0, a square root
 _register(_functions("cdist"), "Sub+Pow+ReduceSum+Sqrt", "Sub+Pow*2+ReduceSum", "ReduceSumSquare*2+MatMul+Mul+Add*2+Max+Sqrt",
-          "ReduceSum*2+Pow*2+MatMul+Mul+Add*2+Max+Sqrt")
+          "ReduceSum*2+Pow*2+MatMul+Mul+Add*2+Max+Sqrt", "ReduceSum*2+Pow*2+Mul+Concat*2+MatMul+Max+Sqrt",
+          "ReduceSum*2+Pow*2+Mul+Concat*2+MatMul+Clip+Sqrt")
 _register(_functions("rsqrt"), "Sqrt+Reciprocal", "Sqrt+Div", "Pow")
 _register(_functions("max"), "ReduceMax", "Max")
 _register(_functions("min"), "ReduceMin", "Min")
