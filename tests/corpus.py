@@ -1112,6 +1112,7 @@ def _assert_computed(first: Any, inputs: list[torch.Tensor], values: dict[str, A
 def ort_values(path: Path, run: Run) -> dict[str, Any]:
     """Every value onnxruntime computes running the file on the example, by name: node outputs, graph
     inputs and initializers (numpy arrays), the graph run as written (no fusion)."""
+    import numpy as np
     import onnx
     import onnxruntime
     from onnx import numpy_helper
@@ -1130,7 +1131,8 @@ def ort_values(path: Path, run: Run) -> dict[str, Any]:
         # the example's tensors, those the file reads and those it does not (an export may drop an input)
         out.update({f"example input {k}": t.numpy() for k, t in enumerate(leaves((run.args, run.kwargs)))})
         out.update(feed)
-        out.update(zip([o.name for o in session.get_outputs()], session.run(None, feed), strict=True))
+        got = zip([o.name for o in session.get_outputs()], session.run(None, feed), strict=True)
+        out.update((name, value) for name, value in got if isinstance(value, np.ndarray))  # not a sequence's list
         return out
 
     return run._once(f"ort-values:{path}", compute)
