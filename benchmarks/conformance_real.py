@@ -5,6 +5,10 @@
         [--jobs N]
     python benchmarks/conformance_real.py table [--out out/conformance_real.jsonl]
 
+``run --corpus`` runs ``make test``'s own rows (tests/corpus.py's ``CORPUS``) the same way, for a
+table of them. A row of an entry ``numeric[x]`` also keeps the numeric check's one-line answer
+(``lead``: where a divergence starts, or that none was found), which ``table`` lists.
+
 The models are ``tests/corpus.py``'s :func:`real_cases` (built from their constructors with
 random weights: nothing is downloaded) and the entry points and invariants are that module's
 ``ENTRIES``, the ones ``make test`` runs on the small corpus: one implementation of both.
@@ -97,6 +101,9 @@ def run_case(case: corpus.Case, entries: list[str], out: Path, timeout: int) -> 
             else:
                 row["status"] = "pass"
             row["seconds"] = round(time.perf_counter() - start, 2)
+            lead = corpus.numeric_lead(run, entry)
+            if lead:  # the numeric check's answer, pass or not: where a divergence is, it says where it starts
+                row["lead"] = lead[:600]
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{case.name:50s} {entry:26s} {row['status']:15s} {row['seconds']:7.1f}s "
@@ -170,6 +177,12 @@ def table(path: Path) -> str:
         if r["status"] not in ("pass", "exporter failed"):
             message = " ".join(r.get("message", "").split())[:240].replace("|", "\\|")
             lines.append(f"- {r['model']} `{r['entry']}` {r['status']}: {message}")
+    answers = [r for r in rows if r.get("lead")]
+    if answers:
+        lines += ["", "The numeric check's answers:", "", "| model | entry point | cell | answer |", "|---|---|---|---|"]
+        for r in answers:
+            lead = r["lead"][:300].replace("|", "\\|")
+            lines.append(f"| {r['model']} | {r['entry']} | {r['status']} | {lead} |")
     return "\n".join(lines)
 
 
@@ -186,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--entry-timeout", type=int, default=600)
     run.add_argument("--again", action="store_true", help="run pairs already in --out again")
     run.add_argument("--out", type=Path, default=OUT)
+    run.add_argument("--corpus", action="store_true",
+                     help="the rows of make test's corpus (tests/corpus.py's CORPUS) instead of the real models")
     run.add_argument("--jobs", type=int, default=1,
                      help="models run at once, each in a child process (default 1: in this process)")
     tab = sub.add_parser("table")
@@ -197,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     torch.set_num_threads(int(os.environ.get("FWDTRACE_BENCH_THREADS", "1")))  # the machine is shared
-    cases = [c for c in corpus.real_cases() if not args.family or c.family in args.family]
+    cases = [c for c in (corpus.CORPUS if args.corpus else corpus.real_cases()) if not args.family or c.family in args.family]
     if args.only:
         cases = [c for c in cases if c.name in args.only or c.name.split("/", 1)[-1] in args.only]
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [c for c in cases[args.start:args.stop]
             if any((c.name, e) not in done for e in args.entry or corpus.ENTRIES)]
     if args.jobs > 1:
-        passed = [f"--entry-timeout={args.entry_timeout}", f"--out={args.out}", *(["--again"] if args.again else [])]
+        passed = [f"--entry-timeout={args.entry_timeout}", f"--out={args.out}", *(["--again"] if args.again else []),
+                  *(["--corpus"] if args.corpus else [])]
         run_in_children(todo, list(args.entry or corpus.ENTRIES), passed, args.out, args.jobs)
         return 0
     for case in todo:

@@ -6,7 +6,7 @@ each ONNX check and export, analysis, probes, the live page's SVG, JSON) and hol
 function that runs it on one :class:`Run` and asserts its invariants, each against an
 independent reference where there is one (plain forward hooks, ``p.numel()``, onnxruntime,
 the graph contracted by box). A :class:`Run` does a model's expensive work once: one
-build, one trace, one export per exporter, one ``check_onnx`` per exporter.
+build, one trace, one export per exporter, one ``check_onnx`` per exporter, with and without numbers.
 
 ``tests/test_conformance.py`` makes one pytest case per (row, entry point) from
 :data:`CORPUS`; ``benchmarks/conformance_real.py`` runs the same entries over torchvision
@@ -15,6 +15,7 @@ and timm (:func:`real_cases`). Adding a model is adding a row.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import re
@@ -51,6 +52,9 @@ class Case:
     build: Callable[[], Built]
     exporter_fails: Mapping[str, str] = field(default_factory=dict)
     family: str = "own"
+    # a regex of the targets of the calls that draw random numbers (``randn_like``, a Dropout in training):
+    # the outputs that depend on them differ in onnxruntime by nature (see Run.drawn_outputs)
+    draws: str = ""
 
 
 # -- the rows: models of our own ---------------------------------------------------------------------------
@@ -157,6 +161,21 @@ class Seq2Seq(nn.Module):
         return torch.stack(logits, 1)
 
 
+class RandomOps(nn.Module):
+    """Draws random numbers as torchlens' toy models do: ``randn_like``, ``rand`` and dropout in training
+    mode (in an eval model), beside a deterministic output."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        noisy = (h + 0.1 * torch.randn_like(h)) * torch.rand(h.shape)
+        return self.out(h), F.dropout(noisy, 0.5, training=True)
+
+
 def _zoo(name: str) -> Callable[[], Built]:
     def build() -> Built:
         import zoo
@@ -180,6 +199,15 @@ def _ids(length: int = 8, vocab: int = 100, padded: bool = True) -> dict[str, to
     mask = torch.ones(2, length, dtype=torch.long)
     if padded:
         mask[1, length - 3 :] = 0
+    return {"input_ids": torch.randint(1, vocab, (2, length)), "attention_mask": mask}
+
+
+def _left_padded_ids(length: int = 8, vocab: int = 100) -> dict[str, torch.Tensor]:
+    """Token ids padded on the left, as batched generation pads: with the causal mask, the padded
+    sequence's first query rows see no key at all (a fully masked row, which eager
+    ``scaled_dot_product_attention`` gives as 0)."""
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :3] = 0
     return {"input_ids": torch.randint(1, vocab, (2, length)), "attention_mask": mask}
 
 
@@ -241,6 +269,14 @@ CORPUS: list[Case] = [
     Case("mamba", _hf("MambaModel", "MambaConfig", lambda: {"input_ids": torch.randint(1, 100, (1, 8))},
                       hidden_size=32, num_hidden_layers=2, state_size=4, vocab_size=100, use_mambapy=True),
          family="transformers"),
+    # Decoders on left-padded batches (one layer): the fully masked query rows of the padding
+    Case("llama_left", _hf("LlamaModel", "LlamaConfig", _left_padded_ids,
+                           **{**_SMALL, "num_hidden_layers": 1}, num_key_value_heads=2), family="transformers"),
+    Case("opt_left", _hf("OPTModel", "OPTConfig", _left_padded_ids, hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32, vocab_size=100,
+                         max_position_embeddings=32), family="transformers"),
+    Case("gpt2_left", _hf("GPT2Model", "GPT2Config", _left_padded_ids, n_embd=32, n_layer=1, n_head=4,
+                          vocab_size=100, n_positions=32), family="transformers"),
     Case("resnetish", _zoo("resnetish")),
     Case("densenetish", _zoo("densenetish")),
     Case("unetish", _zoo("unetish")),
@@ -250,6 +286,7 @@ CORPUS: list[Case] = [
     Case("embed_conv_lstm", _own(EmbedConvLSTM, lambda: torch.randint(0, 50, (2, 7)))),
     Case("seq2seq", _own(lambda: Seq2Seq(vocab=50, d=16, steps=4), lambda: torch.randint(0, 50, (2, 6)))),
     Case("detector", _own(TinyDetector, lambda: [torch.rand(3, 30, 26), torch.rand(3, 28, 32)])),
+    Case("random_ops", _own(RandomOps, lambda: torch.randn(2, 8)), draws=r"(^|\.)(randn_like|rand|dropout)$"),
 ]
 
 
@@ -458,6 +495,13 @@ class Run:
         the corpus hands it that model instead of exporting it a second time: the dynamo export
         of a small transformer is seconds. Everything after the export is check_onnx's own.
         """
+        return self._checked(exporter, numeric=False)
+
+    def check_numeric(self, exporter: str) -> fwdtrace.TopologyReport:
+        """``check_onnx(model, ..., exporter=exporter, numeric=True)``, handed the file as :meth:`check` is."""
+        return self._checked(exporter, numeric=True)
+
+    def _checked(self, exporter: str, numeric: bool) -> fwdtrace.TopologyReport:
         def check() -> fwdtrace.TopologyReport:
             import onnx
 
@@ -467,15 +511,42 @@ class Run:
             exported = lambda *args, **kwargs: proto  # noqa: E731
             with mock.patch.object(compare, "_export", exported), mock.patch.object(emit, "to_onnx", exported), \
                     torch.no_grad():
-                return fwdtrace.check_onnx(self.model, *self.args, exporter=exporter, **self.kwargs)
+                return fwdtrace.check_onnx(self.model, *self.args, exporter=exporter, numeric=numeric, **self.kwargs)
 
-        return self._once(f"check:{exporter}", check)
+        return self._once(f"{'numeric' if numeric else 'check'}:{exporter}", check)
 
-    def runs_like_eager(self, exporter: str) -> tuple[bool, str]:
+    def runs_like_eager(self, exporter: str, tolerances: Mapping[str, tuple[float, float]] | None = None
+                        ) -> tuple[bool, str]:
         """Whether onnxruntime on the exported file gives eager's outputs, and where not, how; the outputs
-        the report on that file declares left out (a cache the exporter could not export) excepted."""
-        return self._once(f"ort:{exporter}", lambda: ort_agrees(self.exported(exporter), self,
-                                                                 self.compared(exporter).left_out))
+        the report on that file declares left out (a cache the exporter could not export) excepted.
+
+        Without ``tolerances``, within float32 tolerance, and the outputs that depend on random draws
+        (:meth:`drawn_outputs`) by their shapes and dtypes only: does the file compute what eager does.
+        With a numeric report's ``tolerances`` (dtype -> rtol, atol), every output within them: are
+        onnxruntime's numbers eager's.
+        """
+        def agrees() -> tuple[bool, str]:
+            drawn = set() if tolerances is not None else self.drawn_outputs()
+            return ort_agrees(self.exported(exporter), self, self.compared(exporter).left_out, drawn, tolerances)
+
+        return self._once(f"ort:{exporter}:{tolerances is not None}", agrees)
+
+    def drawn_outputs(self) -> set[int]:
+        """The eager outputs (positions in ``leaves(eager, caches=True)``) that a forward under another seed
+        changes: those that depend on random draws. Only for a row that declares draws, which must have some."""
+        def drawn() -> set[int]:
+            if not self.case.draws:
+                return set()
+            torch.manual_seed(12345)
+            with torch.no_grad():
+                again = list(leaves(self.model(*self.args, **self.kwargs), caches=True))
+            first = list(leaves(self.eager, caches=True))
+            changed = {k for k, (a, b) in enumerate(zip(first, again, strict=True)) if not torch.equal(a, b)}
+            assert changed, f"the row declares draws ({self.case.draws!r}), but a forward under another seed " \
+                            "gives the same outputs"
+            return changed
+
+        return self._once("drawn", drawn)
 
     def compared(self, exporter: str) -> fwdtrace.TopologyReport:
         return self._once(f"compare:{exporter}", lambda: fwdtrace.compare_onnx(self.graph, self.exported(exporter)))
@@ -660,33 +731,42 @@ def _left_out(run: Run, left_out: list[str]) -> set[int]:
     return skipped
 
 
-def ort_agrees(path: Path, run: Run, left_out: list[str] | None = None) -> tuple[bool, str]:
+def _ort_feed(session: Any, run: Run) -> dict[str, Any]:
+    """The example's tensors for an onnxruntime session's inputs: by name, else in order."""
+    names = [i.name for i in session.get_inputs()]
+    named, given = _input_names(run), list(leaves((run.args, run.kwargs)))
+    if all(n in named for n in names):
+        return {n: named[n].numpy() for n in names}
+    assert len(names) == len(given), f"ONNX inputs {names} for the {len(given)} tensors given"
+    return {n: t.numpy() for n, t in zip(names, given, strict=True)}
+
+
+def ort_agrees(path: Path, run: Run, left_out: list[str] | None = None, drawn: set[int] | None = None,
+               tolerances: Mapping[str, tuple[float, float]] | None = None) -> tuple[bool, str]:
     """onnxruntime on an exported file against eager: the eager outputs must come out, in order, among
-    the ONNX outputs (which may hold more: the tensors of caches), within float32 tolerance.
+    the ONNX outputs (which may hold more: the tensors of caches), within float32 tolerance, or within
+    ``tolerances`` (a numeric report's: dtype -> rtol, atol).
 
     ``left_out`` (a report's) names the outputs the file does not return: only the tensors of a
-    returned cache may be named, and the file must then return exactly the others.
+    returned cache may be named, and the file must then return exactly the others. ``drawn``: eager
+    outputs (positions, as :meth:`Run.drawn_outputs`) compared by shape and dtype only.
     """
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()]
-    named, given = _input_names(run), list(leaves((run.args, run.kwargs)))
-    if all(n in named for n in names):
-        feed = {n: named[n].numpy() for n in names}
-    else:
-        assert len(names) == len(given), f"ONNX inputs {names} for the {len(given)} tensors given"
-        feed = {n: t.numpy() for n, t in zip(names, given, strict=True)}
-    results = session.run(None, feed)
+    results = session.run(None, _ort_feed(session, run))
     skipped = _left_out(run, left_out or [])
+    kept = [k for k in range(len(list(leaves(run.eager, caches=True)))) if k not in skipped]
     expected = [t for k, t in enumerate(leaves(run.eager, caches=True)) if k not in skipped]
     if skipped and len(results) != len(expected):
         return False, (f"{len(skipped)} outputs declared left out, but the file returns {len(results)} outputs "
                        f"for the other {len(expected)}")
-    return outputs_agree([torch.from_numpy(r) for r in results], expected)
+    return outputs_agree([torch.from_numpy(r) for r in results], expected,
+                         {i for i, k in enumerate(kept) if k in (drawn or set())}, tolerances)
 
 
-def outputs_agree(results: list[torch.Tensor], expected: list[torch.Tensor]) -> tuple[bool, str]:
+def outputs_agree(results: list[torch.Tensor], expected: list[torch.Tensor], drawn: set[int] | None = None,
+                  tolerances: Mapping[str, tuple[float, float]] | None = None) -> tuple[bool, str]:
     """Whether the ``expected`` (eager) outputs come out, in order, among ``results``, within float32 tolerance.
 
     A detector's outputs (boxes, scores, labels: one row per detection, sorted by score) may come
@@ -695,11 +775,17 @@ def outputs_agree(results: list[torch.Tensor], expected: list[torch.Tensor]) -> 
     has no one order (RetinaNet with random weights: scores 0.0265497 and 0.0265493 swap in
     onnxruntime). Such a swap must be the same in every output of the group (a row moves whole),
     and only between rows whose 1-dim float output (the scores) is equal within the tolerance.
+    ``drawn`` (positions in ``expected``) are compared by shape and dtype only; with ``tolerances``
+    (dtype -> rtol, atol: a numeric report's) each output is compared within them, rows in order.
     """
     k = r = 0
     while k < len(expected) and r < len(results):
         group = _row_group(expected, k)
-        if _all_close(results[r], expected[k]):
+        if k in (drawn or set()) and (results[r].shape, results[r].dtype) == (expected[k].shape, expected[k].dtype):
+            k, r = k + 1, r + 1
+        elif tolerances is not None:
+            k, r = (k + 1, r + 1) if within(results[r], expected[k], tolerances) else (k, r + 1)
+        elif _all_close(results[r], expected[k]):
             k, r = k + 1, r + 1
         elif r + len(group) <= len(results) and _rows_permuted(results[r:r + len(group)], group):
             k, r = k + len(group), r + len(group)
@@ -708,7 +794,23 @@ def outputs_agree(results: list[torch.Tensor], expected: list[torch.Tensor]) -> 
     if k == len(expected):
         return True, ""
     return False, (f"{k} of the {len(expected)} eager outputs found in order; the next, "
-                   f"{list(expected[k].shape)}, is not among the {len(results)} ONNX outputs")
+                   f"{list(expected[k].shape)}, is not among the {len(results)} ONNX outputs"
+                   + (" within the report's tolerance" if tolerances is not None else ""))
+
+
+def within(got: Any, want: Any, tolerances: Mapping[str, tuple[float, float]]) -> bool:
+    """A numeric report's test, computed here: same shape, ``max|got - want| <= atol + rtol * max|want|``
+    with the (rtol, atol) of ``want``'s dtype; integers and booleans exactly."""
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    if tuple(got.shape) != tuple(want.shape):
+        return False
+    if not want.is_floating_point():
+        return bool(torch.equal(got.to(want.dtype), want))
+    rtol, atol = tolerances.get(str(want.dtype).removeprefix("torch."), (0.0, 0.0))
+    if not want.numel():
+        return True
+    diff = (got.double() - want.double()).abs().max()
+    return bool(diff <= atol + rtol * want.double().abs().max())  # NaN on either side: False
 
 
 def _all_close(got: torch.Tensor, want: torch.Tensor, like: torch.Tensor | None = None) -> bool:
@@ -909,6 +1011,185 @@ def _check_onnx(exporter: str) -> Callable[[Run], None]:
     return entry
 
 
+def _check_numeric(exporter: str) -> Callable[[Run], None]:
+    def entry(run: Run) -> None:
+        if _declared_failure(run, exporter, lambda: run.check_numeric(exporter)):
+            return
+        report = run.check_numeric(exporter)
+        numeric = report.numeric
+        assert numeric is not None
+        text = f"{numeric.lead()}\n" + "\n".join(numeric.table())
+        # The reference: onnxruntime's outputs on the file against eager's, within the report's own
+        # tolerances. ok exactly when they agree; where they do not, the divergence it names must be
+        # where the difference starts (checked against eager hooks and onnxruntime's own values).
+        agrees, why = run.runs_like_eager(exporter, numeric.tolerances)
+        first = numeric.first_divergence
+        if agrees:
+            assert report.ok and first is None, (
+                f"check_onnx(exporter={exporter!r}, numeric=True) is {report.status} while onnxruntime gives "
+                f"eager's outputs within its tolerance:\n{text}")
+            return
+        assert not report.ok and first is not None, (
+            f"check_onnx(exporter={exporter!r}, numeric=True) is {report.status}, naming no divergence, while "
+            f"onnxruntime's outputs differ from eager's: {why}\n{text}")
+        assert_divergence_starts_there(run, exporter, report)
+
+    return entry
+
+
+def numeric_lead(run: Run, entry: str) -> str | None:
+    """The one-line answer of the numeric check an entry ``numeric[x]`` made, where it made one."""
+    match = re.fullmatch(r"numeric\[(\w+)\]", entry)
+    done = run._done.get(f"numeric:{match.group(1)}") if match else None
+    if not done or not done[0] or done[1].numeric is None:
+        return None
+    return str(done[1].numeric.lead())
+
+
+def assert_divergence_starts_there(run: Run, exporter: str, report: fwdtrace.TopologyReport) -> None:
+    """The first divergence a numeric report names is a call that draws random numbers in a row that
+    declares that draw, or a call whose inputs agree and whose output does not.
+
+    Checked independently of the report's pairing: the call's inputs and output as plain hooks (a
+    module) or a TorchFunctionMode (a torch function) see them in a forward of their own, against
+    every value onnxruntime computes in the file (an input agrees when some ONNX value equals it
+    within the report's tolerance). A call neither can see (a torchvision op) is checked through
+    the report's eager value of its output and the rows of the calls the trace says feed it.
+    """
+    numeric = report.numeric
+    assert numeric is not None
+    first = numeric.first_divergence
+    assert first is not None
+    text = f"{numeric.lead()}\n" + "\n".join(numeric.table())
+    if first.kind == "random":
+        assert run.case.draws and re.search(run.case.draws, first.target), (
+            f"the first divergence, {first.call}, is said to draw random numbers; the row declares "
+            f"{run.case.draws or 'no draw'!r}:\n{text}")
+        return
+    tols = numeric.tolerances
+    values = ort_values(run.exported(exporter), run)
+    if first.kind == "missing":  # a call the export dropped (a write through a view): a real call, fed agreeing values
+        seen = eager_call(run, first, None)
+        assert seen is not None, f"{first.call}, missing from the file, is no call a forward of its own sees:\n{text}"
+        _assert_computed(first, seen[0], values, tols, text)
+        return
+    assert first.kind in ("module", "function", "output"), (
+        f"the first divergence is a structural {first.kind}: {first.note}\n{text}")
+    name = first.onnx_value.split(", ")[0]
+    assert name in values, f"the first divergence's ONNX value {name!r} is not a value of the file"
+    reported = numeric.eager.get(name)
+    seen = eager_call(run, first, reported)
+    if seen is None:  # not a module nor a torch function: the report's eager value, and its inputs' rows
+        assert reported is not None, f"no eager value kept for {first.call}"
+        assert not within(values[name], reported, tols), (
+            f"{first.call} is the first divergence, but onnxruntime's {name} equals its eager value:\n{text}")
+        assert first.inputs_rel is not None and first.inputs_rel <= sum(tols.get(first.inputs_dtype or first.dtype, (0, 0))), (
+            f"{first.call} is the first divergence, but its inputs are off by {first.inputs_rel}:\n{text}")
+        return
+    inputs, outputs = seen
+    assert not any(within(values[name], out, tols) for out in outputs), (
+        f"{first.call} is the first divergence, but onnxruntime's {name} equals its eager output:\n{text}")
+    _assert_computed(first, inputs, values, tols, text)
+
+
+def _assert_computed(first: Any, inputs: list[torch.Tensor], values: dict[str, Any],
+                     tols: Mapping[str, tuple[float, float]], text: str) -> None:
+    """Each float input of the call is a value onnxruntime computes in the file (reshaped alike), within ``tols``."""
+    by_numel: dict[int, list[Any]] = {}
+    for value in values.values():
+        by_numel.setdefault(int(value.size), []).append(value)
+    for k, x in enumerate(inputs):
+        if not x.is_floating_point():
+            continue  # a mask or an index: an exporter may carry it in another dtype (a float additive mask)
+        if k == 0 and first.target.endswith(".copy_"):
+            continue  # copy_ overwrites its destination: it reads the source only
+        found = any(within(torch.from_numpy(v).reshape(x.shape), x, tols) for v in by_numel.get(x.numel(), ())
+                    if str(v.dtype) == str(x.dtype).removeprefix("torch."))
+        assert found, (f"{first.call} is named the first divergence, but its input {k} {list(x.shape)} is no value "
+                       f"onnxruntime computes (within the report's tolerance): the difference starts before it\n{text}")
+
+
+def ort_values(path: Path, run: Run) -> dict[str, Any]:
+    """Every value onnxruntime computes running the file on the example, by name: node outputs, graph
+    inputs and initializers (numpy arrays), the graph run as written (no fusion)."""
+    import numpy as np
+    import onnx
+    import onnxruntime
+    from onnx import numpy_helper
+
+    def compute() -> dict[str, Any]:
+        proto = onnx.load(str(path))
+        names = [o for n in proto.graph.node for o in n.output if o]
+        known = {o.name for o in proto.graph.output}
+        proto.graph.output.extend(onnx.ValueInfoProto(name=o) for o in dict.fromkeys(names) if o not in known)
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 3
+        session = onnxruntime.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        feed = _ort_feed(session, run)
+        out = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+        # the example's tensors, those the file reads and those it does not (an export may drop an input)
+        out.update({f"example input {k}": t.numpy() for k, t in enumerate(leaves((run.args, run.kwargs)))})
+        out.update(feed)
+        got = zip([o.name for o in session.get_outputs()], session.run(None, feed), strict=True)
+        out.update((name, value) for name, value in got if isinstance(value, np.ndarray))  # not a sequence's list
+        return out
+
+    return run._once(f"ort-values:{path}", compute)
+
+
+def eager_call(run: Run, row: Any, reported: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """The inputs and outputs of the call a numeric report's ``row`` names, as a forward of its own sees them:
+    a module's by plain forward hooks, a torch function's by a TorchFunctionMode (within the module the row
+    names). Of several calls, the one whose output is the report's eager value (``reported``); None where
+    no call matches (a function torch does not dispatch, a value not kept)."""
+    from torch.overrides import TorchFunctionMode
+
+    def flat(obj: Any) -> list[torch.Tensor]:
+        return [t.detach().clone() for t in leaves(obj)]
+
+    seen: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    short = row.target.rsplit(".", 1)[-1]
+    modules = dict(run.model.named_modules())
+    path: list[str] = []
+
+    class Calls(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            result = func(*args, **(kwargs or {}))
+            if getattr(func, "__name__", "") == short and path and path[-1] == row.module_path:
+                seen.append((flat((args, kwargs)), flat(result)))
+            return result
+
+    handles = []
+    if row.kind == "module":
+        module = modules.get(row.module_path)
+        if module is None:
+            return None
+        handles.append(module.register_forward_hook(
+            lambda m, a, kw, out: seen.append((flat((a, kw)), flat(out))), with_kwargs=True))
+    else:
+        def leave(*_: Any) -> None:  # a forward hook that returns a value replaces the output
+            path.pop()
+
+        for p, m in modules.items():
+            handles.append(m.register_forward_pre_hook(lambda *_, p=p: path.append(p)))
+            handles.append(m.register_forward_hook(leave))
+    try:
+        with torch.no_grad(), (Calls() if row.kind != "module" else contextlib.nullcontext()):
+            run.model(*run.args, **run.kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if reported is None:  # a call the export dropped: the trace's name counts the calls of its target (copy, copy_1)
+        name = row.call.split(" = ")[0]
+        suffix = name.rsplit("_", 1)[-1] if " = " in row.call else ""
+        index = int(suffix) if suffix.isdigit() and name != row.target.rsplit(".", 1)[-1] else 0
+        return seen[index] if len(seen) == 1 or (row.kind == "missing" and index < len(seen)) else None
+    want = torch.from_numpy(reported)
+    return next(((i, o) for i, o in seen if any(t.shape == want.shape and torch.equal(t.to(want.dtype), want)
+                                                for t in o)), None)
+
+
 def _summary(report: fwdtrace.TopologyReport) -> str:
     """The counts and the first differences of a report, on one line."""
     first = (report.missing[:2] + report.extra[:2] + report.rewired[:2])
@@ -1044,6 +1325,7 @@ ENTRIES: dict[str, Callable[[Run], None]] = {
     "render_auto": _render_auto,
     "render_depths": _render_depths,
     **{f"check_onnx[{x}]": _check_onnx(x) for x in EXPORTERS},
+    **{f"numeric[{x}]": _check_numeric(x) for x in EXPORTERS},
     **{f"compare_file[{x}]": _compare_file(x) for x in EXPORTERS},
     **{f"side_by_side[{x}]": _side_by_side(x) for x in EXPORTERS},
     **{f"onnx_graph[{x}]": _onnx_graph(x) for x in EXPORTERS},

@@ -714,6 +714,7 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
     if not _shaped_other(start.shape, shape):
         return _last_alike_view(og, readers, key, index, shape) if on.meta.get("wiring") else str(names[index])
     frontier = [(key, index)]
+    unsure: str | None = None  # the first value on the way whose inferred shape leaves some lengths unknown
     for _ in range(4):  # a few views, not a walk into the next call
         nxt = []
         for nid, i in frontier:
@@ -722,10 +723,14 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
                 if cn.kind != "function" or not cn.meta.get("wiring") or not cn.outputs:
                     continue
                 if not _shaped_other(cn.outputs[0].shape, shape):
-                    return str(cn.meta["output_names"][0])
+                    if -1 not in cn.outputs[0].shape:
+                        return str(cn.meta["output_names"][0])
+                    # a Reshape to lengths computed in the graph (to_onnx's LSTM: [seq, batch, hidden] before
+                    # its batch-first Transpose): taken only if no value further on is known to be shaped alike
+                    unsure = unsure or str(cn.meta["output_names"][0])
                 nxt.append((c, 0))
         frontier = nxt
-    return str(names[index])
+    return unsure or str(names[index])
 
 
 def _last_alike_view(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:

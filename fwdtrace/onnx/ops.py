@@ -498,16 +498,24 @@ _set_rule("torch.Tensor.__getitem__", _Rule(_getitem, True, frozenset()))  # opt
 # comparison takes them for constants; a random one may stay in the export as *Like ops).
 _register(OVERWRITE_FUNCTIONS, optional=True)
 _register(NEW_TENSOR_FUNCTIONS, "RandomNormalLike", "RandomUniformLike", "RandomNormal", "RandomUniform", optional=True)
-# Dropout is an ONNX Dropout in a training-mode export and nothing at all in eval mode; emitted
-# from the ATen calls (to_onnx) in training mode, a Mul by its mask (the mask drawn apart, by
-# bernoulli's RandomUniformLike: a new tensor, which the comparison takes for a constant).
+# Dropout is an ONNX Dropout in a training-mode export and nothing at all in eval mode.
 _register(
     _functions("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
     + _nn("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout"),
     "Dropout",
-    "Mul",
     optional=True,
 )
+
+
+def _dropout(node: Node) -> RuleResult:
+    # Emitted from the ATen calls (to_onnx), F.dropout(training=True) is a Mul by its mask (the mask
+    # drawn apart by bernoulli's RandomUniformLike: a new tensor, which the comparison takes for a
+    # constant). Only where the call says it trains: in eval mode a Mul nearby is another call's.
+    return ("Dropout", "Mul") if node.attrs.get("training") is True else ("Dropout",)
+
+
+for _target in _functions("dropout"):
+    _set_rule(_target, _Rule(_dropout, True, frozenset()))
 
 _register(_nn("Conv1d", "Conv2d", "Conv3d") + _functions("conv1d", "conv2d", "conv3d"), "Conv")
 _register(
