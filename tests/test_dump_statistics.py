@@ -183,7 +183,8 @@ def test_finite_cpu_tensors_take_a_shorter_route_to_the_same_numbers() -> None:
     """A CPU tensor of finite values is summarised without the NaN and Inf bookkeeping: the same vector,
     bit for bit, as the general route's (one block of the same values)."""
     for t in (torch.randn(3, 1000, generator=torch.Generator().manual_seed(6)), torch.full((7,), 2.5),
-              torch.arange(10, dtype=torch.int64), torch.tensor([1e300, 1e300, -1e300], dtype=torch.float64)):
+              torch.arange(10, dtype=torch.int64), torch.tensor([1e300, 1e300, -1e300], dtype=torch.float64),
+              torch.arange(-16, 33, dtype=torch.float32) / 3, torch.tensor([1e308, -1e308], dtype=torch.float64)):
         flat = t.reshape(-1)
         general = summarize_blocks(lambda flat=flat: iter((flat,)), flat.numel())
         assert torch.equal(summarize(t), general), t
@@ -212,3 +213,13 @@ def test_a_sum_past_float64s_range_is_summarised() -> None:
     assert (stat["min"], stat["max"], stat["mean"], stat["std"]) == (-1.0, 1.5e308, math.inf, math.inf)
     # by hand: torch.histc's own (x - min) * bins overflows here
     assert stat["histogram"] == [1.0] + [0.0] * (BINS - 2) + [2.0]
+
+
+def test_finite_values_spanning_past_float64s_range_are_binned_by_their_true_offsets() -> None:
+    """max - min overflows to inf: each value still lands in the bin (x - min) * BINS / (max - min) names."""
+    t = torch.tensor([1e308, -1e308, 0.0, 0.5e308, -0.3e308], dtype=torch.float64)
+    expected = [0.0] * BINS
+    for v in t.tolist():
+        expected[min(int((v / 1e308 / 2 + 0.5) * BINS), BINS - 1)] += 1
+    for with_nan in (t, torch.cat([t, torch.tensor([math.nan])])):
+        assert fwdtrace.summary.as_dict(summarize(with_nan))["histogram"] == expected
