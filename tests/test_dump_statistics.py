@@ -223,3 +223,80 @@ def test_finite_values_spanning_past_float64s_range_are_binned_by_their_true_off
         expected[min(int((v / 1e308 / 2 + 0.5) * BINS), BINS - 1)] += 1
     for with_nan in (t, torch.cat([t, torch.tensor([math.nan])])):
         assert fwdtrace.summary.as_dict(summarize(with_nan))["histogram"] == expected
+
+
+def _unpacked(packed: Path, path: Path) -> Path:
+    """``packed`` rewritten in the layout of one group per call and one dataset per tensor (statistics dumps
+    written before the packed layout), with h5py alone."""
+    import json
+
+    import h5py
+
+    with h5py.File(packed, "r") as src, h5py.File(path, "w", track_order=True) as dst:
+        dst.attrs.update({**src.attrs, "fwdtrace_dump": 3})
+        index = json.loads(src["statistics_index"][()])
+        matrix = src["statistics"][()]
+        for name, attrs in index["calls"]:
+            dst.create_group(name, track_order=True).attrs.update(attrs)
+        for (gname, dname, shape, dtype), row in zip(index["rows"], matrix, strict=True):
+            n = len(sample_positions(math.prod(shape)))
+            dst[gname].create_dataset(dname, data=row[:len(row) - 8 + n]).attrs.update(
+                {"tensor_shape": shape, "tensor_dtype": dtype})
+        dst.create_dataset("execution_order", data=[f"{g}/{d}" for g, d, _, _ in index["rows"]],
+                           dtype=h5py.string_dtype())
+    return path
+
+
+def test_a_statistics_dump_is_one_matrix_and_one_index_read_as_calls_and_tensors(tmp_path: Path) -> None:
+    """HDF5 holds two datasets, whatever the number of calls; read back, the calls, their attributes and tensors
+    are a full dump's, and the layout of one dataset per tensor still reads the same."""
+    import h5py
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(8))
+    full = _dump(tmp_path, "full", _model(), "tensors", x)
+    stats = _dump(tmp_path, "stats", _model(), "statistics", x)
+    with h5py.File(stats, "r") as f:
+        assert sorted(f) == ["statistics", "statistics_index"]
+        assert f["statistics"].shape == (sum(len(g["datasets"]) for g in
+                                              fwdtrace.read_dump(full, show=False)["groups"].values()), 33)
+    tensors = fwdtrace.read_dump(full, show=False)
+    packed = fwdtrace.read_dump(stats, show=False)
+    assert packed["status"] == tensors["status"] == "complete"
+    assert [(g, e["attrs"], {d: (v["shape"], v["dtype"]) for d, v in e["datasets"].items()})
+            for g, e in packed["groups"].items()] == \
+        [(g, e["attrs"], {d: (v["shape"], v["dtype"]) for d, v in e["datasets"].items()})
+         for g, e in tensors["groups"].items()]
+    assert fwdtrace.read_dump(_unpacked(stats, tmp_path / "unpacked.hdf5"), show=False)["groups"] == packed["groups"]
+    report = fwdtrace.compare_dumps(stats, _unpacked(stats, tmp_path / "unpacked2.hdf5"))
+    assert report.equal and len(report.rows) == len(fwdtrace.compare_dumps(full, full).rows)
+
+
+def _edited_index(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001
+    import json
+    import shutil
+
+    import h5py
+
+    shutil.copy(src, dst)
+    with h5py.File(dst, "r+") as f:
+        index = json.loads(f["statistics_index"][()])
+        del f["statistics_index"]
+        text = edit(index)
+        f.create_dataset("statistics_index", data=text if isinstance(text, str) else json.dumps(text),
+                         dtype=h5py.string_dtype())
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda i: "{", r"whose 'statistics_index' is not JSON"),
+    (lambda i: {**i, "rows": i["rows"][:-1]}, r"whose 'statistics' is a float64 array of shape \(\d+, 33\), not \d+ rows"),
+    (lambda i: {**i, "calls": i["calls"][1:]}, r"whose 'statistics_index' puts '000_Sequential/input0' in no call"),
+    (lambda i: {**i, "rows": [[r[0], "../x", r[2], r[3]] for r in i["rows"]]}, r"whose 'statistics_index' has a row"),
+    (lambda i: {**i, "calls": [[c[0], {"module_key": [1]}] for c in i["calls"]]}, r"whose 'statistics_index' has a call"),
+])
+def test_a_crafted_statistics_index_is_refused(tmp_path: Path, edit, message: str) -> None:  # noqa: ANN001
+    stats = _dump(tmp_path, "stats", _model(), "statistics", torch.randn(2, 4))
+    crafted = _edited_index(stats, tmp_path / "crafted.hdf5", edit)
+    with pytest.raises(FwdtraceError, match=r"^read_dump\(\) expected a self-contained fwdtrace dump, got "
+                                            rf"'.*crafted.hdf5', {message}"):
+        fwdtrace.read_dump(crafted, show=False)
