@@ -239,7 +239,7 @@ class _Recording:
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         try:
             self.atomic.check_target()
-            self.file = h5py.File(self.atomic.tmp, "w", track_order=True)
+            self.file = h5py.File(self.atomic.tmp, "w", track_order=True, libver=("v110", "latest"))
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs.update({"epoch": epoch, "step": step, "values": values, "calls": calls})
@@ -703,8 +703,7 @@ class _Recording:
             if packed is None:  # a packed dump's rows are in the order written
                 self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
             if self.graph is not None:
-                self.file.create_dataset(GRAPH_DATASET, data=self.graph.to_json(indent=None),
-                                         dtype=_h5py().string_dtype())
+                _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
             if self.skipped:
                 attrs["skipped"] = "\n".join(self.skipped)
             self.file.close()
@@ -763,8 +762,16 @@ class _Packed:
         options = {"shuffle": True, "compression": "gzip"} if len(matrix) else {}
         file.create_dataset(STATISTICS_DATASET, data=matrix, **options)
         index = {"calls": [[name, attrs] for name, attrs in self.calls.items()], "rows": [list(r) for r in self.rows]}
-        file.create_dataset(STATISTICS_INDEX, data=json.dumps(index, separators=(",", ":")),
-                            dtype=_h5py().string_dtype())
+        _create_text(file, STATISTICS_INDEX, json.dumps(index, separators=(",", ":")))
+
+
+def _create_text(file: Any, name: str, text: str) -> None:
+    """``text`` as a dataset of its UTF-8 bytes, deflated: a dump's names, keys and JSON repeat themselves, and
+    stored as one HDF5 string they were most of a statistics dump's file."""
+    import numpy as np
+
+    data = np.frombuffer(text.encode(), dtype=np.uint8)
+    file.create_dataset(name, data=data, **({"compression": "gzip"} if data.size else {}))
 
 
 class _HostCopy:
@@ -1164,12 +1171,8 @@ class _Reader:
             if name not in self.file:
                 raise self.error(f"with {(STATISTICS_INDEX if name == STATISTICS_DATASET else STATISTICS_DATASET)!r} "
                                  f"but no {name!r}")
-        ds = self.file[STATISTICS_INDEX]
-        if ds.dtype.kind not in "OS" or ds.shape != ():
-            raise self.error(f"whose {STATISTICS_INDEX!r} is a {ds.dtype} array of shape {ds.shape}, not one JSON text")
-        text = ds[()]
         try:
-            index = json.loads(text.decode(errors="replace") if isinstance(text, bytes) else str(text))
+            index = json.loads(self.text(STATISTICS_INDEX))
         except ValueError as e:
             raise self.error(f"whose {STATISTICS_INDEX!r} is not JSON: {one_line(e)}") from e
         matrix = self.file[STATISTICS_DATASET]
@@ -1245,16 +1248,27 @@ class _Reader:
         """The step's trace, stored by a dump that records function calls; None in one without it."""
         if GRAPH_DATASET not in self.file:
             return None
-        ds = self.file[GRAPH_DATASET]
-        if ds.dtype.kind not in "OS" or ds.shape != ():
-            raise self.error(f"whose {GRAPH_DATASET!r} is a {ds.dtype} array of shape {ds.shape}, not one JSON text")
+        text = self.text(GRAPH_DATASET)
         try:
-            text = ds[()]
-            return Graph.from_json(text.decode(errors="replace") if isinstance(text, bytes) else str(text))
+            return Graph.from_json(text)
         except FwdtraceError:
             raise
         except Exception as e:
             raise self.damaged(e) from e
+
+    def text(self, name: str) -> str:
+        """A text the dump stores: as UTF-8 bytes (deflated), or as one HDF5 string (dumps written before)."""
+        ds = self.file[name]
+        if ds.dtype.kind == "u" and ds.dtype.itemsize == 1 and ds.ndim == 1:
+            data: Any = bytes(self.read(self._checked(ds, repr(name)), repr(name)).numpy())
+        elif ds.dtype.kind in "OS" and ds.shape == ():
+            try:
+                data = ds[()]
+            except Exception as e:
+                raise self.damaged(e) from e
+        else:
+            raise self.error(f"whose {name!r} is a {ds.dtype} array of shape {ds.shape}, not one text")
+        return data.decode(errors="replace") if isinstance(data, bytes) else str(data)
 
     def shape(self, gname: str, dname: str) -> list[int]:
         ds = self.name2group[gname][dname]

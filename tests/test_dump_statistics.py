@@ -234,7 +234,7 @@ def _unpacked(packed: Path, path: Path) -> Path:
 
     with h5py.File(packed, "r") as src, h5py.File(path, "w", track_order=True) as dst:
         dst.attrs.update({**src.attrs, "fwdtrace_dump": 3})
-        index = json.loads(src["statistics_index"][()])
+        index = json.loads(bytes(src["statistics_index"][()]))
         matrix = src["statistics"][()]
         for name, attrs in index["calls"]:
             dst.create_group(name, track_order=True).attrs.update(attrs)
@@ -279,11 +279,11 @@ def _edited_index(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001
 
     shutil.copy(src, dst)
     with h5py.File(dst, "r+") as f:
-        index = json.loads(f["statistics_index"][()])
+        index = json.loads(bytes(f["statistics_index"][()]))
         del f["statistics_index"]
         text = edit(index)
-        f.create_dataset("statistics_index", data=text if isinstance(text, str) else json.dumps(text),
-                         dtype=h5py.string_dtype())
+        f.create_dataset("statistics_index", data=list((text if isinstance(text, str) else json.dumps(text)).encode()),
+                         dtype="u1")
     return dst
 
 
@@ -300,3 +300,25 @@ def test_a_crafted_statistics_index_is_refused(tmp_path: Path, edit, message: st
     with pytest.raises(FwdtraceError, match=r"^read_dump\(\) expected a self-contained fwdtrace dump, got "
                                             rf"'.*crafted.hdf5', {message}"):
         fwdtrace.read_dump(crafted, show=False)
+
+
+def test_texts_read_deflated_or_as_the_hdf5_strings_earlier_dumps_wrote(tmp_path: Path) -> None:
+    import shutil
+
+    import h5py
+
+    model = _model()
+    with fwdtrace.Dumper(tmp_path / "d", values="statistics", calls="all") as dumper:
+        dumper.register(model, grads=False)
+        model(torch.randn(2, 4))
+    with dump._Reader(dumper.paths[0], "test", 1 << 30) as r:
+        graph, order = r.graph(), r.order()
+    assert graph is not None and len(order) > 10
+    as_string = shutil.copy(dumper.paths[0], tmp_path / "as_string.hdf5")
+    with h5py.File(as_string, "r+") as f:
+        for name in ("trace_graph", "statistics_index"):
+            text = bytes(f[name][()]).decode()
+            del f[name]
+            f.create_dataset(name, data=text, dtype=h5py.string_dtype())
+    with dump._Reader(as_string, "test", 1 << 30) as r:
+        assert r.graph().to_json() == graph.to_json() and r.order() == order
