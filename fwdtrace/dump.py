@@ -6,7 +6,11 @@ Layout (one file per registration): ``{directory}/{epoch}-epoch_{step}-step_dump
 ``grad_input0``, ``grad_output0``, ... A call of a function hooked by path (``hook_forward``,
 ``register_atomic``) is a group of its own, ``{NNN}_{function_name}``, keyed as its graph node
 (``module_key`` ``"model.layers.0.self_attn.eager_attention_forward"``, ``function`` its path). Each tensor is written when its hook fires, never
-gathered in memory first. h5py is imported only here, when a dump is made or read.
+gathered in memory first. A statistics dump instead keeps its step's vectors (a few hundred bytes
+each) and writes them when it closes as one matrix, ``statistics`` (a row per tensor, in the order
+written), and one JSON index, ``statistics_index`` (the calls with their attributes, the rows'
+group, tensor name, shape and dtype); the reader shows them as the groups and datasets above.
+h5py is imported only here, when a dump is made or read.
 
 A dump is written under a temporary name in its folder (``{name}.partial-{random}``) and
 renamed when it is closed; its attributes say whether the step completed (``complete``,
@@ -922,7 +926,7 @@ class Dumper:
     ``values="statistics"`` stores per tensor, instead of the tensor, its count, NaN and Inf
     counts, mean, std, min, max, L2 norm, a 16-bin histogram and 8 sampled values
     (:mod:`fwdtrace.summary`): computed on the tensor's device, a few hundred bytes per tensor
-    whatever its size. :func:`read_dump` shows them under ``"statistics"``;
+    whatever its size, the step's written as one matrix when the file closes. :func:`read_dump` shows them under ``"statistics"``;
     :func:`compare_dumps` compares them, against a full dump too.
 
     ``calls="functions"`` dumps the torch functions called between layers instead of the
