@@ -322,3 +322,14 @@ def test_texts_read_deflated_or_as_the_hdf5_strings_earlier_dumps_wrote(tmp_path
             f.create_dataset(name, data=text, dtype=h5py.string_dtype())
     with dump._Reader(as_string, "test", 1 << 30) as r:
         assert r.graph().to_json() == graph.to_json() and r.order() == order
+
+
+@pytest.mark.parametrize("offset", [0.0, 2.0, 3.0, 1e4])
+def test_std_is_torchs_on_either_side_of_the_one_pass_formulas_reach(offset: float) -> None:
+    """Within 2.6 std of 0 the spread comes from the sums (a pass fewer), farther from the deviations: torch's
+    std either way, on the CPU's shorter route, the general route and in blocks."""
+    t = torch.randn(5000, generator=torch.Generator().manual_seed(9)) + offset
+    want = float(t.double().std(correction=0))
+    for vector in (summarize(t), summarize_blocks(lambda: iter((t,)), t.numel()),
+                   summarize_blocks(lambda: iter(t.split(777)), t.numel())):
+        assert fwdtrace.summary.as_dict(vector)["std"] == pytest.approx(want, rel=1e-12)
