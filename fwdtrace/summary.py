@@ -77,8 +77,8 @@ def summarize(t: torch.Tensor) -> torch.Tensor:
 
 
 def _summarize_finite(flat: torch.Tensor) -> torch.Tensor | None:
-    """The statistics vector of a CPU tensor of finite values in a dozen kernels, each a single pass that
-    torch vectorises (sums and dot products in float64, one bin count), with no NaN and Inf bookkeeping; None
+    """The statistics vector of a CPU tensor of finite values in a few kernels, each a single pass that torch
+    vectorises (sums and dot products in float64, one bin count of bytes), with no NaN and Inf bookkeeping; None
     when a value is not finite (the sum then is not) or the values span past float64's range. Reading a CPU
     tensor's numbers costs no synchronisation; a compiled graph or another device takes the general route."""
     n = flat.numel()
@@ -93,14 +93,11 @@ def _summarize_finite(flat: torch.Tensor) -> torch.Tensor | None:
     if not m2 >= sumsq / 8:
         deviation = torch.sub(x, mean, out=tmp)
         m2 = float(torch.dot(deviation, deviation))
-    bins = torch.sub(x, low, out=tmp).div_(width / BINS).clamp_(max=BINS - 1).long()
-    # scatter_add_, not bincount: bincount first finds its input's min and max, two more passes
-    histogram = torch.zeros(BINS, dtype=torch.float64).scatter_add_(0, bins, _ONES.expand(n))
-    head = torch.tensor([n, n, 0, 0, mean, math.sqrt(m2 / n), low, high, math.sqrt(sumsq)], dtype=torch.float64)
-    return torch.cat([head, histogram, x.index_select(0, _sample_index(n))])
-
-
-_ONES = torch.ones((), dtype=torch.float64)
+    # Bins 0 to BINS (the top edge's, folded into the last), as bytes: a byte per value to write and to count
+    counts = torch.bincount(torch.sub(x, low, out=tmp).div_(width / BINS).to(torch.uint8), minlength=BINS + 1).tolist()
+    head = [n, n, 0, 0, mean, math.sqrt(m2 / n), low, high, math.sqrt(sumsq)]
+    histogram = counts[:BINS - 1] + [counts[BINS - 1] + counts[BINS]]
+    return torch.cat([torch.tensor(head + histogram, dtype=torch.float64), x.index_select(0, _sample_index(n))])
 
 
 @functools.lru_cache(maxsize=256)
