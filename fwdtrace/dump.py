@@ -492,9 +492,10 @@ class _Recording:
             for name in written | {n for n in self.file if _GROUP_RE.match(n)}:
                 del self.file[name]
 
-        self._file_op(drop, 0, "dropping a failed forward")
         if self.packed is not None:
-            self.packed = _Packed()
+            self.packed = _Packed()  # nothing of the step is in the file yet
+        else:
+            self._file_op(drop, 0, "dropping a failed forward")
         self.order.clear()
         self.summaries.clear()
         self.calls = self.root_calls = 0

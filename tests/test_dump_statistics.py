@@ -333,3 +333,25 @@ def test_std_is_torchs_on_either_side_of_the_one_pass_formulas_reach(offset: flo
     for vector in (summarize(t), summarize_blocks(lambda: iter((t,)), t.numel()),
                    summarize_blocks(lambda: iter(t.split(777)), t.numel())):
         assert fwdtrace.summary.as_dict(vector)["std"] == pytest.approx(want, rel=1e-12)
+
+
+def test_a_packed_step_is_the_same_written_by_the_writer_thread_or_after_a_failed_forward(tmp_path: Path) -> None:
+    """The step kept in memory: the writer thread writes the same file, and a forward that raised leaves no row."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10))
+
+    def step(name: str, background: bool, fail_first: bool) -> dict:
+        model = _model()
+        with fwdtrace.Dumper(tmp_path / name, values="statistics", background=background) as dumper:
+            dumper.register(model)
+            if fail_first:
+                with pytest.raises(RuntimeError):
+                    model(torch.randn(5, 3))  # the wrong width: the first Linear raises
+            model(x).logsumexp(1).sum().backward()
+        return fwdtrace.read_dump(dumper.paths[0], show=False)
+
+    plain = step("plain", False, False)
+    assert len(plain["groups"]) == 6 and plain["status"] == "complete"  # the root and its five layers
+    for name, background, fail_first in (("thread", True, False), ("failed", False, True), ("both", True, True)):
+        tree = step(name, background, fail_first)
+        assert tree["groups"] == plain["groups"], name
+        assert tree["attrs"]["discarded_forwards"] == fail_first and tree["status"] == "complete"
