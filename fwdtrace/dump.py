@@ -945,11 +945,12 @@ class Dumper:
     :meth:`register` of other steps and ranks a no-op. Call indices
     count every call, recorded or not, as in an unfiltered dump.
 
-    ``background=True`` writes on a thread of its own: each tensor is copied to the host (or
-    summarised) in the hook and queued, at most ``queue_bytes`` of them; past that a tensor
-    waits for room (``when_full="wait"``) or is dropped (``"drop"``), counted in the file's
-    ``dropped`` attribute and making the dump incomplete. A write that fails there is raised
-    on the training thread, at the next tensor or when the dump closes.
+    ``background=True`` writes on a thread of its own: each tensor is copied to the host in the
+    hook and queued, at most ``queue_bytes`` of them; past that a tensor waits for room
+    (``when_full="wait"``) or is dropped (``"drop"``), counted in the file's ``dropped`` attribute
+    and making the dump incomplete. A statistics dump's vectors are kept, not queued, and the
+    thread writes them when the dump closes. A write that fails there is raised on the training
+    thread, at the next tensor or when the dump closes.
     """
 
     def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors",
