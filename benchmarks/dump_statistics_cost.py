@@ -14,7 +14,8 @@ time of the whole process: the training thread and the writer threads). "reducti
 training thread's CPU inside the statistics' reductions (``fwdtrace.summary.summarize``), per
 step, against a plain step's CPU; "per step" is the size of one step's file. ``--width`` changes
 the encoder's width (the step's arithmetic grows with its square, the values summarised with it).
-Target: the ``calls="all"`` row under 5% of a plain step, a few KB per step.
+``--without-reductions`` stores one small tensor's statistics for every tensor: what the trace, the hooks and
+the file cost without the reductions. Target: the ``calls="all"`` row under 5% of a plain step, a few KB per step.
 """
 
 from __future__ import annotations
@@ -52,18 +53,20 @@ def train(model: torch.nn.Module, x: torch.Tensor, dumper: fwdtrace.Dumper | Non
 
 
 class Reductions:
-    """The training thread's CPU time inside ``summarize``, wrapped where the dumper calls it."""
+    """The training thread's CPU time inside ``summarize``, wrapped where the dumper calls it; with ``skip``, one
+    small tensor's vector for every tensor (what the dump costs besides its reductions)."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: bool = False) -> None:
         self.seconds = 0.0
         self.calls = 0
         self.original = fwdtrace.dump.summarize
+        self.skipped = self.original(torch.arange(8.0)) if skip else None
         fwdtrace.dump.summarize = self  # type: ignore[assignment]
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         start = time.thread_time()
         try:
-            return self.original(t)
+            return self.original(t) if self.skipped is None else self.skipped.clone()
         finally:
             self.seconds += time.thread_time() - start
             self.calls += 1
@@ -76,16 +79,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
     parser.add_argument("--width", type=int, default=128, help="the encoder's width d (live_cost.py's: 128)")
     parser.add_argument("--dir", default=None, help="where to write the dumps (default: a temporary folder)")
+    parser.add_argument("--without-reductions", action="store_true",
+                        help="store one small tensor's statistics for every tensor: what the rest of the dump costs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, x = TransformerEncoder(d=args.width, layers=4, heads=8), torch.randn(8, 64, args.width)
-    reductions = Reductions()
+    reductions = Reductions(skip=args.without_reductions)
     rows: list[tuple[str, dict[str, Any]]] = [
         ('statistics, calls="all", background=True', {"calls": "all"}),
         ('statistics, calls="modules", background=True', {"calls": "modules"}),
     ]
-    print(f"encoder d={args.width} x 4 layers, batch 8 x 64, {args.threads} torch thread(s); {args.pairs} pairs of "
+    print(("WITHOUT the reductions (every tensor stored as one small tensor's statistics); " if args.without_reductions
+           else "") + f"encoder d={args.width} x 4 layers, batch 8 x 64, {args.threads} torch thread(s); {args.pairs} pairs of "
           f"{args.steps}-step segments per row; medians of the pair ratios")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         train(model, x, None, 0, 3)  # warm-up

@@ -6,7 +6,11 @@ Layout (one file per registration): ``{directory}/{epoch}-epoch_{step}-step_dump
 ``grad_input0``, ``grad_output0``, ... A call of a function hooked by path (``hook_forward``,
 ``register_atomic``) is a group of its own, ``{NNN}_{function_name}``, keyed as its graph node
 (``module_key`` ``"model.layers.0.self_attn.eager_attention_forward"``, ``function`` its path). Each tensor is written when its hook fires, never
-gathered in memory first. h5py is imported only here, when a dump is made or read.
+gathered in memory first. A statistics dump instead keeps its step's vectors (a few hundred bytes
+each) and writes them when it closes as one matrix, ``statistics`` (a row per tensor, in the order
+written), and one JSON index, ``statistics_index`` (the calls with their attributes, the rows'
+group, tensor name, shape and dtype); the reader shows them as the groups and datasets above.
+h5py is imported only here, when a dump is made or read.
 
 A dump is written under a temporary name in its folder (``{name}.partial-{random}``) and
 renamed when it is closed; its attributes say whether the step completed (``complete``,
@@ -22,6 +26,7 @@ import contextlib
 import difflib
 import fnmatch
 import itertools
+import json
 import math
 import operator
 import os
@@ -62,7 +67,7 @@ from .patching import (
     remove_call_handler,
 )
 from .precision import Agreement, math_record, pair_precision, rounding_explains
-from .summary import BINS, FIELDS, as_dict, compared, summarize, summarize_blocks
+from .summary import BINS, FIELDS, SAMPLES, as_dict, compared, sample_positions, summarize, summarize_blocks
 from .tracer import Tracer, active_tracer
 
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
@@ -73,11 +78,15 @@ if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only 
 __all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
 
 FORMAT_ATTR = "fwdtrace_dump"
-FORMAT_VERSION = 3  # 2: completeness attributes, sanitized group names; 3: statistics dumps
+FORMAT_VERSION = 4  # 2: completeness attributes, sanitized group names; 3: statistics dumps; 4: packed statistics
 VALUES = ("tensors", "statistics")  # what a dump stores per tensor (the file's "values" attribute)
 CALLS = ("modules", "functions", "all")  # which calls a dump records (the file's "calls" attribute)
 ORDER_DATASET = "execution_order"
 GRAPH_DATASET = "trace_graph"  # the step's trace (Graph.to_json) in a dump that records function calls
+# A statistics dump's step: every statistics vector as a row of one matrix, in the order written, and one JSON
+# table of its calls (group name, attributes) and rows (group, tensor name, shape, dtype)
+STATISTICS_DATASET = "statistics"
+STATISTICS_INDEX = "statistics_index"
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
 COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
 MAX_CHUNK_BYTES = 1 << 26  # HDF5 decompresses a whole chunk to read any of it: larger chunks are refused
@@ -234,7 +243,7 @@ class _Recording:
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         try:
             self.atomic.check_target()
-            self.file = h5py.File(self.atomic.tmp, "w", track_order=True)
+            self.file = h5py.File(self.atomic.tmp, "w", track_order=True, libver=("v110", "latest"))
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs.update({"epoch": epoch, "step": step, "values": values, "calls": calls})
@@ -270,6 +279,7 @@ class _Recording:
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
         self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | _HostCopy]] = {}
+        self.packed = _Packed() if self.statistics else None
         try:
             self._register(model, grads)
         except BaseException:
@@ -385,6 +395,17 @@ class _Recording:
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
         where = f"{call.name}/{name}"
+        if self.packed is not None:
+            try:
+                if isinstance(t, tuple):  # summarised inside the compiled graph: (vector, shape, dtype)
+                    summary, shape, dtype = t
+                    self.packed.add(call.name, name, to_numpy(summary), list(shape), dtype)
+                else:
+                    self.packed.add(call.name, name, self._summary(t), list(t.shape), dtype_name(t.dtype))
+            except Exception as e:
+                raise self._fail(e, where) from e
+            self.order.append(where)
+            return
         try:
             attrs: dict[str, Any] = {}
             data: np.ndarray | _HostCopy
@@ -459,7 +480,10 @@ class _Recording:
         notes = output.notes if isinstance(output, _Taken) else _skipped_notes(output)
         if notes:
             text = "; ".join(notes)
-            self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
+            if self.packed is not None:
+                self.packed.calls[call.name]["skipped"] = text
+            else:
+                self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
             self.skipped += [f"{call.name} {n}" for n in notes]
 
     def _restart(self) -> None:
@@ -470,7 +494,10 @@ class _Recording:
             for name in written | {n for n in self.file if _GROUP_RE.match(n)}:
                 del self.file[name]
 
-        self._file_op(drop, 0, "dropping a failed forward")
+        if self.packed is not None:
+            self.packed = _Packed()  # nothing of the step is in the file yet
+        else:
+            self._file_op(drop, 0, "dropping a failed forward")
         self.order.clear()
         self.summaries.clear()
         self.calls = self.root_calls = 0
@@ -544,7 +571,10 @@ class _Recording:
         def create() -> None:
             self.file.create_group(name, track_order=True).attrs.update(attrs)
 
-        self._file_op(create, 0, name)
+        if self.packed is not None:
+            self.packed.calls[name] = attrs
+        else:
+            self._file_op(create, 0, name)
         self.calls += 1
         self._write_all(call, "input", inputs)
         if self.grads and torch.is_grad_enabled():
@@ -656,6 +686,9 @@ class _Recording:
         if self.closed:
             return None
         self.closed = True
+        packed = self.packed
+        if packed is not None:
+            self._file_op(lambda: packed.write(self.file), 0, "the statistics")  # on the writer thread if any
         if self.writer is not None:
             self.writer.finish()
             if self.writer.error is not None:
@@ -674,10 +707,10 @@ class _Recording:
             attrs["discarded_forwards"] = self.discarded
             # One dataset at the end instead of an attribute per tensor: attributes cost more
             # than small datasets. Without it (a file never closed) group order is used.
-            self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
+            if packed is None:  # a packed dump's rows are in the order written
+                self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
             if self.graph is not None:
-                self.file.create_dataset(GRAPH_DATASET, data=self.graph.to_json(indent=None),
-                                         dtype=_h5py().string_dtype())
+                _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
             if self.skipped:
                 attrs["skipped"] = "\n".join(self.skipped)
             self.file.close()
@@ -707,6 +740,45 @@ def _rank() -> int:
         return torch.distributed.get_rank()
     rank = os.environ.get("RANK", "")
     return int(rank) if rank.isdigit() else 0
+
+
+class _Packed:
+    """A statistics dump's step, kept until the file closes and then written as two datasets: HDF5's cost per
+    object (a group per call, a dataset and its attributes per tensor) is paid twice per step."""
+
+    WIDTH = len(FIELDS) + BINS + SAMPLES
+
+    def __init__(self) -> None:
+        self.calls: dict[str, dict[str, Any]] = {}  # group name -> its attributes, in call order
+        self.rows: list[tuple[str, str, list[int], str]] = []  # (group, tensor name, shape, dtype), in write order
+        self.vectors: list[np.ndarray | _HostCopy] = []
+
+    def add(self, group: str, name: str, vector: np.ndarray | _HostCopy, shape: list[int], dtype: str) -> None:
+        self.rows.append((group, name, shape, dtype))
+        self.vectors.append(vector)
+
+    def write(self, file: Any) -> None:
+        import numpy as np
+
+        # a tensor of fewer than SAMPLES values has fewer samples: the rest of its row is NaN
+        matrix = np.full((len(self.vectors), self.WIDTH), np.nan)
+        for row, vector in zip(matrix, self.vectors, strict=True):
+            values = vector.numpy() if isinstance(vector, _HostCopy) else vector
+            row[:values.size] = values
+        # float64, shuffled and deflated: the counts and the histograms compress well, the rest a little
+        options = {"shuffle": True, "compression": "gzip"} if len(matrix) else {}
+        file.create_dataset(STATISTICS_DATASET, data=matrix, **options)
+        index = {"calls": [[name, attrs] for name, attrs in self.calls.items()], "rows": [list(r) for r in self.rows]}
+        _create_text(file, STATISTICS_INDEX, json.dumps(index, separators=(",", ":")))
+
+
+def _create_text(file: Any, name: str, text: str) -> None:
+    """``text`` as a dataset of its UTF-8 bytes, deflated: a dump's names, keys and JSON repeat themselves, and
+    stored as one HDF5 string they were most of a statistics dump's file."""
+    import numpy as np
+
+    data = np.frombuffer(text.encode(), dtype=np.uint8)
+    file.create_dataset(name, data=data, **({"compression": "gzip"} if data.size else {}))
 
 
 class _HostCopy:
@@ -857,7 +929,7 @@ class Dumper:
     ``values="statistics"`` stores per tensor, instead of the tensor, its count, NaN and Inf
     counts, mean, std, min, max, L2 norm, a 16-bin histogram and 8 sampled values
     (:mod:`fwdtrace.summary`): computed on the tensor's device, a few hundred bytes per tensor
-    whatever its size. :func:`read_dump` shows them under ``"statistics"``;
+    whatever its size, the step's written as one matrix when the file closes. :func:`read_dump` shows them under ``"statistics"``;
     :func:`compare_dumps` compares them, against a full dump too.
 
     ``calls="functions"`` dumps the torch functions called between layers instead of the
@@ -875,11 +947,12 @@ class Dumper:
     :meth:`register` of other steps and ranks a no-op. Call indices
     count every call, recorded or not, as in an unfiltered dump.
 
-    ``background=True`` writes on a thread of its own: each tensor is copied to the host (or
-    summarised) in the hook and queued, at most ``queue_bytes`` of them; past that a tensor
-    waits for room (``when_full="wait"``) or is dropped (``"drop"``), counted in the file's
-    ``dropped`` attribute and making the dump incomplete. A write that fails there is raised
-    on the training thread, at the next tensor or when the dump closes.
+    ``background=True`` writes on a thread of its own: each tensor is copied to the host in the
+    hook and queued, at most ``queue_bytes`` of them; past that a tensor waits for room
+    (``when_full="wait"``) or is dropped (``"drop"``), counted in the file's ``dropped`` attribute
+    and making the dump incomplete. A statistics dump's vectors are kept, not queued, and the
+    thread writes them when the dump closes. A write that fails there is raised on the training
+    thread, at the next tensor or when the dump closes.
     """
 
     def __init__(self, directory: str | os.PathLike[str], overwrite: bool = False, values: str = "tensors",
@@ -1076,7 +1149,7 @@ class _Reader:
             self.groups: list[tuple[str, Any]] = []
             for name in names:
                 self._link(f, name, repr(name))
-                if name in (ORDER_DATASET, GRAPH_DATASET):
+                if name in (ORDER_DATASET, GRAPH_DATASET, STATISTICS_DATASET, STATISTICS_INDEX):
                     self._dataset(f[name], repr(name))
                 if not _GROUP_RE.match(name):
                     continue
@@ -1087,14 +1160,47 @@ class _Reader:
                     self._link(group, dname, f"'{name}/{dname}'")
                     self._dataset(group[dname], f"'{name}/{dname}'")
                 self.groups.append((name, group))
+            self.packed: list[tuple[str, str]] | None = None  # a packed statistics dump's rows
+            if STATISTICS_INDEX in names or STATISTICS_DATASET in names:
+                self._read_index()
             # call order is the numeric prefix; the name alone sorts wrong past 999
             self.groups.sort(key=lambda item: int(item[0].split("_", 1)[0]))
+            self.name2group = dict(self.groups)
             self.attrs = {k: _attr(v) for k, v in f.attrs.items()}
             self.status = self._status()
         except FwdtraceError:
             raise
         except Exception as e:
             raise self.damaged(e) from e
+
+    def _read_index(self) -> None:
+        """A packed statistics dump's calls and rows, from its index, each checked, as groups of tensors."""
+        for name in (STATISTICS_INDEX, STATISTICS_DATASET):
+            if name not in self.file:
+                raise self.error(f"with {(STATISTICS_INDEX if name == STATISTICS_DATASET else STATISTICS_DATASET)!r} "
+                                 f"but no {name!r}")
+        try:
+            index = json.loads(self.text(STATISTICS_INDEX))
+        except ValueError as e:
+            raise self.error(f"whose {STATISTICS_INDEX!r} is not JSON: {one_line(e)}") from e
+        matrix = self.file[STATISTICS_DATASET]
+        bad = _bad_index(index)
+        if bad is not None:
+            raise self.error(f"whose {STATISTICS_INDEX!r} {bad}")
+        if matrix.dtype.kind != "f" or matrix.ndim != 2 or matrix.shape[0] != len(index["rows"]) \
+                or matrix.shape[1] < len(FIELDS) + BINS + SAMPLES:
+            raise self.error(f"whose {STATISTICS_DATASET!r} is a {matrix.dtype} array of shape {matrix.shape}, not "
+                             f"{len(index['rows'])} rows of statistics")
+        groups = {name: _PackedGroup(attrs) for name, attrs in index["calls"]}
+        self.packed = []
+        for i, (gname, dname, shape, dtype) in enumerate(index["rows"]):
+            group = groups.get(gname)
+            if group is None or dname in group.datasets:
+                raise self.error(f"whose {STATISTICS_INDEX!r} puts '{gname}/{dname}' in no call or twice")
+            group.datasets[dname] = _PackedTensor(i, shape, dtype)
+            self.packed.append((gname, dname))
+        self.groups += list(groups.items())
+        self.matrix: torch.Tensor | None = None
 
     def damaged(self, e: BaseException) -> FwdtraceError:
         return FwdtraceError(
@@ -1120,6 +1226,8 @@ class _Reader:
 
     def order(self) -> list[tuple[str, str]]:
         """(group, dataset) of every tensor in the order the run wrote them."""
+        if self.packed is not None:
+            return list(self.packed)
         group_names = {name for name, _ in self.groups}
         if ORDER_DATASET not in self.file:
             return [(gname, dname) for gname, group in self.groups for dname in group]
@@ -1148,25 +1256,36 @@ class _Reader:
         """The step's trace, stored by a dump that records function calls; None in one without it."""
         if GRAPH_DATASET not in self.file:
             return None
-        ds = self.file[GRAPH_DATASET]
-        if ds.dtype.kind not in "OS" or ds.shape != ():
-            raise self.error(f"whose {GRAPH_DATASET!r} is a {ds.dtype} array of shape {ds.shape}, not one JSON text")
+        text = self.text(GRAPH_DATASET)
         try:
-            text = ds[()]
-            return Graph.from_json(text.decode(errors="replace") if isinstance(text, bytes) else str(text))
+            return Graph.from_json(text)
         except FwdtraceError:
             raise
         except Exception as e:
             raise self.damaged(e) from e
 
+    def text(self, name: str) -> str:
+        """A text the dump stores: as UTF-8 bytes (deflated), or as one HDF5 string (dumps written before)."""
+        ds = self.file[name]
+        if ds.dtype.kind == "u" and ds.dtype.itemsize == 1 and ds.ndim == 1:
+            data: Any = bytes(self.read(self._checked(ds, repr(name)), repr(name)).numpy())
+        elif ds.dtype.kind in "OS" and ds.shape == ():
+            try:
+                data = ds[()]
+            except Exception as e:
+                raise self.damaged(e) from e
+        else:
+            raise self.error(f"whose {name!r} is a {ds.dtype} array of shape {ds.shape}, not one text")
+        return data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+
     def shape(self, gname: str, dname: str) -> list[int]:
-        ds = self.file[gname][dname]
+        ds = self.name2group[gname][dname]
         if self.statistics:
             return [int(n) for n in _attr(ds.attrs.get("tensor_shape", []))]
         return list(ds.shape)
 
     def dtype(self, gname: str, dname: str) -> str:
-        ds = self.file[gname][dname]
+        ds = self.name2group[gname][dname]
         if self.statistics:
             return str(_attr(ds.attrs.get("tensor_dtype", "")))
         return str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
@@ -1174,6 +1293,13 @@ class _Reader:
     def summary(self, gname: str, dname: str) -> torch.Tensor:
         """The tensor's statistics vector (:mod:`fwdtrace.summary`): stored in a statistics dump, computed
         block by block from a full one."""
+        tensor = self.name2group[gname][dname]
+        if isinstance(tensor, _PackedTensor):
+            if self.matrix is None:  # read once, on the first vector asked for
+                where = repr(STATISTICS_DATASET)
+                self.matrix = self.read(self._checked(self.file[STATISTICS_DATASET], where), where).to(torch.float64)
+            count = math.prod(tensor.shape) * (2 if tensor.dtype.startswith("complex") else 1)
+            return self.matrix[tensor.row, :len(FIELDS) + BINS + len(sample_positions(count))]
         if self.statistics:
             vector = self.load(gname, dname).to(torch.float64).reshape(-1)
             if vector.numel() < len(FIELDS) + BINS:
@@ -1190,10 +1316,11 @@ class _Reader:
 
     def checked(self, gname: str, dname: str) -> Any:
         """The dataset, once its size is within the cap and backed by what the file really stores."""
+        return self._checked(self.file[gname][dname], f"'{gname}/{dname}'")
+
+    def _checked(self, ds: Any, where: str) -> Any:
         import numpy as np
 
-        ds = self.file[gname][dname]
-        where = f"'{gname}/{dname}'"
         if ds.dtype.kind not in "biufc":
             raise self.error(f"where {where} holds {ds.dtype}, not numbers")
         nbytes = int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize
@@ -1259,6 +1386,57 @@ class _Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()
+
+
+class _PackedTensor:
+    """A tensor of a packed statistics dump: its row of the matrix, its shape and dtype (as attributes too, where
+    a statistics dataset of the unpacked layout keeps them)."""
+
+    def __init__(self, row: int, shape: list[int], dtype: str) -> None:
+        self.row, self.shape, self.dtype = row, shape, dtype
+        self.attrs = {"tensor_shape": shape, "tensor_dtype": dtype}
+
+
+class _PackedGroup:
+    """A call of a packed statistics dump, read as an HDF5 group is: its attributes, its tensors by name."""
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = attrs
+        self.datasets: dict[str, _PackedTensor] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.datasets)
+
+    def __len__(self) -> int:
+        return len(self.datasets)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.datasets
+
+    def __getitem__(self, name: str) -> _PackedTensor:
+        return self.datasets[name]
+
+
+def _bad_index(index: Any) -> str | None:
+    """What is wrong with a packed statistics dump's index (a file from elsewhere), or None."""
+    if not isinstance(index, dict) or not isinstance(index.get("calls"), list) or not isinstance(index.get("rows"), list):
+        return "is not an object of 'calls' and 'rows' lists"
+    names = set()
+    for call in index["calls"]:
+        if not (isinstance(call, list) and len(call) == 2 and isinstance(call[0], str) and _GROUP_RE.match(call[0])
+                and isinstance(call[1], dict)
+                and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in call[1].values())):
+            return f"has a call {str(call)[:80]!r}, not [NNN_ClassName, {{attribute: str or int}}]"
+        if call[0] in names:
+            return f"has the call {call[0]!r} twice"
+        names.add(call[0])
+    for row in index["rows"]:
+        if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and isinstance(row[1], str)
+                and _DATASET_RE.match(row[1]) and isinstance(row[2], list)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in row[2])
+                and isinstance(row[3], str)):
+            return f"has a row {str(row)[:80]!r}, not [group, tensor name, shape, dtype]"
+    return None
 
 
 def _attr(value: Any) -> Any:
@@ -1797,7 +1975,7 @@ def compare_dumps(
             for gname, dname in order:
                 if reader is rb and (b2a.get(gname), dname) in in_a:
                     continue  # compared already
-                group = reader.file[gname]
+                group = reader.name2group[gname]
                 key = str(_attr(group.attrs.get("module_key", gname)))
                 path = str(_attr(group.attrs.get("module_path", "")))
                 row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
@@ -1810,7 +1988,7 @@ def compare_dumps(
                 else:
                     _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
                 if reader is ra and gb is not None:
-                    key_b = str(_attr(rb.file[gb].attrs.get("module_key", gb)))
+                    key_b = str(_attr(rb.name2group[gb].attrs.get("module_key", gb)))
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
     report.first_divergence = _first_divergence(report.rows)

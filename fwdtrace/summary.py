@@ -16,7 +16,9 @@ values; with none, they are NaN (the histogram zeros).
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -75,25 +77,33 @@ def summarize(t: torch.Tensor) -> torch.Tensor:
 
 
 def _summarize_finite(flat: torch.Tensor) -> torch.Tensor | None:
-    """The statistics vector of a CPU tensor of finite values, as :func:`summarize_blocks` computes it (the same
-    operations on the same values, so the same numbers) with a third of its passes; None when a value is not
-    finite. Reading a CPU tensor's sum costs no synchronisation; a compiled graph or another device takes the
-    general route."""
+    """The statistics vector of a CPU tensor of finite values in a few kernels, each a single pass that torch
+    vectorises (sums and dot products in float64, one bin count of bytes), with no NaN and Inf bookkeeping; None
+    when a value is not finite (the sum then is not) or the values span past float64's range. Reading a CPU
+    tensor's numbers costs no synchronisation; a compiled graph or another device takes the general route."""
     n = flat.numel()
     x, tmp = _Workspace(torch.float64).take(flat)
-    total = float(x.sum())
-    if not math.isfinite(total):  # a NaN or an Inf (or a sum past float64's range): counted the general way
-        return None
-    low, high = (float(v) for v in torch.aminmax(x))
-    mean = total / n
-    m2 = float(torch.dot(d := tmp.copy_(x).sub_(mean), d))
-    sumsq = float(torch.dot(x, x))
+    total, sumsq, low, high = torch.stack([x.sum(), torch.dot(x, x), *torch.aminmax(x)]).tolist()
     width = high - low if high > low else 1.0
-    histogram = torch.zeros(BINS, dtype=torch.float64)
-    histogram.scatter_add_(0, _bins(x.sub_(low), torch.tensor(width, dtype=torch.float64)),
-                           torch.ones((), dtype=torch.float64).expand(n))
-    head = torch.tensor([n, n, 0, 0, mean, math.sqrt(m2 / n), low, high, math.sqrt(sumsq)], dtype=torch.float64)
-    return torch.cat([head, histogram, flat[sample_positions(n)].to(torch.float64)])
+    # x - low below stays finite; width / BINS is exact there, so dividing by it bins as histc does
+    if not (math.isfinite(total) and math.isfinite(width) and width / BINS >= sys.float_info.min):
+        return None
+    mean = total / n
+    m2 = sumsq - total * mean  # as summarize_blocks chooses it: see there
+    if not m2 >= sumsq / 8:
+        deviation = torch.sub(x, mean, out=tmp)
+        m2 = float(torch.dot(deviation, deviation))
+    # Bins 0 to BINS (the top edge's, folded into the last), as bytes: a byte per value to write and to count
+    counts = torch.bincount(torch.sub(x, low, out=tmp).div_(width / BINS).to(torch.uint8), minlength=BINS + 1).tolist()
+    head = [n, n, 0, 0, mean, math.sqrt(m2 / n), low, high, math.sqrt(sumsq)]
+    histogram = counts[:BINS - 1] + [counts[BINS - 1] + counts[BINS]]
+    return torch.cat([torch.tensor(head + histogram, dtype=torch.float64), x.index_select(0, _sample_index(n))])
+
+
+@functools.lru_cache(maxsize=256)
+def _sample_index(count: int) -> torch.Tensor:
+    """:func:`sample_positions` as a CPU index tensor, made once per size."""
+    return torch.tensor(sample_positions(count), dtype=torch.long)
 
 
 def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
@@ -141,6 +151,11 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
     low_edge = torch.where(none, 0, low)
     fill = torch.where(mean.isfinite(), mean, low_edge)
     width = torch.where(high > low, high - low, 1)
+    # Values that span past the dtype's range (a width of inf) are binned scaled by 1 / (2 * BINS), exact there, so
+    # that neither the width nor an offset times BINS overflows
+    scale = 1 - width.isinf().to(dtype) * (1 - 1 / (2 * BINS))
+    low_edge = low_edge * scale
+    width = torch.where(width.isinf(), high * scale - low_edge, width)
     m2 = zero
     histogram = torch.zeros(BINS, dtype=dtype, device=device)
     one = torch.ones((), dtype=dtype, device=device)
@@ -150,8 +165,12 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
         filled = bad.mul_(bad).mul_(fill).add_(kept)
         deviation = kept.copy_(filled).sub_(mean)
         m2 = m2 + torch.dot(deviation, deviation)
-        histogram.scatter_add_(0, _bins(filled.sub_(low_edge), width), one.expand(block.numel()))
-    histogram.scatter_add_(0, _bins((fill - low_edge).reshape(1), width), -nonfinite.reshape(1))
+        histogram.scatter_add_(0, _bins(filled.mul_(scale).sub_(low_edge), width), one.expand(block.numel()))
+    histogram.scatter_add_(0, _bins((fill * scale - low_edge).reshape(1), width), -nonfinite.reshape(1))
+    # The sum of squared deviations from the sums, where that loses at most 3 of the dtype's bits (the mean within
+    # about 2.6 std of 0): the CPU's shorter route then skips the deviations' pass, with the same result
+    one_pass = sumsq - total * mean
+    m2 = torch.where(one_pass >= sumsq / 8, one_pass, m2)
     std = torch.where(none, nan, (m2 / finite.clamp(min=1)).sqrt())
     norm = torch.where(none, nan, sumsq.sqrt())
     low, high = torch.where(none, nan, low), torch.where(none, nan, high)

@@ -183,7 +183,8 @@ def test_finite_cpu_tensors_take_a_shorter_route_to_the_same_numbers() -> None:
     """A CPU tensor of finite values is summarised without the NaN and Inf bookkeeping: the same vector,
     bit for bit, as the general route's (one block of the same values)."""
     for t in (torch.randn(3, 1000, generator=torch.Generator().manual_seed(6)), torch.full((7,), 2.5),
-              torch.arange(10, dtype=torch.int64), torch.tensor([1e300, 1e300, -1e300], dtype=torch.float64)):
+              torch.arange(10, dtype=torch.int64), torch.tensor([1e300, 1e300, -1e300], dtype=torch.float64),
+              torch.arange(-16, 33, dtype=torch.float32) / 3, torch.tensor([1e308, -1e308], dtype=torch.float64)):
         flat = t.reshape(-1)
         general = summarize_blocks(lambda flat=flat: iter((flat,)), flat.numel())
         assert torch.equal(summarize(t), general), t
@@ -212,3 +213,145 @@ def test_a_sum_past_float64s_range_is_summarised() -> None:
     assert (stat["min"], stat["max"], stat["mean"], stat["std"]) == (-1.0, 1.5e308, math.inf, math.inf)
     # by hand: torch.histc's own (x - min) * bins overflows here
     assert stat["histogram"] == [1.0] + [0.0] * (BINS - 2) + [2.0]
+
+
+def test_finite_values_spanning_past_float64s_range_are_binned_by_their_true_offsets() -> None:
+    """max - min overflows to inf: each value still lands in the bin (x - min) * BINS / (max - min) names."""
+    t = torch.tensor([1e308, -1e308, 0.0, 0.5e308, -0.3e308], dtype=torch.float64)
+    expected = [0.0] * BINS
+    for v in t.tolist():
+        expected[min(int((v / 1e308 / 2 + 0.5) * BINS), BINS - 1)] += 1
+    for with_nan in (t, torch.cat([t, torch.tensor([math.nan])])):
+        assert fwdtrace.summary.as_dict(summarize(with_nan))["histogram"] == expected
+
+
+def _unpacked(packed: Path, path: Path) -> Path:
+    """``packed`` rewritten in the layout of one group per call and one dataset per tensor (statistics dumps
+    written before the packed layout), with h5py alone."""
+    import json
+
+    import h5py
+
+    with h5py.File(packed, "r") as src, h5py.File(path, "w", track_order=True) as dst:
+        dst.attrs.update({**src.attrs, "fwdtrace_dump": 3})
+        index = json.loads(bytes(src["statistics_index"][()]))
+        matrix = src["statistics"][()]
+        for name, attrs in index["calls"]:
+            dst.create_group(name, track_order=True).attrs.update(attrs)
+        for (gname, dname, shape, dtype), row in zip(index["rows"], matrix, strict=True):
+            n = len(sample_positions(math.prod(shape)))
+            dst[gname].create_dataset(dname, data=row[:len(row) - 8 + n]).attrs.update(
+                {"tensor_shape": shape, "tensor_dtype": dtype})
+        dst.create_dataset("execution_order", data=[f"{g}/{d}" for g, d, _, _ in index["rows"]],
+                           dtype=h5py.string_dtype())
+    return path
+
+
+def test_a_statistics_dump_is_one_matrix_and_one_index_read_as_calls_and_tensors(tmp_path: Path) -> None:
+    """HDF5 holds two datasets, whatever the number of calls; read back, the calls, their attributes and tensors
+    are a full dump's, and the layout of one dataset per tensor still reads the same."""
+    import h5py
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(8))
+    full = _dump(tmp_path, "full", _model(), "tensors", x)
+    stats = _dump(tmp_path, "stats", _model(), "statistics", x)
+    with h5py.File(stats, "r") as f:
+        assert sorted(f) == ["statistics", "statistics_index"]
+        assert f["statistics"].shape == (sum(len(g["datasets"]) for g in
+                                              fwdtrace.read_dump(full, show=False)["groups"].values()), 33)
+    tensors = fwdtrace.read_dump(full, show=False)
+    packed = fwdtrace.read_dump(stats, show=False)
+    assert packed["status"] == tensors["status"] == "complete"
+    assert [(g, e["attrs"], {d: (v["shape"], v["dtype"]) for d, v in e["datasets"].items()})
+            for g, e in packed["groups"].items()] == \
+        [(g, e["attrs"], {d: (v["shape"], v["dtype"]) for d, v in e["datasets"].items()})
+         for g, e in tensors["groups"].items()]
+    assert fwdtrace.read_dump(_unpacked(stats, tmp_path / "unpacked.hdf5"), show=False)["groups"] == packed["groups"]
+    report = fwdtrace.compare_dumps(stats, _unpacked(stats, tmp_path / "unpacked2.hdf5"))
+    assert report.equal and len(report.rows) == len(fwdtrace.compare_dumps(full, full).rows)
+
+
+def _edited_index(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001
+    import json
+    import shutil
+
+    import h5py
+
+    shutil.copy(src, dst)
+    with h5py.File(dst, "r+") as f:
+        index = json.loads(bytes(f["statistics_index"][()]))
+        del f["statistics_index"]
+        text = edit(index)
+        f.create_dataset("statistics_index", data=list((text if isinstance(text, str) else json.dumps(text)).encode()),
+                         dtype="u1")
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda i: "{", r"whose 'statistics_index' is not JSON"),
+    (lambda i: {**i, "rows": i["rows"][:-1]}, r"whose 'statistics' is a float64 array of shape \(\d+, 33\), not \d+ rows"),
+    (lambda i: {**i, "calls": i["calls"][1:]}, r"whose 'statistics_index' puts '000_Sequential/input0' in no call"),
+    (lambda i: {**i, "rows": [[r[0], "../x", r[2], r[3]] for r in i["rows"]]}, r"whose 'statistics_index' has a row"),
+    (lambda i: {**i, "calls": [[c[0], {"module_key": [1]}] for c in i["calls"]]}, r"whose 'statistics_index' has a call"),
+])
+def test_a_crafted_statistics_index_is_refused(tmp_path: Path, edit, message: str) -> None:  # noqa: ANN001
+    stats = _dump(tmp_path, "stats", _model(), "statistics", torch.randn(2, 4))
+    crafted = _edited_index(stats, tmp_path / "crafted.hdf5", edit)
+    with pytest.raises(FwdtraceError, match=r"^read_dump\(\) expected a self-contained fwdtrace dump, got "
+                                            rf"'.*crafted.hdf5', {message}"):
+        fwdtrace.read_dump(crafted, show=False)
+
+
+def test_texts_read_deflated_or_as_the_hdf5_strings_earlier_dumps_wrote(tmp_path: Path) -> None:
+    import shutil
+
+    import h5py
+
+    model = _model()
+    with fwdtrace.Dumper(tmp_path / "d", values="statistics", calls="all") as dumper:
+        dumper.register(model, grads=False)
+        model(torch.randn(2, 4))
+    with dump._Reader(dumper.paths[0], "test", 1 << 30) as r:
+        graph, order = r.graph(), r.order()
+    assert graph is not None and len(order) > 10
+    as_string = shutil.copy(dumper.paths[0], tmp_path / "as_string.hdf5")
+    with h5py.File(as_string, "r+") as f:
+        for name in ("trace_graph", "statistics_index"):
+            text = bytes(f[name][()]).decode()
+            del f[name]
+            f.create_dataset(name, data=text, dtype=h5py.string_dtype())
+    with dump._Reader(as_string, "test", 1 << 30) as r:
+        assert r.graph().to_json() == graph.to_json() and r.order() == order
+
+
+@pytest.mark.parametrize("offset", [0.0, 2.0, 3.0, 1e4])
+def test_std_is_torchs_on_either_side_of_the_one_pass_formulas_reach(offset: float) -> None:
+    """Within 2.6 std of 0 the spread comes from the sums (a pass fewer), farther from the deviations: torch's
+    std either way, on the CPU's shorter route, the general route and in blocks."""
+    t = torch.randn(5000, generator=torch.Generator().manual_seed(9)) + offset
+    want = float(t.double().std(correction=0))
+    for vector in (summarize(t), summarize_blocks(lambda: iter((t,)), t.numel()),
+                   summarize_blocks(lambda: iter(t.split(777)), t.numel())):
+        assert fwdtrace.summary.as_dict(vector)["std"] == pytest.approx(want, rel=1e-12)
+
+
+def test_a_packed_step_is_the_same_written_by_the_writer_thread_or_after_a_failed_forward(tmp_path: Path) -> None:
+    """The step kept in memory: the writer thread writes the same file, and a forward that raised leaves no row."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10))
+
+    def step(name: str, background: bool, fail_first: bool) -> dict:
+        model = _model()
+        with fwdtrace.Dumper(tmp_path / name, values="statistics", background=background) as dumper:
+            dumper.register(model)
+            if fail_first:
+                with pytest.raises(RuntimeError):
+                    model(torch.randn(5, 3))  # the wrong width: the first Linear raises
+            model(x).logsumexp(1).sum().backward()
+        return fwdtrace.read_dump(dumper.paths[0], show=False)
+
+    plain = step("plain", False, False)
+    assert len(plain["groups"]) == 6 and plain["status"] == "complete"  # the root and its five layers
+    for name, background, fail_first in (("thread", True, False), ("failed", False, True), ("both", True, True)):
+        tree = step(name, background, fail_first)
+        assert tree["groups"] == plain["groups"], name
+        assert tree["attrs"]["discarded_forwards"] == fail_first and tree["status"] == "complete"
