@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
     import numpy as np
 
-__all__ = ["host", "to_numpy"]
+__all__ = ["HostCopy", "host", "to_numpy"]
 
 # dtypes NumPy has no type for: widened to float32, which holds each of their values exactly
 _NUMPY_LACKS = {torch.bfloat16, *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
@@ -41,3 +41,22 @@ def to_numpy(t: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     return t.resolve_conj().resolve_neg().contiguous().numpy()
+
+
+class HostCopy:
+    """A small CUDA tensor on its way to (pinned) host memory, copied without waiting: :meth:`array` waits.
+
+    For a writer thread that takes a value the training thread computed: the training thread
+    starts the copy and goes on; the writer waits for it.
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.host = t.detach().to("cpu", non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        self.nbytes = self.host.numel() * self.host.element_size()
+
+    def array(self) -> np.ndarray:
+        """The copy as a NumPy array, once it has arrived."""
+        self.copied.synchronize()
+        return to_numpy(self.host)

@@ -45,7 +45,7 @@ import torch
 
 from ._files import AtomicFile, not_a_regular_file
 from ._hdf5 import check_dataset, check_link
-from ._host import host, to_numpy
+from ._host import HostCopy, host, to_numpy
 from ._tree import dtype_name, iter_tensors, tensors_of
 from .errors import FwdtraceError, describe, one_line
 from .graph import Graph
@@ -278,7 +278,7 @@ class _Recording:
         self.closed = False
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
-        self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | _HostCopy]] = {}
+        self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | HostCopy]] = {}
         self.packed = _Packed() if self.statistics else None
         try:
             self._register(model, grads)
@@ -408,7 +408,7 @@ class _Recording:
             return
         try:
             attrs: dict[str, Any] = {}
-            data: np.ndarray | _HostCopy
+            data: np.ndarray | HostCopy
             if self.statistics:
                 if isinstance(t, tuple):  # summarised inside the compiled graph: (vector, shape, dtype)
                     summary, shape, dtype = t
@@ -430,13 +430,13 @@ class _Recording:
             raise self._fail(e, where) from e
 
         def create() -> None:
-            arr = data.numpy() if isinstance(data, _HostCopy) else data
+            arr = data.array() if isinstance(data, HostCopy) else data
             self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
 
         if self._file_op(create, data.nbytes, where):
             self.order.append(where)
 
-    def _summary(self, t: torch.Tensor) -> np.ndarray | _HostCopy:
+    def _summary(self, t: torch.Tensor) -> np.ndarray | HostCopy:
         """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per tensor and
         version (a layer's output is the next layer's input, one gradient two calls'), one host copy each.
 
@@ -451,7 +451,7 @@ class _Recording:
         if found is not None and found[0]() is t and found[1] == version:
             return found[2]
         vector = summarize(t)
-        values: np.ndarray | _HostCopy = _HostCopy(vector) if vector.is_cuda and self.writer is not None \
+        values: np.ndarray | HostCopy = HostCopy(vector) if vector.is_cuda and self.writer is not None \
             else to_numpy(vector)
         if version is not None:
             self.summaries[id(t)] = (weakref.ref(t), version, values)
@@ -751,9 +751,9 @@ class _Packed:
     def __init__(self) -> None:
         self.calls: dict[str, dict[str, Any]] = {}  # group name -> its attributes, in call order
         self.rows: list[tuple[str, str, list[int], str]] = []  # (group, tensor name, shape, dtype), in write order
-        self.vectors: list[np.ndarray | _HostCopy] = []
+        self.vectors: list[np.ndarray | HostCopy] = []
 
-    def add(self, group: str, name: str, vector: np.ndarray | _HostCopy, shape: list[int], dtype: str) -> None:
+    def add(self, group: str, name: str, vector: np.ndarray | HostCopy, shape: list[int], dtype: str) -> None:
         self.rows.append((group, name, shape, dtype))
         self.vectors.append(vector)
 
@@ -763,7 +763,7 @@ class _Packed:
         # a tensor of fewer than SAMPLES values has fewer samples: the rest of its row is NaN
         matrix = np.full((len(self.vectors), self.WIDTH), np.nan)
         for row, vector in zip(matrix, self.vectors, strict=True):
-            values = vector.numpy() if isinstance(vector, _HostCopy) else vector
+            values = vector.array() if isinstance(vector, HostCopy) else vector
             row[:values.size] = values
         # float64, shuffled and deflated: the counts and the histograms compress well, the rest a little
         options = {"shuffle": True, "compression": "gzip"} if len(matrix) else {}
@@ -779,20 +779,6 @@ def _create_text(file: Any, name: str, text: str) -> None:
 
     data = np.frombuffer(text.encode(), dtype=np.uint8)
     file.create_dataset(name, data=data, **({"compression": "gzip"} if data.size else {}))
-
-
-class _HostCopy:
-    """A small CUDA tensor copied to (pinned) host memory without waiting; :meth:`numpy` waits for the copy."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.host = t.to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
-        self.nbytes = self.host.numel() * self.host.element_size()
-
-    def numpy(self) -> np.ndarray:
-        self.copied.synchronize()
-        return self.host.numpy()
 
 
 class _Writer:
@@ -1268,7 +1254,7 @@ class _Reader:
         """A text the dump stores: as UTF-8 bytes (deflated), or as one HDF5 string (dumps written before)."""
         ds = self.file[name]
         if ds.dtype.kind == "u" and ds.dtype.itemsize == 1 and ds.ndim == 1:
-            data: Any = bytes(self.read(self._checked(ds, repr(name)), repr(name)).numpy())
+            data: Any = bytes(to_numpy(self.read(self._checked(ds, repr(name)), repr(name))))
         elif ds.dtype.kind in "OS" and ds.shape == ():
             try:
                 data = ds[()]
