@@ -35,6 +35,7 @@ from ..precision import Agreement, math_record, rounding_explains, value_precisi
 from ..tracer import Tracer, _named_inputs
 
 if TYPE_CHECKING:
+    from ..node import Node
     from .compare import _Result
 
 __all__ = ["ValueRow", "NumericResult", "DEFAULT_TOLERANCES"]
@@ -712,7 +713,7 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
     names = on.meta.get("output_names", [])
     start = on.outputs[index]
     if not _shaped_other(start.shape, shape):
-        return _last_alike_view(og, readers, key, index, shape) if on.meta.get("wiring") else str(names[index])
+        return _last_alike_view(og, readers, key, index, shape) if _a_view(on) else str(names[index])
     frontier = [(key, index)]
     unsure: str | None = None  # the first value on the way whose inferred shape leaves some lengths unknown
     for _ in range(4):  # a few views, not a walk into the next call
@@ -733,6 +734,16 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
     return unsure or str(names[index])
 
 
+# ONNX ops that only move or select values: the ops a view-only call (Tensor.unfold) is emitted as
+_VIEW_OPS = frozenset({"Gather", "GatherElements", "GatherND", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Slice",
+                       "Expand", "Flatten", "Identity"})
+
+
+def _a_view(on: Node) -> bool:
+    """Whether ONNX node ``on`` is wiring that only moves or selects values (not int64 index arithmetic)."""
+    return bool(on.meta.get("wiring")) and on.meta.get("op_type") in _VIEW_OPS
+
+
 def _last_alike_view(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:
     """The last value shaped like the eager output along the views that alone read a view call's key.
 
@@ -746,8 +757,7 @@ def _last_alike_view(og: Graph, readers: dict[int, list[int]], key: int, index: 
         if len(reading) != 1:
             break
         cn = og.nodes[reading[0]]
-        if cn.kind != "function" or not cn.meta.get("wiring") or not cn.outputs or _shaped_other(cn.outputs[0].shape,
-                                                                                                 shape):
+        if cn.kind != "function" or not _a_view(cn) or not cn.outputs or _shaped_other(cn.outputs[0].shape, shape):
             break
         nid, i = cn.id, 0
     return str(og.nodes[nid].meta["output_names"][i])
