@@ -288,10 +288,11 @@ class _MaskedAttention(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def test_attention_gives_a_fully_masked_query_row_zeros_as_eager() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_gives_a_fully_masked_query_row_zeros_as_eager(dtype: torch.dtype) -> None:
     # a left-padded decoder's pad position under the causal mask: its query row attends to no key
     torch.manual_seed(0)
-    q, k, v = torch.randn(3, 2, 2, 4, 8).unbind(0)
+    q, k, v = torch.randn(3, 2, 2, 4, 8, dtype=dtype).unbind(0)
     mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
     mask[1, :, :, 0] = False  # the second sample's first position is padding
     model = _MaskedAttention()

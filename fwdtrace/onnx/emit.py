@@ -147,11 +147,13 @@ def _emit_guarded_attention(attention: Any, *args: Any, **kwargs: Any) -> Any:
     mask = kwargs.get("attn_mask")  # keyword-only in the op's schema
     if mask is None:
         return out
+    from onnxscript import ir
+
     op = _opset()
     result, *rest = out
     # the mask is added to the scores: a row whose largest entry is -inf attends to nothing
-    no_key = op.Equal(op.ReduceMax(mask, [-1], keepdims=1), float("-inf"))
-    return (op.Where(no_key, 0.0, result), *rest)
+    no_key = op.Equal(op.ReduceMax(mask, [-1], keepdims=1), op.Constant(value=ir.tensor(float("-inf"), dtype=mask.dtype)))
+    return (op.Where(no_key, op.Constant(value=ir.tensor(0.0, dtype=args[0].dtype)), result), *rest)
 
 
 # -- what torchlib does not cover: symbolics the user registers -----------------------------------
