@@ -283,6 +283,30 @@ def test_multihead_attention_fast_path_under_no_grad() -> None:
     assert_matches(proto, {"query": q, "key": q, "value": q}, {"output_0": out, "output_1": weights})
 
 
+class _MaskedAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_gives_a_fully_masked_query_row_zeros_as_eager(dtype: torch.dtype) -> None:
+    # a left-padded decoder's pad position under the causal mask: its query row attends to no key
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 4, 8, dtype=dtype).unbind(0)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    mask[1, :, :, 0] = False  # the second sample's first position is padding
+    model = _MaskedAttention()
+    with torch.no_grad():
+        want = model(q, k, v, mask)
+        proto = fwdtrace.to_onnx(model, q, k, v, mask)
+    assert not want[1, :, 0].any() and want[0, :, 0].abs().sum() > 0  # eager: zeros on that row only
+    got = run_ort(proto, {"q": q, "k": k, "v": v, "mask": mask})["output"]
+    assert not np.isnan(got).any()
+    assert_matches(proto, {"q": q, "k": k, "v": v, "mask": mask}, {"output": want})
+    report = fwdtrace.check_onnx(model, q, k, v, mask, onnx=proto)  # the guard counts as the attention's
+    assert report.ok, report.text
+
+
 # -- transformers models from small configs -------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf():

@@ -109,6 +109,7 @@ def _torchlib(opset: int) -> tuple[Any, dict[Any, Callable[..., Any]]]:
     ex = _exporter()
     with _quiet_exporter_logs():
         registry = ex.registration.ONNXRegistry.from_torchlib(opset)
+    _guard_masked_rows(registry)
     implemented = set(ex.decomp.get_onnx_implemented_overloads(registry))
     table = ex.decomp.create_onnx_friendly_decomposition_table(implemented)
     # In-place ops stay whole: the replay under functionalization turns them into the
@@ -119,6 +120,40 @@ def _torchlib(opset: int) -> tuple[Any, dict[Any, Callable[..., Any]]]:
 
 def _default_opset() -> int:
     return int(_exporter().constants.TORCHLIB_OPSET)
+
+
+# Attention over a query row whose every key is masked (a left-padded decoder's pad positions under
+# the causal mask) is zeros in eager torch (its CPU kernel, and _safe_softmax on the math path);
+# torchlib's Softmax over a row of -inf is NaN. The ATen ops eager tracing records for
+# F.scaled_dot_product_attention with a mask (a bool mask arrives as 0 and -inf):
+_MASKED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu",)
+
+
+def _guard_masked_rows(registry: Any) -> None:
+    """Make torchlib's attention give zeros on a fully masked query row, as eager does."""
+    ex = _exporter()
+    for name in _MASKED_ATTENTION:
+        target = getattr(torch.ops.aten, name).default
+        decomps = registry.get_decomps(target)
+        if decomps:
+            registry._register(target, ex.registration.OnnxDecompMeta(
+                onnx_function=functools.partial(_emit_guarded_attention, decomps[0].onnx_function),
+                fx_target=target, signature=None, is_custom=True, skip_signature_inference=True))
+
+
+def _emit_guarded_attention(attention: Any, *args: Any, **kwargs: Any) -> Any:
+    """torchlib's ``attention``, its output zero where the mask leaves a query row no key."""
+    out = attention(*args, **kwargs)
+    mask = kwargs.get("attn_mask")  # keyword-only in the op's schema
+    if mask is None:
+        return out
+    from onnxscript import ir
+
+    op = _opset()
+    result, *rest = out
+    # the mask is added to the scores: a row whose largest entry is -inf attends to nothing
+    no_key = op.Equal(op.ReduceMax(mask, [-1], keepdims=1), op.Constant(value=ir.tensor(float("-inf"), dtype=mask.dtype)))
+    return (op.Where(no_key, op.Constant(value=ir.tensor(0.0, dtype=args[0].dtype)), result), *rest)
 
 
 # -- what torchlib does not cover: symbolics the user registers -----------------------------------

@@ -830,9 +830,11 @@ def _multihead_attention(node: Node) -> RuleResult:
 
 @onnx_equivalent("torch.nn.functional.scaled_dot_product_attention")
 def _sdpa(node: Node) -> RuleResult:
-    # torch's math decomposition (to_onnx's) guards the softmax of a masked row: where every
-    # score is -inf (Equal, all() as ReduceMin), the row is zeros
-    return ["MatMul*2+Mul*3+Div+Sqrt*2+Softmax+Add*2+Where*3+IsNaN+Not+And+Or+Equal+ReduceMin", "Attention"]
+    # to_onnx zeroes a fully masked query row, as eager does: torch's math decomposition guards
+    # the softmax (where every score is -inf: Equal, all() as ReduceMin); torchlib's attention
+    # (the CPU kernel's op) is guarded after it (where the mask's ReduceMax is -inf: Equal, Where)
+    return ["MatMul*2+Mul*3+Div+Sqrt*2+Softmax+Add*2+Where*3+IsNaN+Not+And+Or+Equal+ReduceMin",
+            "MatMul*2+Mul*3+Sqrt*2+Softmax+Add*2+Where*2+Equal+ReduceMax", "Attention"]
 
 
 def _recurrent(op: str) -> Callable[[Node], RuleResult]:
