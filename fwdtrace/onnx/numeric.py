@@ -107,6 +107,9 @@ class ValueRow:
     # the dtype of the worst compared call feeding it, whose tolerance says whether the inputs
     # agree (an int64 nonzero reads float32 values that may differ by rounding)
     inputs_dtype: str = ""
+    # out of tolerance after a ranking's order of near-ties (its note names which): the same values
+    # at other positions, not where the file computes something else
+    follows_ties: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +120,7 @@ class ValueRow:
             "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
             "kind": self.kind, "norm_rel": _finite_or_str(self.norm_rel), "cosine": _finite_or_str(self.cosine),
             "precision": self.precision, "rounding": self.rounding, "shape_differs": self.shape_differs,
+            "follows_ties": self.follows_ties,
         }
 
 
@@ -153,7 +157,8 @@ class NumericResult:
     @property
     def divergent(self) -> list[ValueRow]:
         """Rows out of tolerance beyond what rounding explains, and structural mismatches whose downstream values differ."""
-        return [r for r in self.rows + self.mismatches + self.random if r.compared and not r.ok and not r.rounding]
+        return [r for r in self.rows + self.mismatches + self.random
+                if r.compared and not r.ok and not r.rounding and not r.follows_ties]
 
     @property
     def rounded(self) -> list[ValueRow]:
@@ -204,7 +209,10 @@ class NumericResult:
             labels = ", ".join(dict.fromkeys(str(r.rounding) for r in rounded))
             within = f"; {len(rounded)} within what {labels} rounding explains" if rounded else ""
             ties = sum(1 for r in self.rows if r.compared and r.note.startswith(_TIES))
-            tied = f"; {ties} ranking{'s' if ties > 1 else ''} differ{'' if ties > 1 else 's'} in the {_TIES}" if ties else ""
+            after = sum(1 for r in self.rows if r.follows_ties)
+            tied = (f"; {ties} ranking{'s' if ties > 1 else ''} differ{'' if ties > 1 else 's'} in the {_TIES}"
+                    + (f", {after} value{'s' if after > 1 else ''} after {'them' if ties > 1 else 'it'} "
+                       "in that order" if after else "") if ties else "")
             return f"no divergence: {compared} matched values agree with eager{batches}{within}{tied}{at}{rewrote}"
         inputs = (
             "at the model's inputs" if first.inputs_rel == 0.0
@@ -232,7 +240,7 @@ class NumericResult:
         skipped = [r for r in self.rows if not r.compared]
         ties = [r for r in self.rows if r.compared and r.note.startswith(_TIES)]
         partly = [r for r in self.rows if r.compared and r.note and not r.shape_differs
-                  and not r.note.startswith((_INSIDE, _TIES))]
+                  and not r.note.startswith((_INSIDE, _TIES)) and not r.follows_ties]
         inside = [r for r in self.rows if r.compared and r.note.startswith(_INSIDE)]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
@@ -242,6 +250,7 @@ class NumericResult:
                          f"{'max rel':>9}  ")
             for r in shown:
                 flag = ("" if r.ok else f"  within {r.rounding} rounding" if r.rounding
+                        else f"  {r.note}" if r.follows_ties
                         else "  DIVERGES" + (" (first)" if r is first else "") + (
                             f": {r.note}" if r.shape_differs else ""))
                 lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
@@ -552,6 +561,7 @@ def compare_values(
     for row in numeric.rows:
         if row.compared and not row.ok:
             row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+    _follow_ties(numeric.rows, result.reqs)
     out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
     # a Dropout in eval mode (or of p=0) returns its input: it draws nothing, and cannot be where a difference starts
     idle = {p for p, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
@@ -628,6 +638,27 @@ def _order_of_ties(row: ValueRow, node: Node, ranked_inputs: list[torch.Tensor],
     if not row.note.startswith(_TIES):
         row.note = note
     return True
+
+
+def _follow_ties(rows: list[ValueRow], reqs: dict[int, list[frozenset[int]]]) -> None:
+    """Mark the calls out of tolerance because a ranking before them ordered near-ties otherwise.
+
+    Indices in another order move the same values to other positions (the boxes a top-k keeps,
+    offset, gathered and clipped), so the calls reading them differ position by position until
+    an op that does not depend on the order (an NMS that sorts by score again, a sum). Such a
+    call is fed by a ranking in the order of near-ties, or by a call marked so, and is itself out
+    of tolerance. The model's outputs are never marked: an output that differs is a divergence.
+    """
+    by_order = {r.order: r for r in rows if r.kind != "output"}
+    # call -> the ranking whose order it follows
+    tied = {r.order: r.call for r in by_order.values() if r.compared and r.note.startswith(_TIES)}
+    for row in sorted(by_order.values(), key=lambda r: r.order):
+        if not row.compared or row.ok or row.order in tied:
+            continue
+        after = sorted({g for req in reqs.get(row.order, []) for g in req} & tied.keys())
+        if after:
+            tied[row.order] = tied[after[0]]
+            row.follows_ties, row.note = True, f"follows the {_TIES} of {tied[row.order]}"
 
 
 def _check_feeds(expected: list[tuple[str, str, list[Any]]], given: list[tuple[str, str | None, torch.Tensor]],
