@@ -925,3 +925,85 @@ def test_each_unfold_is_compared_at_the_windows_it_returns(exporter: str) -> Non
     for row, want in zip(rows, expected, strict=True):
         (value,) = _run_ort(numeric.proto, numeric.feeds, [row.onnx_value])
         torch.testing.assert_close(torch.from_numpy(value), want)
+
+
+class _Ranked(torch.nn.Module):
+    """Ranks a layer's scores (topk, sort or argmax) and reads the scores it picked: a detector's proposals."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.layer = torch.nn.Linear(4, 6)
+        self.register_buffer("shift", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.layer(x) + self.shift
+        if self.op == "topk":
+            _, i = s.topk(1, dim=-1)  # the kept one of two near-tied scores: which one is kept differs
+        elif self.op == "sort":
+            _, i = s.sort(dim=-1, descending=True)
+        else:
+            i = s.argmax(-1, keepdim=True)
+        doubled = i * 2  # the indices in the ranking's order: they differ where the ranking's do
+        return s.gather(-1, doubled // 2)
+
+
+def _near_tie(op: str) -> tuple[_Ranked, torch.Tensor, onnx.ModelProto, str]:
+    """A model whose two largest scores tie within float32 rounding, its export, and the export with
+    the two swapped by a nudge of ~2e-6 relative (a tie's order as rounding may give it)."""
+    torch.manual_seed(0)
+    model, x = _Ranked(op).eval(), torch.randn(1, 4)
+    with torch.no_grad():
+        s = model.layer(x)[0]
+        a, b = s.topk(2).indices.tolist()
+        nudge = 1e-6 * float(s[a].abs())
+        model.shift[b] = s[a] - s[b] - nudge  # eagerly b comes second, by a nudge
+    proto = _torchscript_default_names(model, (x,))
+    shift = onnx.numpy_helper.to_array(next(i for i in proto.graph.initializer if i.name == "shift")).copy()
+    shift[b] += np.float32(2 * nudge)  # in the file b comes first, by a nudge
+    proto = _with_initializer(proto, "shift", shift)
+    (ranking,) = [n for n in proto.graph.node if n.op_type in ("TopK", "ArgMax")]
+    return model, x, proto, ranking.output[-1]
+
+
+@pytest.mark.parametrize("op", ["topk", "sort", "argmax"])
+def test_indices_that_differ_only_in_the_order_of_near_ties_are_no_divergence(op: str) -> None:
+    model, x, proto, indices = _near_tie(op)
+    # reference: onnxruntime ranks the two near-tied scores the other way round than eager torch does
+    (got,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [indices])
+    with torch.no_grad():
+        s = model.layer(x) + model.shift
+    want = {"topk": s.topk(1, dim=-1).indices, "sort": s.sort(dim=-1, descending=True).indices,
+            "argmax": s.argmax(-1, keepdim=True)}[op]
+    assert not np.array_equal(got.reshape(want.shape), want.numpy())
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert report.first_divergence is None, str(report)
+    (row,) = [r for r in report.numeric.rows if r.target.endswith(f".{op}")]
+    assert row.ok and row.compared
+    differ = int((torch.from_numpy(got.reshape(want.shape)) != want).sum())
+    assert row.note == (f"order of near-ties: {differ} of {want.numel()} indices differ where the values ranked "
+                        "agree within tolerance")
+    after = [r for r in report.numeric.rows if r.target in ("torch.Tensor.mul", "torch.Tensor.__floordiv__")]
+    assert len(after) == 2 and all(not r.ok and r.follows_ties for r in after), str(report)
+    assert after[0].note == f"follows the order of near-ties of {row.call}"
+    outputs = [r for r in report.numeric.rows if r.kind == "output"]
+    assert outputs and all(r.ok for r in outputs)  # the values picked agree
+    assert "differs in the order of near-ties, 2 values after it in that order" in report.numeric.lead()
+    assert any(line.strip().startswith(f"{row.call}: order of near-ties") for line in report.numeric.table())
+
+
+# (an ArgMax made an ArgMin is another op to the structural comparison: a mismatch, not a row)
+@pytest.mark.parametrize("op", ["topk", "sort"])
+def test_a_ranking_that_picks_other_values_is_still_the_first_divergence(op: str) -> None:
+    model, x, proto, _ = _near_tie(op)
+    (node,) = [n for n in proto.graph.node if n.op_type == "TopK"]
+    largest = [a for a in node.attribute if a.name == "largest"]
+    if largest:
+        largest[0].i = 0  # the smallest scores: no tie explains their indices
+    else:
+        node.attribute.append(onnx.helper.make_attribute("largest", 0))
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    first = report.first_divergence
+    assert first is not None and first.target.endswith(f".{op}"), str(report)
+    assert first.inputs_rel is not None and first.inputs_rel < 1e-5
+    assert not first.note.startswith("order of near-ties")

@@ -107,6 +107,9 @@ class ValueRow:
     # the dtype of the worst compared call feeding it, whose tolerance says whether the inputs
     # agree (an int64 nonzero reads float32 values that may differ by rounding)
     inputs_dtype: str = ""
+    # out of tolerance after a ranking's order of near-ties (its note names which): the same values
+    # at other positions, not where the file computes something else
+    follows_ties: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +120,7 @@ class ValueRow:
             "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
             "kind": self.kind, "norm_rel": _finite_or_str(self.norm_rel), "cosine": _finite_or_str(self.cosine),
             "precision": self.precision, "rounding": self.rounding, "shape_differs": self.shape_differs,
+            "follows_ties": self.follows_ties,
         }
 
 
@@ -153,7 +157,8 @@ class NumericResult:
     @property
     def divergent(self) -> list[ValueRow]:
         """Rows out of tolerance beyond what rounding explains, and structural mismatches whose downstream values differ."""
-        return [r for r in self.rows + self.mismatches + self.random if r.compared and not r.ok and not r.rounding]
+        return [r for r in self.rows + self.mismatches + self.random
+                if r.compared and not r.ok and not r.rounding and not r.follows_ties]
 
     @property
     def rounded(self) -> list[ValueRow]:
@@ -203,7 +208,12 @@ class NumericResult:
             rounded = self.rounded
             labels = ", ".join(dict.fromkeys(str(r.rounding) for r in rounded))
             within = f"; {len(rounded)} within what {labels} rounding explains" if rounded else ""
-            return f"no divergence: {compared} matched values agree with eager{batches}{within}{at}{rewrote}"
+            ties = sum(1 for r in self.rows if r.compared and r.note.startswith(_TIES))
+            after = sum(1 for r in self.rows if r.follows_ties)
+            tied = (f"; {ties} ranking{'s' if ties > 1 else ''} differ{'' if ties > 1 else 's'} in the {_TIES}"
+                    + (f", {after} value{'s' if after > 1 else ''} after {'them' if ties > 1 else 'it'} "
+                       "in that order" if after else "") if ties else "")
+            return f"no divergence: {compared} matched values agree with eager{batches}{within}{tied}{at}{rewrote}"
         inputs = (
             "at the model's inputs" if first.inputs_rel == 0.0
             else f"inputs agree to {_num(first.inputs_rel)}" if first.inputs_rel is not None and _within_inputs(first, self)
@@ -228,8 +238,9 @@ class NumericResult:
         if first is not None and first not in shown and first.kind not in _PLACED_KINDS:
             shown.append(first)
         skipped = [r for r in self.rows if not r.compared]
+        ties = [r for r in self.rows if r.compared and r.note.startswith(_TIES)]
         partly = [r for r in self.rows if r.compared and r.note and not r.shape_differs
-                  and not r.note.startswith(_INSIDE)]
+                  and not r.note.startswith((_INSIDE, _TIES)) and not r.follows_ties]
         inside = [r for r in self.rows if r.compared and r.note.startswith(_INSIDE)]  # an LSTM whose h_n and c_n the export left out
         lines = []
         if shown:
@@ -239,6 +250,7 @@ class NumericResult:
                          f"{'max rel':>9}  ")
             for r in shown:
                 flag = ("" if r.ok else f"  within {r.rounding} rounding" if r.rounding
+                        else f"  {r.note}" if r.follows_ties
                         else "  DIVERGES" + (" (first)" if r is first else "") + (
                             f": {r.note}" if r.shape_differs else ""))
                 lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
@@ -252,6 +264,8 @@ class NumericResult:
         if partly:
             lines.append(f"  compared in part: {', '.join(f'{r.call} ({r.note})' for r in partly[:4])}"
                          + (f" and {len(partly) - 4} more" if len(partly) > 4 else ""))
+        for r in ties:
+            lines.append(f"  {r.call}: {r.note}")
         for r in self.random:
             lines.append(f"  random: {r.call} draws random numbers, {r.onnx_value} after it differs"
                          + (" (first)" if r is first else ""))
@@ -308,10 +322,13 @@ class _ValueTracer(Tracer):
     the node is appended), so an in-place write later in the model does not reach it.
     """
 
-    def __init__(self, wanted: set[int], through: tuple[type, ...], through_functions: tuple[str, ...]) -> None:
+    def __init__(self, wanted: set[int], through: tuple[type, ...], through_functions: tuple[str, ...],
+                 ranking: frozenset[int] = frozenset()) -> None:
         super().__init__(through=through, through_functions=through_functions)
         self.wanted = wanted
+        self.ranking = ranking  # calls that rank values: their inputs are kept too, to tell ties apart
         self.values: dict[int, list[torch.Tensor]] = {}
+        self.ranked: dict[int, list[torch.Tensor]] = {}
         self.inputs: dict[int, torch.Tensor] = {}  # obj_id -> the model input's value
 
     def _begin_root(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -326,6 +343,8 @@ class _ValueTracer(Tracer):
         if node_id in self.wanted:
             with torch._C.DisableTorchFunction():
                 self.values[node_id] = [t.detach().clone() for t in out_tensors]
+                if node_id in self.ranking:
+                    self.ranked[node_id] = [t.detach().clone() for t in in_tensors]
 
 
 def _as_batches(inputs: Any, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
@@ -462,12 +481,13 @@ def compare_values(
     expected = [(i.name, _ORT2DTYPE.get(i.type, i.type), i.shape) for i in session.get_inputs()]
     ort_inputs = {name: dtype for name, dtype, _ in expected}
     wanted = {t for _, t, _, _ in pairs}
+    ranking = frozenset(t for t in wanted if _ranked_at(trace.nodes[t]) is not None)
     numeric = NumericResult(list(rows.values()), len(batches), tols, proto=proto, folder=folder)
     # ONNX computes in full float32 (see providers()): only the eager run's math can explain a rounding
     numeric.math = math_record(model if isinstance(model, torch.nn.Module) else None, args)
     out_rows: list[ValueRow] = []
     for b, (bargs, bkwargs) in enumerate(batches):
-        tracer = _ValueTracer(wanted, through, through_functions)
+        tracer = _ValueTracer(wanted, through, through_functions, ranking)
         with torch.no_grad(), tracer:
             out = model(*bargs, **bkwargs)
         got = tracer.graph
@@ -494,6 +514,9 @@ def compare_values(
             row = rows[gid]
             if eager is None or i >= len(eager) or name not in values:
                 row.compared, row.note = False, "no eager value" if eager is None else "no ONNX value"
+                continue
+            if tid in tracer.ranked and _order_of_ties(row, trace.nodes[tid], tracer.ranked[tid], eager[i],
+                                                       values[name], tols):
                 continue
             _compare_into(row, eager[i], values[name], tols, record=numeric.math, free=free_axes.get(name, ()))
             for other, other_row in inner.get(gid, {}).items():
@@ -538,6 +561,7 @@ def compare_values(
     for row in numeric.rows:
         if row.compared and not row.ok:
             row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+    _follow_ties(numeric.rows, result.reqs)
     out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
     # a Dropout in eval mode (or of p=0) returns its input: it draws nothing, and cannot be where a difference starts
     idle = {p for p, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
@@ -545,6 +569,96 @@ def compare_values(
     numeric.mismatches, numeric.random = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols, idle)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
     return numeric
+
+
+# ops whose integer output says which of the values they read come first, or are kept: op -> the
+# position among the call's tensors of the values ranked (an NMS ranks its boxes by their scores)
+_RANKING = {"topk": 0, "sort": 0, "argsort": 0, "argmax": 0, "argmin": 0, "nms": 1, "batched_nms": 1}
+_TIES = "order of near-ties"  # a row's note when its indices differ only where the values ranked tie
+
+
+def _ranked_at(node: Node) -> int | None:
+    """Where a ranking call's ranked values are among its tensors, or None for any other call."""
+    return _RANKING.get(node.target.rsplit(".", 1)[-1]) if node.kind == "function" else None
+
+
+def _ranked_dim(node: Node, ndim: int) -> int | None:
+    """The axis a ranking call ranks along, from its recorded arguments; None: the values flattened."""
+    op = node.target.rsplit(".", 1)[-1]
+    if op in ("nms", "batched_nms"):
+        return 0
+    args = [a for a in node.attrs.get("args", []) if not isinstance(a, bool)]
+    position = 1 if op == "topk" else 0  # topk(x, k, dim), sort(x, dim), argmax(x, dim)
+    dim = node.attrs.get("dim", args[position] if len(args) > position else (None if op in ("argmax", "argmin")
+                                                                                 else -1))
+    return None if dim is None else int(dim) % max(ndim, 1)
+
+
+def _order_of_ties(row: ValueRow, node: Node, ranked_inputs: list[torch.Tensor], eager: torch.Tensor,
+                   onnx_value: Any, tols: dict[str, tuple[float, float]]) -> bool:
+    """Whether the ONNX indices of a ranking call differ from eager's only in the order of near-ties.
+
+    Values that agree within the tolerance of their dtype may be ranked either way by two runs
+    whose inputs differ by rounding (two boxes' scores equal to float32's last bits): the
+    indices then differ, but the values they pick agree. So the indices are a tie's order when,
+    gathered from the eager values ranked, the ONNX indices pick values within tolerance of
+    those eager's pick, and pick no value twice. Then the row is ok, with a note; any other
+    index difference is compared as usual, a divergence.
+    """
+    at = _ranked_at(node)
+    got = np.asarray(onnx_value)
+    if at is None or at >= len(ranked_inputs) or eager.is_floating_point() or eager.dtype == torch.bool:
+        return False
+    x = ranked_inputs[at].detach().to("cpu", torch.float64)
+    want = eager.detach().to("cpu", torch.int64)
+    if got.size != want.numel() or not np.issubdtype(got.dtype, np.integer) or np.array_equal(
+            got.reshape(want.shape), want.numpy()):
+        return False
+    io = torch.from_numpy(got.astype(np.int64).reshape(want.shape))
+    dim = _ranked_dim(node, x.ndim)
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    if want.ndim < x.ndim:  # argmax without keepdim
+        want, io = want.unsqueeze(dim), io.unsqueeze(dim)
+    if want.ndim != x.ndim or x.numel() == 0 or bool(((io < 0) | (io >= x.shape[dim])).any()):
+        return False
+    twice = io.sort(dim).values.diff(dim=dim) == 0
+    if bool(twice.any()):
+        return False
+    rtol, atol = tols.get(str(ranked_inputs[at].dtype).removeprefix("torch."), _EXACT)
+    finite = x[torch.isfinite(x)].abs()
+    scale = float(finite.max()) if finite.numel() else 0.0
+    picked_eager, picked_onnx = x.gather(dim, want), x.gather(dim, io)
+    if not bool(((picked_eager - picked_onnx).abs() <= atol + rtol * scale).all()):
+        return False
+    differ = int((io != want).sum())
+    if not row.dtype:  # an argmax: its one output
+        row.shape, row.dtype = tuple(eager.shape), str(eager.dtype).removeprefix("torch.")
+    note = f"{_TIES}: {differ} of {want.numel()} indices differ where the values ranked agree within tolerance"
+    if not row.note.startswith(_TIES):
+        row.note = note
+    return True
+
+
+def _follow_ties(rows: list[ValueRow], reqs: dict[int, list[frozenset[int]]]) -> None:
+    """Mark the calls out of tolerance because a ranking before them ordered near-ties otherwise.
+
+    Indices in another order move the same values to other positions (the boxes a top-k keeps,
+    offset, gathered and clipped), so the calls reading them differ position by position until
+    an op that does not depend on the order (an NMS that sorts by score again, a sum). Such a
+    call is fed by a ranking in the order of near-ties, or by a call marked so, and is itself out
+    of tolerance. The model's outputs are never marked: an output that differs is a divergence.
+    """
+    by_order = {r.order: r for r in rows if r.kind != "output"}
+    # call -> the ranking whose order it follows
+    tied = {r.order: r.call for r in by_order.values() if r.compared and r.note.startswith(_TIES)}
+    for row in sorted(by_order.values(), key=lambda r: r.order):
+        if not row.compared or row.ok or row.order in tied:
+            continue
+        after = sorted({g for req in reqs.get(row.order, []) for g in req} & tied.keys())
+        if after:
+            tied[row.order] = tied[after[0]]
+            row.follows_ties, row.note = True, f"follows the {_TIES} of {tied[row.order]}"
 
 
 def _check_feeds(expected: list[tuple[str, str, list[Any]]], given: list[tuple[str, str | None, torch.Tensor]],
