@@ -612,7 +612,7 @@ def _order_of_ties(row: ValueRow, node: Node, ranked_inputs: list[torch.Tensor],
     x = ranked_inputs[at].detach().to("cpu", torch.float64)
     want = eager.detach().to("cpu", torch.int64)
     if got.size != want.numel() or not np.issubdtype(got.dtype, np.integer) or np.array_equal(
-            got.reshape(want.shape), want.numpy()):
+            got.reshape(want.shape), to_numpy(want)):
         return False
     io = torch.from_numpy(got.astype(np.int64).reshape(want.shape))
     dim = _ranked_dim(node, x.ndim)
