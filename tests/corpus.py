@@ -55,6 +55,9 @@ class Case:
     # a regex of the targets of the calls that draw random numbers (``randn_like``, a Dropout in training):
     # the outputs that depend on them differ in onnxruntime by nature (see Run.drawn_outputs)
     draws: str = ""
+    # the row this one repeats on other inputs (the same architecture): the picture entry points, whose
+    # invariants depend on the architecture alone, are that row's (see :func:`runs`)
+    repeats: str = ""
 
 
 # -- the rows: models of our own ---------------------------------------------------------------------------
@@ -247,7 +250,7 @@ CORPUS: list[Case] = [
     # BART without decoder_input_ids: the decoder's come from shift_tokens_right (two writes by index, then
     # masked_fill_), and both stacks build a padding mask from the same attention mask
     Case("bart_shift", _hf("BartModel", "BartConfig", _ids, **{**_SEQ2SEQ, "encoder_layers": 1, "decoder_layers": 1}),
-         family="transformers"),
+         family="transformers", repeats="bart"),
     Case("opt", _hf("OPTModel", "OPTConfig", _ids, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     ffn_dim=64, word_embed_proj_dim=32, vocab_size=100, max_position_embeddings=32),
          family="transformers"),
@@ -275,12 +278,12 @@ CORPUS: list[Case] = [
          family="transformers"),
     # Decoders on left-padded batches (one layer): the fully masked query rows of the padding
     Case("llama_left", _hf("LlamaModel", "LlamaConfig", _left_padded_ids,
-                           **{**_SMALL, "num_hidden_layers": 1}, num_key_value_heads=2), family="transformers"),
+                           **{**_SMALL, "num_hidden_layers": 1}, num_key_value_heads=2), family="transformers", repeats="llama"),
     Case("opt_left", _hf("OPTModel", "OPTConfig", _left_padded_ids, hidden_size=32, num_hidden_layers=1,
                          num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32, vocab_size=100,
-                         max_position_embeddings=32), family="transformers"),
+                         max_position_embeddings=32), family="transformers", repeats="opt"),
     Case("gpt2_left", _hf("GPT2Model", "GPT2Config", _left_padded_ids, n_embd=32, n_layer=1, n_head=4,
-                          vocab_size=100, n_positions=32), family="transformers"),
+                          vocab_size=100, n_positions=32), family="transformers", repeats="gpt2"),
     Case("resnetish", _zoo("resnetish")),
     Case("densenetish", _zoo("densenetish")),
     Case("unetish", _zoo("unetish")),
@@ -1339,6 +1342,16 @@ ENTRIES: dict[str, Callable[[Run], None]] = {
     "live_svg": _live_svg,
     "json": _json,
 }
+
+
+# entry points whose invariants depend on the architecture only (its pictures), not on the inputs
+PICTURE_ENTRIES = frozenset({"render_auto", "render_depths", "live_svg",
+                             *(f"{e}[{x}]" for e in ("side_by_side", "onnx_graph") for x in EXPORTERS)})
+
+
+def runs(case: Case, entry: str) -> bool:
+    """Whether ``entry`` runs on ``case``: all do, but a row that repeats another's architecture leaves it the pictures."""
+    return not (case.repeats and entry in PICTURE_ENTRIES)
 
 
 def run_entry(run: Run, entry: str) -> None:
