@@ -247,10 +247,6 @@ CORPUS: list[Case] = [
     Case("t5", _hf("T5Model", "T5Config", _seq2seq_ids, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                    vocab_size=100), family="transformers"),
     Case("bart", _hf("BartModel", "BartConfig", _seq2seq_ids, **_SEQ2SEQ), family="transformers"),
-    # BART without decoder_input_ids: the decoder's come from shift_tokens_right (two writes by index, then
-    # masked_fill_), and both stacks build a padding mask from the same attention mask
-    Case("bart_shift", _hf("BartModel", "BartConfig", _ids, **{**_SEQ2SEQ, "encoder_layers": 1, "decoder_layers": 1}),
-         family="transformers", repeats="bart"),
     Case("opt", _hf("OPTModel", "OPTConfig", _ids, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     ffn_dim=64, word_embed_proj_dim=32, vocab_size=100, max_position_embeddings=32),
          family="transformers"),
