@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FIELDS", "BINS", "SAMPLES", "summarize", "summarize_blocks", "sample_positions", "as_dict"]
+__all__ = ["FIELDS", "BINS", "SAMPLES", "summarize", "summarize_blocks", "summarize_in_graph", "sample_positions", "as_dict"]
 
 FIELDS = ("count", "finite", "nans", "infs", "mean", "std", "min", "max", "norm")
 BINS = 16
@@ -66,7 +66,9 @@ def summarize(t: torch.Tensor) -> torch.Tensor:
     (2.0, 1.0, [1.0, 2.0])
     """
     flat = _flat(t)
-    on_cpu = flat.device.type == "cpu" and not torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return summarize_in_graph(flat)
+    on_cpu = flat.device.type == "cpu"
     if on_cpu and 0 < flat.numel() <= _CPU_BLOCK:
         finite = _summarize_finite(flat)
         if finite is not None:
@@ -98,6 +100,56 @@ def _summarize_finite(flat: torch.Tensor) -> torch.Tensor | None:
     head = [n, n, 0, 0, mean, math.sqrt(m2 / n), low, high, math.sqrt(sumsq)]
     histogram = counts[:BINS - 1] + [counts[BINS - 1] + counts[BINS]]
     return torch.cat([torch.tensor(head + histogram, dtype=torch.float64), x.index_select(0, _sample_index(n))])
+
+
+def summarize_in_graph(flat: torch.Tensor) -> torch.Tensor:
+    """:func:`summarize`'s vector of the flat tensor ``flat``, as a compiled graph computes it.
+
+    Functional tensor ops only, each a pointwise op or a reduction over ``flat``'s values, so
+    that a compiler fuses them into a couple of loops over the tensor (inductor: the moments,
+    extremes and counts in one, the deviations and the histogram's bins in another); the route
+    :func:`summarize_blocks` takes in place, through a workspace, made every tensor a score of
+    kernels to generate and compile. The same numbers: the same sums in the same dtype, the same
+    choice of the one-pass variance, the same bins (the compiler may contract a multiply and an add
+    into one rounding: a value within a rounding of a bin's edge may fall on its other side).
+    >>> v = summarize_in_graph(torch.tensor([1.0, 2.0, float("inf"), 3.0]))
+    >>> as_dict(v)["mean"], as_dict(v)["infs"], as_dict(v)["histogram"][0]
+    (2.0, 1.0, 1.0)
+    """
+    dtype = _work_dtype(flat.device)
+    x = flat.to(dtype)
+    count = x.numel()
+    nan_at, inf_at = torch.isnan(x), torch.isinf(x)
+    ok = ~(nan_at | inf_at)
+    kept = torch.where(ok, x, 0)
+    # one reduction of rows each (a loop over the values: the sums; another: the extremes, the highest negated)
+    nans, infs, total, sumsq = torch.stack([nan_at.to(dtype), inf_at.to(dtype), kept, kept * kept]).sum(1).unbind()
+    low, negated_high = torch.stack([torch.where(ok, x, math.inf), torch.where(ok, -x, math.inf)]).amin(1).unbind()
+    high = -negated_high
+    finite = count - nans - infs
+    none = finite == 0
+    nan = torch.full((), math.nan, dtype=dtype, device=x.device)
+    mean = torch.where(none, nan, total / finite.clamp(min=1))
+    # the bins as summarize_blocks computes them, of the finite values only
+    low_edge = torch.where(none, 0, low)
+    width = torch.where(high > low, high - low, 1)
+    scale = 1 - width.isinf().to(dtype) * (1 - 1 / (2 * BINS))
+    low_edge = low_edge * scale
+    width = torch.where(width.isinf(), high * scale - low_edge, width)
+    bins = ((torch.where(ok, x, low_edge / scale) * scale - low_edge) * BINS / width).floor().clamp(0, BINS - 1)
+    # one more loop: each value's bin as a row of BINS zeros and a one, beside its squared deviation
+    deviation = torch.where(ok, x - mean, 0)
+    edges = torch.arange(BINS, dtype=dtype, device=x.device)
+    rows = torch.cat([((bins.unsqueeze(1) == edges) & ok.unsqueeze(1)).to(dtype), (deviation * deviation).unsqueeze(1)], 1)
+    tail = rows.sum(0)
+    histogram, deviations = tail[:BINS], tail[BINS]
+    one_pass = sumsq - total * mean  # summarize_blocks' choice between the two: see there
+    m2 = torch.where(one_pass >= sumsq / 8, one_pass, deviations)
+    head = torch.stack([torch.full((), float(count), dtype=dtype, device=x.device), finite, nans, infs, mean,
+                        torch.where(none, nan, (m2 / finite.clamp(min=1)).sqrt()), torch.where(none, nan, low),
+                        torch.where(none, nan, high), torch.where(none, nan, sumsq.sqrt())])
+    positions = torch.tensor(sample_positions(count), dtype=torch.long, device=x.device)
+    return torch.cat([head, histogram, x.index_select(0, positions)])
 
 
 @functools.lru_cache(maxsize=256)

@@ -741,6 +741,37 @@ def test_inductor_compiled_forward_statistics_equal_the_eager_models() -> None:
     assert torch.allclose(compiled(X), eager(X), rtol=1e-5, atol=1e-6)  # still the model it was
 
 
+@pytest.mark.skipif(_CXX is None, reason="inductor on the CPU needs a C++ compiler (g++ or clang++), none on PATH")
+def test_an_inductor_compiled_statistics_dump_equals_the_eager_models(tmp_path: Path) -> None:
+    """A forward statistics dump of a model compiled by inductor: every layer's statistics, computed inside the
+    generated code, are torch's on the eager copy (to float32 rounding: inductor fuses the model's own ops), the
+    histogram's counts included, with no graph break. Before each summary was written for the compiler, its
+    in-place route made every summarised tensor dozens of kernels to generate: compiling took minutes."""
+    torch.manual_seed(0)
+    net = Net()
+    eager = copy.deepcopy(net)
+    compiled = torch.compile(net)  # inductor
+    compiled(X).square().mean().backward()
+    dumper = fwdtrace.Dumper(tmp_path, values="statistics")
+    dumper.register(compiled, grads=False)
+    compiled(X).square().mean().backward()
+    [path] = dumper.remove()
+    assert sum(counters["graph_break"].values()) == 0
+    tree = fwdtrace.read_dump(path, show=False)
+    assert tree["attrs"]["compiled"].startswith("compiled: ")
+    groups = {g["attrs"]["module_key"]: g["datasets"] for g in tree["groups"].values()}
+    [want] = eager_outputs(eager, LAYER, 1)  # torch itself, on the eager copy
+    got = groups[LAYER]["output0"]["statistics"]
+    flat = want.double().reshape(-1)
+    assert got["count"] == got["finite"] == flat.numel() and got["nans"] == got["infs"] == 0
+    expected = {"mean": flat.mean(), "std": flat.std(correction=0), "min": flat.min(), "max": flat.max(),
+                "norm": torch.linalg.vector_norm(flat)}
+    assert {k: got[k] for k in expected} == pytest.approx({k: float(v) for k, v in expected.items()}, rel=1e-5)
+    histogram = torch.histc(flat, fwdtrace.summary.BINS, float(flat.min()), float(flat.max()))
+    # a value within float32 rounding of a bin's edge may fall on the other side
+    assert sum(got["histogram"]) == flat.numel() and (torch.tensor(got["histogram"]) - histogram).abs().sum() <= 2
+
+
 # -- forward dumps inside the compiled code ---------------------------------------------------------------
 def dump_step(model: nn.Module, run: nn.Module, folder: Path, values: str) -> tuple[Path, int]:
     """One step dumped (forward only, ``grads=False``): the dump's path and the compiled-graph calls it made."""

@@ -190,6 +190,21 @@ def test_finite_cpu_tensors_take_a_shorter_route_to_the_same_numbers() -> None:
         assert torch.equal(summarize(t), general), t
 
 
+def test_the_route_for_compiled_graphs_gives_the_same_vector() -> None:
+    """Inside a compiled graph a tensor is summarised by functional ops a compiler fuses: run eagerly, the same
+    vector as the CPU's routes (NaN and Inf, integers, bfloat16, a constant, float64's extremes): the counts, the
+    histogram and the samples exactly, the sums to float64's rounding (they may add in another order)."""
+    g = torch.Generator().manual_seed(7)
+    for t in (torch.randn(3, 1000, generator=g), torch.full((7,), 2.5), torch.arange(10, dtype=torch.int64),
+              torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 2.0]), torch.tensor([float("nan")]),
+              torch.randn(5000, generator=g) * 100 + 1e4, torch.randn(4, 4, generator=g).to(torch.bfloat16),
+              torch.tensor([1e308, -1e308], dtype=torch.float64), torch.arange(-16, 33, dtype=torch.float32) / 3):
+        want, got = summarize(t), fwdtrace.summary.summarize_in_graph(t.reshape(-1))
+        assert torch.allclose(got, want, rtol=1e-13, atol=0, equal_nan=True), (t, got - want)
+        exact = [0, 1, 2, 3, 6, 7, *range(len(fwdtrace.summary.FIELDS), want.numel())]  # all but moments and norm
+        assert torch.equal(got[exact].nan_to_num(nan=7.0), want[exact].nan_to_num(nan=7.0)), t
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_statistics_dump_on_a_writer_thread_equals_the_cpus(tmp_path: Path) -> None:
     """On CUDA with background=True each vector goes to the host without waiting: the writer waits for it."""
