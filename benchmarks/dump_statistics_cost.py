@@ -16,6 +16,10 @@ step, against a plain step's CPU; "per step" is the size of one step's file. ``-
 the encoder's width (the step's arithmetic grows with its square, the values summarised with it).
 ``--without-reductions`` stores one small tensor's statistics for every tensor: what the trace, the hooks and
 the file cost without the reductions. Target: the ``calls="all"`` row under 5% of a plain step, a few KB per step.
+
+Last, the floor: the tensors one ``calls="all"`` step summarises (copies of them), each read once by
+``torch.sum`` in its own dtype, against a plain step (medians of ``--pairs`` alternating repeats): what
+any statistics computed from every value cost at the least, by torch's fastest pass on this machine.
 """
 
 from __future__ import annotations
@@ -125,6 +129,42 @@ def main() -> None:
                   f"{per_step * 1e3:.1f} ms ({per_step / statistics.median(plain_cpu):.1%}, "
                   f"{reduction_calls / steps:.0f} tensors summarised per step); "
                   f"{statistics.median(sizes) / 1e3:.0f} KB per step")
+        if not args.without_reductions:
+            floor(model, x, tmp, args.pairs)
+
+
+def floor(model: torch.nn.Module, x: torch.Tensor, directory: str, repeats: int) -> None:
+    """Print one read pass over a ``calls="all"`` step's summarised tensors against a plain step."""
+    taken: list[torch.Tensor] = []
+    original = fwdtrace.dump.summarize
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        taken.append(t.detach().clone())
+        return original(t)
+
+    fwdtrace.dump.summarize = take  # type: ignore[assignment]
+    try:
+        train(model, x, fwdtrace.Dumper(Path(directory) / "floor", values="statistics", calls="all", overwrite=True),
+              0, 1)
+    finally:
+        fwdtrace.dump.summarize = original
+    flat = [t.reshape(-1) for t in taken]
+    step: list[float] = []
+    passes: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        live_cost.train(model, x, 1)
+        step.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for t in flat:
+            t.sum()
+        passes.append(time.perf_counter() - start)
+    values = sum(t.numel() for t in flat)
+    nbytes = sum(t.numel() * t.element_size() for t in flat)
+    print(f"  floor: one torch.sum pass over the {len(flat)} tensors a step summarises ({values / 1e6:.1f} M values, "
+          f"{nbytes / 1e6:.0f} MB) takes {statistics.median(passes) * 1e3:.2f} ms, "
+          f"{statistics.median(passes) / statistics.median(step):.1%} of a plain step "
+          f"({statistics.median(step) * 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":
