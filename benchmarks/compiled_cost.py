@@ -14,8 +14,8 @@ times steps (forward, backward, optimizer step) with one configuration in place:
   compiled copy of the model, made when it attaches);
 - ``compiled + statistics dump``: every step dumped, ``Dumper(values="statistics")`` and
   ``register(grads=False)`` before each step, the last step's dump closed (every layer's forward
-  statistics computed inside a compiled copy of the model, made at the Dumper's first registration and
-  run again by the later ones); ``, background writer``: the same with ``Dumper(background=True)``,
+  tensors taken inside a compiled copy of the model, made at the Dumper's first registration and run again
+  by the later ones; on a CPU summarised after its graph); ``, background writer``: the same with ``Dumper(background=True)``,
   which writes the file on a thread of its own;
 - ``eager``, ``eager + running Probe`` and ``eager + statistics dump``: the same model, not compiled, for reference.
 
@@ -24,7 +24,7 @@ process's CPU time, which moves less when other programs share the cores), its r
 compiled row of the same run, and the graph breaks and compiled graphs dynamo added per round of
 the row (``torch._dynamo.utils.counters``; each round arms anew). After the tools leave, the compiled row is timed again
 (``compiled, after``): it runs the graphs it had.
-Run: ``.venv/bin/python benchmarks/compiled_cost.py [--rounds 5 --steps 20 --threads 1]``.
+Run: ``.venv/bin/python benchmarks/compiled_cost.py [--rounds 3 --steps 20 --threads 1]``.
 """
 
 from __future__ import annotations

@@ -743,10 +743,10 @@ def test_inductor_compiled_forward_statistics_equal_the_eager_models() -> None:
 
 @pytest.mark.skipif(_CXX is None, reason="inductor on the CPU needs a C++ compiler (g++ or clang++), none on PATH")
 def test_an_inductor_compiled_statistics_dump_equals_the_eager_models(tmp_path: Path) -> None:
-    """A forward statistics dump of a model compiled by inductor: every layer's statistics, computed inside the
-    generated code, are torch's on the eager copy (to float32 rounding: inductor fuses the model's own ops), the
-    histogram's counts included, with no graph break. Before each summary was written for the compiler, its
-    in-place route made every summarised tensor dozens of kernels to generate: compiling took minutes."""
+    """A forward statistics dump of a model compiled by inductor: every layer's statistics (of the tensors taken
+    inside the generated code) are torch's on the eager copy (to float32 rounding: inductor fuses the model's own
+    ops), the histogram's counts included, with no graph break. Before, each summary was traced into the graph by
+    its in-place route, dozens of kernels per tensor to generate: compiling took minutes."""
     torch.manual_seed(0)
     net = Net()
     eager = copy.deepcopy(net)

@@ -203,6 +203,9 @@ def test_the_route_for_compiled_graphs_gives_the_same_vector() -> None:
         assert torch.allclose(got, want, rtol=1e-13, atol=0, equal_nan=True), (t, got - want)
         exact = [0, 1, 2, 3, 6, 7, *range(len(fwdtrace.summary.FIELDS), want.numel())]  # all but moments and norm
         assert torch.equal(got[exact].nan_to_num(nan=7.0), want[exact].nan_to_num(nan=7.0)), t
+    # and traced whole, as summarize takes that route inside a compiled graph (functionalised, as inductor gets it)
+    compiled = torch.compile(summarize, backend="aot_eager", fullgraph=True)
+    assert torch.allclose(compiled(t), summarize(t), rtol=1e-13, atol=0, equal_nan=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
