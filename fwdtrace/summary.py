@@ -105,13 +105,14 @@ def _summarize_finite(flat: torch.Tensor) -> torch.Tensor | None:
 def summarize_in_graph(flat: torch.Tensor) -> torch.Tensor:
     """:func:`summarize`'s vector of the flat tensor ``flat``, as a compiled graph computes it.
 
-    Functional tensor ops only, each a pointwise op or a reduction over ``flat``'s values, so
-    that a compiler fuses them into a couple of loops over the tensor (inductor: the moments,
-    extremes and counts in one, the deviations and the histogram's bins in another); the route
-    :func:`summarize_blocks` takes in place, through a workspace, made every tensor a score of
-    kernels to generate and compile. The same numbers: the same sums in the same dtype, the same
-    choice of the one-pass variance, the same bins (the compiler may contract a multiply and an add
-    into one rounding: a value within a rounding of a bin's edge may fall on its other side).
+    Functional tensor ops only, each a pointwise op or a reduction over ``flat``'s values (no
+    scatter, no in-place op), so that a compiler can fuse them into a few loops over the tensor;
+    the route :func:`summarize_blocks` takes in place, through a workspace, made every tensor a
+    score of kernels to generate and compile. The same numbers: the same sums in the same dtype,
+    the same choice of the one-pass variance, the same bins (a compiler may contract a multiply
+    and an add into one rounding: a value within a rounding of a bin's edge may fall on its other
+    side). Summarising a CPU tensor, the eager routes are faster: a compiled dump hands those over.
+
     >>> v = summarize_in_graph(torch.tensor([1.0, 2.0, float("inf"), 3.0]))
     >>> as_dict(v)["mean"], as_dict(v)["infs"], as_dict(v)["histogram"][0]
     (2.0, 1.0, 1.0)
@@ -122,10 +123,9 @@ def summarize_in_graph(flat: torch.Tensor) -> torch.Tensor:
     nan_at, inf_at = torch.isnan(x), torch.isinf(x)
     ok = ~(nan_at | inf_at)
     kept = torch.where(ok, x, 0)
-    # one reduction of rows each (a loop over the values: the sums; another: the extremes, the highest negated)
-    nans, infs, total, sumsq = torch.stack([nan_at.to(dtype), inf_at.to(dtype), kept, kept * kept]).sum(1).unbind()
-    low, negated_high = torch.stack([torch.where(ok, x, math.inf), torch.where(ok, -x, math.inf)]).amin(1).unbind()
-    high = -negated_high
+    nans, infs = nan_at.sum().to(dtype), inf_at.sum().to(dtype)
+    total, sumsq = kept.sum(), (kept * kept).sum()
+    low, high = torch.where(ok, x, math.inf).amin(), torch.where(ok, x, -math.inf).amax()
     finite = count - nans - infs
     none = finite == 0
     nan = torch.full((), math.nan, dtype=dtype, device=x.device)
@@ -137,12 +137,11 @@ def summarize_in_graph(flat: torch.Tensor) -> torch.Tensor:
     low_edge = low_edge * scale
     width = torch.where(width.isinf(), high * scale - low_edge, width)
     bins = ((torch.where(ok, x, low_edge / scale) * scale - low_edge) * BINS / width).floor().clamp(0, BINS - 1)
-    # one more loop: each value's bin as a row of BINS zeros and a one, beside its squared deviation
-    deviation = torch.where(ok, x - mean, 0)
+    # each value's bin compared with every bin's number, summed over the values: a reduction, no scatter
     edges = torch.arange(BINS, dtype=dtype, device=x.device)
-    rows = torch.cat([((bins.unsqueeze(1) == edges) & ok.unsqueeze(1)).to(dtype), (deviation * deviation).unsqueeze(1)], 1)
-    tail = rows.sum(0)
-    histogram, deviations = tail[:BINS], tail[BINS]
+    histogram = ((bins.unsqueeze(1) == edges) & ok.unsqueeze(1)).sum(0).to(dtype)
+    deviation = torch.where(ok, x - mean, 0)
+    deviations = (deviation * deviation).sum()
     one_pass = sumsq - total * mean  # summarize_blocks' choice between the two: see there
     m2 = torch.where(one_pass >= sumsq / 8, one_pass, deviations)
     head = torch.stack([torch.full((), float(count), dtype=dtype, device=x.device), finite, nans, infs, mean,
