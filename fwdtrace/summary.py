@@ -91,7 +91,7 @@ def _summarize_finite(flat: torch.Tensor) -> torch.Tensor | None:
     if not (math.isfinite(total) and math.isfinite(width) and width / BINS >= sys.float_info.min):
         return None
     mean = total / n
-    m2 = sumsq - total * mean  # as summarize_blocks chooses it: see there
+    m2 = sumsq - total * mean  # as _head chooses it: see there
     if not m2 >= sumsq / 8:
         deviation = torch.sub(x, mean, out=tmp)
         m2 = float(torch.dot(deviation, deviation))
@@ -127,26 +127,15 @@ def summarize_in_graph(flat: torch.Tensor) -> torch.Tensor:
     total, sumsq = kept.sum(), (kept * kept).sum()
     low, high = torch.where(ok, x, math.inf).amin(), torch.where(ok, x, -math.inf).amax()
     finite = count - nans - infs
-    none = finite == 0
-    nan = torch.full((), math.nan, dtype=dtype, device=x.device)
-    mean = torch.where(none, nan, total / finite.clamp(min=1))
+    mean = _mean(total, finite)
     # the bins as summarize_blocks computes them, of the finite values only
-    low_edge = torch.where(none, 0, low)
-    width = torch.where(high > low, high - low, 1)
-    scale = 1 - width.isinf().to(dtype) * (1 - 1 / (2 * BINS))
-    low_edge = low_edge * scale
-    width = torch.where(width.isinf(), high * scale - low_edge, width)
-    bins = ((torch.where(ok, x, low_edge / scale) * scale - low_edge) * BINS / width).floor().clamp(0, BINS - 1)
+    low_edge, scale, width = _bin_edges(low, high, finite)
+    bins = ((torch.where(ok, x, low_edge) * scale - low_edge * scale) * BINS / width).floor().clamp(0, BINS - 1)
     # each value's bin compared with every bin's number, summed over the values: a reduction, no scatter
     edges = torch.arange(BINS, dtype=dtype, device=x.device)
     histogram = ((bins.unsqueeze(1) == edges) & ok.unsqueeze(1)).sum(0).to(dtype)
     deviation = torch.where(ok, x - mean, 0)
-    deviations = (deviation * deviation).sum()
-    one_pass = sumsq - total * mean  # summarize_blocks' choice between the two: see there
-    m2 = torch.where(one_pass >= sumsq / 8, one_pass, deviations)
-    head = torch.stack([torch.full((), float(count), dtype=dtype, device=x.device), finite, nans, infs, mean,
-                        torch.where(none, nan, (m2 / finite.clamp(min=1)).sqrt()), torch.where(none, nan, low),
-                        torch.where(none, nan, high), torch.where(none, nan, sumsq.sqrt())])
+    head = _head(count, finite, nans, infs, total, sumsq, mean, (deviation * deviation).sum(), low, high)
     positions = torch.tensor(sample_positions(count), dtype=torch.long, device=x.device)
     return torch.cat([head, histogram, x.index_select(0, positions)])
 
@@ -193,20 +182,13 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
             picked.append(block[i * (count - 1) // max(len(positions) - 1, 1) - offset].to(dtype))
         offset += n
     finite = count - nonfinite
-    none = finite == 0
-    nan = torch.full((), torch.nan, dtype=dtype, device=device)
-    mean = torch.where(none, nan, total / finite.clamp(min=1))
+    mean = _mean(total, finite)
+    low_edge, scale, width = _bin_edges(low, high, finite)
     # Non-finite values are replaced by the mean (no deviation), or by the least finite value where the mean is
     # not finite (a sum past the dtype's range), or by 0 where no value is finite (the edges are then [0, 1]); all
     # land in fill's bin, taken out below.
-    low_edge = torch.where(none, 0, low)
     fill = torch.where(mean.isfinite(), mean, low_edge)
-    width = torch.where(high > low, high - low, 1)
-    # Values that span past the dtype's range (a width of inf) are binned scaled by 1 / (2 * BINS), exact there, so
-    # that neither the width nor an offset times BINS overflows
-    scale = 1 - width.isinf().to(dtype) * (1 - 1 / (2 * BINS))
     low_edge = low_edge * scale
-    width = torch.where(width.isinf(), high * scale - low_edge, width)
     m2 = zero
     histogram = torch.zeros(BINS, dtype=dtype, device=device)
     one = torch.ones((), dtype=dtype, device=device)
@@ -218,16 +200,42 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int,
         m2 = m2 + torch.dot(deviation, deviation)
         histogram.scatter_add_(0, _bins(filled.mul_(scale).sub_(low_edge), width), one.expand(block.numel()))
     histogram.scatter_add_(0, _bins((fill * scale - low_edge).reshape(1), width), -nonfinite.reshape(1))
-    # The sum of squared deviations from the sums, where that loses at most 3 of the dtype's bits (the mean within
-    # about 2.6 std of 0): the CPU's shorter route then skips the deviations' pass, with the same result
-    one_pass = sumsq - total * mean
-    m2 = torch.where(one_pass >= sumsq / 8, one_pass, m2)
-    std = torch.where(none, nan, (m2 / finite.clamp(min=1)).sqrt())
-    norm = torch.where(none, nan, sumsq.sqrt())
-    low, high = torch.where(none, nan, low), torch.where(none, nan, high)
-    head = torch.stack([torch.full((), float(count), dtype=dtype, device=device), finite, (nonfinite + signed) / 2,
-                        (nonfinite - signed) / 2, mean, std, low, high, norm])
+    head = _head(count, finite, (nonfinite + signed) / 2, (nonfinite - signed) / 2, total, sumsq, mean, m2, low, high)
     return torch.cat([head, histogram, *picked])
+
+
+def _mean(total: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """The mean of ``finite`` values summing to ``total``; NaN with none."""
+    return torch.where(finite == 0, torch.nan, total / finite.clamp(min=1))
+
+
+def _bin_edges(low: torch.Tensor, high: torch.Tensor, finite: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The histogram's low edge (0 with no finite value), the scale the values are binned at and the scaled width
+    (1 where every finite value is the same): a value is in bin ``(x * scale - low_edge * scale) * BINS / width``.
+
+    Values that span past the dtype's range (a width of inf) are binned scaled by 1 / (2 * BINS), exact there, so
+    that neither the width nor an offset times BINS overflows; else the scale is 1.
+    """
+    low_edge = torch.where(finite == 0, 0, low)
+    width = torch.where(high > low, high - low, 1)
+    scale = 1 - width.isinf().to(width.dtype) * (1 - 1 / (2 * BINS))
+    return low_edge, scale, torch.where(width.isinf(), high * scale - low_edge * scale, width)
+
+
+def _head(count: int, finite: torch.Tensor, nans: torch.Tensor, infs: torch.Tensor, total: torch.Tensor,
+          sumsq: torch.Tensor, mean: torch.Tensor, deviations: torch.Tensor, low: torch.Tensor,
+          high: torch.Tensor) -> torch.Tensor:
+    """The :data:`FIELDS` as one vector, from the sums over the finite values and their squared ``deviations``
+    from the mean. The sum of squared deviations is taken from the sums where that loses at most 3 of the
+    dtype's bits (the mean within about 2.6 std of 0): the CPU's shorter route then skips the deviations' pass,
+    with the same result."""
+    one_pass = sumsq - total * mean
+    m2 = torch.where(one_pass >= sumsq / 8, one_pass, deviations)
+    none = finite == 0
+    return torch.stack([torch.full_like(total, float(count)), finite, nans, infs, mean,
+                        torch.where(none, torch.nan, (m2 / finite.clamp(min=1)).sqrt()), torch.where(none, torch.nan, low),
+                        torch.where(none, torch.nan, high), torch.where(none, torch.nan, sumsq.sqrt())])
 
 
 # A CPU tensor is summarised in blocks of at most this many elements, in a workspace kept per thread: a fresh
