@@ -63,9 +63,9 @@ class Reductions:
     def __init__(self, skip: bool = False) -> None:
         self.seconds = 0.0
         self.calls = 0
-        self.original = fwdtrace.dump.summarize
+        self.original = fwdtrace.dump.record.summarize
         self.skipped = self.original(torch.arange(8.0)) if skip else None
-        fwdtrace.dump.summarize = self  # type: ignore[assignment]
+        fwdtrace.dump.record.summarize = self  # type: ignore[assignment]
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         start = time.thread_time()
@@ -136,18 +136,18 @@ def main() -> None:
 def floor(model: torch.nn.Module, x: torch.Tensor, directory: str, repeats: int) -> None:
     """Print one read pass over a ``calls="all"`` step's summarised tensors against a plain step."""
     taken: list[torch.Tensor] = []
-    original = fwdtrace.dump.summarize
+    original = fwdtrace.dump.record.summarize
 
     def take(t: torch.Tensor) -> torch.Tensor:
         taken.append(t.detach().clone())
         return original(t)
 
-    fwdtrace.dump.summarize = take  # type: ignore[assignment]
+    fwdtrace.dump.record.summarize = take  # type: ignore[assignment]
     try:
         train(model, x, fwdtrace.Dumper(Path(directory) / "floor", values="statistics", calls="all", overwrite=True),
               0, 1)
     finally:
-        fwdtrace.dump.summarize = original
+        fwdtrace.dump.record.summarize = original
     flat = [t.reshape(-1) for t in taken]
     step: list[float] = []
     passes: list[float] = []

@@ -107,7 +107,7 @@ class _WriteTimer:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._original = fwdtrace.dump._Recording._write
+        self._original = fwdtrace.dump.record._Recording._write
 
     def __enter__(self) -> _WriteTimer:
         original = self._original
@@ -117,11 +117,11 @@ class _WriteTimer:
             original(*args)
             self.seconds += _CLOCK() - start
 
-        fwdtrace.dump._Recording._write = timed  # type: ignore[method-assign]
+        fwdtrace.dump.record._Recording._write = timed  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        fwdtrace.dump._Recording._write = self._original  # type: ignore[method-assign]
+        fwdtrace.dump.record._Recording._write = self._original  # type: ignore[method-assign]
 
 
 def bench_dump(model: nn.Module, x: torch.Tensor, repeats: int, device: str, directory: Path) -> dict[str, float]:

@@ -111,7 +111,7 @@ def test_differing_nan_counts_are_a_divergence(tmp_path: Path) -> None:
     v = summarize(torch.tensor([1.0, float("nan"), 3.0]))
     w = summarize(torch.tensor([1.0, 2.0, 3.0]))
     agreement = fwdtrace.precision.Agreement(1e-5, 1e-8)
-    note = dump._by_statistics(agreement, v, w)
+    note = dump.compare._by_statistics(agreement, v, w)
     assert not agreement.close and "nans 1 vs 0" in note
 
 
@@ -137,13 +137,13 @@ def test_a_tensor_two_calls_share_is_summarised_once_and_again_after_an_in_place
     with torch.no_grad():
         hidden = model[0](x)
     reductions: list[int] = []
-    summarize_ = dump.summarize
+    summarize_ = dump.record.summarize
 
     def counted(t: torch.Tensor) -> torch.Tensor:
         reductions.append(t.numel())
         return summarize_(t)
 
-    monkeypatch.setattr(dump, "summarize", counted)
+    monkeypatch.setattr(dump.record, "summarize", counted)
     with fwdtrace.Dumper(tmp_path, values="statistics") as dumper:
         dumper.register(model, grads=False)
         model(x)
@@ -329,7 +329,7 @@ def test_texts_read_deflated_or_as_the_hdf5_strings_earlier_dumps_wrote(tmp_path
     with fwdtrace.Dumper(tmp_path / "d", values="statistics", calls="all") as dumper:
         dumper.register(model, grads=False)
         model(torch.randn(2, 4))
-    with dump._Reader(dumper.paths[0], "test", 1 << 30) as r:
+    with dump.reader._Reader(dumper.paths[0], "test", 1 << 30) as r:
         graph, order = r.graph(), r.order()
     assert graph is not None and len(order) > 10
     as_string = shutil.copy(dumper.paths[0], tmp_path / "as_string.hdf5")
@@ -338,7 +338,7 @@ def test_texts_read_deflated_or_as_the_hdf5_strings_earlier_dumps_wrote(tmp_path
             text = bytes(f[name][()]).decode()
             del f[name]
             f.create_dataset(name, data=text, dtype=h5py.string_dtype())
-    with dump._Reader(as_string, "test", 1 << 30) as r:
+    with dump.reader._Reader(as_string, "test", 1 << 30) as r:
         assert r.graph().to_json() == graph.to_json() and r.order() == order
 
 

@@ -1,0 +1,280 @@
+"""Comparing two dumps call by call: ``compare_dumps``, matching calls by key and through the recorded graphs."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import FwdtraceError
+from ..graph import Graph
+from ..node import Scope
+from ..passes.align import align
+from ..precision import Agreement, pair_precision, rounding_explains
+from ..summary import as_dict, compared
+
+if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
+
+    pass
+from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
+from .reader import _attr, _max_bytes, _Reader
+from .report import DumpReport, DumpRow, _call_name
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """torch on one intra-op thread while comparing, the caller's setting restored after.
+
+    A comparison goes block by block (bounded memory), each block a few dozen small ops: waking
+    the pool's idle workers for each costs more than the block, and on a machine whose cores
+    other processes keep busy a woken worker waits for a core (a comparison 20x slower). One
+    thread reads and compares at disk speed. Under OpenMP (torch's CPU builds) the setting is the
+    calling thread's own.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _tolerance(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise FwdtraceError(f"compare_dumps() expected {name} as a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Compare two statistics vectors into ``agreement``: their counts exactly, their moments, extremes, norm
+    and samples by value (the histograms, whose edges move with min and max, are not compared)."""
+    da, db = as_dict(a), as_dict(b)
+    counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
+    ca, cb = compared(a), compared(b)
+    if len(ca) == len(cb):
+        agreement.add(torch.tensor(ca, dtype=torch.float64), torch.tensor(cb, dtype=torch.float64))
+    else:
+        counts.append(f"{len(da['samples'])} vs {len(db['samples'])} samples")
+    if counts:
+        agreement.close = False
+    return "by statistics" + "".join(f"; {c}" for c in counts)
+
+
+def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, str]:
+    """Group of ``a`` -> group of ``b`` holding the same call: the two runs' calls aligned in call order
+    (difflib's longest matching runs) by key and the shapes of their inputs and outputs, the roots with
+    each other, so a call one run makes more (a cast, an added layer) is left out of the pairs, not
+    shifting them. Where both dumps hold their run's graph, the calls left are paired through the two
+    graphs (:mod:`fwdtrace.passes.align`): a renamed layer pairs with its new name."""
+    def calls(reader: _Reader) -> tuple[list[str], list[tuple]]:
+        names, tokens = [], []
+        for gname, group in reader.groups:
+            key = _attr(group.attrs.get("module_key", gname))
+            if _attr(group.attrs.get("module_path")) == "" and "function" not in group.attrs:
+                key = ""  # the root, keyed by its class name: the two runs' models may be of two classes
+            shapes = tuple((d, tuple(reader.shape(gname, d))) for d in group if not d.startswith("grad_"))
+            names.append(gname)
+            tokens.append((str(key), shapes))
+        return names, tokens
+
+    names_a, tokens_a = calls(ra)
+    names_b, tokens_b = calls(rb)
+    pairs = {}
+    for block in difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False).get_matching_blocks():
+        for i in range(block.size):
+            pairs[names_a[block.a + i]] = names_b[block.b + i]
+    # b's graph is read only when calls are left on both sides (the same model twice leaves none)
+    graph_b = rb.graph() if graph_a is not None and len(pairs) < min(len(names_a), len(names_b)) else None
+    if graph_a is not None and graph_b is not None:
+        shapes = {("a", n): t[1] for n, t in zip(names_a, tokens_a, strict=True)}
+        shapes.update({("b", n): t[1] for n, t in zip(names_b, tokens_b, strict=True)})
+        _match_through_graphs(_GraphCalls(ra, graph_a), _GraphCalls(rb, graph_b), pairs,
+                              lambda ga, gb: shapes["a", ga] == shapes["b", gb])
+    return pairs
+
+
+class _GraphCalls:
+    """A dump's groups as its graph's nodes: a call's group by its node, a container module's group (no node:
+    the calls inside it are) by the nodes inside its call."""
+
+    def __init__(self, reader: _Reader, graph: Graph) -> None:
+        call2node = {(n.key, n.call_index): n.id for n in graph.nodes if n.kind in ("module", "function")}
+        scope2nodes: dict[Scope, set[int]] = {}
+        for n in graph.nodes:
+            for s in n.scope:
+                scope2nodes.setdefault(s, set()).add(n.id)
+        self.graph = graph
+        self.node2group: dict[int, str] = {}
+        self.containers: dict[str, tuple[str, set[int]]] = {}  # group -> (its class, the nodes inside its call)
+        for gname, group in reader.groups:
+            attrs = group.attrs
+            key, call_index = str(_attr(attrs.get("module_key", ""))), int(_attr(attrs.get("call_index", 0)))
+            path, class_name = str(_attr(attrs.get("module_path", ""))), str(_attr(attrs.get("class_name", "")))
+            node = call2node.get((key, call_index))
+            if node is not None:
+                self.node2group[node] = gname
+            elif path and "function" not in attrs:
+                self.containers[gname] = class_name, scope2nodes.get(Scope(path, class_name, call_index), set())
+        self.group2node = {g: n for n, g in self.node2group.items()}
+
+
+def _match_through_graphs(a: _GraphCalls, b: _GraphCalls, pairs: dict[str, str],
+                          same_shapes: Callable[[str, str], bool]) -> None:
+    """Add to ``pairs`` the calls the two graphs align: each call by its node, then each container
+    module's call with the one of the same class holding the same aligned calls."""
+    seed = {a.group2node[ga]: b.group2node[gb] for ga, gb in pairs.items()
+            if ga in a.group2node and gb in b.group2node}
+    a2b = align(a.graph, b.graph, seed)
+    taken, aligned_b = set(pairs.values()), set(a2b.values())
+    for na, nb in a2b.items():
+        ga, gb = a.node2group.get(na), b.node2group.get(nb)
+        if ga is not None and gb is not None and ga not in pairs and gb not in taken and same_shapes(ga, gb):
+            pairs[ga] = gb
+            taken.add(gb)
+    for ga, (class_name, inside_a) in a.containers.items():
+        image = {a2b[n] for n in inside_a if n in a2b}
+        if ga in pairs or not image:
+            continue
+        gb = next((gb for gb, (cls, inside_b) in b.containers.items() if gb not in taken and cls == class_name
+                   and inside_b & aligned_b == image and same_shapes(ga, gb)),
+                  None)
+        if gb is not None:
+            pairs[ga] = gb
+            taken.add(gb)
+
+
+def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
+                 atol: float) -> None:
+    """One tensor of a call in both dumps, by value or by statistics, into ``row``."""
+    shape_b = rb.shape(gb, dname)
+    if row.shape != shape_b:
+        row.note = f"shape {shape_b} in b"
+        return
+    agreement = Agreement(rtol, atol)
+    if ra.statistics or rb.statistics:
+        row.note = _by_statistics(agreement, ra.summary(ga, dname), rb.summary(gb, dname))
+    else:
+        # block by block: memory stays bounded whatever the tensors' size
+        for block_a, block_b in zip(ra.blocks(ga, dname), rb.blocks(gb, dname), strict=True):
+            agreement.add(block_a, block_b)
+    row.cosine, row.max_abs, row.max_rel, row.allclose = (
+        agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
+    row.norm_rel = agreement.norm_rel
+    row.precision = pair_precision(ra.dtype(ga, dname), ra.math, rb.dtype(gb, dname), rb.math)
+    if ra.math is not None and rb.math is not None and not row.allclose:
+        # without both records, no difference is put down to rounding
+        row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+
+
+def _first_divergence(rows: list[DumpRow]) -> str | None:
+    """The earliest call in both runs whose inputs agree and whose outputs do not, as the numeric ONNX
+    check finds it (earliest to finish: a layer before the block around it); else the first whose outputs
+    differ, else the first whose gradients differ."""
+    name = _call_name
+
+    def agree(row: DumpRow) -> bool:
+        return row.allclose or row.rounding is not None
+
+    by_call: dict[str, list[DumpRow]] = {}
+    finished: dict[str, int] = {}  # a call's first output row: rows are in the order the run wrote them
+    for i, row in enumerate(rows):
+        if not row.one_sided:
+            by_call.setdefault(row.group, []).append(row)
+            if row.name.startswith("output"):
+                finished.setdefault(row.group, i)
+    for group in sorted(finished, key=finished.__getitem__):
+        call_rows = by_call[group]
+        inputs = [r for r in call_rows if r.name.startswith("input")]
+        outputs = [r for r in call_rows if r.name.startswith("output")]
+        if inputs and all(agree(r) for r in inputs) and not all(agree(r) for r in outputs):
+            return name(outputs[0])
+    for prefix in ("output", "grad_input", ""):
+        found = next((r for r in rows if not agree(r) and not r.one_sided and r.name.startswith(prefix)), None)
+        if found is not None:
+            return name(found)
+    return None
+
+
+def compare_dumps(
+    a: str | os.PathLike[str], b: str | os.PathLike[str], rtol: float = 1e-5, atol: float = 1e-8,
+    max_bytes: int = MAX_TENSOR_BYTES,
+) -> DumpReport:
+    """Compare two dumps tensor by tensor, in the order the first run wrote them.
+
+    >>> import tempfile, torch, fwdtrace
+    >>> paths = []
+    >>> for scale in (1.0, 2.0):
+    ...     d = fwdtrace.Dumper(tempfile.mkdtemp()); model = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    ...     _ = torch.nn.init.constant_(model[0].weight, scale); d.register(model, grads=False)
+    ...     _ = model(torch.ones(1, 1)); paths += d.remove()
+    >>> fwdtrace.compare_dumps(*paths).first_divergence
+    '0'
+
+    Each tensor is judged elementwise (``allclose`` at ``rtol`` and ``atol``) and as a whole:
+    its norm-relative error and cosine. Where the dumps record how their runs computed (a
+    CUDA run with TF32, an autocast run: see :mod:`fwdtrace.precision`), a tensor that is not
+    allclose but within what that arithmetic's rounding explains is marked so (its row's
+    ``rounding``: ``"TF32"``, ``"bfloat16"``) and is no divergence. ``first_divergence`` is
+    the module path of the first module whose outputs differ beyond that (the root model is
+    named by its class; a function call is named by its key, ``"blocks.0.attn.softmax"``),
+    else of the first whose gradients differ, else None. A dump written
+    without a math record is compared elementwise only, and the report says so. Where either dump holds
+    statistics (``Dumper(values="statistics")``), a tensor is judged by its statistics (a full
+    dump's computed block by block): its count and NaN/Inf counts exactly, its mean, std, min,
+    max, norm and sampled values as one vector, elementwise and as a whole, by the same
+    rules; the row's note says ``by statistics``. Calls are matched by key and call order, so an extra call
+    on one side (a cast, an added layer) shifts nothing; where both dumps hold their run's graph
+    (``calls="functions"`` or ``"all"``), the calls left are matched through the two graphs
+    (:mod:`fwdtrace.passes.align`), so a renamed layer pairs with its new name (``report.renamed``,
+    each row's ``key_b``); ``report.without_graph`` names the dumps that hold none. The comparison is
+    two-sided: a tensor in only one dump, or of another shape, is a differing row. ``incomplete`` names
+    the dumps whose step did not complete (their rows are compared, but the report is not ``equal``).
+    The comparison runs torch on one intra-op thread (the caller's setting is restored after): block
+    by block, that reads at disk speed on a busy machine, where a thread pool's wake-ups per block
+    would not.
+    """
+    rtol, atol = _tolerance(rtol, "rtol"), _tolerance(atol, "atol")
+    max_bytes = _max_bytes(max_bytes, "compare_dumps()")
+    report = DumpReport(str(a), str(b), rtol, atol)
+    with _one_intra_op_thread(), _Reader(a, "compare_dumps()", max_bytes) as ra, \
+            _Reader(b, "compare_dumps()", max_bytes) as rb:
+        for r in (ra, rb):
+            if r.status != "complete":
+                report.incomplete[str(r.path)] = r.status
+            report.math[str(r.path)] = r.math
+        # calls matched in call order by key and shapes: an extra call on one side (a cast, an added layer)
+        # shifts the group numbers, not the matching; then through the graphs (a renamed layer)
+        graph_a = ra.graph()
+        report.graph = graph_a or rb.graph()
+        report.without_graph = [str(r.path) for r in (ra, rb) if GRAPH_DATASET not in r.file]
+        a2b = _match_calls(ra, graph_a, rb)
+        b2a = {gb: ga for ga, gb in a2b.items()}
+        order_a, order_b = ra.order(), rb.order()
+        in_a, in_b = set(order_a), set(order_b)
+        for reader, order in ((ra, order_a), (rb, order_b)):
+            for gname, dname in order:
+                if reader is rb and (b2a.get(gname), dname) in in_a:
+                    continue  # compared already
+                group = reader.name2group[gname]
+                key = str(_attr(group.attrs.get("module_key", gname)))
+                path = str(_attr(group.attrs.get("module_path", "")))
+                row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
+                              function=str(_attr(group.attrs.get("function", ""))),
+                              call_index=int(_attr(group.attrs.get("call_index", 0))))
+                ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
+                if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
+                    row.note = "missing in b" if reader is ra else "missing in a"
+                    row.one_sided = ga is None or gb is None
+                else:
+                    _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
+                if reader is ra and gb is not None:
+                    key_b = str(_attr(rb.name2group[gb].attrs.get("module_key", gb)))
+                    row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
+                report.rows.append(row)
+    report.first_divergence = _first_divergence(report.rows)
+    return report

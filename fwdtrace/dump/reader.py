@@ -1,0 +1,427 @@
+"""Reading a dump as an untrusted file: ``read_dump`` and the checked reader under every comparison."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._files import not_a_regular_file
+from .._hdf5 import check_dataset, check_link
+from .._host import to_numpy
+from ..errors import FwdtraceError, describe, one_line
+from ..graph import Graph
+from ..summary import BINS, FIELDS, SAMPLES, as_dict, sample_positions, summarize_blocks
+
+if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
+
+    pass
+
+from .layout import (
+    _BITS_AS,
+    _GROUP_RE,
+    _HDF5_SIGNATURE,
+    _STR2DTYPE,
+    COMPARE_BLOCK_ELEMENTS,
+    FORMAT_ATTR,
+    GRAPH_DATASET,
+    MATH_PREFIX,
+    MAX_CHUNK_BYTES,
+    MAX_TENSOR_BYTES,
+    ORDER_DATASET,
+    STATISTICS_DATASET,
+    STATISTICS_INDEX,
+    WRITING,
+    _h5py,
+)
+from .packed import _bad_index, _PackedGroup, _PackedTensor
+
+
+class _Reader:
+    """An open dump, checked as a file from elsewhere: plain groups and datasets inside it only.
+
+    External links, soft links, external storage and virtual datasets are refused (reading
+    them would open other files); each tensor's size is checked against the cap and against
+    what the file really stores before anything is allocated.
+    """
+
+    def __init__(self, path: Any, caller: str, max_bytes: int) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise FwdtraceError(f"{caller} expected a dump file path (str or os.PathLike), got {describe(path)}")
+        h5py = self.h5py = _h5py()
+        self.path = Path(path)
+        self.caller = caller
+        self.max_bytes = max_bytes
+        p = self.path
+        what = not_a_regular_file(p)
+        if what is not None:
+            raise FwdtraceError(f"{caller} expected an HDF5 dump file, got {str(p)!r}, {what}")
+        try:
+            self.file = h5py.File(p, "r")
+        except OSError as e:
+            raise FwdtraceError(
+                f"{caller} expected an HDF5 dump file, got {str(p)!r}, which HDF5 cannot open{self._cut_short()}: {e}"
+            ) from e
+        try:
+            self._check()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _cut_short(self) -> str:
+        """Why an HDF5 file (by its signature) does not open: written by a process that did not finish."""
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(len(_HDF5_SIGNATURE))
+        except OSError:
+            return ""
+        if head != _HDF5_SIGNATURE and ".partial-" not in self.path.name:
+            return ""
+        return " (incomplete: it was cut short while being written, by a killed process or a full disk)"
+
+    def error(self, what: str) -> FwdtraceError:
+        return FwdtraceError(f"{self.caller} expected a self-contained fwdtrace dump, got {str(self.path)!r}, {what}")
+
+    def _link(self, parent: Any, name: str, where: str) -> None:
+        check_link(self.h5py, parent, name, where, self.error)
+
+    def _dataset(self, ds: Any, where: str) -> None:
+        check_dataset(self.h5py, ds, where, self.error)
+
+    def _check(self) -> None:
+        f = self.file
+        try:
+            names = list(f)
+            if not any(_GROUP_RE.match(name) for name in names) and FORMAT_ATTR not in f.attrs:
+                raise FwdtraceError(
+                    f"{self.caller} expected a dump with groups named NNN_ClassName, got {str(self.path)!r}, an HDF5 file "
+                    "in another layout"
+                )
+            self.groups: list[tuple[str, Any]] = []
+            for name in names:
+                self._link(f, name, repr(name))
+                if name in (ORDER_DATASET, GRAPH_DATASET, STATISTICS_DATASET, STATISTICS_INDEX):
+                    self._dataset(f[name], repr(name))
+                if not _GROUP_RE.match(name):
+                    continue
+                group = f[name]
+                if not isinstance(group, self.h5py.Group):
+                    raise self.error(f"where {name!r} is a {type(group).__name__}, not a group")
+                for dname in group:
+                    self._link(group, dname, f"'{name}/{dname}'")
+                    self._dataset(group[dname], f"'{name}/{dname}'")
+                self.groups.append((name, group))
+            self.packed: list[tuple[str, str]] | None = None  # a packed statistics dump's rows
+            if STATISTICS_INDEX in names or STATISTICS_DATASET in names:
+                self._read_index()
+            # call order is the numeric prefix; the name alone sorts wrong past 999
+            self.groups.sort(key=lambda item: int(item[0].split("_", 1)[0]))
+            self.name2group = dict(self.groups)
+            self.attrs = {k: _attr(v) for k, v in f.attrs.items()}
+            self.status = self._status()
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise self.damaged(e) from e
+
+    def _read_index(self) -> None:
+        """A packed statistics dump's calls and rows, from its index, each checked, as groups of tensors."""
+        for name in (STATISTICS_INDEX, STATISTICS_DATASET):
+            if name not in self.file:
+                raise self.error(f"with {(STATISTICS_INDEX if name == STATISTICS_DATASET else STATISTICS_DATASET)!r} "
+                                 f"but no {name!r}")
+        try:
+            index = json.loads(self.text(STATISTICS_INDEX))
+        except ValueError as e:
+            raise self.error(f"whose {STATISTICS_INDEX!r} is not JSON: {one_line(e)}") from e
+        matrix = self.file[STATISTICS_DATASET]
+        bad = _bad_index(index)
+        if bad is not None:
+            raise self.error(f"whose {STATISTICS_INDEX!r} {bad}")
+        if matrix.dtype.kind != "f" or matrix.ndim != 2 or matrix.shape[0] != len(index["rows"]) \
+                or matrix.shape[1] < len(FIELDS) + BINS + SAMPLES:
+            raise self.error(f"whose {STATISTICS_DATASET!r} is a {matrix.dtype} array of shape {matrix.shape}, not "
+                             f"{len(index['rows'])} rows of statistics")
+        groups = {name: _PackedGroup(attrs) for name, attrs in index["calls"]}
+        self.packed = []
+        for i, (gname, dname, shape, dtype) in enumerate(index["rows"]):
+            group = groups.get(gname)
+            if group is None or dname in group.datasets:
+                raise self.error(f"whose {STATISTICS_INDEX!r} puts '{gname}/{dname}' in no call or twice")
+            group.datasets[dname] = _PackedTensor(i, shape, dtype)
+            self.packed.append((gname, dname))
+        self.groups += list(groups.items())
+        self.matrix: torch.Tensor | None = None
+
+    def damaged(self, e: BaseException) -> FwdtraceError:
+        return FwdtraceError(
+            f"{self.caller} could not read {str(self.path)!r}{self._cut_short()}: {one_line(e)}"
+        )
+
+    def _status(self) -> str:
+        """``"complete"``, or ``"incomplete: stopped after NNN_Class (reason)"``."""
+        attrs = self.attrs
+        if "complete" in attrs:
+            if attrs["complete"] is True or attrs["complete"] == 1:
+                return "complete"
+            reason = str(attrs.get("status", "")) or "the file does not say why"
+            if reason == WRITING:
+                reason = "the file was never closed: the writing process was killed or failed"
+        elif ORDER_DATASET in self.file:
+            return "complete"  # a version-1 dump: closed, nothing more recorded
+        else:
+            reason = "the file was never closed: the writing process was killed or failed"
+        if not self.groups:
+            return f"incomplete: no module call recorded ({reason})"
+        return f"incomplete: stopped after {self.groups[-1][0]} ({reason})"
+
+    def order(self) -> list[tuple[str, str]]:
+        """(group, dataset) of every tensor in the order the run wrote them."""
+        if self.packed is not None:
+            return list(self.packed)
+        group_names = {name for name, _ in self.groups}
+        if ORDER_DATASET not in self.file:
+            return [(gname, dname) for gname, group in self.groups for dname in group]
+        ds = self.file[ORDER_DATASET]
+        if ds.dtype.kind not in "OS" or ds.ndim != 1 or ds.shape[0] > sum(len(g) for _, g in self.groups):
+            raise self.error(f"whose {ORDER_DATASET!r} is a {ds.dtype} array of shape {ds.shape}, not one name per tensor")
+        out = []
+        try:
+            entries = ds[()]
+        except Exception as e:
+            raise self.damaged(e) from e
+        for entry in entries:
+            text = entry.decode(errors="replace") if isinstance(entry, bytes) else str(entry)
+            gname, _, dname = text.partition("/")
+            if gname not in group_names or dname not in self.file[gname]:
+                raise self.error(f"whose {ORDER_DATASET!r} names {text!r}, which is not in the file")
+            out.append((gname, dname))
+        return out
+
+    @property
+    def statistics(self) -> bool:
+        """Whether the dump holds each tensor's statistics (``Dumper(values="statistics")``), not the tensor."""
+        return self.attrs.get("values") == "statistics"
+
+    def graph(self) -> Graph | None:
+        """The step's trace, stored by a dump that records function calls; None in one without it."""
+        if GRAPH_DATASET not in self.file:
+            return None
+        text = self.text(GRAPH_DATASET)
+        try:
+            return Graph.from_json(text)
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise self.damaged(e) from e
+
+    def text(self, name: str) -> str:
+        """A text the dump stores: as UTF-8 bytes (deflated), or as one HDF5 string (dumps written before)."""
+        ds = self.file[name]
+        if ds.dtype.kind == "u" and ds.dtype.itemsize == 1 and ds.ndim == 1:
+            data: Any = bytes(to_numpy(self.read(self._checked(ds, repr(name)), repr(name))))
+        elif ds.dtype.kind in "OS" and ds.shape == ():
+            try:
+                data = ds[()]
+            except Exception as e:
+                raise self.damaged(e) from e
+        else:
+            raise self.error(f"whose {name!r} is a {ds.dtype} array of shape {ds.shape}, not one text")
+        return data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+
+    def shape(self, gname: str, dname: str) -> list[int]:
+        ds = self.name2group[gname][dname]
+        if self.statistics:
+            return [int(n) for n in _attr(ds.attrs.get("tensor_shape", []))]
+        return list(ds.shape)
+
+    def dtype(self, gname: str, dname: str) -> str:
+        ds = self.name2group[gname][dname]
+        if self.statistics:
+            return str(_attr(ds.attrs.get("tensor_dtype", "")))
+        return str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
+
+    def summary(self, gname: str, dname: str) -> torch.Tensor:
+        """The tensor's statistics vector (:mod:`fwdtrace.summary`): stored in a statistics dump, computed
+        block by block from a full one."""
+        tensor = self.name2group[gname][dname]
+        if isinstance(tensor, _PackedTensor):
+            if self.matrix is None:  # read once, on the first vector asked for
+                where = repr(STATISTICS_DATASET)
+                self.matrix = self.read(self._checked(self.file[STATISTICS_DATASET], where), where).to(torch.float64)
+            count = math.prod(tensor.shape) * (2 if tensor.dtype.startswith("complex") else 1)
+            return self.matrix[tensor.row, :len(FIELDS) + BINS + len(sample_positions(count))]
+        if self.statistics:
+            vector = self.load(gname, dname).to(torch.float64).reshape(-1)
+            if vector.numel() < len(FIELDS) + BINS:
+                raise self.error(f"where '{gname}/{dname}' holds {vector.numel()} numbers, not a statistics vector")
+            return vector
+        count = math.prod(self.shape(gname, dname)) * (2 if self.dtype(gname, dname).startswith("complex") else 1)
+        return summarize_blocks(lambda: self.blocks(gname, dname), count)
+
+    @property
+    def math(self) -> dict[str, Any] | None:
+        """The run's math record (see :func:`fwdtrace.precision.math_record`); None in a dump written without one."""
+        record = {k.removeprefix(MATH_PREFIX): v for k, v in self.attrs.items() if k.startswith(MATH_PREFIX)}
+        return record or None
+
+    def checked(self, gname: str, dname: str) -> Any:
+        """The dataset, once its size is within the cap and backed by what the file really stores."""
+        return self._checked(self.file[gname][dname], f"'{gname}/{dname}'")
+
+    def _checked(self, ds: Any, where: str) -> Any:
+        import numpy as np
+
+        if ds.dtype.kind not in "biufc":
+            raise self.error(f"where {where} holds {ds.dtype}, not numbers")
+        nbytes = int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize
+        if nbytes > self.max_bytes:
+            raise self.error(f"where {where} holds {nbytes} bytes, over the cap of {self.max_bytes} (max_bytes=)")
+        if not nbytes:
+            return ds
+        try:
+            if ds.chunks is None:  # contiguous (never compressed): every byte is in the file
+                stored = ds.id.get_storage_size()
+                if stored < nbytes:
+                    raise self.error(f"where {where} declares {nbytes} bytes but stores {stored} in the file")
+                return ds
+            # Chunked, maybe compressed: a chunk never written reads as fill values, from nothing
+            # (a few kB of file declaring GiBs), so every chunk of the grid must be in the file.
+            # fwdtrace writes contiguous datasets; this is a file from elsewhere (h5repack, crafted).
+            chunk_bytes = int(np.prod(ds.chunks, dtype=object)) * ds.dtype.itemsize
+            if chunk_bytes > MAX_CHUNK_BYTES:
+                raise self.error(f"where {where} has chunks of {chunk_bytes} bytes, over the {MAX_CHUNK_BYTES} read at once")
+            grid = 1
+            for size, chunk in zip(ds.shape, ds.chunks, strict=True):
+                grid *= -(-size // chunk)
+            written = ds.id.get_num_chunks()
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise self.damaged(e) from e
+        if written < grid:
+            raise self.error(
+                f"where {where} declares {nbytes} bytes in {grid} chunks but stores {written} of them: "
+                "a crafted or incomplete file"
+            )
+        return ds
+
+    def read(self, ds: Any, where: str, index: tuple = ()) -> torch.Tensor:
+        """``ds[index]`` as a tensor, in the dtype the dump recorded (bfloat16 from its bits)."""
+        import numpy as np
+
+        try:
+            arr = np.asarray(ds[index])
+        except Exception as e:
+            raise self.damaged(e) from e
+        t = torch.from_numpy(arr.copy()) if arr.ndim else torch.tensor(arr)
+        name = str(_attr(ds.attrs.get("torch_dtype", "")))
+        dtype = _STR2DTYPE.get(name)
+        if dtype is None:
+            return t
+        if t.dtype != _BITS_AS[dtype]:
+            raise self.error(f"where {where} is marked {name} but holds {arr.dtype}")
+        return t.view(dtype)
+
+    def load(self, gname: str, dname: str) -> torch.Tensor:
+        return self.read(self.checked(gname, dname), f"'{gname}/{dname}'")
+
+    def blocks(self, gname: str, dname: str) -> Iterator[torch.Tensor]:
+        """The tensor in pieces of at most ``COMPARE_BLOCK_ELEMENTS`` elements, in C order, flattened."""
+        ds = self.checked(gname, dname)
+        for index in _blocks(tuple(ds.shape), COMPARE_BLOCK_ELEMENTS):
+            yield self.read(ds, f"'{gname}/{dname}'", index).reshape(-1)
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+
+def _attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if hasattr(value, "ndim") and value.ndim:
+        return value.tolist()
+    return value.item() if hasattr(value, "item") else value
+
+
+def _max_bytes(value: Any, caller: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FwdtraceError(f"{caller} expected max_bytes as a non-negative int, got {value!r}")
+    return value
+
+
+def read_dump(
+    path: str | os.PathLike[str], show: bool = True, values: bool = False, max_bytes: int = MAX_TENSOR_BYTES
+) -> dict[str, Any]:
+    """Print the tree of a dump and return it as a dict.
+
+    >>> import tempfile, torch, fwdtrace
+    >>> d = fwdtrace.Dumper(tempfile.mkdtemp()); model = torch.nn.Linear(2, 1)
+    >>> d.register(model, grads=False); _ = model(torch.ones(1, 2))
+    >>> tree = fwdtrace.read_dump(d.remove()[0], show=False)
+    >>> tree["groups"]["000_Linear"]["datasets"]["output0"], tree["status"]
+    ({'shape': [1, 1], 'dtype': 'float32'}, 'complete')
+
+    ``{"status": ..., "attrs": {...}, "groups": {name: {"attrs": {...}, "datasets": {name: {"shape", "dtype"}}}}}``;
+    with ``values=True`` each dataset also holds its tensor under ``"value"`` (each at most
+    ``max_bytes``). ``status`` is ``"complete"`` or ``"incomplete: stopped after NNN_Class
+    (reason)"``. Files from elsewhere are safe to read: links and storage outside the
+    file are refused with a :class:`FwdtraceError` naming them.
+    """
+    max_bytes = _max_bytes(max_bytes, "read_dump()")
+    with _Reader(path, "read_dump()", max_bytes) as r:
+        tree: dict[str, Any] = {"status": r.status, "attrs": r.attrs, "groups": {}}
+        lines = [f"{r.path.name}: {len(r.groups)} module calls"]
+        if r.status != "complete":
+            lines[0] += f"; {r.status}"
+        try:
+            for name, group in r.groups:
+                datasets: dict[str, Any] = {}
+                for dname in group:
+                    entry: dict[str, Any] = {"shape": r.shape(name, dname), "dtype": r.dtype(name, dname)}
+                    if r.statistics:
+                        entry["statistics"] = as_dict(r.summary(name, dname))
+                    elif values:
+                        entry["value"] = r.load(name, dname)
+                    datasets[dname] = entry
+                attrs = {k: _attr(v) for k, v in group.attrs.items()}
+                tree["groups"][name] = {"attrs": attrs, "datasets": datasets}
+                lines.append(f"{name}  {attrs.get('module_key', '')}")
+                lines += [f"    {d:<14} {e['dtype']}{e['shape']}" for d, e in datasets.items()]
+        except FwdtraceError:
+            raise
+        except Exception as e:
+            raise r.damaged(e) from e
+    if show:
+        print("\n".join(lines))
+    return tree
+
+
+def _blocks(shape: tuple[int, ...], per_block: int) -> Iterator[tuple[Any, ...]]:
+    """Indices that cover ``shape`` in C order, each at most ``per_block`` elements (or one element).
+
+    >>> list(_blocks((2, 3), 4))  # one row of 3 at a time
+    [(slice(0, 1, None),), (slice(1, 2, None),)]
+    >>> list(_blocks((1, 5), 2))  # a row over the budget is read in parts
+    [(0, slice(0, 2, None)), (0, slice(2, 4, None)), (0, slice(4, 5, None))]
+    """
+    if not shape or 0 in shape:
+        yield ()
+        return
+    axis, inner = len(shape) - 1, 1  # inner: the elements of one index along axis
+    while axis > 0 and inner * shape[axis] <= per_block:
+        inner *= shape[axis]
+        axis -= 1
+    step = max(1, per_block // inner)
+    for outer in itertools.product(*(range(n) for n in shape[:axis])):
+        for start in range(0, shape[axis], step):
+            yield (*outer, slice(start, min(start + step, shape[axis])))
