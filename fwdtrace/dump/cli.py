@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from ..errors import FwdtraceError
-
-if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
-
-    pass
 from .compare import compare_dumps
 
 

@@ -7,7 +7,7 @@ import difflib
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,10 +17,6 @@ from ..node import Scope
 from ..passes.align import align
 from ..precision import Agreement, pair_precision, rounding_explains
 from ..summary import as_dict, compared
-
-if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
-
-    pass
 from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
 from .reader import _attr, _max_bytes, _Reader
 from .report import DumpReport, DumpRow, _call_name

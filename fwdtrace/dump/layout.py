@@ -3,77 +3,36 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._tree import dtype_name
 from ..errors import FwdtraceError
 
-if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
-
-    pass
-
-
 FORMAT_ATTR = "fwdtrace_dump"
-
-
 FORMAT_VERSION = 4  # 2: completeness attributes, sanitized group names; 3: statistics dumps; 4: packed statistics
-
-
 VALUES = ("tensors", "statistics")  # what a dump stores per tensor (the file's "values" attribute)
-
-
 CALLS = ("modules", "functions", "all")  # which calls a dump records (the file's "calls" attribute)
-
-
 ORDER_DATASET = "execution_order"
-
-
 GRAPH_DATASET = "trace_graph"  # the step's trace (Graph.to_json) in a dump that records function calls
-
-
 # A statistics dump's step: every statistics vector as a row of one matrix, in the order written, and one JSON
 # table of its calls (group name, attributes) and rows (group, tensor name, shape, dtype)
 STATISTICS_DATASET = "statistics"
-
-
 STATISTICS_INDEX = "statistics_index"
-
-
 MAX_TENSOR_BYTES = 1 << 32  # the default cap on one tensor read from a dump (4 GiB)
-
-
 COMPARE_BLOCK_ELEMENTS = 1 << 16  # compare_dumps reads and compares this many elements at a time
-
-
 MAX_CHUNK_BYTES = 1 << 26  # HDF5 decompresses a whole chunk to read any of it: larger chunks are refused
-
-
 MATH_PREFIX = "math_"  # the file attributes of how the run computed (see fwdtrace.precision.math_record)
-
-
 WRITING = "being written"  # the status of a dump until it is closed: what a killed writer leaves
-
-
 _GROUP_RE = re.compile(r"^(\d+)_(\w+)$", re.ASCII)
-
-
 _DATASET_RE = re.compile(r"^\w+$", re.ASCII)
-
-
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
 # dtypes HDF5 has no type for: stored as the integer bit pattern of the same size.
 _BITS_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
-
-
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _BITS_AS[getattr(torch, _name)] = torch.uint8
-
-
 _STR2DTYPE = {dtype_name(d): d for d in _BITS_AS}
 
 

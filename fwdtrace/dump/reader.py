@@ -8,7 +8,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,11 +18,6 @@ from .._host import to_numpy
 from ..errors import FwdtraceError, describe, one_line
 from ..graph import Graph
 from ..summary import BINS, FIELDS, SAMPLES, as_dict, sample_positions, summarize_blocks
-
-if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
-
-    pass
-
 from .layout import (
     _BITS_AS,
     _GROUP_RE,

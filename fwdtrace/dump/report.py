@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import FwdtraceError
 from ..graph import Graph
 
-if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
-
+if TYPE_CHECKING:
     from ..passes.model_explorer import ModelExplorerFiles
 
 

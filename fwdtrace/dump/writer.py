@@ -5,11 +5,6 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
-
-    pass
 
 
 class _Writer:
