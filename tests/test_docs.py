@@ -101,11 +101,20 @@ def test_every_page_parses() -> None:
 
 
 def test_readme_is_a_front_door() -> None:
-    """At most 300 lines, a quickstart in the first screens, and relative links that resolve."""
+    """At most 300 lines, a quickstart in the first screens, relative links that resolve, and links
+    to the docs site (mkdocs.yml's site_url, which work on a package page too) that name a page of it."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 300
     for target in re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text):
         assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+    site = re.search(r"^site_url: (\S+)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert site is not None
+    pages = re.findall(re.escape(site[1]) + r"([^)#\s]*)", text)
+    assert len(pages) >= 10  # the guides are linked on the site, not as docs/*.md paths
+    for page in pages:
+        path = DOCS / (page.rstrip("/") + ".md" if page else "index.md")
+        assert path.exists(), f"README.md links to {site[1]}{page}, which no page of docs/ becomes"
+    assert "](docs/" not in text
 
 
 _HASH = re.compile(r"(?<![0-9A-Za-z_./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
