@@ -95,6 +95,24 @@ def test_skip_markers_are_read() -> None:
         python_blocks("<!-- docs-test: skip (why) -->\n```bash\nls\n```\n")
 
 
+CODE_WIDTH = 88  # what a code block shows at 1280 px without a horizontal scroll
+
+
+def test_code_lines_fit_the_page() -> None:
+    """Every line inside a fenced block of README.md and the docs is at most CODE_WIDTH characters:
+    a longer one's end, often its comment, hides behind a scroll bar."""
+    wide = []
+    for page in PAGES:
+        fence = None
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            m = _FENCE.match(line)
+            if m and (fence is None or (m["fence"] == fence and not m["info"].strip())):
+                fence = m["fence"] if fence is None else None
+            elif fence is not None and len(line) > CODE_WIDTH:
+                wide.append(f"{page.relative_to(ROOT)}:{number} ({len(line)})")
+    assert wide == []
+
+
 def test_every_page_parses() -> None:
     for page in PAGES:
         python_blocks(page.read_text(encoding="utf-8"))
