@@ -113,6 +113,43 @@ def test_code_lines_fit_the_page() -> None:
     assert wide == []
 
 
+_USES = re.compile(r"^# uses (?P<names>[\w, ]+) from the examples? above$", re.M)
+
+
+def free_names(source: str) -> set[str]:
+    """The names a block reads but never binds (assigns, imports, defines, takes as an argument)."""
+    import ast
+    import builtins
+
+    bound, loaded = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return loaded - bound - set(dir(builtins)) - {"__name__"}
+
+
+def test_free_names_reads_what_a_block_takes_from_above() -> None:
+    assert free_names("import torch\ny = torch.ones(1) + x\ndef f(a):\n    return a + b\n") == {"x", "b"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_PAGE_IDS)
+def test_each_example_is_whole_or_says_what_it_takes_from_above(page: Path) -> None:
+    """An example copied alone runs, or opens with ``# uses model, x from the example above``
+    naming exactly what it takes from the blocks before it (skipped blocks included)."""
+    for line, source, _ in python_blocks(page.read_text(encoding="utf-8")):
+        said = _USES.search(source)
+        declared = {n.strip() for n in said["names"].split(",")} if said else set()
+        assert free_names(source) == declared, f"{page.name}:{line}"
+
+
 def test_every_page_parses() -> None:
     for page in PAGES:
         python_blocks(page.read_text(encoding="utf-8"))
