@@ -194,6 +194,64 @@ def test_reference_covers_every_public_name() -> None:
     assert sorted(set(fwdtrace.__all__) - documented) == []
 
 
+_DOTTED = re.compile(r"(?<![\w/.-])fwdtrace(?:\.[A-Za-z_]\w*)+")
+
+
+def _resolve(dotted: str) -> object:
+    """``fwdtrace.a.b`` as Python finds it: as attributes (what ``fwdtrace.live.reopen(...)`` calls),
+    else from the longest module path (the ``fwdtrace.live.reopen.reopen`` of a reference entry)."""
+    import importlib
+
+    parts = dotted.split(".")
+    try:
+        obj: object = fwdtrace
+        for i, name in enumerate(parts[1:], 2):
+            try:
+                obj = getattr(obj, name)
+            except AttributeError:
+                obj = importlib.import_module(".".join(parts[:i]))
+        return obj
+    except ImportError:
+        pass
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            for name in parts[i:]:
+                obj = getattr(obj, name)
+            return obj
+        except (ImportError, AttributeError):
+            continue
+    raise AttributeError(dotted)
+
+
+def test_reference_covers_every_name_the_guides_call() -> None:
+    """Each fwdtrace function or class a python block of the README or a guide names
+    (``fwdtrace.x.y``, ``from fwdtrace.x import y``) has a reference entry, itself or its class."""
+    import inspect
+
+    documented = set()
+    for page in (DOCS / "reference").glob("*.md"):
+        for path in re.findall(r"^::: ([\w.]+)", page.read_text(), re.M):
+            documented.add(_resolve(path) if path != "fwdtrace" else fwdtrace)
+    missing = []
+    for page in PAGES:
+        if "reference" in page.parts:
+            continue
+        for _, source, _ in python_blocks(page.read_text(encoding="utf-8")):
+            names = set(_DOTTED.findall(source))
+            for module, imported in re.findall(r"^\s*from (fwdtrace[\w.]*) import ([\w, ]+)$", source, re.M):
+                names |= {f"{module}.{n.strip()}" for n in imported.split(",")}
+            for dotted in names:
+                obj = _resolve(dotted)
+                if inspect.ismodule(obj) or not (inspect.isclass(obj) or callable(obj)):
+                    continue  # a namespace, or a constant the guide explains
+                owner = inspect.getmodule(obj)
+                first = getattr(owner, obj.__qualname__.split(".")[0], None)
+                if not {obj, first, owner} & documented:
+                    missing.append(f"{page.name}: {dotted}")
+    assert sorted(set(missing)) == []
+
+
 def test_nav_lists_every_page() -> None:
     """mkdocs.yml's nav names every page under docs/ (a page missing from it is unreachable)."""
     nav = (ROOT / "mkdocs.yml").read_text()
