@@ -18,6 +18,7 @@ minimised: a picture where there would be none.
 
 from __future__ import annotations
 
+import collections
 import html
 import re
 from dataclasses import dataclass, field
@@ -238,8 +239,11 @@ def layered_svg(source: str) -> str:
     extent: dict[int, tuple[float, float]] = {}
     first, last = (head, pad) if across else (pad, pad)
 
-    def place(cluster: _Cluster, boxed: bool) -> None:
+    inside: dict[str, list[int]] = {}  # a box's clusters, outermost first
+
+    def place(cluster: _Cluster, boxed: bool, chain: tuple[int, ...] = ()) -> None:
         lo, hi = spans[id(cluster)]
+        chain = (*chain, id(cluster)) if boxed else chain
         if boxed:
             left = max(frontier[lo:hi + 1])
             for r in range(lo, hi + 1):
@@ -247,9 +251,10 @@ def layered_svg(source: str) -> str:
         for item in cluster.items:
             if isinstance(item, _Cluster):
                 if id(item) in spans:
-                    place(item, item.name.startswith("cluster"))
+                    place(item, item.name.startswith("cluster"), chain)
             else:
                 r = rank[item]
+                inside[item] = list(chain)
                 centre[item] = frontier[r] + aside[item] / 2
                 frontier[r] += aside[item] + nodesep
         if boxed:
@@ -262,23 +267,59 @@ def layered_svg(source: str) -> str:
         place(dot.root, False)
     length = position - ranksep - (12 if labelled else 0)
     breadth = max(frontier, default=0.0) - nodesep
+    # A box alone in its rank, under no cluster but its own, is centred in its cluster (or the picture):
+    # a chain of boxes of different widths then runs straight down.
+    rank2count = collections.Counter(rank.values())
+    for k in keys:
+        r = rank[k]
+        crossing = [i for i, (lo, hi) in spans.items() if lo <= r <= hi and i in extent]
+        if rank2count[r] == 1 and set(crossing) <= set(inside[k]):
+            left, right = (extent[inside[k][-1]][0] + first, extent[inside[k][-1]][1] - last) if inside[k] \
+                else (0.0, breadth)
+            centre[k] = (left + right) / 2
     graph_label = dot.root.attrs.get("label", "")
     graph_font = _number(dot.root.attrs, "fontsize", 14)
     label_room = (len(graph_label.split("\n")) * graph_font * 1.2 + 6) if graph_label else 0.0
     margin = 4.0
+    # Edges, along the ranks (a) and across them (c): between neighbouring ranks an S-curve; an edge
+    # that passes over ranks (a residual connection) bows out beside the boxes it passes, rather than
+    # running behind them.
+    far = [max((centre[k] + aside[k] / 2 for k in keys if rank[k] == r), default=0.0) for r in range(top_rank + 1)]
+    for c in clusters:
+        for r in range(spans[id(c)][0], spans[id(c)][1] + 1):
+            far[r] = max(far[r], extent[id(c)][1])
+    curves: list[tuple[str, str, dict[str, str], list[tuple[float, float]]]] = []
+    bows = 0
+    for u, v, attrs in dot.edges:
+        if attrs.get("style") == "invis":
+            continue
+        ru, rv = rank[u], rank[v]
+        top_u, top_v = start[ru] + (thickness[ru] - along[u]) / 2, start[rv] + (thickness[rv] - along[v]) / 2
+        a_s, a_t = (top_u + along[u], top_v) if rv > ru else (top_u, top_v + along[v])
+        c_s, c_t = centre[u], centre[v]
+        if abs(rv - ru) == 1:
+            mid = (a_s + a_t) / 2
+            controls = [(a_s, c_s), (mid, c_s), (mid, c_t), (a_t, c_t)]
+        else:  # past the boxes of the ranks between, one lane further out per such edge
+            passed = range(min(ru, rv) + 1, max(ru, rv)) or range(ru, ru + 1)
+            bow = max(far[r] for r in passed) + 14 + 6 * (bows % 4)
+            bows += 1
+            step = ranksep if a_t >= a_s else -ranksep
+            controls = [(a_s, c_s), (a_s + step, bow), (a_t - step, bow), (a_t, c_t)]
+            breadth = max(breadth, bow + 6)
+        curves.append((u, v, attrs, controls))
     width, height = (length, breadth) if across else (breadth, length)
+    x_offset = margin + max(0.0, _text_width(graph_label, graph_font) - width) / 2  # centred under a wider caption
     width = max(width, _text_width(graph_label, graph_font))
     label_top = dot.root.attrs.get("labelloc", "b") == "t"
     y_offset = margin + (label_room if label_top else 0)
 
     def point(a: float, c: float) -> tuple[float, float]:
         """A position along the ranks and across them as SVG x, y, in the direction ``rankdir`` says."""
-        if rankdir == "BT":
-            a = length - a
-        if rankdir == "RL":
+        if rankdir in ("BT", "RL"):
             a = length - a
         x, y = (a, c) if across else (c, a)
-        return x + margin, y + y_offset
+        return x + x_offset, y + y_offset
 
     def box_rect(k: str) -> tuple[float, float, float, float]:
         a0 = start[rank[k]] + (thickness[rank[k]] - along[k]) / 2
@@ -319,29 +360,9 @@ def layered_svg(source: str) -> str:
             out.append(_text(attrs["label"], tx, y + size + 2, size, anchor, attrs))
         out.append("</a></g></g>")
 
-    edge_no = 0
-    for u, v, attrs in dot.edges:
-        if attrs.get("style") == "invis":
-            continue
-        edge_no += 1
-        ux, uy, uw, uh = box_rect(u)
-        vx, vy, vw, vh = box_rect(v)
-        if across:
-            forward = (vx >= ux) == (rankdir == "LR")
-            (sx, sy), (tx, ty) = ((ux + uw, uy + uh / 2), (vx, vy + vh / 2)) if rankdir == "LR" else \
-                ((ux, uy + uh / 2), (vx + vw, vy + vh / 2))
-            if not forward:
-                sx, tx = (ux, vx + vw) if rankdir == "LR" else (ux + uw, vx)
-            mid = (sx + tx) / 2
-            path = f"M{sx:.2f},{sy:.2f} C{mid:.2f},{sy:.2f} {mid:.2f},{ty:.2f} {tx:.2f},{ty:.2f}"
-        else:
-            down = rankdir == "TB"
-            (sx, sy), (tx, ty) = ((ux + uw / 2, uy + uh), (vx + vw / 2, vy)) if down else \
-                ((ux + uw / 2, uy), (vx + vw / 2, vy + vh))
-            if (ty < sy) == down:  # an edge back up (a broken cycle): from the box's other side
-                sy, ty = (uy, vy + vh) if down else (uy + uh, vy)
-            mid = (sy + ty) / 2
-            path = f"M{sx:.2f},{sy:.2f} C{sx:.2f},{mid:.2f} {tx:.2f},{mid:.2f} {tx:.2f},{ty:.2f}"
+    for edge_no, (u, v, attrs, controls) in enumerate(curves, 1):
+        (sx, sy), (c1x, c1y), (c2x, c2y), (tx, ty) = (point(a, c) for a, c in controls)
+        path = f"M{sx:.2f},{sy:.2f} C{c1x:.2f},{c1y:.2f} {c2x:.2f},{c2y:.2f} {tx:.2f},{ty:.2f}"
         colour = _esc(attrs.get("color", "black"))
         dash = ' stroke-dasharray="5,2"' if "dashed" in attrs.get("style", "") else ""
         out.append(f'<g id="edge{edge_no}" class="edge">')
@@ -350,9 +371,11 @@ def layered_svg(source: str) -> str:
         out.append(f'<path fill="none" stroke="{colour}"{dash} d="{path}" marker-end="url(#fwdtrace-arrow)"/>')
         out.append("</a></g>")
         label = attrs.get("label") or attrs.get("xlabel")
-        if label:
+        if label:  # at the curve's middle (its control points' midpoint, for a cubic through both)
             size = _number(attrs, "fontsize", 14)
-            out.append(_text(label, (sx + tx) / 2 + 3, (sy + ty) / 2 + size / 3, size, "start", attrs))
+            lx, ly = (sx + 3 * c1x + 3 * c2x + tx) / 8, (sy + 3 * c1y + 3 * c2y + ty) / 8
+            at = (lx, ly - 4, "middle") if across else (lx + 3, ly + size / 3, "start")  # beside the line
+            out.append(_text(label, at[0], at[1], size, at[2], attrs))
         out.append("</g>")
 
     for i, k in enumerate(keys, 1):
