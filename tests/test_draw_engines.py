@@ -171,7 +171,7 @@ def no_graphviz(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert draw.layout_missing() is not None
 
 
-@pytest.mark.parametrize("rankdir", ["TB", "LR"])
+@pytest.mark.parametrize("rankdir", ["TB", "LR", "BT", "RL"])
 def test_without_graphviz_render_and_the_notebook_draw_fwdtraces_own_layout(
         rankdir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every box, label, cluster and edge the draw pass wrote (as pygraphviz reads its DOT) is in the SVG;
