@@ -795,6 +795,11 @@ class Dumper:
                  queue_bytes: int = 1 << 28, when_full: str = "wait") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
+        # Refused here, not at register(): each step's file is named inside the folder
+        if Path(directory).exists() and not Path(directory).is_dir() or Path(directory).suffix in (".hdf5", ".h5"):
+            what = "an existing file" if Path(directory).exists() else "a file name"
+            raise FwdtraceError(f"Dumper expected a folder path for its dumps (each step's file is named inside "
+                                f"it), got {str(directory)!r}, {what}")
         if not isinstance(overwrite, bool):
             raise FwdtraceError(f"Dumper expected overwrite as a bool, got {describe(overwrite)}")
         if values not in VALUES:
@@ -827,6 +832,14 @@ class Dumper:
         self._kept = _Kept()
         self._written: list[Path] = []
         self._guard: InterruptGuard | None = None
+
+    def __repr__(self) -> str:
+        settings = {"values": self.values, "calls": self.calls, "keys": self.keys, "scope": self.scope,
+                    "steps": sorted(self.steps) if isinstance(self.steps, frozenset) else self.steps,
+                    "ranks": sorted(self.ranks) if isinstance(self.ranks, frozenset) else self.ranks,
+                    "background": self.background or None, "overwrite": self.overwrite or None}
+        shown = "".join(f", {k}={v!r}" for k, v in settings.items() if v is not None)
+        return f"Dumper({str(self.directory)!r}{shown}, {len(self._written)} written, {len(self._recordings)} open)"
 
     @property
     def paths(self) -> list[Path]:
