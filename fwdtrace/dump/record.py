@@ -80,6 +80,9 @@ class _Call:
 
     name: str
     recorded: bool  # False: a call seen but not recorded (the root's, one outside the selection): no group
+    # the HDF5 group once created (on the writer thread, if any, before the call's datasets): looking a group
+    # up by name for each dataset cost more than writing a small dataset
+    group: Any = None
     grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
     ends_scope: bool = False  # the selection's scope ends with this call
 
@@ -376,7 +379,9 @@ class _Recording:
 
         def create() -> None:
             arr = data.array() if isinstance(data, HostCopy) else data
-            self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
+            dataset = call.group.create_dataset(name, data=arr)
+            if attrs:
+                dataset.attrs.update(attrs)
 
         if self._file_op(create, data.nbytes, where):
             self.order.append(where)
@@ -428,7 +433,7 @@ class _Recording:
             if self.packed is not None:
                 self.packed.calls[call.name]["skipped"] = text
             else:
-                self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
+                self._file_op(lambda: call.group.attrs.__setitem__("skipped", text), 0, call.name)
             self.skipped += [f"{call.name} {n}" for n in notes]
 
     def _restart(self) -> None:
@@ -514,7 +519,8 @@ class _Recording:
             raise self._fail(e, name) from e
 
         def create() -> None:
-            self.file.create_group(name, track_order=True).attrs.update(attrs)
+            call.group = self.file.create_group(name, track_order=True)
+            call.group.attrs.update(attrs)
 
         if self.packed is not None:
             self.packed.calls[name] = attrs
