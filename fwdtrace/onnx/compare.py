@@ -98,7 +98,7 @@ _RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
 _CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 # Random draws besides dropout and rand*: two on the same input are two draws.
 _SAMPLERS = frozenset({"bernoulli", "multinomial", "normal", "uniform", "exponential", "poisson", "cauchy",
-                       "geometric", "log_normal", "rrelu"})
+                       "geometric", "log_normal", "rrelu", "gumbel_softmax"})
 _VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike", "ConstantOfShape"})
 # ONNX ops whose result depends on the order of their inputs and that take them in the
 # order of the torch call: Concat all of them (constants too), the others their data inputs
@@ -144,8 +144,9 @@ class TopologyReport:
     return (a transformers cache exported without it: ``cache.layers[0].conv_states[0]``),
     by their paths in what the model returned; the others are compared. With ``numeric=True``
     the numbers settle what the structure cannot: ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
-    structure differs but the values after every difference agree; ``ok`` is then
-    ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
+    structure differs but the values after every difference agree, ``'incomplete'`` when values after a
+    random draw differ (eager and onnxruntime draw different numbers; none of them can be compared);
+    ``ok`` is then ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
     answer with ``numeric=True``).
     """
 
@@ -215,14 +216,18 @@ class TopologyReport:
         ``'diverges'``: a value is out of tolerance, or a structural mismatch has a value
         after it that differs. ``'rewritten'``: the structure differs, and after every
         mismatch the values agree: the exporter rewrote those parts and they compute the same.
-        A mismatch with no compared value after it stays ``'mismatch'``.
+        A mismatch with no compared value after it stays ``'mismatch'``. Values after a random draw
+        (dropout in training, ``randn_like``) that differ cannot be compared: ``'incomplete'``.
         """
         numbers = self.numeric.status if self.numeric is not None else None
         if numbers == "diverges":
             return "diverges"
+        # every structural mismatch settled by the numbers, only values after random draws left unsettled
+        settled = self.numeric is not None and all(m.compared for m in self.numeric.mismatches)
         if self.missing or self.extra or self.rewired:
-            return "rewritten" if numbers == "rewritten" else "mismatch"
-        return "incomplete" if self.not_opened or self.undecided else "ok"
+            return ("rewritten" if numbers == "rewritten" else "incomplete" if numbers == "unchecked" and settled
+                    else "mismatch")
+        return "incomplete" if self.not_opened or self.undecided or numbers == "unchecked" else "ok"
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-friendly data."""
