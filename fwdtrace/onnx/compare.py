@@ -1853,7 +1853,8 @@ def check_onnx(
         report = _build_report(graph, og, result, None, opened, source=source)
         if numeric:
             folder = os.path.dirname(os.path.abspath(onnx)) if isinstance(onnx, (str, os.PathLike)) else None
-            _add_numbers(report, model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+            report = _add_numbers(report, model, args, kwargs, graph, og, result, proto, folder, opened, inputs,
+                                  tolerances, _emitted_functions(proto), source)
         return report
     exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
@@ -1869,18 +1870,43 @@ def check_onnx(
     og, result = _compare(graph, proto, "check_onnx()", model=model)
     report = _build_report(graph, og, result, exporter, opened)
     if numeric:
-        _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
+        report = _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances,
+                              None if exporter == "fwdtrace" else frozenset(), None)
     return report
 
 
 def _add_numbers(report: TopologyReport, model: Any, args: tuple, kwargs: dict, graph: Graph, og: Graph,
                  result: _Result, proto: Any, folder: str | None, opened: list[str], inputs: Any,
-                 tolerances: Any) -> None:
-    """Compare the values too; the numbers then say whether the report is ok (see ``TopologyReport.status``)."""
-    from .numeric import compare_values
+                 tolerances: Any, emitted: frozenset[str] | None, source: str | None) -> TopologyReport:
+    """Compare the values too; the numbers then say whether the report is ok (see ``TopologyReport.status``).
 
-    report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+    A model that sets itself up on its first call (a fresh torchvision R-CNN, a layer built from
+    its first input's shape) runs other calls in the trace than in every call after it, the
+    export's and the value runs' among them: when the first batch runs other calls, the model is
+    traced again, set up, and the structure compared on that trace. ``emitted`` is as for
+    :func:`_trace_opening_ruleless_layers`, ``source`` as for :func:`_build_report`.
+    """
+    from .numeric import OtherCalls, compare_values
+
+    try:
+        report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs,
+                                        tolerances)
+    except OtherCalls as e:
+        if e.batch != 0:
+            raise
+        again, opened_again = _trace_opening_ruleless_layers(model, args, kwargs, emitted)
+        if [n.target for n in again.nodes] == [n.target for n in graph.nodes]:
+            raise  # the model runs the same calls again: the inputs take another path
+        first_calls = len(graph.nodes)
+        graph, opened = again, opened_again
+        og, result = _compare(graph, proto, "check_onnx()", model=model)
+        report = _build_report(graph, og, result, report.exporter, opened, source=source)
+        report.text = (f"the model set itself up on its first call ({first_calls} nodes traced, {len(graph.nodes)} "
+                       f"on the next): checked as it runs from its second call on\n{report.text}")
+        report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs,
+                                        tolerances)
     report.ok = report.status in ("ok", "rewritten")
+    return report
 
 
 def _emitted_functions(proto: onnx.ModelProto) -> frozenset[str] | None:

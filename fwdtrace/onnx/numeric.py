@@ -302,6 +302,14 @@ class NumericResult:
         }
 
 
+class OtherCalls(FwdtraceError):
+    """A batch made the model run other calls than the trace the structure was compared on (``batch``: which)."""
+
+    def __init__(self, message: str, batch: int) -> None:
+        super().__init__(message)
+        self.batch = batch
+
+
 def _within_inputs(row: ValueRow, result: NumericResult) -> bool:
     """Whether a row's inputs agree: within the tolerance of its dtype, relative to scale."""
     rtol, atol = result.tolerances.get(row.inputs_dtype or row.dtype, _EXACT)
@@ -501,9 +509,11 @@ def compare_values(
             out = model(*bargs, **bkwargs)
         got = tracer.graph
         if len(got.nodes) != len(trace.nodes) or any(got.nodes[t].target != trace.nodes[t].target for t in wanted):
-            raise FwdtraceError(f"check_onnx(numeric=True): batch {b} of inputs made the model run other calls "
-                                f"than the example inputs ({len(got.nodes)} nodes against {len(trace.nodes)}): "
-                                "the ONNX model was made for one path through the model")
+            raise OtherCalls(
+                f"check_onnx(numeric=True): batch {b} of inputs made the model run other calls than when it was "
+                f"traced ({len(got.nodes)} nodes against {len(trace.nodes)}): the ONNX model was made for one path "
+                "through the model. Pass inputs that take the example's path (inputs=[...]), or, for a model "
+                "that changes itself per call, one that does not", b)
         given = [(n, tracer.inputs[n.outputs[0].obj_id]) for n in input_nodes
                  if n.outputs and n.outputs[0].obj_id in tracer.inputs]
         _check_feeds(expected, [(n.name, onnx_inputs.get(n.id), t) for n, t in given], unpaired,
