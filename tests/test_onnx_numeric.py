@@ -93,6 +93,11 @@ def _transformer(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         model = transformers.T5Model(transformers.T5Config(
             d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100))
         inputs = {"input_ids": torch.randint(1, 100, (2, 8)), "decoder_input_ids": torch.randint(1, 100, (2, 5))}
+    elif name == "mistral":  # a sliding-window cache: TorchScript flattens each layer's state into one int64 more
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=32))
+        inputs = {"input_ids": torch.randint(0, 64, (1, 6)), "use_cache": True}
     else:
         model = transformers.ViTModel(transformers.ViTConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
@@ -1169,3 +1174,31 @@ def test_inputs_that_take_another_path_are_an_error_saying_what_to_pass() -> Non
     with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\): batch 0 of inputs made the model run "
                                             r"other calls than when it was traced .*Pass inputs that take"):
         fwdtrace.check_onnx(_PathByValue(), x, exporter="torchscript", numeric=True, inputs=[-x])
+
+
+def test_outputs_of_a_file_with_more_outputs_are_paired_where_they_can_be_told_apart() -> None:
+    model, inputs = _transformer("mistral")
+    proto = fwdtrace.export_onnx(model, exporter="torchscript", **inputs)
+    report = fwdtrace.check_onnx(model, onnx=proto, numeric=True, **inputs)
+    # the reference: onnxruntime's outputs of the file against the eager outputs, by their paths
+    with torch.no_grad():
+        out = model(**inputs)
+    eager = {"logits": out.logits}
+    for k, layer in enumerate(out.past_key_values.layers):
+        eager |= {f"cache_layers[{k}]_keys": layer.keys, f"cache_layers[{k}]_values": layer.values}
+    names = [o.name for o in proto.graph.output]
+    assert len(names) > len(eager) + len(out.past_key_values.layers)  # the file has outputs the trace has not
+    got = dict(zip(names, _run_ort(proto, {proto.graph.input[0].name: inputs["input_ids"].numpy()}, names),
+                   strict=True))
+    rows = {r.call.removeprefix("output output_"): r for r in report.numeric.rows if r.kind == "output"}
+    for path, want in eager.items():  # each float output compared with the file's output holding its values
+        row = rows[path]
+        assert row.compared and row.ok, row
+        assert np.allclose(got[row.onnx_value], want.numpy(), rtol=1e-4, atol=1e-5), path
+    # the sliding-window states: two int64 scalars alike in the file for each one of eager's, which is which unknown
+    left = [r for r in report.numeric.rows if r.kind == "output" and not r.compared]
+    assert [r.call for r in left] == [f"output output_cache_layers[{k}]__sliding_window_tensor" for k in range(2)]
+    assert all("outputs of the file alike" in r.note for r in left)
+    assert len(report.numeric.unpaired_outputs) == len(names) - len(eager)
+    assert "2 outputs of the model paired with none of the file's" in report.numeric.lead()
+    assert report.ok, str(report)[:3000]

@@ -149,6 +149,9 @@ class NumericResult:
     # whose nearest compared values after it differ: eager and onnxruntime draw different numbers,
     # so the difference starts there, not at the first call that reads them
     random: list[ValueRow] = field(default_factory=list)
+    # the file's outputs paired with none of the model's (its outputs outnumber the trace's, alike ones left
+    # unpaired where which is which cannot be told)
+    unpaired_outputs: list[str] = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[ValueRow]:
@@ -231,7 +234,14 @@ class NumericResult:
         return f"first divergence: {where}, {err} ({first.dtype}), {inputs}{batches}{self._drawn()}"
 
     def _drawn(self) -> str:
-        """The lead's clause on the values after random draws, which no comparison can settle."""
+        """The lead's clauses on what no comparison settles: outputs left unpaired, values after random draws."""
+        unpaired = [r for r in self.rows if r.kind == "output" and not r.compared and not r.onnx_value]
+        outputs = (f"; {len(unpaired)} output{'s' if len(unpaired) > 1 else ''} of the model paired with none of "
+                   f"the file's ({', '.join(r.call.removeprefix('output ') for r in unpaired[:3])}"
+                   f"{' ...' if len(unpaired) > 3 else ''}), not compared" if unpaired else "")
+        return outputs + self._after_draws()
+
+    def _after_draws(self) -> str:
         if not self.random:
             return ""
         after = sum(1 for r in self.rows if not r.compared and r.note.startswith(_AFTER_RANDOM))
@@ -278,6 +288,8 @@ class NumericResult:
             lines.append(f"  {r.call}: {r.note}")
         for r in self.random:
             lines.append(f"  random: {r.call} {r.note}")
+        if self.unpaired_outputs:
+            lines.append(f"  outputs of the file paired with no output of the model: {', '.join(self.unpaired_outputs)}")
         for m in self.mismatches:
             verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
                        else "DIVERGES" + (" (first)" if m is first else "") if m.compared
@@ -299,6 +311,7 @@ class NumericResult:
             "values": [r.to_dict() for r in self.rows],
             "mismatches": [r.to_dict() for r in self.mismatches],
             "random": [r.to_dict() for r in self.random],
+            "unpaired_outputs": list(self.unpaired_outputs),
         }
 
 
@@ -308,6 +321,57 @@ class OtherCalls(FwdtraceError):
     def __init__(self, message: str, batch: int) -> None:
         super().__init__(message)
         self.batch = batch
+
+
+def _signature(value: Any) -> tuple[str, tuple[int, ...]] | None:
+    """What tells one output from another without its name: its kind of number and its shape."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        kind = "bool" if value.dtype == torch.bool else "float" if value.is_floating_point() or value.is_complex() \
+            else "int"
+        return kind, tuple(value.shape)
+    array = np.asarray(value)
+    kind = "bool" if array.dtype == np.bool_ else "int" if np.issubdtype(array.dtype, np.integer) else "float"
+    return kind, tuple(array.shape)
+
+
+def _pair_outputs(eager: list[Any], onnx: list[Any]) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+    """Pair two lists of output signatures in order, where the pairing is certain.
+
+    The file's outputs are the model's flattened in order, with some left out or added (a cache
+    layer whose state TorchScript flattens into two int64 scalars where eager has one). Of the
+    in-order pairings of alike signatures that pair the most, an output is paired when every one
+    pairs it, and with the same output of the file. Returns the (eager, onnx) index pairs and, for
+    each eager output left unpaired, the outputs of the file it could be.
+    """
+    n, m = len(eager), len(onnx)
+
+    def same(i: int, j: int) -> bool:
+        return eager[i] is not None and eager[i] == onnx[j]
+
+    # before[i][j]: the most pairs of eager[:i] with onnx[:j]; after[i][j]: of eager[i:] with onnx[j:]
+    before = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n):
+        for j in range(m):
+            before[i + 1][j + 1] = max(before[i][j + 1], before[i + 1][j], before[i][j] + same(i, j))
+    after = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            after[i][j] = max(after[i + 1][j], after[i][j + 1], after[i + 1][j + 1] + same(i, j))
+    best = before[n][m]
+    pairs: list[tuple[int, int]] = []
+    alike: dict[int, list[int]] = {}
+    for i in range(n):
+        # the onnx outputs eager[i] pairs with in some pairing of the most pairs
+        could = [j for j in range(m) if same(i, j) and before[i][j] + 1 + after[i + 1][j + 1] == best]
+        # and whether some pairing of the most pairs leaves eager[i] unpaired
+        skipped = any(before[i][j] + after[i + 1][j] == best for j in range(m + 1))
+        if len(could) == 1 and not skipped:
+            pairs.append((i, could[0]))
+        else:
+            alike[i] = [j for j in range(m) if same(i, j)]
+    return pairs, alike
 
 
 def _within_inputs(row: ValueRow, result: NumericResult) -> bool:
@@ -503,6 +567,7 @@ def compare_values(
     # ONNX computes in full float32 (see providers()): only the eager run's math can explain a rounding
     numeric.math = math_record(model if isinstance(model, torch.nn.Module) else None, args)
     out_rows: list[ValueRow] = []
+    out_pairs: list[tuple[Node, str]] = []  # (trace output node, the file's output it is compared with)
     for b, (bargs, bkwargs) in enumerate(batches):
         tracer = _ValueTracer(wanted, through, through_functions, ranking)
         with torch.no_grad(), tracer:
@@ -543,21 +608,38 @@ def compare_values(
                     _compare_into(other_row, eager[i], values[other], tols, record=numeric.math)
             if b == 0 and row.compared:
                 numeric.eager[name] = to_numpy(eager[i], torch.float32 if eager[i].is_floating_point() else None)
-        # the model's outputs, paired by position (an export that leaves a cache out has fewer)
+        # the model's outputs, paired by position (an export that leaves a cache out has fewer), or, where the
+        # file flattens them otherwise (TorchScript's cache layers with a state more), by what can be told apart
         eager_outs = [t for _, t in iter_tensors(out, "output", caches=True)]
-        if len(t_out_nodes) == len(out_names):
-            outs_by_node = [n for n in trace.nodes if n.kind == "output"]
-            for k, (tnode, name) in enumerate(zip(t_out_nodes, out_names, strict=True)):
-                if b == 0:
-                    out_rows.append(ValueRow(len(trace.nodes) + k, f"output {tnode.name}", "", "output", "graph output",
-                                             name, (), "", kind="output"))
-                j = outs_by_node.index(tnode)
-                feeder = rows.get(out_feeder.get(tnode.id, -1))
-                if j < len(eager_outs) and name in values:
-                    _compare_into(out_rows[k], eager_outs[j], values[name], tols,
-                                  feeder.dtype if feeder is not None and feeder.compared else None, numeric.math)
-                if feeder is not None and feeder.compared:
-                    out_rows[k].inputs_rel = feeder.max_rel
+        outs_by_node = [n for n in trace.nodes if n.kind == "output"]
+        if b == 0:
+            if len(t_out_nodes) == len(out_names):
+                out_pairs = list(zip(t_out_nodes, out_names, strict=True))
+            else:
+                at, alike = _pair_outputs(
+                    [_signature(eager_outs[outs_by_node.index(t)]) if outs_by_node.index(t) < len(eager_outs)
+                     else None for t in t_out_nodes], [_signature(values.get(n)) for n in out_names])
+                out_pairs = [(t_out_nodes[i], out_names[j]) for i, j in at]
+                paired = {t.id for t, _ in out_pairs}
+                for i, tnode in enumerate(t_out_nodes):
+                    if tnode.id not in paired:
+                        names = [out_names[j] for j in alike.get(i, [])]
+                        out_rows.append(ValueRow(
+                            len(trace.nodes) + len(t_out_nodes) + i, f"output {tnode.name}", "", "output",
+                            "graph output", "", (), "", compared=False, kind="output",
+                            note=(f"{len(names)} outputs of the file alike ({', '.join(names)}): which is it cannot "
+                                  "be told" if len(names) > 1 else "no output of the file alike")))
+                numeric.unpaired_outputs = [n for n in out_names if n not in {name for _, name in out_pairs}]
+            out_rows[:0] = [ValueRow(len(trace.nodes) + k, f"output {tnode.name}", "", "output", "graph output",
+                                     name, (), "", kind="output") for k, (tnode, name) in enumerate(out_pairs)]
+        for k, (tnode, name) in enumerate(out_pairs):
+            j = outs_by_node.index(tnode)
+            feeder = rows.get(out_feeder.get(tnode.id, -1))
+            if j < len(eager_outs) and name in values:
+                _compare_into(out_rows[k], eager_outs[j], values[name], tols,
+                              feeder.dtype if feeder is not None and feeder.compared else None, numeric.math)
+            if feeder is not None and feeder.compared:
+                out_rows[k].inputs_rel = feeder.max_rel
     for gid, others in inner.items():
         row = rows[gid]
         found = next((r for r in others.values() if r.compared and r.ok), None)
@@ -580,7 +662,7 @@ def compare_values(
     for row in numeric.rows:
         if row.compared and not row.ok:
             row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
-    out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
+    out_by_node = {t.id: r for (t, _), r in zip(out_pairs, out_rows, strict=False)}
     # a Dropout in eval mode (or of p=0) returns its input: it draws nothing, and cannot be where a difference starts
     idle = {p for p, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
             and (not m.training or m.p == 0)} if isinstance(model, torch.nn.Module) else set()
