@@ -1803,7 +1803,7 @@ def compare_onnx(graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str]) 
 def check_onnx(
     model: Any, *args: Any, exporter: str | None = None, onnx: Any = None, verbose: bool = False,
     numeric: bool = False, inputs: list[Any] | None = None, tolerances: dict[str, tuple[float, float]] | None = None,
-    **kwargs: Any,
+    isolate: bool = False, **kwargs: Any,
 ) -> TopologyReport:
     """Trace ``model(*args, **kwargs)`` and diff it with its ONNX export, or with a given ONNX model.
 
@@ -1829,7 +1829,9 @@ def check_onnx(
     when the ONNX model returns its tensors, and left out (said in the report) when it returns the other
     outputs only.
     The exporters' own warnings and prints are kept quiet (see :func:`fwdtrace.export_onnx`);
-    ``verbose=True`` shows them.
+    ``verbose=True`` shows them. ``isolate=True`` runs torch's exporter in a child process, so that
+    a crash in torch's own code is an error naming the exporter and the signal, not the end of
+    your process (see :func:`fwdtrace.export_onnx`).
 
     ``numeric=True`` also compares numbers: the model runs eagerly and the ONNX model in
     onnxruntime on the same inputs (the example inputs, or each batch of ``inputs=[...]``),
@@ -1866,7 +1868,8 @@ def check_onnx(
 
         proto = to_onnx(model, *args, verbose=verbose, **kwargs)
     else:  # a large model's weights stay on disk, unless onnxruntime is to run it
-        proto = _export(model, args, kwargs, exporter, None, None, weights=numeric, verbose=verbose)
+        proto = _export(model, args, kwargs, exporter, None, None, weights=numeric, verbose=verbose, isolate=isolate,
+                        caller="check_onnx()")
     og, result = _compare(graph, proto, "check_onnx()", model=model)
     report = _build_report(graph, og, result, exporter, opened)
     if numeric:
