@@ -2058,7 +2058,7 @@ def run_cli(args: argparse.Namespace) -> int:
     inputs = make_inputs(args)
     model = load_factory(args.factory).eval()
     try:
-        report = check_onnx(model, *inputs, numeric=args.numeric, **source)
+        report = check_onnx(model, *inputs, numeric=args.numeric, isolate=args.isolate, **source)
     except FwdtraceError:
         raise
     except Exception as e:
