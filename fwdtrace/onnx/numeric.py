@@ -145,9 +145,9 @@ class NumericResult:
     # compared values right after it: ok when they agree (the exporter rewrote that part and it
     # computes the same), not ok when they differ, not compared when none after it was
     mismatches: list[ValueRow] = field(default_factory=list)
-    # one row (kind "random") per call that draws random numbers (randn_like, dropout in training)
-    # whose nearest compared values after it differ: eager and onnxruntime draw different numbers,
-    # so the difference starts there, not at the first call that reads them
+    # one row (kind "random", not compared) per call that draws random numbers (randn_like, gumbel_softmax,
+    # dropout in training) with values after it that differ: eager and onnxruntime draw different numbers,
+    # so those values are left uncompared (their notes name the draw) and the status is 'unchecked'
     random: list[ValueRow] = field(default_factory=list)
     # the file's outputs paired with none of the model's (its outputs outnumber the trace's, alike ones left
     # unpaired where which is which cannot be told)
