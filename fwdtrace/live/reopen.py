@@ -36,11 +36,11 @@ class ReopenedServer(Server):
                 self.graph, self._graph_json = Graph.from_json(text), text
             else:
                 self.graph_error = f"no graph in the run {str(self.logdir)!r} (the model was never traced)"
-            self._listen(host, port, max_connections, timeout)
+            self.listen(host, port, max_connections, timeout, caller="reopen()")
         except BaseException:
             self.history.close()
             raise
-        self._start(token)
+        self.start_serving(token)
 
     def _unhook(self) -> None:
         if self.history is not None:

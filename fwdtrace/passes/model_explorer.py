@@ -426,7 +426,7 @@ def errors_to_model_explorer(
 def view(
     graph_or_model: Any, *args: Any, node_data: NodeData | Analysis | None = None, folder: str | None = None,
     host: str = "127.0.0.1", port: int = 8080, open_browser: bool = True, token: str | None = None,
-    notebook: bool | None = None,
+    notebook: bool | None = None, max_connections: int = 32, timeout: float = 10.0,
 ) -> ModelExplorerFiles:
     """Open a graph (or ``model(*args)``, traced) in Model Explorer, with its node data.
 
@@ -439,7 +439,9 @@ def view(
     (:class:`fwdtrace.live.explorer.ExplorerServer`), not Model Explorer's, which reads any
     file a client names: it serves the page and the files written here, nothing else. As
     :func:`fwdtrace.serve`: loopback by default; another ``host`` needs ``token`` (one is made
-    and printed when None), and the ``Host`` header must name the address bound. Needs
+    and printed when None), the ``Host`` header must name the address bound, at most
+    ``max_connections`` connections are open and each is closed after ``timeout`` seconds
+    without a whole request. Needs
     ``pip install ai-edge-model-explorer``; without it a FwdtraceError says so. Returns the files written.
 
     In a Jupyter or Colab notebook (``notebook=None`` finds out; ``True``/``False`` decide) the
@@ -476,7 +478,7 @@ def view(
     web_app = Path(model_explorer.__file__).parent / "web_app"
     where_shown = _notebook() if notebook is None else ("colab" if _in_colab() else "jupyter") if notebook else None
     server = ExplorerServer(web_app, [files.graph, *files.node_data.values()], host, port, token,
-                            any_host=where_shown == "colab")
+                            any_host=where_shown == "colab", max_connections=max_connections, timeout=timeout)
     if where_shown is not None:
         try:
             _show_in_notebook(server, config.to_url_param_value(), where_shown)
