@@ -756,3 +756,16 @@ def test_a_run_whose_writer_was_killed_while_adding_a_series_reopens_read_only(t
         assert [p["value"] for p in finished.scalars("loss")] == [1.0, 0.5, 1.0 / 3]
         assert len(finished.rows("0.Linear", "forward", "output")) == 3
     assert path.read_bytes() == before  # read as it is, not repaired
+
+
+def test_a_cyclic_graph_beside_the_history_is_refused_naming_its_file(tmp_path: Path) -> None:
+    from fwdtrace.live import reopen
+
+    _finished_run(tmp_path / "run")
+    graph = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), torch.ones(1, 2)).to_dict()
+    graph["edges"].append({**graph["edges"][-1], "src": graph["edges"][-1]["dst"], "dst": graph["edges"][-1]["src"]})
+    (tmp_path / "run" / "graph.json").write_text(json.dumps(graph))
+    with pytest.raises(FwdtraceError, match=rf"^Graph\.from_dict expected a graph written by Graph\.to_json in "
+                                            rf"'{re.escape(str(tmp_path / 'run' / 'graph.json'))}', got one whose "
+                                            rf"edge {len(graph['edges']) - 1} has it runs from node"):
+        reopen(tmp_path / "run", port=0)
