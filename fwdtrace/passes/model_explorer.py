@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .._files import write_bytes
+from .._files import write_bytes, write_files
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..node import Node, Scope
@@ -294,9 +294,9 @@ def _write(graph: Graph, target: Path, node_data: NodeData, colors: Mapping[str,
         node_colors = None if own is None else {str(n): c for n, c in own.items()}
         files[str(name)] = (target.with_name(f"{target.stem}.{_slug(str(name))}.json"),
                             _dump(_node_data_file(graph_id, str(name), results, node_colors)))
-    write_bytes(target, _dump(graph_collection(graph, graph_id=graph_id, label=label, highlight=highlight)), caller)
-    for file, data in files.values():
-        write_bytes(file, data, caller)
+    # The graph and its node data together: an error leaves every file as it was, never a new graph beside old data.
+    write_files({target: _dump(graph_collection(graph, graph_id=graph_id, label=label, highlight=highlight)),
+                 **dict(files.values())}, caller)
     return ModelExplorerFiles(str(target), {name: str(file) for name, (file, _) in files.items()})
 
 
@@ -359,12 +359,17 @@ def _value_errors(numeric: NumericResult, nodes: int) -> tuple[dict[int, CallErr
 
 
 def _folder(folder: str | os.PathLike[str], caller: str) -> Path:
-    """``folder``, made if its parent exists."""
+    """``folder``, made if its parent exists. A symlink to a folder, named by the user, is that folder; the
+    files written inside replace what is at their names (a symlink planted there is replaced, not followed)."""
     out = Path(folder)
     if not out.is_dir():
-        if out.exists() or not (out.parent if str(out.parent) else Path(".")).is_dir():
-            raise FwdtraceError(f"{caller} expected a folder, or a new one in an existing folder, got {str(folder)!r}")
-        out.mkdir()
+        refused = FwdtraceError(f"{caller} expected a folder, or a new one in an existing folder, got {str(folder)!r}")
+        if os.path.lexists(out) or not (out.parent if str(out.parent) else Path(".")).is_dir():
+            raise refused  # a file, a dangling symlink, or no folder to make it in
+        try:
+            out.mkdir()
+        except OSError as e:
+            raise FwdtraceError(f"{caller} could not make the folder {str(folder)!r}: {e.strerror or e}") from None
     return out
 
 
