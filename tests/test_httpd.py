@@ -21,15 +21,18 @@ from fwdtrace.live.explorer import ExplorerServer
 CAP, TIMEOUT = 4, 0.5
 
 
+def _start(kind: str, folder: Path, cap: int) -> Any:
+    if kind == "serve":
+        return fwdtrace.serve(torch.nn.Linear(2, 2), port=0, max_connections=cap, timeout=TIMEOUT)
+    (folder / "index.html").write_text("<html></html>")
+    (folder / "graph.json").write_text("{}")
+    return ExplorerServer(folder, [folder / "graph.json"], port=0, max_connections=cap, timeout=TIMEOUT)
+
+
 @pytest.fixture(params=["serve", "view"])
 def service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     """A service under a small cap and read timeout, the same settings for both."""
-    if request.param == "serve":
-        server: Any = fwdtrace.serve(torch.nn.Linear(2, 2), port=0, max_connections=CAP, timeout=TIMEOUT)
-    else:
-        (tmp_path / "index.html").write_text("<html></html>")
-        (tmp_path / "graph.json").write_text("{}")
-        server = ExplorerServer(tmp_path, [tmp_path / "graph.json"], port=0, max_connections=CAP, timeout=TIMEOUT)
+    server = _start(request.param, tmp_path, CAP)
     try:
         yield server
     finally:
@@ -93,3 +96,37 @@ def test_half_sent_requests_stay_under_the_cap_and_every_request_is_answered(
     assert _exchange(port, b"GET / HTTP/1.1\r\n%sConnection: close\r\n\r\n" % host).startswith(b"HTTP/1.1 200 ")
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception" not in err, err
+
+
+@pytest.mark.parametrize("kind", ["serve", "view"])
+def test_the_owners_requests_are_all_answered_while_half_sent_connections_flood_in(kind: str, tmp_path: Path) -> None:
+    """Load held: 4 clients x 25 requests, each on a connection of its own, while 80 half-sent connections come in."""
+    server = _start(kind, tmp_path, 16)
+    host = b"Host: 127.0.0.1:%d\r\n" % server.port
+    statuses: list[bytes] = []
+    lock = threading.Lock()
+
+    def owner() -> None:
+        for _ in range(25):
+            answer = _exchange(server.port, b"GET / HTTP/1.1\r\n%sConnection: close\r\n\r\n" % host)
+            with lock:
+                statuses.append(answer[:12])
+
+    attackers: list[socket.socket] = []
+    threads = [threading.Thread(target=owner) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(80):
+            c = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            attackers.append(c)
+            c.sendall(b"GET / HTTP/1.1\r\nHo")
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert statuses == [b"HTTP/1.1 200"] * 100  # nothing lost: every request answered, none refused
+        assert len(server.httpd.connections) <= 2 * 16
+    finally:
+        for c in attackers:
+            c.close()
+        server.stop()
