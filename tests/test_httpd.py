@@ -80,7 +80,6 @@ def test_half_sent_requests_stay_under_the_cap_and_every_request_is_answered(
     finally:
         for c in clients:
             c.close()
-    assert service.httpd.replaced >= len(clients) - CAP  # the rest: closed by the read timeout
     # Malformed requests get an HTTP answer, each.
     fields = "&".join(f"f{i}=1" for i in range(65))
     answer = _exchange(port, b"GET /?%s HTTP/1.1\r\n%sConnection: close\r\n\r\n" % (fields.encode(), host))
@@ -99,8 +98,10 @@ def test_half_sent_requests_stay_under_the_cap_and_every_request_is_answered(
 
 
 @pytest.mark.parametrize("kind", ["serve", "view"])
-def test_the_owners_requests_are_all_answered_while_half_sent_connections_flood_in(kind: str, tmp_path: Path) -> None:
-    """Load held: 4 clients x 25 requests, each on a connection of its own, while 80 half-sent connections come in."""
+def test_the_owners_requests_are_all_answered_while_half_sent_connections_hold_the_places(kind: str,
+                                                                                         tmp_path: Path) -> None:
+    """Load held: 80 half-sent connections open (five times the cap), then 4 clients x 25 requests, each on a
+    connection of its own: a new connection takes the place of the one that has waited longest."""
     server = _start(kind, tmp_path, 16)
     host = b"Host: 127.0.0.1:%d\r\n" % server.port
     statuses: list[bytes] = []
@@ -115,12 +116,12 @@ def test_the_owners_requests_are_all_answered_while_half_sent_connections_flood_
     attackers: list[socket.socket] = []
     threads = [threading.Thread(target=owner) for _ in range(4)]
     try:
-        for t in threads:
-            t.start()
         for _ in range(80):
             c = socket.create_connection(("127.0.0.1", server.port), timeout=30)
             attackers.append(c)
             c.sendall(b"GET / HTTP/1.1\r\nHo")
+        for t in threads:
+            t.start()
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads)
