@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,10 +72,8 @@ def test_half_sent_requests_stay_under_the_cap_and_every_request_is_answered(
         # Threads are bounded by the cap (connections closed to make room hold theirs until they see
         # the close: under twice the cap), never by the clients.
         assert most <= 2 * CAP + 1, most
-        started = time.monotonic()
         for c in clients:  # each is closed: replaced to make room, or after the read timeout
             assert not _until_closed(c).startswith(b"HTTP/1.1 200")
-        assert time.monotonic() - started < 30  # the socket timeout would have raised first; says what was meant
     finally:
         for c in clients:
             c.close()
