@@ -1,9 +1,13 @@
 """Atomic writes: a file appears whole under its name, or not at all.
 
 The data goes to a fresh temporary file in the target's folder, created with ``O_EXCL``
-(so neither it nor a symlink planted at its name is ever opened for writing), and is
-moved in place with ``os.replace``, which replaces a symlink at the target name instead
-of writing through it. On failure the temporary file is removed.
+(so neither it nor a symlink planted at its name is ever opened for writing) and, where
+fwdtrace writes the bytes itself, written through the descriptor that created it (a file
+renamed over its name meanwhile is never written), then moved in place with ``os.replace``,
+which replaces a symlink at the target name instead of writing through it: a symlink the
+user names as the file is replaced by the file, the file it pointed to is left as it was.
+A folder at the target name, or a folder that does not exist, is refused with
+fwdtrace's error before anything is written. On failure the temporary file is removed.
 """
 
 from __future__ import annotations
@@ -12,13 +16,13 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import FwdtraceError
 
-__all__ = ["AtomicFile", "atomic_write", "write_bytes", "not_a_regular_file"]
+__all__ = ["AtomicFile", "atomic_write", "write_bytes", "write_files", "check_folder", "not_a_regular_file"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -47,10 +51,12 @@ class AtomicFile:
         overwrite: bool = True,
         partial_name: bool = False,
         keep_suffix: bool = False,
+        keep_open: bool = False,
     ) -> None:
         self.target = Path(target)
         self.caller = caller
         self.overwrite = overwrite
+        self.fd: int | None = None
         folder = self.target.parent
         name = self.target.name
         for _ in range(100):
@@ -66,13 +72,31 @@ class AtomicFile:
                 continue
             except OSError as e:
                 raise FwdtraceError(f"{caller} could not create a file in {str(folder)!r}: {e.strerror or e}") from e
-            os.close(fd)
             self.tmp = tmp
+            if keep_open:  # written through this descriptor: never reopened by a name someone could swap
+                self.fd = fd
+            else:
+                os.close(fd)
             return
         raise FwdtraceError(f"{caller} could not find a free temporary name in {str(folder)!r}")  # pragma: no cover
 
+    def write(self, data: bytes) -> None:
+        """Write ``data`` through the descriptor that created the temporary file (``keep_open=True``)."""
+        assert self.fd is not None, "AtomicFile(keep_open=True) writes through its descriptor"
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def _close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
     def check_target(self) -> None:
-        """Raise if the target exists and ``overwrite`` is False (before any work is done)."""
+        """Raise if the target is a folder, or exists and ``overwrite`` is False (before any work is done)."""
+        if os.path.isdir(self.target) and not os.path.islink(self.target):
+            self.discard()
+            raise FwdtraceError(f"{self.caller} expected a file to write, got {str(self.target)!r}, which is a folder")
         if not self.overwrite and os.path.lexists(self.target):
             raise FwdtraceError(
                 f"{self.caller} expected a new file, got {str(self.target)!r}, which exists; "
@@ -82,6 +106,7 @@ class AtomicFile:
     def commit(self) -> None:
         """Move the temporary file to the target name (removing it if that fails)."""
         try:
+            self._close()
             if self.overwrite:
                 os.replace(self.tmp, self.target)
                 return
@@ -106,6 +131,7 @@ class AtomicFile:
 
     def discard(self) -> None:
         """Remove the temporary file; harmless when it is already gone."""
+        self._close()
         try:
             self.tmp.unlink()
         except FileNotFoundError:
@@ -144,10 +170,52 @@ def write_bytes(target: str | os.PathLike[str], data: bytes, caller: str) -> Non
     >>> write_bytes(target, b"hi", caller="example"); target.read_bytes()
     b'hi'
     """
-    with atomic_write(target, caller) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "wb") as f:
+    write_files({Path(target): data}, caller)
+
+
+def write_files(files: Mapping[Path, bytes], caller: str) -> None:
+    """Write each file atomically, all written before any is moved in place: an error (a full disk, a
+    folder at one of the names) leaves every target as it was.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> write_files({d / "a.json": b"{}", d / "a.extra.json": b"[]"}, caller="example"); sorted(p.name for p in d.iterdir())
+    ['a.extra.json', 'a.json']
+    """
+    staged: list[AtomicFile] = []
+    try:
+        for target, data in files.items():
+            f = AtomicFile(target, caller, keep_open=True)
+            staged.append(f)
+            f.check_target()
             f.write(data)
+        for f in staged:
+            f._close()  # every write done and closed before the first is moved in place
+    except OSError as e:
+        for f in staged:
+            f.discard()
+        raise FwdtraceError(f"{caller} could not write {str(staged[-1].target)!r}: {e.strerror or e}") from e
+    except BaseException:
+        for f in staged:
+            f.discard()
+        raise
+    for i, f in enumerate(staged):
+        try:
+            f.commit()
+        except BaseException:
+            for rest in staged[i + 1:]:
+                rest.discard()
+            raise
+
+
+def check_folder(target: str | os.PathLike[str], caller: str) -> None:
+    """Raise unless ``target``'s folder exists and ``target`` is not a folder (checked before costly work)."""
+    path = Path(target)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise FwdtraceError(f"{caller} expected an existing folder for {str(path)!r}, but {str(folder)!r} is not one")
+    if path.is_dir() and not path.is_symlink():
+        raise FwdtraceError(f"{caller} expected a file to write, got {str(path)!r}, which is a folder")
 
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),

@@ -36,7 +36,7 @@ from urllib.parse import quote
 
 import graphviz
 
-from .._files import write_bytes
+from .._files import check_folder, write_bytes
 from ..errors import FwdtraceError, FwdtraceWarning, user_stacklevel
 from ..graph import Graph
 from ..machinery import NODE_TARGETS
@@ -390,11 +390,8 @@ def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str], caller: 
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise FwdtraceError(f"{caller} expected a path ending in .png, .svg or .pdf, got {str(path)!r}")
-    data = dot_bytes(dot, fmt, caller)
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise FwdtraceError(f"{caller} expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
-    write_bytes(path, data, caller=caller)
+    check_folder(path, caller)  # before the layout, which may take long
+    write_bytes(path, dot_bytes(dot, fmt, caller), caller=caller)
     return str(path)
 
 
