@@ -265,3 +265,36 @@ def test_find_overflow_forward_names_the_matmul(runs: dict[str, Path]) -> None:
     want = "h.1.attn" if runs["calls"] == "modules" else "h.1.attn.matmul"
     assert found.forward is not None and found.forward.name == want and found.forward.source
     assert fwdtrace.find_overflow(runs["f32_big"]).found is False
+
+
+def test_the_picture_and_model_explorer_show_the_overflow_where_the_report_names_it(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    if runs["calls"] != "all":
+        pytest.skip("one mode with a graph and module calls")
+    import json
+    import re
+    import sys
+
+    from fwdtrace.onnx.compare import ERROR_COLORS, error_legend
+
+    report = fwdtrace.compare_dumps(runs["f32_big"], runs["f16_big"])
+    d = report.divergence
+    assert d is not None and report.graph is not None
+    (node,) = [n for n in report.graph.nodes if n.key == d.key and n.call_index == d.call_index]
+    # the call it names, by key and call index: h.1.attn's second matmul (probs @ v) shares its key
+    assert sum(n.key == d.key for n in report.graph.nodes) == 2
+    row = next(r for r in report.rows if r.group == d.group and r.name == "output0")
+    svg = Path(report.render(tmp_path / "diff.svg", depth=None)).read_text()
+    outlined = [m.group(0) for m in re.finditer(r'<g id="node\d+" class="node[^"]*">.*?</g>\s*</g>', svg, re.S)
+                if 'stroke="#c0392b"' in m.group(0) and "xlink:title" in m.group(0)]
+    assert len(outlined) == 1 and "max rel err inf" in outlined[0]
+    assert f"0 inf/NaN in a, {row.only_b} in b" in outlined[0] and ERROR_COLORS["nonfinite"] in outlined[0]
+    assert 'class="cluster legend"' in svg and all(text in svg for _, text in error_legend(report.rtol)[1:])
+    assert f"first divergence: {d.name}" in svg
+    files = report.to_model_explorer(tmp_path / "me")
+    data = {name: json.loads(Path(p).read_text())["fwdtrace"]["results"] for name, p in files.node_data.items()}
+    assert data["max_rel"][str(node.id)] == {"value": sys.float_info.max, "bgColor": ERROR_COLORS["nonfinite"]}
+    assert data["nonfinite"][str(node.id)]["value"] == row.only_b > 0
+    marked = [n for g in json.loads(Path(files.graph).read_text())["graphs"] for n in g["nodes"]
+              if n.get("style")]
+    assert [n["id"] for n in marked] == [str(node.id)]

@@ -134,13 +134,16 @@ class DumpReport:
         True
 
         Colours as :func:`fwdtrace.render_side_by_side`'s (:data:`fwdtrace.onnx.compare.ERROR_COLORS`):
-        within a hundredth of ``rtol``, within tolerance (or what rounding explains), beyond. A
-        box's tooltip gives its call's worst output error. ``depth`` and ``options`` are
+        within a hundredth of ``rtol``, within tolerance (or what rounding explains), beyond, and
+        saturated where the error is inf or NaN (an overflow in one run); a legend says which. A
+        box's tooltip gives its call's worst output error ("inf" where it is) and its inf/NaN counts.
+        The red outline is on the call :attr:`divergence` names (its key and call index). ``depth`` and ``options`` are
         :meth:`fwdtrace.Graph.render`'s. Needs a dump that holds its run's graph: one of
         ``Dumper(..., calls="functions")`` or ``calls="all"``, whose step runs inside a trace (a
         dump of module calls only runs no trace, so it has none). Returns the path written.
         """
-        from ..onnx.compare import error_color
+        from ..onnx.compare import error_color, error_legend
+        from ..passes.draw import HIGHLIGHT_COLOR
 
         graph, worst = self._worst_by_node("DumpReport.render()")
         fills = {n: error_color(_worst_error(r), self.rtol, r.agrees) for n, r in worst.items()}
@@ -150,7 +153,9 @@ class DumpReport:
                     else f", {r.explained}" if r.explained else ", diverges")
                  for n, r in worst.items()}
         first = self._first_node(graph)
-        return graph.render(path, depth, fills=fills, notes=notes, highlight=first, **options)
+        legend = [*error_legend(self.rtol), (HIGHLIGHT_COLOR, f"first divergence: {self.first_divergence}")] \
+            if first else error_legend(self.rtol)
+        return graph.render(path, depth, fills=fills, notes=notes, highlight=first, legend=legend, **options)
 
     def to_model_explorer(self, folder: str | os.PathLike[str]) -> ModelExplorerFiles:
         """Write the run's graph for Model Explorer with each call's errors as node data and the first
@@ -171,8 +176,8 @@ class DumpReport:
 
         caller = "DumpReport.to_model_explorer()"
         graph, worst = self._worst_by_node(caller)
-        errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, _worst_error(r), 0 if r.allclose else 1 if r.agrees else 2)
-                  for n, r in worst.items()}
+        errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, _worst_error(r), 0 if r.allclose else 1 if r.agrees else 2,
+                                r.only_a + r.only_b) for n, r in worst.items()}
         first = self._first_node(graph)
         return errors_to_model_explorer(graph, folder, errors, highlight=first, caller=caller)
 
