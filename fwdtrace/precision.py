@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 __all__ = ["math_record", "value_precision", "pair_precision", "rounding_explains", "explains", "added_error",
-           "added_bound", "follows_dtype", "Agreement", "PRECISIONS", "ROUNDINGS", "ADDED", "AMPLIFY", "RATIOS"]
+           "added_bound", "condition", "follows_dtype", "Agreement", "PRECISIONS", "ROUNDINGS", "ADDED", "AMPLIFY", "RATIOS"]
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,7 @@ class Agreement:
     nonfinite_b: int = 0
     only_a: int = 0
     only_b: int = 0
+    magnitude: float = 0.0  # the largest finite |element| of either side
     equivalent: tuple[tuple[float, float], ...] = ()
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -224,6 +225,8 @@ class Agreement:
         self.norm_a = math.hypot(self.norm_a, float(a.norm()))
         self.norm_b = math.hypot(self.norm_b, float(b.norm()))
         self.norm_diff = math.hypot(self.norm_diff, float(diff.norm()))
+        finite = torch.where(finite_a & finite_b, scale, torch.zeros_like(scale))
+        self.magnitude = max(self.magnitude, float(finite.max()))
 
     @property
     def cosine(self) -> float:
@@ -308,18 +311,46 @@ def added_bound(precision: str, reduction: int = 1, calls: int = 1) -> float:
     return own * math.sqrt(max(calls, 1))
 
 
-def added_error(output: float, inputs: Iterable[float]) -> float:
-    """The norm-relative error a call added: its output's beyond its inputs' worst, amplified by :data:`AMPLIFY`.
+def added_error(output: float, inputs: Iterable[float], condition: float = 1.0) -> float:
+    """The norm-relative error a call added: its output's beyond its inputs' worst, amplified by :data:`AMPLIFY`
+    times ``condition``.
 
     >>> round(added_error(0.03, [0.001]), 4), added_error(0.004, [0.003])
     (0.0299, 0.0)
 
-    Independent errors add in quadrature, so the excess is ``sqrt(output² - (AMPLIFY · input)²)``.
+    Independent errors add in quadrature, so the excess is ``sqrt(output² - (AMPLIFY · condition · input)²)``.
+    ``condition`` is how much more the call may amplify its inputs' relative error: an exponential
+    (``softmax``, ``exp``, ``sigmoid``) turns an input's relative error into an absolute error as
+    large as the input's magnitude, so softmax over logits of 30 passes a 0.1% error on as 3%
+    (:func:`condition`).
     """
-    carried = AMPLIFY * max(inputs, default=0.0)
+    carried = AMPLIFY * condition * max(inputs, default=0.0)
     if not math.isfinite(output) or not math.isfinite(carried):
         return math.nan
     return math.sqrt(output * output - carried * carried) if output > carried else 0.0
+
+
+# Calls whose output's relative error is their input's absolute error: an input relative error grows
+# by the input's magnitude (softmax over sharp logits). Matched on a function's or class's last name.
+_EXPONENTIAL = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax", "exp", "exp2", "expm1", "logsumexp",
+                          "sigmoid", "tanh", "softplus", "silu", "elu", "selu", "celu", "mish", "pow"})
+
+
+def condition(name: str, magnitude: float, container: bool = False) -> float:
+    """How much more than :data:`AMPLIFY` a call named ``name`` may amplify its inputs' relative error, for
+    inputs whose largest element is ``magnitude``.
+
+    >>> condition("torch.Tensor.softmax", 30.0), condition("torch.nn.functional.linear", 30.0)
+    (30.0, 1.0)
+
+    An exponential (:data:`_EXPONENTIAL`: ``softmax``, ``exp``, ``sigmoid``, ...) by the input's
+    magnitude; a ``container`` (a module's call whose inner ops the dump does not all hold, such as an
+    attention block's softmax) the same, as it may hold one; anything else 1.
+    """
+    last = name.rsplit(".", 1)[-1].lower()
+    if container or last in _EXPONENTIAL:
+        return max(1.0, magnitude)
+    return 1.0
 
 
 # The constants of torch.finfo a model computes with (a causal mask's fill value, a clamp's bounds).

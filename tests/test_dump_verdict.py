@@ -298,3 +298,39 @@ def test_the_picture_and_model_explorer_show_the_overflow_where_the_report_names
     marked = [n for g in json.loads(Path(files.graph).read_text())["graphs"] for n in g["nodes"]
               if n.get("style")]
     assert [n["id"] for n in marked] == [str(node.id)]
+
+
+class _SharpAttention(nn.Module):
+    """Attention over logits in the hundreds, as a trained model's can be: softmax turns its logits' relative
+    error into an absolute one that large."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.q(x) @ x.transpose(-1, -2) * 12).softmax(-1) @ x
+
+
+@pytest.mark.parametrize("calls", ["functions", "modules"])
+def test_a_sharp_softmax_under_bf16_is_rounding_not_a_divergence(calls: str, tmp_path: Path) -> None:
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    paths = []
+    for name, autocast in (("f32", False), ("bf16", True)):
+        model = _SharpAttention()
+        dumper = fwdtrace.Dumper(tmp_path / name, calls=calls)
+        dumper.register(model, grads=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(x)
+        paths += dumper.remove()
+    report = fwdtrace.compare_dumps(*paths)
+    assert report.agree and report.first_divergence is None, report.to_text()
+    # the reference: the logits are that sharp, and the softmax's error is many times its input's
+    with torch.no_grad():
+        logits = _SharpAttention().q(x) @ x.transpose(-1, -2) * 12
+    assert float(logits.abs().max()) > 100
+    if calls == "functions":
+        softmax = next(r for r in report.rows if r.function.endswith("softmax") and r.name == "output0")
+        given = next(r for r in report.rows if r.function.endswith("softmax") and r.name == "input0")
+        assert softmax.norm_rel > 4 * given.norm_rel and softmax.rounding == "bfloat16"

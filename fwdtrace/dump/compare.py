@@ -22,6 +22,7 @@ from ..precision import (
     Agreement,
     added_bound,
     added_error,
+    condition,
     explains,
     follows_dtype,
     pair_precision,
@@ -72,6 +73,8 @@ def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> st
     nonfinite_a, nonfinite_b = int(da["nans"] + da["infs"]), int(db["nans"] + db["infs"])
     agreement.nonfinite_a, agreement.nonfinite_b = nonfinite_a, nonfinite_b
     agreement.only_a, agreement.only_b = max(nonfinite_a - nonfinite_b, 0), max(nonfinite_b - nonfinite_a, 0)
+    extremes = [abs(d[name]) for d in (da, db) for name in ("min", "max") if math.isfinite(d[name])]
+    agreement.magnitude = max(extremes, default=0.0)
     return "by statistics" + "".join(f"; {c}" for c in counts)
 
 
@@ -211,6 +214,7 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
     row.one_thousandth, row.five_thousandths = agreement.ratios
     row.nonfinite_a, row.nonfinite_b, row.only_a, row.only_b = (
         agreement.nonfinite_a, agreement.nonfinite_b, agreement.only_a, agreement.only_b)
+    row.magnitude = agreement.magnitude
     row.precision = pair_precision(ra.dtype(ga, dname), ra.math, rb.dtype(gb, dname), rb.math)
     if ra.math is not None and rb.math is not None and not row.allclose:
         # without both records, no difference is put down to rounding
@@ -257,18 +261,25 @@ def _calls(rows: list[DumpRow]) -> list[_Call]:
 def _judge_added_error(calls: list[_Call]) -> None:
     """Each call's outputs against its inputs: an output within the blanket rounding bound whose error stands
     above what the call's own rounding adds (:func:`fwdtrace.precision.added_bound`: its dtype, its reduction
-    length, the calls inside it) diverges all the same. A bfloat16 run's 8% blanket would hide a 3% bug."""
+    length, the calls inside it) diverges all the same. A bfloat16 run's 8% blanket would hide a 3% bug.
+    An exponential (softmax over sharp logits) and a module's call that may hold one amplify both their
+    inputs' error and their own rounding by their inputs' magnitude (:func:`fwdtrace.precision.condition`)."""
     for call in calls:
         if not call.inputs or not all(r.agrees and r.norm_rel is not None for r in call.inputs):
             continue
         floating = [r for r in call.inputs if r.precision in PRECISIONS]
         reduction = max((r.shape[-1] for r in floating if r.shape), default=1)
         errors = [r.norm_rel or 0.0 for r in call.inputs]
+        first = call.inputs[0]
+        name = first.function or first.key  # a module's key ends with its class: "h.0.attn.Softmax"
+        amplified = condition(name, max((r.magnitude or 0.0) for r in call.inputs),
+                              container=call.inside > 0 or (not first.function and not _torch_layer(first)))
         for row in call.outputs:
             if row.allclose or row.rounding is None or row.norm_rel is None or row.precision not in PRECISIONS:
                 continue
-            row.added = added_error(row.norm_rel, errors)
-            bound = added_bound(row.precision, reduction, 1 + call.inside)
+            row.added = added_error(row.norm_rel, errors, amplified)
+            # an exponential's own rounding is amplified as its inputs' error is (softmax rounds its logits)
+            bound = added_bound(row.precision, reduction, 1 + call.inside) * amplified
             if not row.added <= bound:
                 what = "the calls inside it" if call.inside else "one call"
                 row.note = "; ".join(n for n in (row.note, (
@@ -276,6 +287,13 @@ def _judge_added_error(calls: list[_Call]) -> None:
                     f"{row.added / bound:.1f}x what {PRECISIONS[row.precision].label} rounding in {what} explains "
                     f"({bound:.3g})")) if n)
                 row.rounding = None
+
+
+def _torch_layer(row: DumpRow) -> bool:
+    """Whether a module call is of one of torch's own leaf layers (its key's class is torch.nn's): the dump
+    holds all it computes. A model's own module may compute more than the calls it records."""
+    class_name = row.key.rsplit(".", 1)[-1]
+    return isinstance(getattr(torch.nn, class_name, None), type) and bool(row.module_path)
 
 
 def _first_divergence(rows: list[DumpRow]) -> Divergence | None:

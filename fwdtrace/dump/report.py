@@ -44,6 +44,7 @@ class DumpRow:
     nonfinite_b: int = 0
     only_a: int = 0  # inf or NaN in a where b is finite
     only_b: int = 0
+    magnitude: float | None = None  # the largest finite |element| of either run
     # the norm-relative error the call added beyond its inputs' (fwdtrace.precision.added_error), on an output
     # row judged so; None where not judged
     added: float | None = None
