@@ -269,8 +269,9 @@ def rounding_bound(precision: str) -> float:
 
 def rounding_explains(norm_rel: float, cosine: float, precision: str) -> str | None:
     """The label of the rounding (``"TF32"``) that explains a difference of ``norm_rel`` and ``cosine``
-    between two values judged in ``precision``, or None: a float32 or finer difference, or one beyond
-    :func:`rounding_bound` or below the precision's least cosine."""
+    between two values judged in ``precision``, or None: a float32 or finer difference (:func:`explains`
+    judges those, by reduction order), or one beyond :func:`rounding_bound` or below the precision's
+    least cosine."""
     if precision not in LOWER or not (math.isfinite(norm_rel) and math.isfinite(cosine)):
         return None
     p = PRECISIONS[precision]

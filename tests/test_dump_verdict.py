@@ -257,6 +257,7 @@ def test_find_overflow_names_where_inf_first_appears_forward_and_backward(
     assert found.backward is not None and found.backward.name == "1" and found.backward.source
     assert found.backward.tensor == "grad_input0" and found.backward.infs == int(torch.isinf(grads["inp"]).sum()) > 0
     assert main(["dump-diff", "--overflow", str(path)]) == 1
+    assert main(["dump-diff", str(path)]) == 2  # one dump, no --overflow: nothing to compare it with
     assert "backward: 1 (call 0 of 1._Scale)" in capsys.readouterr().out
 
 
