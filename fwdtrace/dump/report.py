@@ -245,8 +245,11 @@ class DumpReport:
             lines.append(f"not comparable as whole runs: {len(self.rows)} tensors agree, but a dump is incomplete")
         elif self.agree:
             labels = ", ".join(dict.fromkeys(str(r.rounding) for r in explained))
-            lines.append(f"agree: {len(self.rows) - len(explained)} tensors allclose (rtol={self.rtol:g}, "
-                         f"atol={self.atol:g}), {len(explained)} within what {labels} rounding explains")
+            by_dtype = [r for r in self.rows if not r.allclose and not r.rounding and r.explained]
+            dtype_text = f", {len(by_dtype)} explained by a constant that follows the dtype" if by_dtype else ""
+            rounding_text = f", {len(explained)} within what {labels} rounding explains" if explained else ""
+            lines.append(f"agree: {len(self.rows) - len(explained) - len(by_dtype)} tensors allclose "
+                         f"(rtol={self.rtol:g}, atol={self.atol:g}){rounding_text}{dtype_text}")
         else:
             bad = sum(not r.agrees for r in self.rows)
             within = f" ({len(explained)} more within rounding)" if explained else ""
