@@ -191,6 +191,9 @@ def _check_onnx_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numeric", action="store_true",
                         help="compare numbers too: run the model eagerly and the ONNX model in onnxruntime, "
                              "and name the first call whose value differs (exit 1 if one does)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run torch's exporter in a child process: a crash of torch's own code there is an "
+                             "error naming the exporter and the signal (exit 2)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
 
 

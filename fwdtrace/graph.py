@@ -383,12 +383,11 @@ class Graph:
 
         return to_model_explorer(self, path, node_data=node_data)
 
-    def _repr_svg_(self) -> str | None:
-        from .passes.draw import layout_missing
+    def _repr_svg_(self) -> str:
+        from .passes.draw import dot_bytes
 
-        if layout_missing() is not None:  # Jupyter shows the text repr instead of a traceback
-            return None
-        return self.to_dot()._repr_image_svg_xml()
+        # Where Graphviz cannot lay out, fwdtrace's own layout, with a warning naming what to install.
+        return dot_bytes(self.to_dot(), "svg", caller="the notebook's display of a Graph").decode()
 
 
 def _json_default(obj: Any) -> Any:

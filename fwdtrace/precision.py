@@ -28,6 +28,7 @@ statistics block by block (a dump's tensors are read in blocks), and
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -98,8 +99,9 @@ def math_record(model: torch.nn.Module | None = None, inputs: Iterable[Any] = ()
     device = _device(model, inputs)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}) if model is not None else []
     autocast = "off"
-    if torch.is_autocast_enabled(device.type):
-        autocast = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
+    with contextlib.suppress(RuntimeError):  # a device type autocast does not know (meta, a plugin's) has none
+        if torch.is_autocast_enabled(device.type):
+            autocast = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
     name = "cpu"
     if device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
@@ -113,9 +115,12 @@ def math_record(model: torch.nn.Module | None = None, inputs: Iterable[Any] = ()
 
 
 def _device(model: torch.nn.Module | None, inputs: Iterable[Any]) -> torch.device:
+    # A weight on the meta device holds no values: accelerate's cpu_offload and disk_offload keep them
+    # there between forwards and bring each layer's in on the device the inputs are on.
     if model is not None:
         for t in (*model.parameters(), *model.buffers()):
-            return t.device
+            if t.device.type != "meta":
+                return t.device
     for x in inputs:
         if isinstance(x, torch.Tensor):
             return x.device

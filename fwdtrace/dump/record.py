@@ -81,6 +81,9 @@ class _Call:
 
     name: str
     recorded: bool  # False: a call seen but not recorded (the root's, one outside the selection): no group
+    # the HDF5 group once created (on the writer thread, if any, before the call's datasets): looking a group
+    # up by name for each dataset cost more than writing a small dataset
+    group: Any = None
     grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
     ends_scope: bool = False  # the selection's scope ends with this call
 
@@ -377,7 +380,9 @@ class _Recording:
 
         def create() -> None:
             arr = data.array() if isinstance(data, HostCopy) else data
-            self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
+            dataset = call.group.create_dataset(name, data=arr)
+            if attrs:
+                dataset.attrs.update(attrs)
 
         if self._file_op(create, data.nbytes, where):
             self.order.append(where)
@@ -429,7 +434,7 @@ class _Recording:
             if self.packed is not None:
                 self.packed.calls[call.name]["skipped"] = text
             else:
-                self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
+                self._file_op(lambda: call.group.attrs.__setitem__("skipped", text), 0, call.name)
             self.skipped += [f"{call.name} {n}" for n in notes]
 
     def _restart(self) -> None:
@@ -517,7 +522,8 @@ class _Recording:
             raise self._fail(e, name) from e
 
         def create() -> None:
-            self.file.create_group(name, track_order=True).attrs.update(attrs)
+            call.group = self.file.create_group(name, track_order=True)
+            call.group.attrs.update(attrs)
 
         if self.packed is not None:
             self.packed.calls[name] = attrs
@@ -808,6 +814,11 @@ class Dumper:
                  queue_bytes: int = 1 << 28, when_full: str = "wait") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
+        # Refused here, not at register(): each step's file is named inside the folder
+        if Path(directory).exists() and not Path(directory).is_dir() or Path(directory).suffix in (".hdf5", ".h5"):
+            what = "an existing file" if Path(directory).exists() else "a file name"
+            raise FwdtraceError(f"Dumper expected a folder path for its dumps (each step's file is named inside "
+                                f"it), got {str(directory)!r}, {what}")
         if not isinstance(overwrite, bool):
             raise FwdtraceError(f"Dumper expected overwrite as a bool, got {describe(overwrite)}")
         if values not in VALUES:
@@ -840,6 +851,14 @@ class Dumper:
         self._kept = _Kept()
         self._written: list[Path] = []
         self._guard: InterruptGuard | None = None
+
+    def __repr__(self) -> str:
+        settings = {"values": self.values, "calls": self.calls, "keys": self.keys, "scope": self.scope,
+                    "steps": sorted(self.steps) if isinstance(self.steps, frozenset) else self.steps,
+                    "ranks": sorted(self.ranks) if isinstance(self.ranks, frozenset) else self.ranks,
+                    "background": self.background or None, "overwrite": self.overwrite or None}
+        shown = "".join(f", {k}={v!r}" for k, v in settings.items() if v is not None)
+        return f"Dumper({str(self.directory)!r}{shown}, {len(self._written)} written, {len(self._recordings)} open)"
 
     @property
     def paths(self) -> list[Path]:

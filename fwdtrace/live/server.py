@@ -80,7 +80,19 @@ def _finite(obj: Any) -> Any:
 
 
 class Server:
-    """A running live service; see :func:`serve`. Stop it with ``stop()`` or by leaving ``with``."""
+    """A running live service, what :func:`serve` returns. Stop it with ``stop()`` or by leaving ``with``.
+
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    >>> with fwdtrace.serve(model, port=0) as server:
+    ...     server.url.startswith("http://127.0.0.1:"), server.sampler.arm("0.Linear", "forward")
+    (True, ['0.Linear'])
+
+    ``url`` is the page's address (with its token, if any); ``sampler`` is the model's
+    :class:`~fwdtrace.live.sampler.Sampler`, which arms layers from code as a click on the page
+    does; ``history`` is the run's :class:`~fwdtrace.live.history.History` on disk with
+    ``serve(logdir=...)``, else None.
+    """
 
     read_only = False  # a finished run reopened from its history (fwdtrace.live.reopen), no model
     history: History | None  # the run's history on disk, with serve(logdir=...)

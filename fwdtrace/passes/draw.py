@@ -7,8 +7,9 @@ blocks) is drawn as one box each. By default the depth is chosen so that the pic
 stays readable: at most a target number of boxes, within PNG bounds at a legible resolution. Rendering goes through pygraphviz, whose wheel bundles
 Graphviz's layout engine, so no ``dot`` binary is needed; where pygraphviz cannot load (its wheel
 needs the system's GLib and libXrender, which slim and CUDA container images lack), through a
-``dot`` executable on PATH. The DOT text itself needs neither: without a layout engine the
-automatic depth goes by box count alone.
+``dot`` executable on PATH; with neither, an SVG (and a notebook's picture) comes from fwdtrace's own
+layout (``layered.py``) with a warning naming what to install. The DOT text itself needs none of
+them: without a layout engine the automatic depth goes by box count alone.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from urllib.parse import quote
 import graphviz
 
 from .._files import write_bytes
-from ..errors import FwdtraceError
+from ..errors import FwdtraceError, FwdtraceWarning, user_stacklevel
 from ..graph import Graph
 from ..machinery import NODE_TARGETS
 from ..node import Edge, Node, Scope
@@ -67,12 +68,34 @@ class Digraph(graphviz.Digraph):
 
 def layout_bytes(source: str, fmt: str, caller: str = "render()") -> bytes:
     """Lay out DOT ``source`` with Graphviz's ``dot`` engine as ``fmt``: pygraphviz's bundled one, else
-    a ``dot`` executable; with neither, a :class:`FwdtraceError` from ``caller`` saying what to install."""
+    a ``dot`` executable; with neither, fwdtrace's own layout (:mod:`fwdtrace.passes.layered`) with a
+    :class:`FwdtraceWarning` saying what to install, rasterised for PNG and PDF by cairosvg where it is
+    installed, else a :class:`FwdtraceError` from ``caller`` naming the SVG route."""
+    need = _layout_need()
+    if need is not None:
+        return _own_layout(source, fmt, caller, need)
     engine = layout_engine(caller)
     if engine != "pygraphviz":
         return _run_dot(engine, source, fmt, caller)
     with _graphviz_messages(), _Layout(source) as layout:
         return layout.draw(fmt)
+
+
+def _own_layout(source: str, fmt: str, caller: str, need: str) -> bytes:
+    """``source`` drawn by fwdtrace's own layout as ``fmt`` (see :func:`layout_bytes`)."""
+    from .layered import layered_svg
+
+    svg = layered_svg(source).encode()
+    if fmt != "svg":
+        try:
+            import cairosvg
+        except ImportError:
+            raise FwdtraceError(str(layout_missing(caller))) from None
+        svg = getattr(cairosvg, f"svg2{fmt}")(bytestring=svg)  # svg2png, svg2pdf
+    warnings.warn(f"{caller} drew the picture with fwdtrace's own layout, since {need}, and there is no "
+                  "Graphviz dot executable on PATH. For Graphviz's layout (more compact, fewer crossings) install "
+                  f"what it needs: {INSTALL_HINTS}", FwdtraceWarning, stacklevel=user_stacklevel())
+    return svg
 
 
 def dot_bytes(dot: graphviz.Digraph, fmt: str, caller: str = "render()") -> bytes:
@@ -103,22 +126,30 @@ def _pygraphviz_error() -> str | None:
     return None
 
 
-def layout_missing(caller: str = "render()") -> str | None:
-    """Why nothing can lay out a picture here (the text of the error ``caller`` would raise), or None."""
+def _layout_need() -> str | None:
+    """What keeps Graphviz from laying out here (pygraphviz cannot load and no ``dot`` on PATH), or None."""
     error = _pygraphviz_error()
     if error is None or shutil.which("dot"):
         return None
     libraries = list(dict.fromkeys(_LIBRARY.findall(error)))
     if "No module named" in error:
-        need = "pygraphviz is not installed (pip install pygraphviz)"
-    elif libraries:  # the loader names the first library missing; the others may be missing too
-        need = (f"pygraphviz cannot load the system's {', '.join(libraries)} ({error}; its wheel loads "
+        return "pygraphviz is not installed (pip install pygraphviz)"
+    if libraries:  # the loader names the first library missing; the others may be missing too
+        return (f"pygraphviz cannot load the system's {', '.join(libraries)} ({error}; its wheel loads "
                 f"{', '.join(WHEEL_LIBRARIES)})")
-    else:
-        need = f"pygraphviz cannot load ({error})"
+    return f"pygraphviz cannot load ({error})"
+
+
+def layout_missing(caller: str = "render()") -> str | None:
+    """Why Graphviz cannot lay out a picture here, and so why a PNG or PDF cannot be drawn without
+    cairosvg (the text of the error ``caller`` would raise), or None."""
+    need = _layout_need()
+    if need is None:
+        return None
     return (f"{caller} could not lay out the picture: {need}, and there is no Graphviz dot executable on PATH. "
-            f"Install what it needs: {INSTALL_HINTS}. to_dot(), the JSON, networkx and Model Explorer files "
-            "need none of it")
+            f"Install what it needs: {INSTALL_HINTS}. An SVG needs none of it (render('graph.svg') draws "
+            "fwdtrace's own layout, and so does a notebook; pip install cairosvg rasterises that as PNG), nor "
+            "do to_dot(), the JSON, networkx and Model Explorer files")
 
 
 def layout_engine(caller: str = "render()") -> str:
