@@ -55,6 +55,7 @@ _LAZY: dict[str, str] = {
     "Dumper": "fwdtrace.dump",
     "read_dump": "fwdtrace.dump",
     "compare_dumps": "fwdtrace.dump",
+    "find_overflow": "fwdtrace.dump",
     "DumpReport": "fwdtrace.dump",
     # analysis
     "analyze": "fwdtrace.analysis",
@@ -94,6 +95,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .dump import Dumper as Dumper
     from .dump import DumpReport as DumpReport
     from .dump import compare_dumps as compare_dumps
+    from .dump import find_overflow as find_overflow
     from .dump import read_dump as read_dump
     from .errors import FwdtraceError as FwdtraceError
     from .errors import FwdtraceWarning as FwdtraceWarning

@@ -284,6 +284,7 @@ class Graph:
         cluster_name: str | None = None,
         fills: Mapping[int, str] | None = None,
         notes: Mapping[int, str] | None = None,
+        legend: Sequence[tuple[str, str]] = (),
     ) -> Digraph:
         """A ``graphviz.Digraph`` of this graph (shown inline in Jupyter); the options are
         :meth:`render`'s, plus those for embedding the picture in another one.
@@ -306,13 +307,15 @@ class Graph:
                 ``outer.subgraph(...)``, boxed and titled ``title``.
             fills: a fill colour per node id (a box holding several takes the first listed).
             notes: a line per node id, added to its box's tooltip.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
         """
         from .passes.draw import to_dot
 
         return to_dot(self, depth=depth, target_nodes=target_nodes, fold_side=fold_side, fold_loops=fold_loops,
                       collapse_repeats=collapse_repeats, open_leaf_layers=open_leaf_layers, wrap=wrap,
                       show_shapes=show_shapes, show_path=show_path, highlight=highlight, rankdir=rankdir,
-                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes)
+                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes, legend=legend)
 
     def render(
         self,
@@ -334,6 +337,7 @@ class Graph:
         cluster_name: str | None = None,
         fills: Mapping[int, str] | None = None,
         notes: Mapping[int, str] | None = None,
+        legend: Sequence[tuple[str, str]] = (),
         **unknown: Any,
     ) -> str:
         """Draw the graph into a PNG, SVG or PDF file, chosen by ``path``'s suffix; return the path.
@@ -369,6 +373,8 @@ class Graph:
             cluster_name: see :meth:`to_dot`.
             fills: a fill colour per node id, drawn as given.
             notes: a line per node id, added to its box's tooltip.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
             **unknown: none is taken: a misspelt option is answered with a ``FwdtraceError``
                 that lists the options.
 
@@ -383,7 +389,7 @@ class Graph:
         return render(self, path, depth=depth, target_nodes=target_nodes, fold_side=fold_side,
                       fold_loops=fold_loops, collapse_repeats=collapse_repeats, open_leaf_layers=open_leaf_layers,
                       wrap=wrap, show_shapes=show_shapes, show_path=show_path, highlight=highlight, rankdir=rankdir,
-                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes,
+                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes, legend=legend,
                       **unknown)
 
     # -- Model Explorer (a pass; imported lazily) ------------------------------------------------

@@ -21,8 +21,10 @@ Reading treats every file as untrusted: only plain datasets inside the file are 
 from .cli import run_cli
 from .compare import compare_dumps
 from .layout import MATH_PREFIX as MATH_PREFIX
+from .overflow import Overflow, OverflowReport, find_overflow
 from .reader import read_dump
 from .record import Dumper
-from .report import DumpReport, DumpRow
+from .report import Divergence, DumpReport, DumpRow
 
-__all__ = ["Dumper", "read_dump", "compare_dumps", "DumpReport", "DumpRow", "run_cli"]
+__all__ = ["Dumper", "read_dump", "compare_dumps", "find_overflow", "DumpReport", "DumpRow", "Divergence", "Overflow",
+           "OverflowReport", "run_cli"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import operator
 import os
 import sys
@@ -507,14 +508,16 @@ class _Recording:
         return call_index
 
     def _begin_call(self, key: str, path: str, class_name: str, function: str | None, inputs: Any,
-                    is_root: bool) -> _Call:
-        """A call's group, with its inputs written and its gradients' hooks on."""
+                    is_root: bool, arguments: str = "") -> _Call:
+        """A call's group, with its inputs written and its gradients' hooks on; ``arguments`` its non-tensor
+        arguments as JSON (a function call's scalars, fill values, dtypes and shapes), compared with the other
+        run's."""
         call_index = self._next_call_index(key)
         name = group_name(self.calls, class_name)
         try:
             call = _Call(name, True)
             attrs = {"module_key": key, "module_path": path, "call_index": call_index, "class_name": class_name,
-                     **({"function": function} if function else {})}
+                     **({"function": function} if function else {}), **({"arguments": arguments} if arguments else {})}
         except Exception as e:
             raise self._fail(e, name) from e
 
@@ -562,7 +565,7 @@ class _Recording:
             grads, self.grads = self.grads, self.grads and not in_place
             try:
                 call = self._begin_call(key, node.module_path, node.class_name, node.target,
-                                        [] if in_place else inputs, False)
+                                        [] if in_place else inputs, False, _arguments_json(node.attrs))
             finally:
                 self.grads = grads
             self._end_call(call, outputs[0] if len(outputs) == 1 else tuple(outputs), False)
@@ -670,6 +673,16 @@ class _Recording:
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
         return self.path
+
+
+def _arguments_json(attrs: dict[str, Any]) -> str:
+    """A function node's non-tensor arguments (the tracer's ``attrs``: ``args`` and keywords) as compact JSON."""
+    if not attrs:
+        return ""
+    try:
+        return json.dumps(attrs, separators=(",", ":"), sort_keys=True)
+    except (TypeError, ValueError):
+        return ""
 
 
 def _int_set(value: Any, name: str, every: bool) -> int | frozenset[int] | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -2027,7 +2028,20 @@ def render_side_by_side(
 
 
 # Fill colours by relative error: within 1% of the tolerance, within it, and out of it.
-ERROR_COLORS = {"exact": "#cfe8cf", "within": "#f7e7a1", "diverges": "#f3a683"}
+# "nonfinite": an error that is inf or NaN (an overflow in one run), the saturated end of the scale
+ERROR_COLORS = {"exact": "#cfe8cf", "within": "#f7e7a1", "diverges": "#f3a683", "nonfinite": "#b2182b"}
+
+
+def error_legend(rtol: float) -> list[tuple[str, str]]:
+    """What :func:`error_color`'s colours mean, as a picture's legend: ``(colour, text)`` pairs.
+
+    >>> error_legend(1e-5)[0]
+    ('#cfe8cf', 'max rel err <= 1e-07')
+    """
+    return [(ERROR_COLORS["exact"], f"max rel err <= {rtol / 100:g}"),
+            (ERROR_COLORS["within"], "within tolerance or rounding"),
+            (ERROR_COLORS["diverges"], "diverges"),
+            (ERROR_COLORS["nonfinite"], "inf or NaN where the other run is finite")]
 
 
 def error_color(max_rel: float, rtol: float, ok: bool) -> str:
@@ -2035,9 +2049,11 @@ def error_color(max_rel: float, rtol: float, ok: bool) -> str:
 
     >>> error_color(1e-7, 1e-4, True), error_color(1e-5, 1e-4, True), error_color(1e-2, 1e-4, False)
     ('#cfe8cf', '#f7e7a1', '#f3a683')
+    >>> error_color(float("inf"), 1e-4, False)
+    '#b2182b'
     """
     if not ok:
-        return ERROR_COLORS["diverges"]
+        return ERROR_COLORS["nonfinite"] if not math.isfinite(max_rel) else ERROR_COLORS["diverges"]
     return ERROR_COLORS["exact"] if max_rel <= rtol / 100 else ERROR_COLORS["within"]
 
 

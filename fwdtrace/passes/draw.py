@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ _FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "layer": 
          "side": "#f4f4f4", "loop": "#e2ecd9"}
 _SHAPE = {"input": "box", "output": "box", "module": "box", "layer": "box", "function": "ellipse", "side": "note"}
 _HIGHLIGHT = {"color": "#c0392b", "fillcolor": "#f6c9c4", "penwidth": "2"}
+HIGHLIGHT_COLOR = _HIGHLIGHT["color"]  # a legend entry of this colour is drawn as the highlight's outline
 
 
 class Digraph(graphviz.Digraph):
@@ -959,6 +960,7 @@ def to_dot(
     cluster_name: str | None = None,
     fills: Mapping[int, str] | None = None,
     notes: Mapping[int, str] | None = None,
+    legend: Sequence[tuple[str, str]] = (),
 ) -> Digraph:
     """A ``graphviz.Digraph`` of ``graph``: modules as nested clusters, edges labelled with shapes.
 
@@ -994,7 +996,8 @@ def to_dot(
     ``highlight`` is a set of node ids drawn in red. ``fills`` colours boxes by node id (a
     box holding several coloured nodes takes the colour listed first: list the most telling
     first), ``notes`` adds a line per node id to its box's tooltip; both are drawn as given
-    (:func:`fwdtrace.render_side_by_side` colours by relative error this way). ``name_prefix`` keeps DOT names apart
+    (:func:`fwdtrace.render_side_by_side` colours by relative error this way); ``legend`` draws what the
+    colours mean, a box per ``(colour, text)`` in a corner cluster. ``name_prefix`` keeps DOT names apart
     when two graphs share a picture; ``cluster_name`` (starting with ``cluster``) makes the
     result embeddable with ``outer.subgraph(...)``, boxed and titled ``title``.
     """
@@ -1006,7 +1009,8 @@ def to_dot(
              chain_ops: bool = False) -> Digraph:
         return _dot(graph, _units(graph, folds, d, **options, opened=opened, chain_ops=chain_ops), caption, wrap=wrap,
                     show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir, title=title,
-                    name_prefix=name_prefix, cluster_name=cluster_name, fills=dict(fills or {}), notes=dict(notes or {}))
+                    name_prefix=name_prefix, cluster_name=cluster_name, fills=dict(fills or {}), notes=dict(notes or {}),
+                    legend=list(legend))
 
     if not isinstance(depth, str):  # "auto", the one string checked above
         return draw(depth, None, wrap)
@@ -1134,7 +1138,7 @@ def _partly_opened(graph: Graph, folds: Folds, options: dict[str, Any], depth: i
 
 def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, show_shapes: bool,
          highlight: set[int], rankdir: str, title: str | None, name_prefix: str, cluster_name: str | None,
-         fills: dict[int, str], notes: dict[int, str]) -> Digraph:
+         fills: dict[int, str], notes: dict[int, str], legend: list[tuple[str, str]] = []) -> Digraph:  # noqa: B006 - read only
     node2unit, units = picture.node2unit, picture.units
     names = {u.key: f"{name_prefix}u{i}" for i, u in enumerate(units)}
 
@@ -1174,7 +1178,8 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
             if fill is not None:
                 attrs["fillcolor"] = fill
             if highlight.intersection(u.members):
-                attrs.update(_HIGHLIGHT)
+                # outlined in red; a fill given for the box (its error's colour) is kept under the outline
+                attrs.update({k: v for k, v in _HIGHLIGHT.items() if k != "fillcolor" or fill is None})
             attrs["tooltip"] = _tooltip(u, [graph.nodes[i] for i in u.members])
             attrs["tooltip"] += "".join(f"\n{notes[i]}" for i in u.members if i in notes)
             attrs["fwdtrace_members"] = _id_ranges(u.members)
@@ -1206,7 +1211,27 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
     if wrap:
         for u_key, v_key in _wrap_edges([u.key for u in units], set(pair2edges), wrap):
             dot.edge(names[u_key], names[v_key], style="invis")
+    if legend:
+        _draw_legend(dot, legend, name_prefix)
     return dot
+
+
+def _draw_legend(dot: Digraph, legend: list[tuple[str, str]], name_prefix: str) -> None:
+    """What the fills mean: one filled box per (colour, text), in a row of their own, joined by invisible edges.
+    The boxes carry no tooltip: a reader of the SVG that takes boxes with tooltips for calls finds none here."""
+    with dot.subgraph(name=f"cluster_{name_prefix}legend") as sub:
+        sub.attr(label="legend", style="rounded", color="#999999", fontsize="9", labeljust="l",
+                 **{"class": "legend"})
+        previous = None
+        for i, (color, text) in enumerate(legend):
+            name = f"{name_prefix}legend{i}"
+            attrs = {"shape": "box", "fillcolor": color, "class": "legend"}
+            if color == _HIGHLIGHT["color"]:  # the outline the first divergence gets, not a fill
+                attrs.update(_HIGHLIGHT)
+            sub.node(name, label=text, **attrs)
+            if previous is not None:
+                sub.edge(previous, name, style="invis")
+            previous = name
 
 
 KEY_CLASS = "key:"  # the class token that carries a box's module key into the SVG

@@ -231,7 +231,7 @@ def analysis_node_data(graph: Graph, analysis: Analysis) -> dict[str, dict[Any, 
 def _node_data_file(graph_id: str, name: str, results: dict[str, float],
                     colors: Mapping[str, str] | None = None) -> dict[str, Any]:
     # ModelNodeData: GraphNodeData per graph id; a result's own bgColor takes precedence over the gradient.
-    return {graph_id: {"name": name, "results": {k: {"value": v, **({"bgColor": colors[k]} if colors else {})}
+    return {graph_id: {"name": name, "results": {k: {"value": v, **({"bgColor": colors[k]} if colors and k in colors else {})}
                                                  for k, v in results.items()},
                        "gradient": [dict(g) for g in _GRADIENT]}}
 
@@ -387,6 +387,7 @@ class CallErrors(NamedTuple):
     max_abs: float | None
     max_rel: float | None
     verdict: int
+    nonfinite: int = 0  # inf and NaN elements where the other run's are finite (an overflow in one run)
 
 
 def errors_to_model_explorer(
@@ -409,7 +410,10 @@ def errors_to_model_explorer(
 
     ``errors`` is keyed by node id. One node-data file per error (``diff.cosine.json``,
     ``diff.norm_rel.json``, ``diff.max_abs.json``, ``diff.max_rel.json``: pale to red by value;
-    a value that is not finite is left out, as JSON has none) and ``diff.verdict.json``: 0
+    an error that is inf or NaN, which JSON cannot hold, is written as the largest float with the
+    saturated colour :data:`fwdtrace.onnx.compare.ERROR_COLORS` ``["nonfinite"]``, never left
+    blank; ``diff.nonfinite.json``, where a call has any, counts its inf and NaN elements where the
+    other run's are finite) and ``diff.verdict.json``: 0
     allclose, 1 within what rounding explains, 2 diverges, coloured as :meth:`Graph.render`
     colours an error (:data:`fwdtrace.onnx.compare.ERROR_COLORS`). ``highlight`` names the
     node ids drawn in red (the first divergence).
@@ -418,12 +422,22 @@ def errors_to_model_explorer(
 
     verdict_colors = (ERROR_COLORS["exact"], ERROR_COLORS["within"], ERROR_COLORS["diverges"])
     out = _folder(folder, caller)
+    # an error that is not finite is the worst there is: the largest float (a cosine: -1)
+    worst = {name: -1.0 if name == "cosine" else sys.float_info.max for name in ERROR_FIELDS}
     data: dict[str, dict[Any, float]] = {
-        name: {n: float(v) for n, e in errors.items()
-               if (v := getattr(e, name)) is not None and math.isfinite(v)} for name in ERROR_FIELDS
+        name: {n: float(v) if math.isfinite(v) else worst[name] for n, e in errors.items()
+               if (v := getattr(e, name)) is not None} for name in ERROR_FIELDS
     }
+    colors: dict[str, dict[Any, str]] = {
+        name: {n: ERROR_COLORS["nonfinite"] for n, e in errors.items()
+               if (v := getattr(e, name)) is not None and not math.isfinite(v)} for name in ERROR_FIELDS}
+    colors = {name: c for name, c in colors.items() if c}
+    if any(e.nonfinite for e in errors.values()):
+        data["nonfinite"] = {n: e.nonfinite for n, e in errors.items()}
+        colors["nonfinite"] = {n: ERROR_COLORS["nonfinite"] if e.nonfinite else ERROR_COLORS["exact"]
+                               for n, e in errors.items()}
     data["verdict"] = {n: e.verdict for n, e in errors.items()}
-    colors = {"verdict": {n: verdict_colors[e.verdict] for n, e in errors.items()}}
+    colors["verdict"] = {n: verdict_colors[e.verdict] for n, e in errors.items()}
     return _write(graph, out / f"{stem}.json", data, colors, graph_id, label, highlight, caller)
 
 
