@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._files import AtomicFile
+from .._files import AtomicFile, QuietWrites
 from .._host import HostCopy, host, to_numpy
 from .._tree import dtype_name, iter_tensors, tensors_of
 from ..errors import FwdtraceError, describe, one_line
@@ -186,9 +186,12 @@ class _Recording:
         self.writer = writer
         self.kept = kept or _Kept()
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
+        self.file: Any = None
+        self.disk: QuietWrites | None = None
         try:
             self.atomic.check_target()
-            self.file = h5py.File(self.atomic.tmp, "w", track_order=True, libver=("v110", "latest"))
+            self.disk = QuietWrites(self.atomic.tmp)
+            self.file = h5py.File(self.disk, "w", track_order=True, libver=("v110", "latest"))
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs.update({"epoch": epoch, "step": step, "values": values, "calls": calls})
@@ -196,7 +199,10 @@ class _Recording:
                 self.file.attrs["rank"] = rank
             self.file.attrs["complete"] = False
             self.file.attrs["status"] = WRITING
+            self.file.flush()  # the file reads back as one being written if the process dies from here on
+            self._check_disk()
         except BaseException:
+            self._close_file()
             self.atomic.discard()
             raise
         self.grads = grads
@@ -229,7 +235,7 @@ class _Recording:
             self._register(model, grads)
         except BaseException:
             self._remove_hooks()
-            self.file.close()
+            self._close_file()
             self.atomic.discard()
             raise
 
@@ -327,16 +333,26 @@ class _Recording:
         self.closed = True
         if self.writer is not None:
             self.writer.finish()
-        try:
-            self.file.close()
-        except Exception:  # noqa: S110 - the file is being dropped; the first error is the one to report
-            pass
+        self._close_file()
         self.atomic.discard()
         # HDF5's own text runs over several lines; the errno says it in a few words
         reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else one_line(exc)
         return FwdtraceError(
             f"Dumper could not write {str(self.path)!r} ({where}): {reason}; the dump was dropped and its hooks removed"
         )
+
+    def _check_disk(self) -> None:
+        """Raise the first write the system refused (HDF5 itself was told it went through)."""
+        if self.disk is not None and self.disk.error is not None:
+            raise self.disk.error
+
+    def _close_file(self) -> None:
+        """Close the HDF5 file and its descriptor, for a file being dropped: errors are not the first to report."""
+        with contextlib.suppress(Exception):
+            if self.file is not None:
+                self.file.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
         where = f"{call.name}/{name}"
@@ -405,15 +421,19 @@ class _Recording:
     def _file_op(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
         """Run ``op`` on the file now, or queue it for the writer thread; False when the queue was full and the
         Dumper drops (counted)."""
+        def checked() -> None:
+            op()
+            self._check_disk()
+
         if self.writer is None:
             try:
-                op()
+                checked()
             except Exception as e:
                 raise self._fail(e, where) from e
             return True
         if self.writer.error is not None:
             raise self._fail(self.writer.error, self.writer.where)
-        return self.writer.put(op, nbytes, where)
+        return self.writer.put(checked, nbytes, where)
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
         tensors = obj.tensors if isinstance(obj, _Taken) else (t for _, t in iter_tensors(obj, prefix))
@@ -659,6 +679,8 @@ class _Recording:
             if self.skipped:
                 attrs["skipped"] = "\n".join(self.skipped)
             self.file.close()
+            self._check_disk()
+            self._close_file()
         except Exception as e:
             self.closed = False
             raise self._fail(e, "closing the file") from e
@@ -873,7 +895,7 @@ class Dumper:
                     writer.finish()
                 raise
         except OSError as e:
-            raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
+            raise FwdtraceError(f"Dumper.register() could not create {str(path)!r}: {e.strerror or e}") from e
 
     def _check_writable(self) -> None:
         # Fail here, before a training step runs, rather than in the middle of a hook.
