@@ -10,11 +10,21 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import fwdtrace
+from fwdtrace.patching import call_dispatch_active, patched_functions
+from fwdtrace.tracer import active_tracer
+
+ORIGINAL_CALL = nn.Module.__dict__["__call__"]
 
 ROOT = Path(fwdtrace.__file__).parent.parent
 
@@ -112,3 +122,99 @@ def test_every_dump_kind_survives_a_refused_write_at_any_byte(tmp_path: Path) ->
         assert len(case["errors"]) == 2, case
         # nothing left: no partial file, no hook on the model, no writer thread; the next dump is whole
         assert (case["files"], case["hooks"], case["threads"], case["again"]) == ([], 0, [], "complete"), case
+
+
+# -- Ctrl-C at every line -----------------------------------------------------------------------------------
+PACKAGE = str(Path(fwdtrace.__file__).parent)
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks")
+
+
+def _ctrl_c_at(line: int, run: Callable[[], object]) -> int:
+    """Run ``run`` with a Ctrl-C at the ``line``-th line of fwdtrace's own code it runs (0: none); the lines run.
+
+    The SIGINT handler installed then (fwdtrace's guard in a critical section, else Python's) gets the signal with
+    the frame of that line, as the interpreter would give it: what it holds back is delivered where it would be.
+    """
+    seen = [0]
+
+    def local(frame: FrameType, event: str, arg: object) -> Any:
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == line:
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+        return local
+
+    def calls(frame: FrameType, event: str, arg: object) -> Any:
+        return local if frame.f_code.co_filename.startswith(PACKAGE) else None
+
+    sys.settrace(calls)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    return seen[0]
+
+
+def _nothing_left(model: nn.Module) -> None:
+    assert [t.name for t in threading.enumerate() if t.name.startswith("fwdtrace")] == []
+    assert [(name, h) for m in model.modules() for h in HOOKS if (name := type(m).__name__) and getattr(m, h)] == []
+    assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL and not call_dispatch_active()
+    assert patched_functions() == [] and active_tracer() is None
+
+
+Prepared = tuple[Callable[[], object], Callable[[], object]]
+
+
+def _every_line(prepare: Callable[[], Prepared], model: nn.Module, folder: Path, most: int = 60) -> int:
+    """Ctrl-C at each line fwdtrace runs in the call ``prepare()`` gives (at ``most`` lines spread over them, each
+    prepared afresh, untraced), then its second callable (what the user's code does next, untraced): a
+    KeyboardInterrupt or a finished call, and nothing left either way; the number of calls interrupted."""
+    run, after = prepare()
+    lines = _ctrl_c_at(0, run)
+    after()
+    assert lines > 0
+    interrupted = 0
+    for line in sorted({1 + i * lines // most for i in range(most)} if lines > most else range(1, lines + 1)):
+        run, after = prepare()
+        try:
+            _ctrl_c_at(line, run)
+        except KeyboardInterrupt:
+            interrupted += 1
+        after()
+        _nothing_left(model)
+        assert not [p.name for p in folder.iterdir() if ".partial-" in p.name], (line, lines)  # dropped, or named
+    return interrupted
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("calls", ["modules", "functions", "all"])
+@pytest.mark.parametrize("background", [False, True])
+def test_ctrl_c_anywhere_in_register_and_remove_leaves_nothing_running_or_hooked(
+        tmp_path: Path, calls: str, background: bool) -> None:
+    model, x = _model(), torch.ones(2, 4)
+    steps = iter(range(10_000))
+
+    def register() -> Prepared:
+        def run() -> None:
+            with fwdtrace.Dumper(tmp_path, calls=calls, background=background) as dumper:
+                dumper.register(model, step=next(steps))
+        return run, lambda: None
+
+    def remove() -> Prepared:
+        # register(), the step, then remove() interrupted; a Ctrl-C before it began leaves the dumper open, as a
+        # Ctrl-C before the call would: the user's next remove() closes it
+        dumper = fwdtrace.Dumper(tmp_path, calls=calls, background=background)
+        dumper.register(model, step=next(steps))
+        model(x).sum().backward()
+        return dumper.remove, dumper.remove
+
+    assert _every_line(register, model, tmp_path) > 0
+    assert _every_line(remove, model, tmp_path) > 0
+    # what was written reads back: whole dumps complete, none cut short named complete
+    for path in tmp_path.iterdir():
+        status = fwdtrace.read_dump(path, show=False)["status"]
+        assert status == "complete" or status.startswith("incomplete"), path

@@ -348,7 +348,7 @@ class _Recording:
 
     def _close_file(self) -> None:
         """Close the HDF5 file and its descriptor, for a file being dropped: errors are not the first to report."""
-        with contextlib.suppress(Exception):
+        with critical(), contextlib.suppress(Exception):
             if self.file is not None:
                 self.file.close()
         if self.disk is not None:
@@ -427,7 +427,8 @@ class _Recording:
 
         if self.writer is None:
             try:
-                checked()
+                with critical():  # a Ctrl-C inside HDF5's call of QuietWrites would be a failed write to HDF5
+                    checked()
             except Exception as e:
                 raise self._fail(e, where) from e
             return True
@@ -643,8 +644,28 @@ class _Recording:
             return False, f"{self.writer.dropped} tensors dropped: the write queue was full (when_full='drop')" + raised
         return True, "complete"
 
+    def abandon(self) -> None:
+        """Drop the dump at once (a Ctrl-C while it closes): hooks off, the writer stopped, the partial file removed."""
+        self._remove_hooks()
+        self._cancel_grads()
+        self.closed = True
+        if self.writer is not None:
+            self.writer.finish(skip=True)
+        self._close_file()
+        self.atomic.discard()
+
     def close(self, exc: BaseException | None = None) -> Path | None:
         """Record the completeness, close the file and rename it; None when it was dropped."""
+        try:
+            return self._close(exc)
+        except FwdtraceError:
+            raise
+        except BaseException:  # a Ctrl-C: the dump is dropped whole
+            with critical():
+                self.abandon()
+            raise
+
+    def _close(self, exc: BaseException | None) -> Path | None:
         self._remove_hooks()
         self._cancel_grads()
         self.summaries.clear()
@@ -660,32 +681,37 @@ class _Recording:
                 raise self._fail(self.writer.error, self.writer.where)
         complete, status = self._status(exc)
         try:
-            attrs = self.file.attrs
-            if self.writer is not None:
-                attrs["dropped"] = self.writer.dropped
-            attrs["calls"] = self.calls
-            attrs["complete"] = complete
-            attrs["status"] = status
-            attrs["forward_finished"] = self.forward_done
-            attrs["backward_finished"] = self.backward_done
-            attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
-            attrs["discarded_forwards"] = self.discarded
-            # One dataset at the end instead of an attribute per tensor: attributes cost more
-            # than small datasets. Without it (a file never closed) group order is used.
-            if packed is None:  # a packed dump's rows are in the order written
-                self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
-            if self.graph is not None:
-                _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
-            if self.skipped:
-                attrs["skipped"] = "\n".join(self.skipped)
-            self.file.close()
-            self._check_disk()
-            self._close_file()
+            with critical():  # HDF5 calls QuietWrites: a Ctrl-C inside would be a failed write to HDF5
+                self._finish_file(complete, status, packed)
         except Exception as e:
             self.closed = False
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
         return self.path
+
+    def _finish_file(self, complete: bool, status: str, packed: _Packed | None) -> None:
+        """The completeness attributes and the step's tables written, the file closed."""
+        attrs = self.file.attrs
+        if self.writer is not None:
+            attrs["dropped"] = self.writer.dropped
+        attrs["calls"] = self.calls
+        attrs["complete"] = complete
+        attrs["status"] = status
+        attrs["forward_finished"] = self.forward_done
+        attrs["backward_finished"] = self.backward_done
+        attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
+        attrs["discarded_forwards"] = self.discarded
+        # One dataset at the end instead of an attribute per tensor: attributes cost more
+        # than small datasets. Without it (a file never closed) group order is used.
+        if packed is None:  # a packed dump's rows are in the order written
+            self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
+        if self.graph is not None:
+            _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
+        if self.skipped:
+            attrs["skipped"] = "\n".join(self.skipped)
+        self.file.close()
+        self._check_disk()
+        self._close_file()
 
 
 def _int_set(value: Any, name: str, every: bool) -> int | frozenset[int] | None:
@@ -884,16 +910,18 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
-            try:
-                with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
-                    self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values,
-                                                       self.calls, _Selection(self.keys, self.scope), writer,
-                                                       self._kept))
-            except BaseException:
-                if writer is not None:
-                    writer.finish()
-                raise
+            # A Ctrl-C waits: the writer thread and the hooks are never on without the listed recording that
+            # takes them off
+            with critical():
+                writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
+                try:
+                    self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite,
+                                                       self.values, self.calls, _Selection(self.keys, self.scope),
+                                                       writer, self._kept))
+                except BaseException:
+                    if writer is not None:
+                        writer.finish()
+                    raise
         except OSError as e:
             raise FwdtraceError(f"Dumper.register() could not create {str(path)!r}: {e.strerror or e}") from e
 
@@ -914,15 +942,21 @@ class Dumper:
 
     def _close(self, exc: BaseException | None) -> list[Path]:
         first_error: FwdtraceError | None = None
-        while self._recordings:
-            recording = self._recordings.pop(0)
-            try:
-                path = recording.close(exc)
-            except FwdtraceError as e:  # close the others all the same
-                first_error = first_error or e
-                continue
-            if path is not None:
-                self._written.append(path)
+        try:
+            while self._recordings:
+                try:
+                    path = self._recordings[0].close(exc)
+                except FwdtraceError as e:  # close the others all the same
+                    first_error = first_error or e
+                    path = None
+                self._recordings.pop(0)
+                if path is not None:
+                    self._written.append(path)
+        except BaseException:  # Ctrl-C while closing: the dumps not closed yet are dropped, nothing left running
+            with critical():
+                while self._recordings:
+                    self._recordings.pop().abandon()
+            raise
         if first_error is not None:
             raise first_error
         return list(self._written)
