@@ -15,6 +15,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .errors import FwdtraceError
 
@@ -164,20 +165,26 @@ class QuietWrites:
         return bytes(data)
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        size = self.write_at(self.position, data, keep=True)
+        self.position += size
+        return size
+
+    def write_at(self, offset: int, data: Any, keep: bool = False) -> int:
+        """Write ``data`` (any buffer) at ``offset``; after a refused write, kept in memory if ``keep`` (what HDF5
+        may read back: the caller's own raw data it never reads)."""
         view = memoryview(data).cast("B")
         size = len(view)
         if self.error is None:
             try:
                 done = 0
                 while done < size:  # a write near a size limit can be short: the rest fails with EFBIG
-                    done += os.pwrite(self.fd, view[done:], self.position + done)
+                    done += os.pwrite(self.fd, view[done:], offset + done)
             except OSError as e:
                 self.error = e
-        if self.error is not None and self.kept_bytes + size <= self.KEEP_BYTES:
-            self.kept[self.position] = bytes(view)
+        if keep and self.error is not None and self.kept_bytes + size <= self.KEEP_BYTES:
+            self.kept[offset] = bytes(view)
             self.kept_bytes += size
-        self.position += size
-        self.size = max(self.size, self.position)
+        self.size = max(self.size, offset + size)
         return size
 
     def truncate(self, size: int | None = None) -> int:

@@ -188,6 +188,7 @@ class _Recording:
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         self.file: Any = None
         self.disk: QuietWrites | None = None
+        self.raw_dcpl: Any = None  # the creation properties of a dataset whose bytes are written by _create_dataset
         try:
             self.atomic.check_target()
             self.disk = QuietWrites(self.atomic.tmp)
@@ -392,10 +393,29 @@ class _Recording:
 
         def create() -> None:
             arr = data.array() if isinstance(data, HostCopy) else data
-            self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
+            self._create_dataset(self.file[call.name], name, arr).attrs.update(attrs)
 
         if self._file_op(create, data.nbytes, where):
             self.order.append(where)
+
+    def _create_dataset(self, group: Any, name: str, arr: np.ndarray) -> Any:
+        """``group[name] = arr``, its bytes written straight to the file where HDF5 placed the dataset: through
+        h5py's ``fileobj`` driver each write would be copied once more (a tensor dump is mostly raw bytes)."""
+        import numpy as np
+
+        if self.raw_dcpl is None:
+            h5py = _h5py()
+            self.raw_dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            self.raw_dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # placed now, at an offset the file knows
+            self.raw_dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # not filled first: every byte is written below
+        ds = group.create_dataset(name, shape=arr.shape, dtype=arr.dtype, dcpl=self.raw_dcpl)
+        offset = ds.id.get_offset()
+        if offset is None or self.disk is None:  # no contiguous storage (a scalar, no values): HDF5 writes it
+            if arr.size:
+                ds[()] = arr
+        else:
+            self.disk.write_at(offset, np.ascontiguousarray(arr))
+        return ds
 
     def _summary(self, t: torch.Tensor) -> np.ndarray | HostCopy:
         """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per tensor and
