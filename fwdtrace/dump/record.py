@@ -822,7 +822,8 @@ class Dumper:
     A dump records whether its step completed: a forward that raised, a backward that did
     not run, an exception leaving the ``with`` block. An existing file is an error unless
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
-    naming the file, with every hook removed and the partial file deleted. Gradients of a
+    naming the file, with every hook removed and the partial file deleted; the process runs
+    on, and the next dump is written whole once space returns. Gradients of a
     module called several times are matched to its calls last first, the order backward
     visits them. The calls of functions registered with ``hook_forward``/``register_atomic``
     (when :meth:`register` runs) are groups of their own, keyed as in a trace's graph.
