@@ -19,10 +19,11 @@ import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .errors import FwdtraceError
 
-__all__ = ["AtomicFile", "atomic_write", "write_bytes", "write_files", "check_folder", "not_a_regular_file"]
+__all__ = ["AtomicFile", "QuietWrites", "atomic_write", "write_bytes", "write_files", "check_folder", "not_a_regular_file"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -136,6 +137,100 @@ class AtomicFile:
             self.tmp.unlink()
         except FileNotFoundError:
             pass
+
+
+class QuietWrites:
+    """A file HDF5 writes through (h5py's ``fileobj`` driver) that never reports a failed write to it.
+
+    >>> import tempfile, os, h5py
+    >>> path = os.path.join(tempfile.mkdtemp(), "a.h5")
+    >>> quiet = QuietWrites(path)
+    >>> with h5py.File(quiet, "w") as f:
+    ...     f["x"] = [1, 2]
+    >>> quiet.close(); quiet.error is None
+    True
+
+    HDF5 does not survive a write the system refuses (a full disk, a file size limit): its cache
+    keeps the dirty entries, every later flush fails again, h5py's clean-up prints "Exception
+    ignored" tracebacks, and the library's own clean-up at exit crashed the process (SIGSEGV).
+    Here the first refused write is kept in :attr:`error` and it and every later write are
+    kept in memory instead (HDF5 may read them back), so HDF5 goes on as if the disk had taken
+    them and closes cleanly; the caller checks :attr:`error` after each operation and drops the
+    file. What a refused write keeps in memory is bounded by :attr:`KEEP_BYTES`; past that,
+    writes are dropped and read back as zeros (the file is being dropped anyway).
+    """
+
+    KEEP_BYTES = 1 << 26
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        # O_NOFOLLOW: the file is AtomicFile's fresh temporary file, never a link planted at its name
+        self.fd = os.open(path, os.O_RDWR | _NOFOLLOW | os.O_CLOEXEC)
+        self.position = 0
+        self.size = 0  # of the file as HDF5 sees it: what is on disk and what was kept
+        self.error: OSError | None = None
+        self.kept: dict[int, bytes] = {}  # offset -> bytes of the writes made after the error
+        self.kept_bytes = 0
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.position = offset if whence == os.SEEK_SET else self.position + offset if whence == os.SEEK_CUR \
+            else self.size + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, size: int = -1) -> bytes:
+        size = max(0, self.size - self.position) if size < 0 else size
+        data = bytearray(os.pread(self.fd, size, self.position))
+        data.extend(bytes(size - len(data)))  # past the end of what the disk holds: zeros, as HDF5 expects
+        for start, kept in self.kept.items():  # few: only writes made after the error
+            lo, hi = max(start, self.position), min(start + len(kept), self.position + size)
+            if lo < hi:
+                data[lo - self.position:hi - self.position] = kept[lo - start:hi - start]
+        self.position += size
+        return bytes(data)
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        size = self.write_at(self.position, data, keep=True)
+        self.position += size
+        return size
+
+    def write_at(self, offset: int, data: Any, keep: bool = False) -> int:
+        """Write ``data`` (any buffer) at ``offset``; after a refused write, kept in memory if ``keep`` (what HDF5
+        may read back: the caller's own raw data it never reads)."""
+        view = memoryview(data).cast("B")
+        size = len(view)
+        if self.error is None:
+            try:
+                done = 0
+                while done < size:  # a write near a size limit can be short: the rest fails with EFBIG
+                    done += os.pwrite(self.fd, view[done:], offset + done)
+            except OSError as e:
+                self.error = e
+        if keep and self.error is not None and self.kept_bytes + size <= self.KEEP_BYTES:
+            self.kept[offset] = bytes(view)
+            self.kept_bytes += size
+        self.size = max(self.size, offset + size)
+        return size
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self.position if size is None else size
+        if self.error is None:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as e:
+                self.error = e
+        self.size = size
+        return size
+
+    def flush(self) -> None:
+        pass  # every write went to the system at once
+
+    def close(self) -> None:
+        """Close the descriptor (after HDF5 closed the file)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._files import AtomicFile
+from .._files import AtomicFile, QuietWrites
 from .._host import HostCopy, host, to_numpy
 from .._tree import dtype_name, iter_tensors, tensors_of
 from ..errors import FwdtraceError, describe, one_line
@@ -190,9 +190,13 @@ class _Recording:
         self.writer = writer
         self.kept = kept or _Kept()
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
+        self.file: Any = None
+        self.disk: QuietWrites | None = None
+        self.raw_dcpl: Any = None  # the creation properties of a dataset whose bytes are written by _create_dataset
         try:
             self.atomic.check_target()
-            self.file = h5py.File(self.atomic.tmp, "w", track_order=True, libver=("v110", "latest"))
+            self.disk = QuietWrites(self.atomic.tmp)
+            self.file = h5py.File(self.disk, "w", track_order=True, libver=("v110", "latest"))
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs.update({"epoch": epoch, "step": step, "values": values, "calls": calls})
@@ -200,7 +204,10 @@ class _Recording:
                 self.file.attrs["rank"] = rank
             self.file.attrs["complete"] = False
             self.file.attrs["status"] = WRITING
+            self.file.flush()  # the file reads back as one being written if the process dies from here on
+            self._check_disk()
         except BaseException:
+            self._close_file()
             self.atomic.discard()
             raise
         self.grads = grads
@@ -233,7 +240,7 @@ class _Recording:
             self._register(model, grads)
         except BaseException:
             self._remove_hooks()
-            self.file.close()
+            self._close_file()
             self.atomic.discard()
             raise
 
@@ -331,16 +338,26 @@ class _Recording:
         self.closed = True
         if self.writer is not None:
             self.writer.finish()
-        try:
-            self.file.close()
-        except Exception:  # noqa: S110 - the file is being dropped; the first error is the one to report
-            pass
+        self._close_file()
         self.atomic.discard()
         # HDF5's own text runs over several lines; the errno says it in a few words
         reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else one_line(exc)
         return FwdtraceError(
             f"Dumper could not write {str(self.path)!r} ({where}): {reason}; the dump was dropped and its hooks removed"
         )
+
+    def _check_disk(self) -> None:
+        """Raise the first write the system refused (HDF5 itself was told it went through)."""
+        if self.disk is not None and self.disk.error is not None:
+            raise self.disk.error
+
+    def _close_file(self) -> None:
+        """Close the HDF5 file and its descriptor, for a file being dropped: errors are not the first to report."""
+        with critical(), contextlib.suppress(Exception):
+            if self.file is not None:
+                self.file.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
         where = f"{call.name}/{name}"
@@ -380,12 +397,31 @@ class _Recording:
 
         def create() -> None:
             arr = data.array() if isinstance(data, HostCopy) else data
-            dataset = call.group.create_dataset(name, data=arr)
+            dataset = self._create_dataset(call.group, name, arr)
             if attrs:
                 dataset.attrs.update(attrs)
 
         if self._file_op(create, data.nbytes, where):
             self.order.append(where)
+
+    def _create_dataset(self, group: Any, name: str, arr: np.ndarray) -> Any:
+        """``group[name] = arr``, its bytes written straight to the file where HDF5 placed the dataset: through
+        h5py's ``fileobj`` driver each write would be copied once more (a tensor dump is mostly raw bytes)."""
+        import numpy as np
+
+        if self.raw_dcpl is None:
+            h5py = _h5py()
+            self.raw_dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            self.raw_dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # placed now, at an offset the file knows
+            self.raw_dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # not filled first: every byte is written below
+        ds = group.create_dataset(name, shape=arr.shape, dtype=arr.dtype, dcpl=self.raw_dcpl)
+        offset = ds.id.get_offset()
+        if offset is None or self.disk is None:  # no contiguous storage (a scalar, no values): HDF5 writes it
+            if arr.size:
+                ds[()] = arr
+        else:
+            self.disk.write_at(offset, np.ascontiguousarray(arr))
+        return ds
 
     def _summary(self, t: torch.Tensor) -> np.ndarray | HostCopy:
         """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per tensor and
@@ -411,15 +447,20 @@ class _Recording:
     def _file_op(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
         """Run ``op`` on the file now, or queue it for the writer thread; False when the queue was full and the
         Dumper drops (counted)."""
+        def checked() -> None:
+            op()
+            self._check_disk()
+
         if self.writer is None:
             try:
-                op()
+                with critical():  # a Ctrl-C inside HDF5's call of QuietWrites would be a failed write to HDF5
+                    checked()
             except Exception as e:
                 raise self._fail(e, where) from e
             return True
         if self.writer.error is not None:
             raise self._fail(self.writer.error, self.writer.where)
-        return self.writer.put(op, nbytes, where)
+        return self.writer.put(checked, nbytes, where)
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
         tensors = obj.tensors if isinstance(obj, _Taken) else (t for _, t in iter_tensors(obj, prefix))
@@ -632,8 +673,28 @@ class _Recording:
             return False, f"{self.writer.dropped} tensors dropped: the write queue was full (when_full='drop')" + raised
         return True, "complete"
 
+    def abandon(self) -> None:
+        """Drop the dump at once (a Ctrl-C while it closes): hooks off, the writer stopped, the partial file removed."""
+        self._remove_hooks()
+        self._cancel_grads()
+        self.closed = True
+        if self.writer is not None:
+            self.writer.finish(skip=True)
+        self._close_file()
+        self.atomic.discard()
+
     def close(self, exc: BaseException | None = None) -> Path | None:
         """Record the completeness, close the file and rename it; None when it was dropped."""
+        try:
+            return self._close(exc)
+        except FwdtraceError:
+            raise
+        except BaseException:  # a Ctrl-C: the dump is dropped whole
+            with critical():
+                self.abandon()
+            raise
+
+    def _close(self, exc: BaseException | None) -> Path | None:
         self._remove_hooks()
         self._cancel_grads()
         self.summaries.clear()
@@ -649,30 +710,37 @@ class _Recording:
                 raise self._fail(self.writer.error, self.writer.where)
         complete, status = self._status(exc)
         try:
-            attrs = self.file.attrs
-            if self.writer is not None:
-                attrs["dropped"] = self.writer.dropped
-            attrs["calls"] = self.calls
-            attrs["complete"] = complete
-            attrs["status"] = status
-            attrs["forward_finished"] = self.forward_done
-            attrs["backward_finished"] = self.backward_done
-            attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
-            attrs["discarded_forwards"] = self.discarded
-            # One dataset at the end instead of an attribute per tensor: attributes cost more
-            # than small datasets. Without it (a file never closed) group order is used.
-            if packed is None:  # a packed dump's rows are in the order written
-                self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
-            if self.graph is not None:
-                _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
-            if self.skipped:
-                attrs["skipped"] = "\n".join(self.skipped)
-            self.file.close()
+            with critical():  # HDF5 calls QuietWrites: a Ctrl-C inside would be a failed write to HDF5
+                self._finish_file(complete, status, packed)
         except Exception as e:
             self.closed = False
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
         return self.path
+
+    def _finish_file(self, complete: bool, status: str, packed: _Packed | None) -> None:
+        """The completeness attributes and the step's tables written, the file closed."""
+        attrs = self.file.attrs
+        if self.writer is not None:
+            attrs["dropped"] = self.writer.dropped
+        attrs["calls"] = self.calls
+        attrs["complete"] = complete
+        attrs["status"] = status
+        attrs["forward_finished"] = self.forward_done
+        attrs["backward_finished"] = self.backward_done
+        attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
+        attrs["discarded_forwards"] = self.discarded
+        # One dataset at the end instead of an attribute per tensor: attributes cost more
+        # than small datasets. Without it (a file never closed) group order is used.
+        if packed is None:  # a packed dump's rows are in the order written
+            self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
+        if self.graph is not None:
+            _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
+        if self.skipped:
+            attrs["skipped"] = "\n".join(self.skipped)
+        self.file.close()
+        self._check_disk()
+        self._close_file()
 
 
 def _arguments_json(attrs: dict[str, Any]) -> str:
@@ -773,7 +841,8 @@ class Dumper:
     A dump records whether its step completed: a forward that raised, a backward that did
     not run, an exception leaving the ``with`` block. An existing file is an error unless
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
-    naming the file, with every hook removed and the partial file deleted. Gradients of a
+    naming the file, with every hook removed and the partial file deleted; the process runs
+    on, and the next dump is written whole once space returns. Gradients of a
     module called several times are matched to its calls last first, the order backward
     visits them. The calls of functions registered with ``hook_forward``/``register_atomic``
     (when :meth:`register` runs) are groups of their own, keyed as in a trace's graph.
@@ -894,18 +963,20 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
-            try:
-                with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
-                    self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values,
-                                                       self.calls, _Selection(self.keys, self.scope), writer,
-                                                       self._kept))
-            except BaseException:
-                if writer is not None:
-                    writer.finish()
-                raise
+            # A Ctrl-C waits: the writer thread and the hooks are never on without the listed recording that
+            # takes them off
+            with critical():
+                writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
+                try:
+                    self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite,
+                                                       self.values, self.calls, _Selection(self.keys, self.scope),
+                                                       writer, self._kept))
+                except BaseException:
+                    if writer is not None:
+                        writer.finish()
+                    raise
         except OSError as e:
-            raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
+            raise FwdtraceError(f"Dumper.register() could not create {str(path)!r}: {e.strerror or e}") from e
 
     def _check_writable(self) -> None:
         # Fail here, before a training step runs, rather than in the middle of a hook.
@@ -924,15 +995,21 @@ class Dumper:
 
     def _close(self, exc: BaseException | None) -> list[Path]:
         first_error: FwdtraceError | None = None
-        while self._recordings:
-            recording = self._recordings.pop(0)
-            try:
-                path = recording.close(exc)
-            except FwdtraceError as e:  # close the others all the same
-                first_error = first_error or e
-                continue
-            if path is not None:
-                self._written.append(path)
+        try:
+            while self._recordings:
+                try:
+                    path = self._recordings[0].close(exc)
+                except FwdtraceError as e:  # close the others all the same
+                    first_error = first_error or e
+                    path = None
+                self._recordings.pop(0)
+                if path is not None:
+                    self._written.append(path)
+        except BaseException:  # Ctrl-C while closing: the dumps not closed yet are dropped, nothing left running
+            with critical():
+                while self._recordings:
+                    self._recordings.pop().abandon()
+            raise
         if first_error is not None:
             raise first_error
         return list(self._written)
