@@ -849,3 +849,143 @@ def test_dumping_every_step_of_a_compiled_model_compiles_once(tmp_path: Path) ->
     for path in paths:  # no optimizer step: every step's values are the eager model's
         assert fwdtrace.compare_dumps(path, reference, rtol=1e-6).equal
     assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+
+
+# -- graph breaks: the model's own, after it has run compiled ----------------------------------------------
+def _break(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """What a training script's forward does that dynamo cannot put in one graph."""
+    if kind == "graph_break":
+        torch._dynamo.graph_break()
+    elif kind == "print":
+        print(end="")
+    elif kind == "item":
+        x = x + x.sum().item() * 0
+    elif kind == "if":  # a data-dependent branch
+        if x.sum() > 1e9:
+            x = x * 0
+    return x
+
+
+class BreakBlock(Block):
+    kind = "if"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self[0](x)
+        return self[2](self[1](_break(self.kind, x)))
+
+
+class BreakNet(Net):
+    kind = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = BreakBlock(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _break(self.kind, self.inp(x))
+        return self.out(self.block(x))
+
+
+def make_breaking(kind: str, how: str, backend: Any = counting) -> Case:
+    torch.manual_seed(0)
+    net = BreakNet()
+    net.kind = "" if how == "regional" else kind
+    net.block.kind = kind if how == "regional" else ""
+    eager = copy.deepcopy(net)
+    if how == "torch.compile":
+        compiled = torch.compile(net, backend=backend)
+        return Case(compiled, compiled, eager)
+    if how == "module.compile":
+        net.compile(backend=backend)
+    else:  # regional: the block with the data-dependent branch compiled alone
+        net.block.compile(backend=backend)
+    return Case(net, net, eager)
+
+
+BREAK_KEYS = ["inp.Linear", "block.0.Linear", "block.2.Linear", "out.Linear"]
+
+
+@pytest.mark.parametrize(("kind", "how"), [
+    ("graph_break", "torch.compile"), ("print", "torch.compile"), ("item", "module.compile"), ("if", "regional"),
+])
+def test_every_forward_tool_records_every_call_of_a_model_with_graph_breaks(kind: str, how: str) -> None:
+    """A model whose compiled forward breaks its graph, run compiled first (as every training loop has): a Probe's
+    statistics and a live forward arm get every call, equal to the eager copy's, and fwdtrace says once, in one
+    line, that the part runs eagerly and why. Before, the frames after the break ran code compiled without
+    the hooks: the statistics were empty and the arm took nothing, without a word."""
+    case = make_breaking(kind, how)
+    step(case.run)
+    assert sum(counters["graph_break"].values()) > 0  # the model's own breaks
+    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match=r"^fwdtrace: \w+ runs eagerly while the hooks on "
+                      r".* are attached: its compiled code breaks the graph \(") as said:
+        with fwdtrace.Probe(case.given) as probe:
+            stats = probe.running_stats(BREAK_KEYS)
+            for _ in range(2):
+                step(case.run)
+            assert "computed inside the compiled graphs" not in repr(stats)
+            assert "breaks its graph" in repr(stats)
+    assert len(said) == 1  # once, in one line
+    sampler = Sampler(case.given)
+    try:
+        sampler.arm("block.2.Linear", "forward")
+        for _ in range(2):
+            step(case.run)
+        sampler.drain(30)
+        taken = sampler.arms[("block.2.Linear", "forward")].info()["taken"]
+        samples = sampler.samples("block.2.Linear", "forward")
+    finally:
+        sampler.close()
+    for key in BREAK_KEYS:
+        assert stats.stats[key].to_dict() == pytest.approx(eager_stats(eager_outputs(case.eager, key, 2)), rel=1e-9)
+    want = eager_outputs(case.eager, "block.2.Linear", 2)
+    assert taken == 2
+    got = [t["mean"] for s in samples for t in s["tensors"] if t["role"] == "output"]
+    assert got == pytest.approx([float(o.double().mean()) for o in want], rel=1e-9)
+    calls = step(case.run)
+    assert calls >= 1  # the model's compiled code again once the tools left
+
+
+def test_a_statistics_dump_of_a_model_with_a_graph_break_holds_every_eager_call(tmp_path: Path) -> None:
+    case = make_breaking("graph_break", "torch.compile", backend="aot_eager")
+    step(case.run)
+    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match="breaks the graph"):
+        path, _ = dump_step(case.given, case.run, tmp_path / "compiled", "statistics")
+    reference, _ = dump_step(case.eager, case.eager, tmp_path / "eager", "statistics")
+    tree = fwdtrace.read_dump(path, show=False)
+    assert tree["status"] == "complete"
+    assert "breaks its graph" in tree["attrs"]["compiled"]
+    report = fwdtrace.compare_dumps(path, reference, rtol=1e-6)
+    assert report.equal and len(report.rows) == len(fwdtrace.compare_dumps(reference, reference).rows)
+
+
+def test_a_key_that_gets_no_value_inside_the_compiled_code_is_named(tmp_path: Path) -> None:
+    """A layer the compiled part runs without calling (a branch not taken): every tool hears of it, once, and a
+    dump that misses it is incomplete and names it."""
+
+    class Skips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Skips())
+    model[1] = torch.compile(model[1], backend=counting)
+    model(X)
+    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match=r"^fwdtrace: no value for 1\.unused\.Linear in a call "
+                      r"of compiled Skips: not called in it, or not reached by its compiled code$"):
+        with fwdtrace.Probe(model) as probe:
+            stats = probe.running_stats(["1.used.Linear", "1.unused.Linear"])
+            model(X)
+            model(X)
+    assert list(stats.stats) == ["1.used.Linear"]
+    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match=r"^fwdtrace: the dump \S+ is incomplete: 1 keys got "
+                      r"no value inside the compiled code: 1\.unused\.Linear$"):
+        dumper = fwdtrace.Dumper(tmp_path, values="statistics")
+        dumper.register(model, grads=False)
+        model(X)
+        [path] = dumper.remove()
+    tree = fwdtrace.read_dump(path, show=False)
+    assert tree["status"] == "incomplete: 1 keys got no value inside the compiled code: 1.unused.Linear"
+    assert tree["attrs"]["missing"] == "1.unused.Linear"

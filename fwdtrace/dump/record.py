@@ -21,7 +21,7 @@ import torch
 from .._files import AtomicFile
 from .._host import HostCopy, host, to_numpy
 from .._tree import dtype_name, iter_tensors, tensors_of
-from ..errors import FwdtraceError, describe, one_line
+from ..errors import FwdtraceError, FwdtraceWarning, describe, one_line
 from ..graph import Graph
 from ..instrument.attach import Attachment
 from ..instrument.calls import ModelCalls
@@ -221,6 +221,8 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
+        self.missing: list[str] = []  # keys the compiled code ran without handing a value to (the graph route)
+        self.eager_why: list[str] = []  # why its compiled parts ran eagerly instead (the graph route)
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
         self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | HostCopy]] = {}
@@ -300,7 +302,7 @@ class _Recording:
                 # the slot its hooks had at the Dumper's last registration: the copy compiled then runs again
                 slot = self.kept.slots.get((id(owner), key, self.statistics, wanted))
                 if slot is None or slot.bound:
-                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume)
+                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume, key)
                 else:
                     slot.bind(consume)
                 traced_pre, traced_post = _in_graph_hooks(slot, self.statistics, wanted)
@@ -312,6 +314,10 @@ class _Recording:
         on.traced(traced)
 
     def _remove_hooks(self) -> None:
+        # what the compiled code ran without (the graph route), read before its hooks go
+        attached = [h for h in self.forward_handles if isinstance(h, Attachment)]
+        self.missing = sorted({*self.missing, *(key for h in attached for key in h.missing())})
+        self.eager_why = list(dict.fromkeys([*self.eager_why, *(why for h in attached for why in h.eager_why())]))
         for h in self.forward_handles:
             h.remove()
         self.forward_handles.clear()
@@ -617,6 +623,9 @@ class _Recording:
             return False, "no call of the model's layers was recorded, only the root's" + raised
         if not self.forward_done:
             return False, "the forward did not finish" + raised
+        if self.missing:
+            return False, (f"{len(self.missing)} keys got no value inside the compiled code: "
+                           f"{', '.join(self.missing)}" + raised)
         if self.backward_expected and not self.backward_done:
             return False, "the backward did not run" + raised
         if self.writer is not None and self.writer.dropped:
@@ -646,6 +655,10 @@ class _Recording:
             attrs["calls"] = self.calls
             attrs["complete"] = complete
             attrs["status"] = status
+            if self.missing:
+                attrs["missing"] = "\n".join(self.missing)
+            if self.eager_why:
+                attrs["compiled"] = f"eager: the compiled parts ran eagerly while dumped, as {'; '.join(self.eager_why)}"
             attrs["forward_finished"] = self.forward_done
             attrs["backward_finished"] = self.backward_done
             attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
@@ -663,6 +676,8 @@ class _Recording:
             self.closed = False
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
+        if self.missing:
+            warnings.warn(f"fwdtrace: the dump {self.path.name} is incomplete: {status}", FwdtraceWarning, stacklevel=3)
         return self.path
 
 

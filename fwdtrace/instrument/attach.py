@@ -88,6 +88,18 @@ class Attachment:
             return "eager"
         return "eager route" if self._eager is not None else "compiled"
 
+    def _graph_routes(self) -> list[GraphRoute]:
+        return [h for h in self._handles if isinstance(h, GraphRoute)]
+
+    def eager_why(self) -> list[str]:
+        """On the ``"graph"`` route: why compiled parts with these hooks run them eagerly instead (a graph
+        break in the model's compiled code, a compile that failed); empty while they run in the graphs."""
+        return list(dict.fromkeys(why for route in self._graph_routes() for why in route.eager_why()))
+
+    def missing(self) -> list[str]:
+        """On the ``"graph"`` route: keys whose in-graph hooks got no value in a call of their compiled part."""
+        return sorted({key for route in self._graph_routes() for key in route.missing()})
+
     def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)
         return handle
