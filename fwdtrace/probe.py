@@ -714,7 +714,7 @@ class Probe:
                     handle.stats.setdefault(key, stats)
 
                 stats = handle.stats.get(key) or RunningStats(bins, range)
-                return on.stats(module, StatsSlot(stats, publish, key), of)
+                return on.stats(module, StatsSlot(stats, publish, key, reuse=("stats", id(module), of, bins, range)), of)
             if of in ("input", "output"):
 
                 def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:

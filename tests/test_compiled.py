@@ -536,18 +536,58 @@ def test_forward_statistics_are_computed_inside_the_compiled_graph(how: str) -> 
     assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
 
 
-def test_each_arming_compiles_once_and_disarming_compiles_nothing() -> None:
+def test_each_key_set_compiles_once_for_the_life_of_the_process_and_disarming_compiles_nothing() -> None:
+    """Arming a key set armed before (the same probe, a new probe, the live page's toggles) runs the copy
+    compiled then: no compilation. Before, every arming compiled the whole model again."""
     case = make("torch.compile")
     step(case.run)
     probe = fwdtrace.Probe(case.given)
-    counts = []
-    for selector in (LAYER, LAYER, "block.*"):
+    counts, handles = [], []
+    for selector in (LAYER, LAYER, "block.*", LAYER):
         handle = probe.running_stats(selector)
+        handles.append(handle)
         counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
         handle.remove()
         counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
-    assert counts == [[1, 1, 2], [1, 1, 2], [1, 1, 3], [1, 1, 3], [1, 1, 4], [1, 1, 4]]
-    assert sum(counters["graph_break"].values()) == 0
+    assert counts == [[1, 1, 2], [1, 1, 2], [1, 1, 2], [1, 1, 2], [1, 1, 3], [1, 1, 3], [1, 1, 3], [1, 1, 3]]
+    with fwdtrace.Probe(case.given) as again:  # a new Probe, the same key set
+        fresh = again.running_stats(LAYER)
+        step(case.run, X * 10)  # other values: the copy reads this probe's state, not the first's
+    assert compile_state() == (3, 0)
+    want = eager_stats(eager_outputs(case.eager, LAYER, 2))
+    assert all(h.stats[LAYER].to_dict() == pytest.approx(want, rel=1e-9) for h in handles if LAYER in h.keys)
+    seen: list[torch.Tensor] = []
+    hook = fwdtrace.instrument.keys.key2module(case.eager)[LAYER].register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone()))
+    case.eager(X * 10)
+    hook.remove()
+    assert fresh.stats[LAYER].to_dict() == pytest.approx(eager_stats(seen), rel=1e-9)
+
+
+def test_toggling_a_live_forward_arm_compiles_at_most_once() -> None:
+    case = make("torch.compile")
+    step(case.run)
+    graphs = compile_state()[0]
+    sampler = Sampler(case.given)
+    means = []
+    try:
+        for n in range(5):  # arm, step, disarm: what a click on the live page does
+            sampler.arm(LAYER, "forward")
+            step(case.run, X * (n + 1))
+            sampler.drain(30)
+            means.append([t["mean"] for s in sampler.samples(LAYER, "forward") for t in s["tensors"]
+                          if t["role"] == "output"][-1])
+            sampler.disarm(LAYER)
+    finally:
+        sampler.close()
+    assert compile_state() == (graphs + 1, 0)
+    seen: list[torch.Tensor] = []
+    hook = fwdtrace.instrument.keys.key2module(case.eager)[LAYER].register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone()))
+    for n in range(5):
+        case.eager(X * (n + 1))
+    hook.remove()
+    assert means == pytest.approx([float(o.double().mean()) for o in seen], rel=1e-9)
 
 
 def test_in_graph_statistics_with_aot_autograd_train_as_the_eager_model() -> None:

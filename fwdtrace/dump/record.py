@@ -302,7 +302,7 @@ class _Recording:
                 # the slot its hooks had at the Dumper's last registration: the copy compiled then runs again
                 slot = self.kept.slots.get((id(owner), key, self.statistics, wanted))
                 if slot is None or slot.bound:
-                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume, key)
+                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume, key, reuse=("dump", id(owner), key, self.statistics, wanted))
                 else:
                     slot.bind(consume)
                 traced_pre, traced_post = _in_graph_hooks(slot, self.statistics, wanted)

@@ -247,21 +247,22 @@ def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
         if call is None:
             broken = _BREAKS.get(module)
             if broken is not None:
-                call = routed.graphs[armed] = inner
-                routed.eager_why = f"{name} breaks its graph: {broken}"
+                call = routed.graphs[armed] = _Eager(f"{name} breaks its graph: {broken}")
                 _say_once(module, _keys_of(armed), _eager_text(name, _keys_of(armed), broken))
             else:
                 call = routed.graphs[armed] = _compile_again(context, inner)
         before = received(armed)
         try:
+            if isinstance(call, _Eager):
+                routed.eager_why = call.why
+                return inner(*args, **kwargs)
             try:
                 return call(*args, **kwargs)
             except Exception as e:
                 # Training is never broken by a tool: what dynamo or the backend could not compile with the
                 # hooks runs eagerly while they are attached (an error of the model's own is raised there again).
-                if not _from_dynamo(e) or call is inner:
+                if not _from_dynamo(e):
                     raise
-                routed.graphs[armed] = inner
                 reason = _break_reason(e)
                 if reason is not None:  # the model's own graph break: its hooks would miss every call past it
                     _BREAKS[module] = reason
@@ -275,6 +276,7 @@ def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
                         f"failed ({type(e).__name__}: {first_line}); it runs eagerly while they are attached",
                         RuntimeWarning, stacklevel=2,
                     )
+                routed.graphs[armed] = _Eager(routed.eager_why)
                 return inner(*args, **kwargs)
         finally:
             drain()
@@ -289,6 +291,13 @@ def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
     return forward
 
 
+@dataclass(frozen=True)
+class _Eager:
+    """In place of a compiled copy: the armed set runs its module eagerly, for this reason."""
+
+    why: str
+
+
 def _eager_text(name: str, keys: list[str], reason: str) -> str:
     return (f"fwdtrace: {name} runs eagerly while the hooks on {', '.join(keys)} are attached: its compiled code breaks "
             f"the graph "
@@ -300,10 +309,17 @@ def _from_dynamo(error: Exception) -> bool:
     return dynamo_exc is not None and isinstance(error, dynamo_exc.TorchDynamoException)
 
 
+# The compiled copies each compiled module ran with in-graph hooks, per armed set of slots, for as long as the
+# module lives: the same hooks armed again (they take the same slot ids) run their copy again, uncompiled.
+_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, dict[frozenset[int], Any]] = weakref.WeakKeyDictionary()
+_COPIES_KEPT = 32  # armed sets kept per compiled module, the oldest dropped first
+
+
 def _routed(module: torch.nn.Module) -> _Routed:
     routed = _ROUTED.get(id(module))
     if routed is None:
-        routed = _ROUTED[id(module)] = _Routed(Patcher(), context=_dynamo_context(module))
+        routed = _ROUTED[id(module)] = _Routed(Patcher(), context=_dynamo_context(module),
+                                               graphs=_COPIES.setdefault(module, {}))
         if is_compile_wrapper(module):  # its own hooks still run, around the routed call
             routed.patcher.patch(module, "forward", _routing_call(module, routed))
         elif routed.context is not None:  # compiled in place: nn.Module.__call__ calls this instead
@@ -490,9 +506,11 @@ class GraphRoute(_Route):
                 routed.slots[slot_id] -= 1
                 if routed.slots[slot_id] == 0:
                     del routed.slots[slot_id]
-                    # the copies compiled with it go (to the tool's keeping, if it arms the same slots again)
+                    # the copies compiled with it stay (the module's, for the same slots armed again) and
+                    # go to the tool's keeping too
                     gone = {k: v for k, v in routed.graphs.items() if slot_id in k}
-                    routed.graphs = {k: v for k, v in routed.graphs.items() if slot_id not in k}
+                    while len(routed.graphs) > _COPIES_KEPT:
+                        del routed.graphs[next(iter(routed.graphs))]
                     if self.kept is not None and gone:
                         kept = self.kept.setdefault(id(wrapper), {})
                         kept.update(gone)

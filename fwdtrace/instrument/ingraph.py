@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ _SLOT2KEY: dict[int, str] = {}  # the key a tool named a slot by, for what fwdtr
 _SLOT2RECEIVED: dict[int, int] = {}  # payloads handed over per slot: a routed call sees which armed slots got none
 _DRAINING = threading.Lock()
 _SLOT_IDS = itertools.count()
+_REUSE2SLOT: dict[Hashable, int] = {}  # what a tool's hooks are (their module and options) -> the slot id they took
 
 # Layout of a summary vector (float64): these fields, then the histogram's bins.
 _COUNT, _FINITE, _NANS, _INFS, _ZEROS, _MEAN, _M2, _MIN, _MAX, _SUMSQ, _UNDER, _OVER, _LOW, _HIGH = range(14)
@@ -114,8 +115,15 @@ class Slot:
     """Where one hook's in-graph results go: a slot id baked into the compiled graph, and the consumer
     that :func:`drain` hands each queued payload to, outside compiled code. :meth:`close` drains first."""
 
-    def __init__(self, consume: Callable[[Any], None], key: str = "") -> None:
-        self.id = next(_SLOT_IDS)
+    def __init__(self, consume: Callable[[Any], None], key: str = "", reuse: Hashable | None = None) -> None:
+        # The same hooks on the same module take the same slot id again (when no other tool holds it): the
+        # id is baked into the compiled copy, which then serves every later arming of them.
+        slot_id = _REUSE2SLOT.get(reuse) if reuse is not None else None
+        if slot_id is None or slot_id in _SLOT2CONSUMER:
+            slot_id = next(_SLOT_IDS)
+            if reuse is not None:
+                _REUSE2SLOT.setdefault(reuse, slot_id)
+        self.id = slot_id
         self.key = key
         _SLOT2CONSUMER[self.id] = consume
         if key:
@@ -153,8 +161,9 @@ class StatsSlot(Slot):
     >>> slot.close()
     """
 
-    def __init__(self, stats: RunningStats, on_first: Callable[[], None] | None = None, key: str = "") -> None:
-        super().__init__(self._consume, key)
+    def __init__(self, stats: RunningStats, on_first: Callable[[], None] | None = None, key: str = "",
+                 reuse: Hashable | None = None) -> None:
+        super().__init__(self._consume, key, reuse)
         self.stats = stats
         self._on_first = on_first  # called once, before the first summary is merged
         low, high = stats.range if stats.range is not None else (math.nan, math.nan)
