@@ -1029,3 +1029,109 @@ def test_a_key_that_gets_no_value_inside_the_compiled_code_is_named(tmp_path: Pa
     tree = fwdtrace.read_dump(path, show=False)
     assert tree["status"] == "incomplete: 1 keys got no value inside the compiled code: 1.unused.Linear"
     assert tree["attrs"]["missing"] == "1.unused.Linear"
+
+
+_DISTRIBUTED = '''
+import copy, json, socket, sys, torch, torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+class Block(nn.Sequential):  # forwards of the user's own, as training scripts' models have
+    def forward(self, x):
+        return self[1](self[0](x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 8), Block(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+
+def run(rank, port, out):
+    import fwdtrace
+    from fwdtrace.live.sampler import Sampler
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    calls = [0]
+
+    def counting(gm, example_inputs):
+        return lambda *a: (calls.__setitem__(0, calls[0] + 1), gm.forward(*a))[1]
+
+    def dump(model, folder):
+        dumper = fwdtrace.Dumper(f"{out}/{folder}{rank}", values="statistics")
+        dumper.register(model, grads=False)
+        model(x).sum().backward()
+        [path] = dumper.remove()
+        return path
+
+    results = {}
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for how in ("ddp", "fsdp2"):
+        torch.manual_seed(0)
+        net = Net()
+        eager = copy.deepcopy(net)
+        if how == "ddp":
+            compiled, eager, key = torch.compile(DistributedDataParallel(net), backend=counting), \\
+                DistributedDataParallel(eager), "module.block.0.Linear"
+        else:
+            mesh = init_device_mesh("cpu", (2,))
+            fully_shard(net.block, mesh=mesh)
+            compiled, key = torch.compile(fully_shard(net, mesh=mesh), backend=counting), "block.0.Linear"
+        compiled(x).sum().backward()  # the first compiled call, as every training loop has made
+        path, reference = dump(compiled, how), dump(eager, how + "eager")
+        tree, want = fwdtrace.read_dump(path, show=False), fwdtrace.read_dump(reference, show=False)
+        sampler = Sampler(compiled)
+        sampler.arm(key, "forward")
+        compiled(x).sum().backward()
+        sampler.drain(30)
+        taken = sampler.arms[(key, "forward")].info()["taken"]
+        sampler.close()
+        results[how] = {
+            "status": tree["status"], "groups": [g["attrs"]["module_key"] for g in tree["groups"].values()],
+            "eager_groups": [g["attrs"]["module_key"] for g in want["groups"].values()],
+            "equal": fwdtrace.compare_dumps(path, reference, rtol=1e-6).equal, "taken": taken,
+        }
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    other = mp.get_context("spawn").Process(target=run, args=(1, port, sys.argv[1]))
+    other.start()
+    run(0, port, sys.argv[1])
+    other.join(120)
+    sys.exit(other.exitcode)
+'''
+
+
+def test_compiled_ddp_and_fsdp2_on_two_ranks_dump_every_eager_group_and_sample(tmp_path: Path) -> None:
+    """``torch.compile(DDP(model))`` and an FSDP2 model compiled whole, on two gloo ranks: a forward statistics
+    dump holds every group the eager copy's dump holds, with its values, and a live forward arm takes samples.
+    Before, DDP's and FSDP's graph breaks left the layers' hooks in frames compiled without them: a dump marked
+    complete held the root alone."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(_DISTRIBUTED)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for how, got in results.items():
+            assert got["status"] == "complete", (rank, how)
+            assert got["groups"] == got["eager_groups"] and len(got["groups"]) >= 4, (rank, how, got)
+            assert got["equal"] and got["taken"] == 1, (rank, how, got)
