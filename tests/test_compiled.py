@@ -999,8 +999,8 @@ def test_a_statistics_dump_of_a_model_with_a_graph_break_holds_every_eager_call(
 
 
 def test_a_key_that_gets_no_value_inside_the_compiled_code_is_named(tmp_path: Path) -> None:
-    """A layer the compiled part runs without calling (a branch not taken): every tool hears of it, once, and a
-    dump that misses it is incomplete and names it."""
+    """A layer the compiled part runs without calling: every tool hears of it, once; a dump holds what the eager
+    model's dump holds (complete: an eager run does not call it either) and names it in ``not_called``."""
 
     class Skips(nn.Module):
         def __init__(self) -> None:
@@ -1010,25 +1010,28 @@ def test_a_key_that_gets_no_value_inside_the_compiled_code_is_named(tmp_path: Pa
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.used(x)
 
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Skips())
+    eager = copy.deepcopy(model)
     model[1] = torch.compile(model[1], backend=counting)
     model(X)
     with pytest.warns(fwdtrace.errors.FwdtraceWarning, match=r"^fwdtrace: no value for 1\.unused\.Linear in a call "
-                      r"of compiled Skips: not called in it, or not reached by its compiled code$"):
+                      r"of compiled Skips: not called in it, or not reached by its compiled code$") as said:
         with fwdtrace.Probe(model) as probe:
             stats = probe.running_stats(["1.used.Linear", "1.unused.Linear"])
             model(X)
             model(X)
-    assert list(stats.stats) == ["1.used.Linear"]
-    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match=r"^fwdtrace: the dump \S+ is incomplete: 1 keys got "
-                      r"no value inside the compiled code: 1\.unused\.Linear$"):
-        dumper = fwdtrace.Dumper(tmp_path, values="statistics")
-        dumper.register(model, grads=False)
-        model(X)
-        [path] = dumper.remove()
-    tree = fwdtrace.read_dump(path, show=False)
-    assert tree["status"] == "incomplete: 1 keys got no value inside the compiled code: 1.unused.Linear"
-    assert tree["attrs"]["missing"] == "1.unused.Linear"
+    assert len(said) == 1 and list(stats.stats) == ["1.used.Linear"]
+    paths = []
+    for m, folder in ((model, "compiled"), (eager, "eager")):
+        dumper = fwdtrace.Dumper(tmp_path / folder, values="statistics")
+        dumper.register(m, grads=False)
+        m(X)
+        paths += dumper.remove()
+    tree = fwdtrace.read_dump(paths[0], show=False)
+    assert tree["status"] == "complete" and tree["attrs"]["not_called"] == "1.unused.Linear"
+    assert "not_called" not in fwdtrace.read_dump(paths[1], show=False)["attrs"]
+    assert fwdtrace.compare_dumps(paths[0], paths[1], rtol=1e-6).equal
 
 
 _DISTRIBUTED = '''

@@ -172,8 +172,6 @@ class _Reader:
             return "complete"  # a version-1 dump: closed, nothing more recorded
         else:
             reason = "the file was never closed: the writing process was killed or failed"
-        if "missing" in attrs:  # every call ran, some keys' values were not taken: the reason names them
-            return f"incomplete: {reason}"
         if not self.groups:
             return f"incomplete: no module call recorded ({reason})"
         return f"incomplete: stopped after {self.groups[-1][0]} ({reason})"

@@ -21,7 +21,7 @@ import torch
 from .._files import AtomicFile
 from .._host import HostCopy, host, to_numpy
 from .._tree import dtype_name, iter_tensors, tensors_of
-from ..errors import FwdtraceError, FwdtraceWarning, describe, one_line
+from ..errors import FwdtraceError, describe, one_line
 from ..graph import Graph
 from ..instrument.attach import Attachment
 from ..instrument.calls import ModelCalls
@@ -221,7 +221,9 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
-        self.missing: list[str] = []  # keys the compiled code ran without handing a value to (the graph route)
+        # keys the compiled code ran without handing a value to (the graph route): a part compiled with the hooks
+        # is one whole graph (else it runs eagerly), so these are layers it does not call, nor would an eager run
+        self.missing: list[str] = []
         self.eager_why: list[str] = []  # why its compiled parts ran eagerly instead (the graph route)
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
@@ -623,9 +625,6 @@ class _Recording:
             return False, "no call of the model's layers was recorded, only the root's" + raised
         if not self.forward_done:
             return False, "the forward did not finish" + raised
-        if self.missing:
-            return False, (f"{len(self.missing)} keys got no value inside the compiled code: "
-                           f"{', '.join(self.missing)}" + raised)
         if self.backward_expected and not self.backward_done:
             return False, "the backward did not run" + raised
         if self.writer is not None and self.writer.dropped:
@@ -656,7 +655,7 @@ class _Recording:
             attrs["complete"] = complete
             attrs["status"] = status
             if self.missing:
-                attrs["missing"] = "\n".join(self.missing)
+                attrs["not_called"] = "\n".join(self.missing)
             if self.eager_why:
                 attrs["compiled"] = f"eager: the compiled parts ran eagerly while dumped, as {'; '.join(self.eager_why)}"
             attrs["forward_finished"] = self.forward_done
@@ -676,8 +675,6 @@ class _Recording:
             self.closed = False
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
-        if self.missing:
-            warnings.warn(f"fwdtrace: the dump {self.path.name} is incomplete: {status}", FwdtraceWarning, stacklevel=3)
         return self.path
 
 
