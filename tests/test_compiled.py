@@ -945,6 +945,7 @@ def make_breaking(kind: str, how: str, backend: Any = counting) -> Case:
 BREAK_KEYS = ["inp.Linear", "block.0.Linear", "block.2.Linear", "out.Linear"]
 
 
+@pytest.mark.filterwarnings("ignore:fwdtrace. \\w+ runs eagerly while the hooks:fwdtrace.errors.FwdtraceWarning")  # the arm's
 @pytest.mark.parametrize(("kind", "how"), [
     ("graph_break", "torch.compile"), ("print", "torch.compile"), ("item", "module.compile"), ("if", "regional"),
 ])
