@@ -85,15 +85,6 @@ class _Call:
 
 
 @dataclass
-class _Kept:
-    """What a Dumper keeps across its registrations so that dumping a compiled model every step compiles once:
-    the in-graph slot of each hooked module (the compiled copy's hooks append to it), and the copies compiled."""
-
-    slots: dict[tuple[int, str, bool, bool], Slot] = field(default_factory=dict)  # (id(owner), key, statistics, wanted)
-    copies: dict[int, dict[frozenset[int], Any]] = field(default_factory=dict)  # GraphRoute's kept
-
-
-@dataclass
 class _Taken:
     """A call's tensors as the in-graph hooks took them inside compiled code, handed over after the graph:
     per tensor (in :func:`~fwdtrace._tree.iter_tensors` order) a detached copy, or for a statistics dump of a
@@ -179,12 +170,11 @@ class _Recording:
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
         overwrite: bool, values: str = "tensors", calls: str = "modules", selection: _Selection | None = None,
-        writer: _Writer | None = None, kept: _Kept | None = None,
+        writer: _Writer | None = None,
     ) -> None:
         h5py = _h5py()
         self.path = path
         self.writer = writer
-        self.kept = kept or _Kept()
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         try:
             self.atomic.check_target()
@@ -271,7 +261,7 @@ class _Recording:
         route = self._route(model, root, grads, bool(sites))
         # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run; or,
         # on the graph route, the hooks of the modules inside them run in compiled copies of them.
-        on = Attachment(model, "Dumper.register()", route, self.kept.copies)
+        on = Attachment(model, "Dumper.register()", route)
         self.forward_handles.append(on)
         if self.record_functions:
             # Function calls as the trace sees them: the step's forward runs inside a Tracer, which hands
@@ -301,12 +291,8 @@ class _Recording:
                     else:
                         post(None, (), {}, _Taken(event[1], event[2]))
 
-                # the slot its hooks had at the Dumper's last registration: the copy compiled then runs again
-                slot = self.kept.slots.get((id(owner), key, self.statistics, wanted))
-                if slot is None or slot.bound:
-                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume, key, reuse=("dump", id(owner), key, self.statistics, wanted))
-                else:
-                    slot.bind(consume)
+                # the slot id these hooks had at an earlier registration: the copy compiled then runs again
+                slot = Slot(consume, key, reuse=("dump", id(owner), key, self.statistics, wanted))
                 traced_pre, traced_post = _in_graph_hooks(slot, self.statistics, wanted)
                 traced.append((owner, slot, traced_post, traced_pre))
                 continue
@@ -836,7 +822,6 @@ class Dumper:
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
-        self._kept = _Kept()
         self._written: list[Path] = []
         self._guard: InterruptGuard | None = None
 
@@ -878,8 +863,7 @@ class Dumper:
             try:
                 with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
                     self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values,
-                                                       self.calls, _Selection(self.keys, self.scope), writer,
-                                                       self._kept))
+                                                       self.calls, _Selection(self.keys, self.scope), writer))
             except BaseException:
                 if writer is not None:
                     writer.finish()

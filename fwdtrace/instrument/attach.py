@@ -55,19 +55,15 @@ class Attachment:
     0
 
     ``caller`` names the public function in errors (a model whose ``forward`` is itself a compiled
-    function cannot be run eagerly). ``route`` is one of :data:`ROUTES` (see the module's notes). ``kept``: a
-    dict the tool keeps across attachments, where the copies compiled for its in-graph hooks wait to be used
-    again by the same hooks on the same slots (:class:`~fwdtrace.instrument.compiled.GraphRoute`).
+    function cannot be run eagerly). ``route`` is one of :data:`ROUTES` (see the module's notes).
     Each ``forward*``/``grads``/... method adds its hooks now and returns their handle, which may
     also be removed alone; :meth:`remove` (or leaving ``with``) takes everything off, twice is harmless.
     """
 
-    def __init__(self, model: torch.nn.Module, caller: str, route: str = "eager",
-                 kept: dict[int, dict[frozenset[int], Any]] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, caller: str, route: str = "eager") -> None:
         if route not in ROUTES:
             raise ValueError(f"route is one of {ROUTES}, got {route!r}")
         self.model, self.caller, self.route = model, caller, route
-        self.kept = kept  # the tool's compiled copies, for the same in-graph hooks attached again (GraphRoute's kept)
         self._handles: list[Any] = []
         self._eager: EagerRoute | None = None
         self._inside: set[int] | None = None  # id() of every module inside a compiled part, on the graph route
@@ -155,7 +151,7 @@ class Attachment:
         with critical():
             if self.route == "graph" and made:
                 # The route first (one for them all): the hooks are never seen by a part's own compiled code.
-                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module) for module, slot, _ in made], self.kept))
+                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module) for module, slot, _ in made]))
             return [self._keep(make()) for _, _, make in made]
 
     def stats(self, module: torch.nn.Module, slot: StatsSlot, of: str) -> ForwardHook:

@@ -9,7 +9,7 @@ see its hooks; while it is attached, the compiled parts run one of two routes.
 Hooks that dynamo traces without a break (:mod:`fwdtrace.instrument.ingraph`: forward statistics and
 copies) take the :class:`GraphRoute`: a ``torch.compile`` wrapper, or a module compiled in place, runs a
 compiled copy of its module made with those hooks in place and its own backend and options (found in
-dynamo's context), once per armed set.
+dynamo's context), once per armed set for as long as the module lives.
 
 Every other hook takes the :class:`EagerRoute`: every compiled part runs its eager module instead. An
 ``OptimizedModule`` (``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module
@@ -145,7 +145,6 @@ class _Routed:
 
 
 _ROUTED: dict[int, _Routed] = {}  # id() of a compiled module -> its route
-_KEPT_SETS = 4  # compiled copies a GraphRoute's ``kept`` holds per compiled module, the oldest dropped first
 
 
 def _checked_walk(model: torch.nn.Module, caller: str) -> list[tuple[str, torch.nn.Module]]:
@@ -442,21 +441,16 @@ class GraphRoute(_Route):
     ``torch.compile`` wrapper, a module compiled in place) runs a compiled copy of its module made with those
     hooks in place, with the part's backend and options.
 
-    The copy is compiled once per armed set of slots (arming a key costs one compilation; the part's own
-    graphs are set aside, not changed, so disarming costs none) and kept while its slots are armed. While an
-    :class:`EagerRoute` is also held on a part, the part runs eagerly and the hooks run there.
-    ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
-
-    ``kept`` (optional, owned by the tool): where the copies compiled with these slots go when they are given
-    back, and are found again when a route arms the same slots (a tool that arms the same hooks each step, as
-    a Dumper registering every step, then compiles once, not once per step). Dynamo guards on what the
-    hooks read, so a copy whose hooks changed is compiled anew all the same.
+    The copy is compiled once per armed set of slots for as long as the part lives (arming a key set for the
+    first time costs one compilation; the same hooks armed again take the same slot ids, see
+    :class:`~fwdtrace.instrument.ingraph.Slot`'s ``reuse``, and run the copy made then; the part's own graphs
+    are set aside, not changed, so disarming costs none). A part whose code breaks its graph runs eagerly
+    instead (said once). While an :class:`EagerRoute` is also held on a part, the part runs eagerly and the
+    hooks run there. ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
     """
 
-    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]],
-                 kept: dict[int, dict[frozenset[int], Any]] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]]) -> None:
         self.modules = modules
-        self.kept = kept
         self._armed: list[tuple[torch.nn.Module, list[int]]] = []
         super().__init__(model, caller)
 
@@ -470,9 +464,6 @@ class GraphRoute(_Route):
                 routed = _routed(wrapper)
                 for slot_id in slot_ids:
                     routed.slots[slot_id] = routed.slots.get(slot_id, 0) + 1
-                if self.kept is not None:
-                    for armed, call in self.kept.get(id(wrapper), {}).items():
-                        routed.graphs.setdefault(armed, call)
                 self._armed.append((wrapper, slot_ids))
 
     def eager_why(self) -> list[str]:
@@ -506,15 +497,7 @@ class GraphRoute(_Route):
                 routed.slots[slot_id] -= 1
                 if routed.slots[slot_id] == 0:
                     del routed.slots[slot_id]
-                    # the copies compiled with it stay (the module's, for the same slots armed again) and
-                    # go to the tool's keeping too
-                    gone = {k: v for k, v in routed.graphs.items() if slot_id in k}
-                    while len(routed.graphs) > _COPIES_KEPT:
+                    while len(routed.graphs) > _COPIES_KEPT:  # the copies compiled with it stay, for it armed again
                         del routed.graphs[next(iter(routed.graphs))]
-                    if self.kept is not None and gone:
-                        kept = self.kept.setdefault(id(wrapper), {})
-                        kept.update(gone)
-                        while len(kept) > _KEPT_SETS:
-                            del kept[next(iter(kept))]
             _put_back_if_idle(wrapper, routed, errors)
         self._armed = []

@@ -113,7 +113,11 @@ def merge_summary(stats: RunningStats, summary: torch.Tensor, range_t: torch.Ten
 
 class Slot:
     """Where one hook's in-graph results go: a slot id baked into the compiled graph, and the consumer
-    that :func:`drain` hands each queued payload to, outside compiled code. :meth:`close` drains first."""
+    that :func:`drain` hands each queued payload to, outside compiled code. :meth:`close` drains first.
+
+    ``key`` names the slot in what fwdtrace says about it. ``reuse`` says what the hooks feeding it are (their
+    kind, module and options): a slot made with the same ``reuse`` as a closed one takes its id again, so
+    the compiled copy made for those hooks runs again, uncompiled."""
 
     def __init__(self, consume: Callable[[Any], None], key: str = "", reuse: Hashable | None = None) -> None:
         # The same hooks on the same module take the same slot id again (when no other tool holds it): the
@@ -128,15 +132,6 @@ class Slot:
         _SLOT2CONSUMER[self.id] = consume
         if key:
             _SLOT2KEY[self.id] = key
-
-    @property
-    def bound(self) -> bool:
-        """Whether a consumer takes this slot's payloads (from construction or :meth:`bind` until :meth:`close`)."""
-        return self.id in _SLOT2CONSUMER
-
-    def bind(self, consume: Callable[[Any], None]) -> None:
-        """Hand this slot's payloads to ``consume`` from now on (a slot armed again after :meth:`close`)."""
-        _SLOT2CONSUMER[self.id] = consume
 
     def put(self, payload: Any) -> None:
         """Queue ``payload`` (tensors, and Python values dynamo can rebuild) for this slot's consumer."""
