@@ -89,15 +89,6 @@ class _Call:
 
 
 @dataclass
-class _Kept:
-    """What a Dumper keeps across its registrations so that dumping a compiled model every step compiles once:
-    the in-graph slot of each hooked module (the compiled copy's hooks append to it), and the copies compiled."""
-
-    slots: dict[tuple[int, str, bool, bool], Slot] = field(default_factory=dict)  # (id(owner), key, statistics, wanted)
-    copies: dict[int, dict[frozenset[int], Any]] = field(default_factory=dict)  # GraphRoute's kept
-
-
-@dataclass
 class _Taken:
     """A call's tensors as the in-graph hooks took them inside compiled code, handed over after the graph:
     per tensor (in :func:`~fwdtrace._tree.iter_tensors` order) a detached copy, or for a statistics dump of a
@@ -183,12 +174,11 @@ class _Recording:
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
         overwrite: bool, values: str = "tensors", calls: str = "modules", selection: _Selection | None = None,
-        writer: _Writer | None = None, kept: _Kept | None = None,
+        writer: _Writer | None = None,
     ) -> None:
         h5py = _h5py()
         self.path = path
         self.writer = writer
-        self.kept = kept or _Kept()
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
         self.file: Any = None
         self.disk: QuietWrites | None = None
@@ -232,6 +222,10 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
+        # keys the compiled code ran without handing a value to (the graph route): a part compiled with the hooks
+        # is one whole graph (else it runs eagerly), so these are layers it does not call, nor would an eager run
+        self.missing: list[str] = []
+        self.eager_why: list[str] = []  # why its compiled parts ran eagerly instead (the graph route)
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
         self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | HostCopy]] = {}
@@ -278,7 +272,7 @@ class _Recording:
         route = self._route(model, root, grads, bool(sites))
         # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run; or,
         # on the graph route, the hooks of the modules inside them run in compiled copies of them.
-        on = Attachment(model, "Dumper.register()", route, self.kept.copies)
+        on = Attachment(model, "Dumper.register()", route)
         self.forward_handles.append(on)
         if self.record_functions:
             # Function calls as the trace sees them: the step's forward runs inside a Tracer, which hands
@@ -308,12 +302,8 @@ class _Recording:
                     else:
                         post(None, (), {}, _Taken(event[1], event[2]))
 
-                # the slot its hooks had at the Dumper's last registration: the copy compiled then runs again
-                slot = self.kept.slots.get((id(owner), key, self.statistics, wanted))
-                if slot is None or slot.bound:
-                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume)
-                else:
-                    slot.bind(consume)
+                # the slot id these hooks had at an earlier registration: the copy compiled then runs again
+                slot = Slot(consume, key, reuse=("dump", id(owner), key, self.statistics, wanted))
                 traced_pre, traced_post = _in_graph_hooks(slot, self.statistics, wanted)
                 traced.append((owner, slot, traced_post, traced_pre))
                 continue
@@ -323,6 +313,10 @@ class _Recording:
         on.traced(traced)
 
     def _remove_hooks(self) -> None:
+        # what the compiled code ran without (the graph route), read before its hooks go
+        attached = [h for h in self.forward_handles if isinstance(h, Attachment)]
+        self.missing = sorted({*self.missing, *(key for h in attached for key in h.missing())})
+        self.eager_why = list(dict.fromkeys([*self.eager_why, *(why for h in attached for why in h.eager_why())]))
         for h in self.forward_handles:
             h.remove()
         self.forward_handles.clear()
@@ -726,6 +720,10 @@ class _Recording:
         attrs["calls"] = self.calls
         attrs["complete"] = complete
         attrs["status"] = status
+        if self.missing:
+            attrs["not_called"] = "\n".join(self.missing)
+        if self.eager_why:
+            attrs["compiled"] = f"eager: the compiled parts ran eagerly while dumped, as {'; '.join(self.eager_why)}"
         attrs["forward_finished"] = self.forward_done
         attrs["backward_finished"] = self.backward_done
         attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
@@ -917,7 +915,6 @@ class Dumper:
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
-        self._kept = _Kept()
         self._written: list[Path] = []
         self._guard: InterruptGuard | None = None
 
@@ -970,7 +967,7 @@ class Dumper:
                 try:
                     self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite,
                                                        self.values, self.calls, _Selection(self.keys, self.scope),
-                                                       writer, self._kept))
+                                                       writer))
                 except BaseException:
                     if writer is not None:
                         writer.finish()
