@@ -349,6 +349,7 @@ class _Matcher:
             for r in n.outputs:
                 self.made_by.setdefault(r.obj_id, n.id)
         self.fill_copies: set[int] = set()  # copies into a tensor still holding one value: pads
+        self.computed_once: set[int] = set()  # ONNX nodes of one call's region another call is too
         self.trace_succ: dict[int, list[int]] = {}
         for e in trace.edges:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
@@ -683,6 +684,19 @@ class _Matcher:
             also.setdefault(e.src, {})[e.obj_id] = None
             if _numel(e.shape) > _numel(partial.get(e.src, src.outputs[0].shape)):
                 partial[e.src] = e.shape
+        # an earlier write through the same view wrote into the same tensor, though nothing read it
+        # before this one wrote again (``v = y[1:]; v[:, 0] = a; v[:, 1] = b``): the export puts each back
+        for nid in sorted(partial, reverse=True):
+            view = self.tnodes[nid].outputs[0].obj_id
+            if self.tnodes[nid].inputs[:1] and self.tnodes[nid].inputs[0].obj_id != view:
+                continue
+            for earlier in reversed(self.tnodes[:nid]):
+                if earlier.kind != "function" or not earlier.outputs or earlier.outputs[0].obj_id != view:
+                    continue
+                if not earlier.inputs or earlier.inputs[0].obj_id != view or earlier.id in partial:
+                    break  # what made the view, or a write already known
+                partial[earlier.id] = partial[nid]
+                also.setdefault(earlier.id, {}).update(dict.fromkeys(also.get(nid, {})))
         return {nid: list(objs) for nid, objs in also.items()}, partial
 
     def _reaches_an_output(self) -> set[int]:
@@ -773,6 +787,13 @@ class _Matcher:
                 key, region = found
                 self._new_group(tn.id, region, key)
                 tn_out = frozenset({tn.id})
+                # the calls whose op it shares (computed once) feed it in ONNX: so in the trace
+                shared = sorted({self.matched[p] for o in region for v in self._data_inputs(self.onodes[o])
+                                 if (p := self.producer[v]) in self.matched and self.matched[p] not in passthrough
+                                 and self.matched[p] != tn.id and p not in self.computed_once
+                                 and self.op(p) in eq.op_types
+                                 and self._computed_once_with(self.matched[p], p, passthrough)})
+                self.reqs[tn.id] = reqs = [*reqs, *(frozenset({g}) for g in shared)]
             elif simpler is not None:
                 how, outs = simpler
                 (self.undecided if twin is not None else self.elided).append((tn.id, how))
@@ -786,6 +807,11 @@ class _Matcher:
                 and eq.folds_into & (equivalence_for(self.tnodes[missing_feeder]) or Equivalence()).op_types
             ):
                 self.elided.append((tn.id, f"would fold into {_trace_label(self.tnodes[missing_feeder])}, missing"))
+                tn_out = passthrough
+            elif (inside := self._inside_another(eq, reqs)) is not None:
+                self.elided.append((tn.id, f"simplified: computed once, as {_onnx_name(self.onodes[inside[1]])} "
+                                           f"of {_trace_label(self.tnodes[inside[0]])}"))
+                self.computed_once.add(inside[1])
                 tn_out = passthrough
             elif eq.optional:
                 wiring = not eq.patterns or tn.id in self.fill_copies  # a copy filling all of the buffer
@@ -1024,6 +1050,40 @@ class _Matcher:
             best = self._anchored_fallback(tn, eq, ops, budget, scopes, params)
         return None if best is None else (best[1], best[2])
 
+    def _inside_another(self, eq: Equivalence, reqs: list[frozenset[int]]) -> tuple[int, int] | None:
+        """A one-op call's op that an earlier call's region holds, read from just what the call reads.
+
+        The other side of :meth:`_computed_once_with`: AdaIN's ``x - x.mean()`` is the Sub
+        inside the dynamo exporter's ``x.std()``. Returns (that call's group, the ONNX node).
+        """
+        ones = {p.ops[0][0] for p in eq.patterns if p.ops == ((p.ops[0][0], 1),)}
+        sources = frozenset().union(*reqs) if reqs else frozenset()
+        if not ones or len(reqs) < 2:
+            return None
+        for n in self.onodes:
+            gid = self.matched.get(n.id)
+            if gid is None or gid < 0 or n.id == self.groups[gid].key or self.op(n.id) not in ones:
+                continue
+            behind = [self._groups_behind(self.producer[v]) for v in self._data_inputs(n)]
+            if set().union(*behind) == sources and all(len(b) == 1 for b in behind):
+                return gid, n.id
+        return None
+
+    def _computed_once_with(self, gid: int, oid: int, sources: frozenset[int]) -> bool:
+        """Whether ONNX node ``oid``, all of call ``gid``'s work, may be shared with a call reading ``sources``.
+
+        An exporter computes a subexpression once: the dynamo exporter's ``x.std()`` reads the
+        ReduceMean of the ``x.mean()`` before it (AdaIN). Only a call computed from those same
+        inputs alone, and of one op, may be an op of the call after it too.
+        """
+        group = self.groups.get(gid)
+        if gid < 0 or group is None or group.key != oid or self.tnodes[gid].kind != "function":
+            return False
+        if any(o != oid and o not in self.wiring for o in group.onodes):
+            return False
+        read = frozenset().union(*self.reqs.get(gid, [])) if self.reqs.get(gid) else frozenset()
+        return bool(read) and read <= sources
+
     def _reads_shaped(self, oid: int, shapes: set[tuple[int, ...]]) -> frozenset[int]:
         """The values shaped as ``shapes`` that an ONNX node reads, each as the result of an unmatched op before any wiring.
 
@@ -1128,8 +1188,19 @@ class _Matcher:
                 p = self.producer[v]
                 if p in self.matched:
                     g = self.matched[p]
+                    if p in self.computed_once and g not in sources:  # another call's op, and ours too
+                        behind = set().union(*(self._groups_behind(self.producer[v])
+                                               for v in self._data_inputs(self.onodes[p])))
+                        if not behind <= sources:
+                            return None
+                        touched |= behind
+                        continue
                     if g not in sources:
-                        return None  # the candidate also depends on some other matched call
+                        if not self._computed_once_with(g, p, sources) or not (
+                            self.op(p) in ops and counts[self.op(p)] < budget[self.op(p)]
+                        ):
+                            return None  # the candidate also depends on some other matched call
+                        counts[self.op(p)] += 1  # one of its own ops, which the export shares with g
                     touched.add(g)
                     continue
                 if p in region or p in skipped:
@@ -1365,7 +1436,7 @@ class _Matcher:
             for req in reqs:
                 trace_edges.update((g, dst) for g in req if g != dst)
         onnx_edges: set[tuple[int, int]] = set()
-        prelude = {oid for gid in self.groups for oid in self._prelude(gid)}
+        prelude = {oid for gid in self.groups for oid in self._prelude(gid)} | self.computed_once
         for gid in self.groups:
             seen: set[int] = set()
             queue = deque(

@@ -812,14 +812,10 @@ _register(_functions("min"), "ReduceMin", "Min")
 _register(_functions("var"), "ReduceMean*2+Sub+Mul+Pow+Div", "ReduceVariance")
 # the square root of the variance written out: mean, centre, square, mean, the correction's scale (N / (N - 1))
 _register(_functions("std"), "ReduceMean*2+Sub+Mul*2+Pow+Div+Sqrt")
-def _diagonal(node: Node) -> RuleResult:
-    # torchlib's form (dynamo), or TorchScript's: masked by an EyeLike, summed, and the diagonal
-    # picked inside an If (a GatherND in its branch)
-    return [p for p in (_torchlib_pattern("torch.diagonal"), "Mul+ReduceSum+If") if p]
-
-
-for _target in _functions("diagonal"):
-    onnx_equivalent(_target)(_diagonal)
+# Masked by an EyeLike (a constant) and summed, then sliced (dynamo) or picked inside an If (a GatherND
+# in its branch: TorchScript). torchlib's own form also adds and gathers, on indices an export folds
+# away: that rule took the Add of diagonal(c).add(-1) in.
+_register(_functions("diagonal"), "Mul+ReduceSum", "Mul+ReduceSum+If")
 # the dot product over the norms' product (TorchScript, each norm a sum of squares), or each side over
 # its clamped norm, then the dot product (dynamo)
 _register(_functions("cosine_similarity"), "Mul*4+ReduceSum*3+Sqrt+Max+Clip+Div",
