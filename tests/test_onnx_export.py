@@ -489,6 +489,17 @@ def test_an_isolated_export_turns_a_crash_of_the_exporters_process_into_an_error
     assert torch.equal(model(x), model.fc(x))  # this process lives on, the model as it was
 
 
+def test_an_isolated_export_that_crashes_leaves_nothing_beside_its_path(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    # a model large enough for external data: the exporter writes into a folder of its own beside the file
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    model, x = _CrashesTheExporter().eval(), torch.randn(3, 4)
+    with pytest.raises(FwdtraceError, match=r"^export_onnx\(\): the torchscript ONNX exporter crashed .* SIGFPE"):
+        fwdtrace.export_onnx(model, x, path=os.path.join(str(tmp_path), "m.onnx"), exporter="torchscript",
+                             isolate=True)
+    assert os.listdir(str(tmp_path)) == []  # the killed child's folder went with it, no file half-written
+
+
 def test_an_isolated_export_is_the_export_and_says_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = zoo.ZOO["resnetish"]()
     plain = fwdtrace.export_onnx(model, *x, exporter="torchscript")
