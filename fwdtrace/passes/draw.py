@@ -192,16 +192,11 @@ def _agraph(source: str) -> Any:
     return pygraphviz.AGraph(string=source)
 
 
-_EDGE = re.compile(r'^\s*("(?:[^"\\]|\\.)*"|[\w.]+)(?::\S+?)?\s*->\s*("(?:[^"\\]|\\.)*"|[\w.]+)', re.MULTILINE)
-
-
 def _dot_edges(source: str) -> list[tuple[str, str]]:
-    """The edges of DOT text written by :func:`to_dot` (one statement a line), by box name: no Graphviz needed."""
-    return [(_dot_name(u), _dot_name(v)) for u, v in _EDGE.findall(source)]
+    """The edges of DOT text written by :func:`to_dot`, by box name: no Graphviz needed."""
+    from .layered import parse_dot
 
-
-def _dot_name(token: str) -> str:
-    return token[1:-1].replace('\\"', '"') if token.startswith('"') else token
+    return [(u, v) for u, v, _ in parse_dot(source).edges]
 
 
 LARGE_LAYOUT = 500  # boxes or edges: above this, the layout's network simplex passes are bounded (see _Layout)

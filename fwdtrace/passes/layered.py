@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["layered_svg", "parse_dot"]
 
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|->|--|[{}\[\]=;,:]|[^\s{}\[\]=;,:"]+', re.S)
+# comments (//, /* */, a line starting with #) come first: they are matched whole, then dropped
+_COMMENT = r'//[^\n]*|/\*.*?\*/|^[ \t]*#[^\n]*'
+_TOKEN = re.compile(_COMMENT + r'|"(?:[^"\\]|\\.)*"|->|--|[{}\[\]=;,:]|[^\s{}\[\]=;,:"]+', re.S | re.M)
+_IS_COMMENT = re.compile(_COMMENT, re.S | re.M)
 _POINTS = 72.0  # DOT sizes are in inches
 
 
@@ -60,7 +63,7 @@ def parse_dot(source: str) -> ParsedDot:
     >>> d.boxes["a"], d.boxes["b"]["shape"], [e[:2] for e in d.edges], d.root.items[1].attrs["label"]
     ({'shape': 'box', 'label': 'x\\ny'}, 'box', [('a', 'b')], 'c')
     """
-    tokens = [t for t in _TOKEN.findall(source) if not t.startswith(("//", "#"))]
+    tokens = [t for t in _TOKEN.findall(source) if not _IS_COMMENT.fullmatch(t)]
     boxes: dict[str, dict[str, str]] = {}
     edges: list[tuple[str, str, dict[str, str]]] = []
     root = _Cluster("", {}, None)
