@@ -269,6 +269,7 @@ ODD_DOT = [
     'digraph g { a:p -> b:q:n [color=red label="e"] }',
     'digraph g { subgraph s { a b } a -> b; b -> c }',
     'digraph g { "a\\"q" -> b; "a\\"q" -> c }',
+    'digraph g { a [label=<<b>x -&gt; y</b>>]; a -> b [label=<<i>e</i>>] }',
 ]
 
 
@@ -281,6 +282,8 @@ def test_own_layouts_dot_reader_reads_the_boxes_and_edges_graphviz_reads(source:
     assert sorted(read.boxes) == sorted(str(n) for n in agraph.nodes_iter())
     assert sorted((u, v) for u, v, _ in read.edges) == sorted((str(u), str(v)) for u, v in agraph.edges_iter())
     assert layered_svg(source).count('class="node') == len(read.boxes)
+    for name, attrs in read.boxes.items():  # labels too, HTML ones as Graphviz keeps them (without their brackets)
+        assert attrs.get("label", name) in (agraph.get_node(name).attr["label"] or name, name)
 
 
 def test_the_live_page_lists_layers_where_nothing_lays_out(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,7 @@ __all__ = ["layered_svg", "parse_dot"]
 
 # comments (//, /* */, a line starting with #) come first: they are matched whole, then dropped
 _COMMENT = r'//[^\n]*|/\*.*?\*/|^[ \t]*#[^\n]*'
-_TOKEN = re.compile(_COMMENT + r'|"(?:[^"\\]|\\.)*"|->|--|[{}\[\]=;,:]|[^\s{}\[\]=;,:"]+', re.S | re.M)
+_TOKEN = re.compile(_COMMENT + r'|"(?:[^"\\]|\\.)*"|->|--|[{}\[\]=;,:<]|[^\s{}\[\]=;,:"<>]+', re.S | re.M)
 _IS_COMMENT = re.compile(_COMMENT, re.S | re.M)
 _POINTS = 72.0  # DOT sizes are in inches
 
@@ -49,7 +49,27 @@ class ParsedDot:
     edges: list[tuple[str, str, dict[str, str]]]
 
 
+def _tokens(source: str) -> list[str]:
+    """DOT's tokens, comments left out; an HTML string (``<...>``, its brackets balanced) is one token."""
+    tokens: list[str] = []
+    pos = 0
+    while (m := _TOKEN.search(source, pos)) is not None:
+        pos = m.end()
+        if m[0] != "<":
+            if not _IS_COMMENT.fullmatch(m[0]):
+                tokens.append(m[0])
+            continue
+        depth, start = 1, m.start()
+        while depth and pos < len(source):
+            depth += {"<": 1, ">": -1}.get(source[pos], 0)
+            pos += 1
+        tokens.append(source[start:pos])
+    return tokens
+
+
 def _unquote(token: str) -> str:
+    if token.startswith("<") and token.endswith(">"):  # an HTML string: its text, the tags as they are
+        return token[1:-1]
     if not token.startswith('"'):
         return token
     text = token[1:-1].replace("\\\n", "")
@@ -63,7 +83,7 @@ def parse_dot(source: str) -> ParsedDot:
     >>> d.boxes["a"], d.boxes["b"]["shape"], [e[:2] for e in d.edges], d.root.items[1].attrs["label"]
     ({'shape': 'box', 'label': 'x\\ny'}, 'box', [('a', 'b')], 'c')
     """
-    tokens = [t for t in _TOKEN.findall(source) if not _IS_COMMENT.fullmatch(t)]
+    tokens = _tokens(source)
     boxes: dict[str, dict[str, str]] = {}
     edges: list[tuple[str, str, dict[str, str]]] = []
     root = _Cluster("", {}, None)
