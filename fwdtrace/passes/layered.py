@@ -248,7 +248,9 @@ def layered_svg(source: str) -> str:
         lo, hi = spans[id(c)]
         opens[lo], closes[hi] = max(opens[lo], level[id(c)]), max(closes[hi], level[id(c)])
     before, after = (pad, pad) if across else (head, pad)  # room along the ranks per cluster level
-    thickness = [max((along[k] for k in keys if rank[k] == r), default=0.0) for r in range(top_rank + 1)]
+    thickness = [0.0] * (top_rank + 1)  # each rank's thickest box (one pass: a rank by rank scan is quadratic)
+    for k in keys:
+        thickness[rank[k]] = max(thickness[rank[k]], along[k])
     start, position = [0.0] * (top_rank + 1), 0.0
     for r in range(top_rank + 1):
         position += opens[r] * before
@@ -293,10 +295,14 @@ def layered_svg(source: str) -> str:
     # A box alone in its rank, under no cluster but its own, is centred in its cluster (or the picture):
     # a chain of boxes of different widths then runs straight down.
     rank2count = collections.Counter(rank.values())
+    crossing = [0] * (top_rank + 1)  # the clusters drawn across each rank
+    for c in clusters:
+        for r in range(spans[id(c)][0], spans[id(c)][1] + 1):
+            crossing[r] += 1
     for k in keys:
         r = rank[k]
-        crossing = [i for i, (lo, hi) in spans.items() if lo <= r <= hi and i in extent]
-        if rank2count[r] == 1 and set(crossing) <= set(inside[k]):
+        # every cluster across its rank is one of its own (those cross its rank, each once)
+        if rank2count[r] == 1 and crossing[r] == len(inside[k]):
             left, right = (extent[inside[k][-1]][0] + first, extent[inside[k][-1]][1] - last) if inside[k] \
                 else (0.0, breadth)
             centre[k] = (left + right) / 2
@@ -307,7 +313,9 @@ def layered_svg(source: str) -> str:
     # Edges, along the ranks (a) and across them (c): between neighbouring ranks an S-curve; an edge
     # that passes over ranks (a residual connection) bows out beside the boxes it passes, rather than
     # running behind them.
-    far = [max((centre[k] + aside[k] / 2 for k in keys if rank[k] == r), default=0.0) for r in range(top_rank + 1)]
+    far = [0.0] * (top_rank + 1)
+    for k in keys:
+        far[rank[k]] = max(far[rank[k]], centre[k] + aside[k] / 2)
     for c in clusters:
         for r in range(spans[id(c)][0], spans[id(c)][1] + 1):
             far[r] = max(far[r], extent[id(c)][1])
