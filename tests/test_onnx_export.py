@@ -500,6 +500,43 @@ def test_an_isolated_export_that_crashes_leaves_nothing_beside_its_path(
     assert os.listdir(str(tmp_path)) == []  # the killed child's folder went with it, no file half-written
 
 
+class _HangsTheExporter(torch.nn.Module):
+    """Its export never ends: a child deadlocked on a lock another thread held at the fork."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():
+            import time
+
+            time.sleep(600)
+        return self.fc(x)
+
+
+def test_an_isolated_export_interrupted_takes_its_child_with_it() -> None:
+    import multiprocessing
+    import signal
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5, 2.0)  # Ctrl-C, and again should it wait for the child
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fwdtrace.export_onnx(_HangsTheExporter(), torch.randn(3, 4), exporter="torchscript", isolate=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        left = multiprocessing.active_children()
+        for child in left:
+            child.kill()
+            child.join()
+    assert left == []  # the hung child was ended, not left behind to sleep on
+
+
 def test_an_isolated_export_is_the_export_and_says_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = zoo.ZOO["resnetish"]()
     plain = fwdtrace.export_onnx(model, *x, exporter="torchscript")

@@ -205,6 +205,9 @@ def _export_in_child(
             outcome, text, said = reader.recv()
         except EOFError:  # the child died before it could say anything
             outcome, text, said = "died", "", []
+        except BaseException:  # interrupted (Ctrl-C): the export goes too, not left hung or waited for
+            child.kill()
+            raise
         finally:
             reader.close()
             child.join()
