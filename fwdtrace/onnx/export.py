@@ -106,8 +106,8 @@ def export_onnx(
     ``isolate=True`` runs the exporter in a child process (forked: the model and inputs as they
     are, nothing pickled), so that a crash of torch's own code there (the TorchScript exporter
     dies of SIGFPE on some chains of empty-tensor reshapes) is a :class:`~fwdtrace.errors.FwdtraceError`
-    naming the exporter and the signal, not the end of your process or notebook kernel. It
-    costs a process start; it needs ``fork`` (Linux, macOS).
+    naming the exporter and the signal, not the end of your process or notebook kernel. An
+    interrupt (Ctrl-C) ends the child too. It costs a process start; it needs ``fork`` (Linux, macOS).
     """
     return _export(model, args, kwargs, exporter, opset_version, path, weights=True, verbose=verbose,
                    isolate=isolate)
