@@ -537,6 +537,16 @@ def test_an_isolated_export_interrupted_takes_its_child_with_it() -> None:
     assert left == []  # the hung child was ended, not left behind to sleep on
 
 
+def test_an_isolated_export_without_fork_is_an_error_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # Windows' only one
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) with isolate=True exports in a forked child process, "
+                                            r"and this platform has no fork: export without isolate=True"):
+        fwdtrace.check_onnx(torch.nn.Linear(4, 2), torch.randn(3, 4), exporter="torchscript", isolate=True)
+    assert multiprocessing.active_children() == []
+
+
 def test_an_isolated_export_is_the_export_and_says_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = zoo.ZOO["resnetish"]()
     plain = fwdtrace.export_onnx(model, *x, exporter="torchscript")
