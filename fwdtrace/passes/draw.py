@@ -84,12 +84,13 @@ def _own_layout(source: str, fmt: str, caller: str, need: str) -> bytes:
     """``source`` drawn by fwdtrace's own layout as ``fmt`` (see :func:`layout_bytes`)."""
     from .layered import layered_svg
 
-    svg = layered_svg(source).encode()
     if fmt != "svg":
         try:
             import cairosvg
-        except ImportError:
+        except ImportError:  # said before laying out what could not be rasterised
             raise FwdtraceError(str(layout_missing(caller))) from None
+    svg = layered_svg(source).encode()
+    if fmt != "svg":
         svg = getattr(cairosvg, f"svg2{fmt}")(bytestring=svg)  # svg2png, svg2pdf
     warnings.warn(f"{caller} drew the picture with fwdtrace's own layout, since {need}, and there is no "
                   "Graphviz dot executable on PATH. For Graphviz's layout (more compact, fewer crossings) install "
