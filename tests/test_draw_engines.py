@@ -260,6 +260,32 @@ def test_dot_edges_are_those_graphviz_reads() -> None:
         assert sorted(draw._dot_edges(source)) == want
 
 
+# DOT beyond what to_dot writes today: comments of each kind, ports, a subgraph that is no cluster,
+# attributes on edges, escaped quotes in names
+ODD_DOT = [
+    'digraph g {\n  // a comment, with words -> and arrows\n  a -> b\n}',
+    'digraph g { /* x -> y */ a -> b }',
+    'digraph g {\n# a line of the preprocessor\na -> b\n}',
+    'digraph g { a:p -> b:q:n [color=red label="e"] }',
+    'digraph g { subgraph s { a b } a -> b; b -> c }',
+    'digraph g { "a\\"q" -> b; "a\\"q" -> c }',
+    'digraph g { a [label=<<b>x -&gt; y</b>>]; a -> b [label=<<i>e</i>>] }',
+]
+
+
+@pytest.mark.parametrize("source", ODD_DOT)
+def test_own_layouts_dot_reader_reads_the_boxes_and_edges_graphviz_reads(source: str) -> None:
+    from fwdtrace.passes.layered import layered_svg, parse_dot
+
+    agraph = draw._agraph(source)
+    read = parse_dot(source)
+    assert sorted(read.boxes) == sorted(str(n) for n in agraph.nodes_iter())
+    assert sorted((u, v) for u, v, _ in read.edges) == sorted((str(u), str(v)) for u, v in agraph.edges_iter())
+    assert layered_svg(source).count('class="node') == len(read.boxes)
+    for name, attrs in read.boxes.items():  # labels too, HTML ones as Graphviz keeps them (without their brackets)
+        assert attrs.get("label", name) in (agraph.get_node(name).attr["label"] or name, name)
+
+
 def test_the_live_page_lists_layers_where_nothing_lays_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """The graph's drawing is refused once, saying why (501, layout false: the page stops asking and
     lists /api/keys instead); the layers can still be armed."""

@@ -830,6 +830,8 @@ def test_a_dumper_given_a_file_is_refused_at_construction(tmp_path: Path) -> Non
         fwdtrace.Dumper("dump.hdf5")
     assert a_file.read_text() == "notes" and not Path("dump.hdf5").exists()
     fwdtrace.Dumper(tmp_path / "run.v1")  # a folder with a dot in its name is a folder
+    (tmp_path / "dumps.h5").mkdir()
+    assert fwdtrace.Dumper(tmp_path / "dumps.h5").directory.is_dir()  # ...and so is an existing one named .h5
 
 
 def test_a_dumpers_repr_shows_its_folder_and_settings(tmp_path: Path) -> None:

@@ -489,6 +489,64 @@ def test_an_isolated_export_turns_a_crash_of_the_exporters_process_into_an_error
     assert torch.equal(model(x), model.fc(x))  # this process lives on, the model as it was
 
 
+def test_an_isolated_export_that_crashes_leaves_nothing_beside_its_path(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    # a model large enough for external data: the exporter writes into a folder of its own beside the file
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    model, x = _CrashesTheExporter().eval(), torch.randn(3, 4)
+    with pytest.raises(FwdtraceError, match=r"^export_onnx\(\): the torchscript ONNX exporter crashed .* SIGFPE"):
+        fwdtrace.export_onnx(model, x, path=os.path.join(str(tmp_path), "m.onnx"), exporter="torchscript",
+                             isolate=True)
+    assert os.listdir(str(tmp_path)) == []  # the killed child's folder went with it, no file half-written
+
+
+class _HangsTheExporter(torch.nn.Module):
+    """Its export never ends: a child deadlocked on a lock another thread held at the fork."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():
+            import time
+
+            time.sleep(600)
+        return self.fc(x)
+
+
+def test_an_isolated_export_interrupted_takes_its_child_with_it() -> None:
+    import multiprocessing
+    import signal
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5, 2.0)  # Ctrl-C, and again should it wait for the child
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fwdtrace.export_onnx(_HangsTheExporter(), torch.randn(3, 4), exporter="torchscript", isolate=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        left = multiprocessing.active_children()
+        for child in left:
+            child.kill()
+            child.join()
+    assert left == []  # the hung child was ended, not left behind to sleep on
+
+
+def test_an_isolated_export_without_fork_is_an_error_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # Windows' only one
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\) with isolate=True exports in a forked child process, "
+                                            r"and this platform has no fork: export without isolate=True"):
+        fwdtrace.check_onnx(torch.nn.Linear(4, 2), torch.randn(3, 4), exporter="torchscript", isolate=True)
+    assert multiprocessing.active_children() == []
+
+
 def test_an_isolated_export_is_the_export_and_says_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = zoo.ZOO["resnetish"]()
     plain = fwdtrace.export_onnx(model, *x, exporter="torchscript")

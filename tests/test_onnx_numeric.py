@@ -801,6 +801,36 @@ def test_a_divergence_before_a_random_op_is_still_found() -> None:
     assert report.status == "diverges" and report.first_divergence is row, report.numeric.lead()
 
 
+class _Beside(torch.nn.Module):
+    """Two layers on a path the draw does not reach, their result added to noise drawn from the layer before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.changed, self.last = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        return self.last(self.changed(h)) + torch.randn_like(h)
+
+
+@pytest.mark.parametrize("layer", ["changed", "last"])
+def test_a_divergence_on_a_path_beside_a_random_op_is_still_found(layer: str) -> None:
+    torch.manual_seed(0)
+    model, x = _Beside(), torch.randn(4, 8)
+    proto = _scale_initializer(fwdtrace.export_onnx(model, x, exporter="torchscript"), f"{layer}.weight", 1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    # the reference: onnxruntime's value of the changed layer against a plain hook's
+    seen: list[torch.Tensor] = []
+    getattr(model, layer).register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+    model(x)
+    row = next(r for r in report.numeric.rows if r.module_path == layer)
+    (got,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [row.onnx_value])
+    assert not np.allclose(got, seen[0].numpy(), rtol=1e-4, atol=1e-5)
+    # the draw's own values are left uncompared, the divergence beside it is not
+    assert [r.call for r in report.numeric.random] == ["randn_like = torch.randn_like"]
+    assert report.status == "diverges" and report.first_divergence is row, report.numeric.lead()
+
+
 class _IdleDropout(torch.nn.Module):
     """A dropout that returns its input (eval mode, as a module or as ``F.dropout(training=False)``), whose
     result a residual add reads beside a layer the file changes: GPT-2's embedding dropout before its blocks."""

@@ -882,8 +882,10 @@ class Dumper:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
         # Refused here, not at register(): each step's file is named inside the folder
-        if Path(directory).exists() and not Path(directory).is_dir() or Path(directory).suffix in (".hdf5", ".h5"):
-            what = "an existing file" if Path(directory).exists() else "a file name"
+        # (an existing folder is a folder, whatever its name)
+        exists = Path(directory).exists()
+        if (exists and not Path(directory).is_dir()) or (not exists and Path(directory).suffix in (".hdf5", ".h5")):
+            what = "an existing file" if exists else "a file name"
             raise FwdtraceError(f"Dumper expected a folder path for its dumps (each step's file is named inside "
                                 f"it), got {str(directory)!r}, {what}")
         if not isinstance(overwrite, bool):

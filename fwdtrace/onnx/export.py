@@ -106,8 +106,8 @@ def export_onnx(
     ``isolate=True`` runs the exporter in a child process (forked: the model and inputs as they
     are, nothing pickled), so that a crash of torch's own code there (the TorchScript exporter
     dies of SIGFPE on some chains of empty-tensor reshapes) is a :class:`~fwdtrace.errors.FwdtraceError`
-    naming the exporter and the signal, not the end of your process or notebook kernel. It
-    costs a process start; it needs ``fork`` (Linux, macOS).
+    naming the exporter and the signal, not the end of your process or notebook kernel. An
+    interrupt (Ctrl-C) ends the child too. It costs a process start; it needs ``fork`` (Linux, macOS).
     """
     return _export(model, args, kwargs, exporter, opset_version, path, weights=True, verbose=verbose,
                    isolate=isolate)
@@ -135,7 +135,7 @@ def _export(
         raise FwdtraceError(f"export_onnx() expected a torch.nn.Module as model, got {describe(model)}")
     if exporter not in EXPORTERS:
         raise FwdtraceError(f"export_onnx() expected exporter 'dynamo' or 'torchscript', got {exporter!r}")
-    onnx_mod = _import_onnx()
+    _import_onnx()  # its error before any work
     if isolate:
         return _export_in_child(model, args, kwargs, exporter, opset_version, path, weights, verbose, caller)
     if not _large(model):
@@ -143,20 +143,37 @@ def _export(
         if path is not None:
             _write_onnx(proto, os.fspath(path), None)
         return proto
-    target = os.fspath(path) if path is not None else None
-    folder = os.path.dirname(os.path.abspath(target)) if target is not None else None
-    if folder is not None and not os.path.isdir(folder):
-        raise FwdtraceError(f"export_onnx() expected path in an existing folder, got {target!r}")
+    target, folder = _target_folder(path, caller)
     with tempfile.TemporaryDirectory(prefix=".fwdtrace-export-", dir=folder) as tmp:
         source = os.path.join(tmp, "model.onnx")
         _run_exporter(model, args, kwargs, exporter, opset_version, source, verbose)
-        proto = onnx_mod.load(source, load_external_data=False)
-        if target is not None:
-            _write_onnx(proto, target, tmp)  # large tensors now refer to the data file beside it
-        elif weights:
-            onnx_mod.load_external_data_for_model(proto, tmp)
-        else:
-            _load_small_external_data(proto, tmp)
+        return _read_back(source, target, weights, large=True)
+
+
+def _target_folder(path: str | os.PathLike[str] | None, caller: str) -> tuple[str | None, str | None]:
+    """``path`` as a string and the existing folder it is in (both None without ``path``)."""
+    target = os.fspath(path) if path is not None else None
+    folder = os.path.dirname(os.path.abspath(target)) if target is not None else None
+    if folder is not None and not os.path.isdir(folder):
+        raise FwdtraceError(f"{caller} expected path in an existing folder, got {target!r}")
+    return target, folder
+
+
+def _read_back(source: str, target: str | None, weights: bool, large: bool) -> onnx.ModelProto:
+    """The file the exporter wrote at ``source`` (in a private folder): written to ``target``, else read.
+
+    ``large``: tensors of 1 KiB or more go to ``target + ".data"``; without ``target``, ``weights=False``
+    leaves a large model's weights unread.
+    """
+    onnx_mod = _import_onnx()
+    tmp = os.path.dirname(source)
+    proto = onnx_mod.load(source, load_external_data=False)
+    if target is not None:
+        _write_onnx(proto, target, tmp if large else None)  # large tensors now refer to the data file beside it
+    elif weights:
+        onnx_mod.load_external_data_for_model(proto, tmp)
+    else:
+        _load_small_external_data(proto, tmp)
     return cast("onnx.ModelProto", proto)
 
 
@@ -164,26 +181,33 @@ def _export_in_child(
     model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], exporter: str, opset_version: int | None,
     path: str | os.PathLike[str] | None, weights: bool, verbose: bool, caller: str,
 ) -> onnx.ModelProto:
-    """Export in a forked child that writes the file; read it back here, or name how the child died."""
+    """Export in a forked child into a private folder; read the file back here, or name how the child died.
+
+    The folder is this process's: what a killed child leaves there goes with it, and ``path``
+    is written here only from a complete file.
+    """
     import multiprocessing
     import signal
 
-    onnx_mod = _import_onnx()
     if "fork" not in multiprocessing.get_all_start_methods():
         raise FwdtraceError(f"{caller} with isolate=True exports in a forked child process, and this platform has "
                             "no fork: export without isolate=True")
     context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix=".fwdtrace-isolated-") as tmp:
-        target = os.fspath(path) if path is not None else os.path.join(tmp, "model.onnx")
+    target, folder = _target_folder(path, caller)
+    with tempfile.TemporaryDirectory(prefix=".fwdtrace-isolated-", dir=folder) as tmp:
+        source = os.path.join(tmp, "model.onnx")
         reader, writer = context.Pipe(duplex=False)
         child = context.Process(target=_exporting_child, daemon=True,
-                                args=(writer, model, args, kwargs, exporter, opset_version, target, verbose))
+                                args=(writer, model, args, kwargs, exporter, opset_version, source, verbose, caller))
         child.start()
         writer.close()
         try:
             outcome, text, said = reader.recv()
         except EOFError:  # the child died before it could say anything
             outcome, text, said = "died", "", []
+        except BaseException:  # interrupted (Ctrl-C): the export goes too, not left hung or waited for
+            child.kill()
+            raise
         finally:
             reader.close()
             child.join()
@@ -199,30 +223,24 @@ def _export_in_child(
                 + (" (try exporter='dynamo')" if exporter == "torchscript" else ""))
         if outcome == "error":
             raise FwdtraceError(text)
-        proto = onnx_mod.load(target, load_external_data=False)
-        folder = os.path.dirname(os.path.abspath(target))
-        if path is None and weights:
-            onnx_mod.load_external_data_for_model(proto, folder)
-        elif path is None:
-            _load_small_external_data(proto, folder)
-    return cast("onnx.ModelProto", proto)
+        return _read_back(source, target, weights, large=_large(model))
 
 
 def _exporting_child(writer: Any, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], exporter: str,
-                     opset_version: int | None, target: str, verbose: bool) -> None:
-    """The forked child of :func:`_export_in_child`: export into ``target``, send (outcome, error, warnings)."""
+                     opset_version: int | None, source: str, verbose: bool, caller: str) -> None:
+    """The forked child of :func:`_export_in_child`: export into ``source``, send (outcome, error, warnings)."""
     # the parent's OpenMP threads do not exist in a forked child; one thread needs none
     # (DataLoader's workers do the same)
     torch.set_num_threads(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FwdtraceWarning)
         try:
-            _export(model, args, kwargs, exporter, opset_version, target, weights=True, verbose=verbose)
+            _run_exporter(model, args, kwargs, exporter, opset_version, source, verbose)
             outcome, text = "ok", ""
         except FwdtraceError as e:
             outcome, text = "error", str(e)
         except BaseException as e:  # noqa: BLE001 - anything else the child raises is said in the parent
-            outcome, text = "error", f"export_onnx(): the {exporter} ONNX exporter failed: {type(e).__name__}: {e}"
+            outcome, text = "error", f"{caller}: the {exporter} ONNX exporter failed: {type(e).__name__}: {e}"
     said = [str(w.message) for w in caught if issubclass(w.category, FwdtraceWarning)]
     writer.send((outcome, text, said))
     writer.close()

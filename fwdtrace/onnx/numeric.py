@@ -764,6 +764,23 @@ def _follow_ties(rows: list[ValueRow], reqs: dict[int, list[frozenset[int]]]) ->
             row.follows_ties, row.note = True, f"follows the {_TIES} of {tied[row.order]}"
 
 
+def _successors(trace: Graph) -> dict[int, list[int]]:
+    """Each trace node's readers, by id."""
+    succ: dict[int, list[int]] = {}
+    for e in trace.edges:
+        succ.setdefault(e.src, []).append(e.dst)
+    return succ
+
+
+def _compared_by_node(result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
+                      leaving: Iterable[int] = ()) -> dict[int, ValueRow]:
+    """The compared row of each trace node (its region's, or the output's), regions in ``leaving`` left out."""
+    left = set(leaving)
+    node2row = {t: rows[g] for g in rows if rows[g].compared and g not in left for t in result.groups[g].trace_ids}
+    node2row.update({t: r for t, r in out_by_node.items() if r.compared})
+    return node2row
+
+
 def _after_random_draws(trace: Graph, result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
                         idle_dropouts: set[str]) -> list[ValueRow]:
     """A row (kind ``"random"``) per call that draws random numbers and the values after it that differ.
@@ -775,9 +792,7 @@ def _after_random_draws(trace: Graph, result: _Result, rows: dict[int, ValueRow]
     """
     from .compare import _trace_label, draws_random
 
-    succ: dict[int, list[int]] = {}
-    for e in trace.edges:
-        succ.setdefault(e.src, []).append(e.dst)
+    succ = _successors(trace)
     node2rows: dict[int, list[ValueRow]] = {}
     for g, row in rows.items():
         for t in result.groups[g].trace_ids:
@@ -829,18 +844,13 @@ def _unpair_past_missing(trace: Graph, result: _Result, rows: dict[int, ValueRow
     from .compare import _trace_label
 
     missing = set(result.missing)
-    succ: dict[int, list[int]] = {}
-    fed_by_missing: set[int] = set()
-    for e in trace.edges:
-        succ.setdefault(e.src, []).append(e.dst)
-        if e.src in missing:
-            fed_by_missing.add(e.dst)
+    fed_by_missing = {e.dst for e in trace.edges if e.src in missing}
     unsure = {gid: [t for t in result.groups[gid].trace_ids if t in fed_by_missing] for gid in rows}
     unsure = {gid: ts for gid, ts in unsure.items() if ts}
     if not unsure:
         return
-    node2row = {t: rows[g] for g in rows for t in result.groups[g].trace_ids if rows[g].compared and g not in unsure}
-    node2row.update({t: r for t, r in out_by_node.items() if r.compared})
+    succ = _successors(trace)
+    node2row = _compared_by_node(result, rows, out_by_node, leaving=unsure.keys())
     for gid, past in unsure.items():
         row = rows[gid]
         if not row.compared or row.ok or row.rounding:
@@ -916,13 +926,10 @@ def _judge_mismatches(
     """
     from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label
 
-    node2row: dict[int, ValueRow] = {t: rows[g] for g in rows for t in result.groups[g].trace_ids if rows[g].compared}
-    node2row.update({t: r for t, r in out_by_node.items() if r.compared})
+    node2row = _compared_by_node(result, rows, out_by_node)
     onode2row = {o: rows[g] for g in rows if rows[g].compared for o in result.groups[g].onodes}
     name2out = {r.onnx_value: r for r in out_by_node.values() if r.compared}
-    succ: dict[int, list[int]] = {}
-    for e in trace.edges:
-        succ.setdefault(e.src, []).append(e.dst)
+    succ = _successors(trace)
 
     def after_in_trace(starts: list[int]) -> list[ValueRow]:
         return _nearest_rows(starts, lambda n: succ.get(n, ()), node2row.get)

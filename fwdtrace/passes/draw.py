@@ -85,12 +85,13 @@ def _own_layout(source: str, fmt: str, caller: str, need: str) -> bytes:
     """``source`` drawn by fwdtrace's own layout as ``fmt`` (see :func:`layout_bytes`)."""
     from .layered import layered_svg
 
-    svg = layered_svg(source).encode()
     if fmt != "svg":
         try:
             import cairosvg
-        except ImportError:
+        except ImportError:  # said before laying out what could not be rasterised
             raise FwdtraceError(str(layout_missing(caller))) from None
+    svg = layered_svg(source).encode()
+    if fmt != "svg":
         svg = getattr(cairosvg, f"svg2{fmt}")(bytestring=svg)  # svg2png, svg2pdf
     warnings.warn(f"{caller} drew the picture with fwdtrace's own layout, since {need}, and there is no "
                   "Graphviz dot executable on PATH. For Graphviz's layout (more compact, fewer crossings) install "
@@ -193,16 +194,11 @@ def _agraph(source: str) -> Any:
     return pygraphviz.AGraph(string=source)
 
 
-_EDGE = re.compile(r'^\s*("(?:[^"\\]|\\.)*"|[\w.]+)(?::\S+?)?\s*->\s*("(?:[^"\\]|\\.)*"|[\w.]+)', re.MULTILINE)
-
-
 def _dot_edges(source: str) -> list[tuple[str, str]]:
-    """The edges of DOT text written by :func:`to_dot` (one statement a line), by box name: no Graphviz needed."""
-    return [(_dot_name(u), _dot_name(v)) for u, v in _EDGE.findall(source)]
+    """The edges of DOT text written by :func:`to_dot`, by box name: no Graphviz needed."""
+    from .layered import parse_dot
 
-
-def _dot_name(token: str) -> str:
-    return token[1:-1].replace('\\"', '"') if token.startswith('"') else token
+    return [(u, v) for u, v, _ in parse_dot(source).edges]
 
 
 LARGE_LAYOUT = 500  # boxes or edges: above this, the layout's network simplex passes are bounded (see _Layout)

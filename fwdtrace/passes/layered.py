@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["layered_svg", "parse_dot"]
 
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|->|--|[{}\[\]=;,:]|[^\s{}\[\]=;,:"]+', re.S)
+# comments (//, /* */, a line starting with #) come first: they are matched whole, then dropped
+_COMMENT = r'//[^\n]*|/\*.*?\*/|^[ \t]*#[^\n]*'
+_TOKEN = re.compile(_COMMENT + r'|"(?:[^"\\]|\\.)*"|->|--|[{}\[\]=;,:<]|[^\s{}\[\]=;,:"<>]+', re.S | re.M)
+_IS_COMMENT = re.compile(_COMMENT, re.S | re.M)
 _POINTS = 72.0  # DOT sizes are in inches
 
 
@@ -46,7 +49,27 @@ class ParsedDot:
     edges: list[tuple[str, str, dict[str, str]]]
 
 
+def _tokens(source: str) -> list[str]:
+    """DOT's tokens, comments left out; an HTML string (``<...>``, its brackets balanced) is one token."""
+    tokens: list[str] = []
+    pos = 0
+    while (m := _TOKEN.search(source, pos)) is not None:
+        pos = m.end()
+        if m[0] != "<":
+            if not _IS_COMMENT.fullmatch(m[0]):
+                tokens.append(m[0])
+            continue
+        depth, start = 1, m.start()
+        while depth and pos < len(source):
+            depth += {"<": 1, ">": -1}.get(source[pos], 0)
+            pos += 1
+        tokens.append(source[start:pos])
+    return tokens
+
+
 def _unquote(token: str) -> str:
+    if token.startswith("<") and token.endswith(">"):  # an HTML string: its text, the tags as they are
+        return token[1:-1]
     if not token.startswith('"'):
         return token
     text = token[1:-1].replace("\\\n", "")
@@ -60,7 +83,7 @@ def parse_dot(source: str) -> ParsedDot:
     >>> d.boxes["a"], d.boxes["b"]["shape"], [e[:2] for e in d.edges], d.root.items[1].attrs["label"]
     ({'shape': 'box', 'label': 'x\\ny'}, 'box', [('a', 'b')], 'c')
     """
-    tokens = [t for t in _TOKEN.findall(source) if not t.startswith(("//", "#"))]
+    tokens = _tokens(source)
     boxes: dict[str, dict[str, str]] = {}
     edges: list[tuple[str, str, dict[str, str]]] = []
     root = _Cluster("", {}, None)
@@ -225,7 +248,9 @@ def layered_svg(source: str) -> str:
         lo, hi = spans[id(c)]
         opens[lo], closes[hi] = max(opens[lo], level[id(c)]), max(closes[hi], level[id(c)])
     before, after = (pad, pad) if across else (head, pad)  # room along the ranks per cluster level
-    thickness = [max((along[k] for k in keys if rank[k] == r), default=0.0) for r in range(top_rank + 1)]
+    thickness = [0.0] * (top_rank + 1)  # each rank's thickest box (one pass: a rank by rank scan is quadratic)
+    for k in keys:
+        thickness[rank[k]] = max(thickness[rank[k]], along[k])
     start, position = [0.0] * (top_rank + 1), 0.0
     for r in range(top_rank + 1):
         position += opens[r] * before
@@ -270,10 +295,14 @@ def layered_svg(source: str) -> str:
     # A box alone in its rank, under no cluster but its own, is centred in its cluster (or the picture):
     # a chain of boxes of different widths then runs straight down.
     rank2count = collections.Counter(rank.values())
+    crossing = [0] * (top_rank + 1)  # the clusters drawn across each rank
+    for c in clusters:
+        for r in range(spans[id(c)][0], spans[id(c)][1] + 1):
+            crossing[r] += 1
     for k in keys:
         r = rank[k]
-        crossing = [i for i, (lo, hi) in spans.items() if lo <= r <= hi and i in extent]
-        if rank2count[r] == 1 and set(crossing) <= set(inside[k]):
+        # every cluster across its rank is one of its own (those cross its rank, each once)
+        if rank2count[r] == 1 and crossing[r] == len(inside[k]):
             left, right = (extent[inside[k][-1]][0] + first, extent[inside[k][-1]][1] - last) if inside[k] \
                 else (0.0, breadth)
             centre[k] = (left + right) / 2
@@ -284,7 +313,9 @@ def layered_svg(source: str) -> str:
     # Edges, along the ranks (a) and across them (c): between neighbouring ranks an S-curve; an edge
     # that passes over ranks (a residual connection) bows out beside the boxes it passes, rather than
     # running behind them.
-    far = [max((centre[k] + aside[k] / 2 for k in keys if rank[k] == r), default=0.0) for r in range(top_rank + 1)]
+    far = [0.0] * (top_rank + 1)
+    for k in keys:
+        far[rank[k]] = max(far[rank[k]], centre[k] + aside[k] / 2)
     for c in clusters:
         for r in range(spans[id(c)][0], spans[id(c)][1] + 1):
             far[r] = max(far[r], extent[id(c)][1])
