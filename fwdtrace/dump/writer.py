@@ -66,4 +66,9 @@ class _Writer:
                 self.skip = True
             self.stopping = True
             self.cond.notify_all()
+        # CPython's ``with`` is not signal-safe: a Ctrl-C landing between the lock taken and the block entered
+        # (or the block left and the lock released) leaves this thread holding the lock, and the writer would
+        # wait for it forever. No block of this thread holds it here: whatever it holds was left by such a signal.
+        if self.cond._is_owned():  # type: ignore[attr-defined]
+            self.cond._release_save()  # type: ignore[attr-defined]
         self.thread.join()
