@@ -18,7 +18,7 @@ from ..passes.align import align
 from ..precision import Agreement, pair_precision, rounding_explains
 from ..summary import as_dict, compared
 from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
-from .reader import _attr, _max_bytes, _Reader
+from .reader import _max_bytes, _Reader
 from .report import DumpReport, DumpRow, _call_name
 
 
@@ -70,8 +70,9 @@ def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, s
     def calls(reader: _Reader) -> tuple[list[str], list[tuple]]:
         names, tokens = [], []
         for gname, group in reader.groups:
-            key = _attr(group.attrs.get("module_key", gname))
-            if _attr(group.attrs.get("module_path")) == "" and "function" not in group.attrs:
+            attrs = reader.group_attrs(gname)
+            key = attrs.get("module_key", gname)
+            if attrs.get("module_path") == "" and "function" not in attrs:
                 key = ""  # the root, keyed by its class name: the two runs' models may be of two classes
             shapes = tuple((d, tuple(reader.shape(gname, d))) for d in group if not d.startswith("grad_"))
             names.append(gname)
@@ -107,10 +108,10 @@ class _GraphCalls:
         self.graph = graph
         self.node2group: dict[int, str] = {}
         self.containers: dict[str, tuple[str, set[int]]] = {}  # group -> (its class, the nodes inside its call)
-        for gname, group in reader.groups:
-            attrs = group.attrs
-            key, call_index = str(_attr(attrs.get("module_key", ""))), int(_attr(attrs.get("call_index", 0)))
-            path, class_name = str(_attr(attrs.get("module_path", ""))), str(_attr(attrs.get("class_name", "")))
+        for gname, _ in reader.groups:
+            attrs = reader.group_attrs(gname)
+            key, call_index = str(attrs.get("module_key", "")), int(attrs.get("call_index", 0))
+            path, class_name = str(attrs.get("module_path", "")), str(attrs.get("class_name", ""))
             node = call2node.get((key, call_index))
             if node is not None:
                 self.node2group[node] = gname
@@ -256,12 +257,11 @@ def compare_dumps(
             for gname, dname in order:
                 if reader is rb and (b2a.get(gname), dname) in in_a:
                     continue  # compared already
-                group = reader.name2group[gname]
-                key = str(_attr(group.attrs.get("module_key", gname)))
-                path = str(_attr(group.attrs.get("module_path", "")))
+                attrs = reader.group_attrs(gname)
+                key = str(attrs.get("module_key", gname))
+                path = str(attrs.get("module_path", ""))
                 row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
-                              function=str(_attr(group.attrs.get("function", ""))),
-                              call_index=int(_attr(group.attrs.get("call_index", 0))))
+                              function=str(attrs.get("function", "")), call_index=int(attrs.get("call_index", 0)))
                 ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
                 if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
                     row.note = "missing in b" if reader is ra else "missing in a"
@@ -269,7 +269,7 @@ def compare_dumps(
                 else:
                     _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
                 if reader is ra and gb is not None:
-                    key_b = str(_attr(rb.name2group[gb].attrs.get("module_key", gb)))
+                    key_b = str(rb.group_attrs(gb).get("module_key", gb))
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
     report.first_divergence = _first_divergence(report.rows)
