@@ -211,8 +211,12 @@ def _analyze_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _dump_diff_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", help="first dump (.hdf5)")
-    parser.add_argument("b", help="second dump (.hdf5)")
+    parser.add_argument("a", help="first dump (.hdf5), or a distributed run's folder of per-rank dumps")
+    parser.add_argument("b", nargs="?", default=None,
+                        help="second dump (.hdf5), or the other run's folder: compared rank by rank")
+    parser.add_argument("--ranks", action="store_true",
+                        help="compare the ranks of one run's folder (a) with its lowest rank: replicas that should "
+                             "agree and do not")
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     parser.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
     parser.add_argument("--only-diverged", action="store_true", help="print only the rows that differ")

@@ -231,12 +231,22 @@ def compare_dumps(
     each row's ``key_b``); ``report.without_graph`` names the dumps that hold none. The comparison is
     two-sided: a tensor in only one dump, or of another shape, is a differing row. ``incomplete`` names
     the dumps whose step did not complete (their rows are compared, but the report is not ``equal``).
+    Given two folders of a distributed run's per-rank dumps, the runs are compared rank by rank
+    (:func:`fwdtrace.compare_ranks`; the result a :class:`~fwdtrace.dump.ranks.RanksReport`).
     The comparison runs torch on one intra-op thread (the caller's setting is restored after): block
     by block, that reads at disk speed on a busy machine, where a thread pool's wake-ups per block
     would not.
     """
     rtol, atol = _tolerance(rtol, "rtol"), _tolerance(atol, "atol")
     max_bytes = _max_bytes(max_bytes, "compare_dumps()")
+    folders = [isinstance(p, (str, os.PathLike)) and os.path.isdir(p) for p in (a, b)]
+    if any(folders):
+        if not all(folders):
+            raise FwdtraceError(f"compare_dumps() expected two dump files or two runs' folders of per-rank dumps, got "
+                                f"{str(a)!r} and {str(b)!r}, one a folder and one not")
+        from .ranks import compare_ranks
+
+        return compare_ranks(a, b, rtol=rtol, atol=atol, max_bytes=max_bytes)
     report = DumpReport(str(a), str(b), rtol, atol)
     with _one_intra_op_thread(), _Reader(a, "compare_dumps()", max_bytes) as ra, \
             _Reader(b, "compare_dumps()", max_bytes) as rb:
