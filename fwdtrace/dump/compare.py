@@ -283,4 +283,42 @@ def compare_dumps(
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
     report.first_divergence = _first_divergence(report.rows)
+    _place_first_divergence(report, graph_a)
     return report
+
+
+def _agrees(row: DumpRow) -> bool:
+    return row.allclose or row.rounding is not None
+
+
+def _place_first_divergence(report: DumpReport, graph: Graph | None) -> None:
+    """The call the first divergence names, by key and call index (a key such as ``add`` is shared by many
+    calls, most of them equal in both runs), and, where that call's inputs already differ and come from a
+    call the dump does not hold (a ``Linear`` in a dump of function calls), that call: the difference starts
+    inside it."""
+    first = next((r for r in report.rows if not _agrees(r) and not r.one_sided
+                  and _call_name(r) == report.first_divergence), None)
+    if first is None:
+        return
+    report.first_call = (first.key, first.call_index)
+    if graph is None:
+        return
+    call2node = {(n.key, n.call_index): n for n in graph.nodes if n.kind in ("module", "function")}
+    node = call2node.get(report.first_call)
+    if node is None:
+        return
+    held = {(r.key, r.call_index) for r in report.rows}
+    differing = set()
+    for r in report.rows:
+        if r.group == first.group and r.name.startswith("input") and r.name[5:].isdigit() and not _agrees(r):
+            i = int(r.name[5:])
+            if i < len(node.inputs):
+                differing.add(node.inputs[i].obj_id)
+    id2node = {n.id: n for n in graph.nodes}
+    for edge in graph.edges:
+        src = id2node.get(edge.src)
+        if edge.dst != node.id or edge.obj_id not in differing or src is None:
+            continue
+        if src.kind in ("module", "function") and (src.key, src.call_index) not in held:
+            report.starts_inside = (str(src.key), src.call_index)
+            return

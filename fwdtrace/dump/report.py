@@ -56,6 +56,11 @@ class DumpReport:
     graph: Graph | None = field(default=None, repr=False)
     # the dumps that hold no graph (of module calls only): calls were matched by key and call order only
     without_graph: list[str] = field(default_factory=list)
+    # the call first_divergence names, (key, call index): a key ("add") may be shared by calls equal in both runs
+    first_call: tuple[str, int] | None = None
+    # (key, call index) of the call, not held by the dump (a Linear in a dump of function calls), whose output
+    # first_call's differing inputs are: the difference starts inside it
+    starts_inside: tuple[str, int] | None = None
 
     @property
     def equal(self) -> bool:
@@ -112,7 +117,7 @@ class DumpReport:
         notes = {n: f"max rel err {_num(r.max_rel)}, cosine {_num(r.cosine)}"
                  + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose else ", diverges")
                  for n, r in worst.items()}
-        first = [n for n, r in worst.items() if _call_name(r) == self.first_divergence][:1]
+        first = self._outlined(worst)
         return graph.render(path, depth, fills=fills, notes=notes, highlight=first, **options)
 
     def to_model_explorer(self, folder: str | os.PathLike[str]) -> ModelExplorerFiles:
@@ -136,7 +141,7 @@ class DumpReport:
         graph, worst = self._worst_by_node(caller)
         errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, r.max_rel, 0 if r.allclose else 1 if r.rounding else 2)
                   for n, r in worst.items()}
-        first = [n for n, r in worst.items() if _call_name(r) == self.first_divergence][:1]
+        first = self._outlined(worst)
         return errors_to_model_explorer(graph, folder, errors, highlight=first, caller=caller)
 
     def _worst_by_node(self, caller: str) -> tuple[Graph, dict[int, DumpRow]]:
@@ -153,6 +158,17 @@ class DumpReport:
             if node not in worst or _badness(row) > _badness(worst[node]):
                 worst[node] = row
         return self.graph, worst
+
+    def _outlined(self, worst: dict[int, DumpRow]) -> list[int]:
+        """The node outlined as the first divergence: the call the report names by key and call index (where
+        the difference starts inside a call the dump does not hold, that call), never a call equal in both runs."""
+        assert self.graph is not None
+        call = self.starts_inside or self.first_call
+        node = next((n.id for n in self.graph.nodes if n.kind in ("module", "function")
+                     and (n.key, n.call_index) == call), None)
+        if node is None or (node in worst and worst[node].allclose):
+            return []
+        return [node]
 
     def _one_sided(self, note: str) -> list[str]:
         groups = {r.group: r.key for r in self.rows if r.one_sided and r.note == note}
@@ -193,7 +209,11 @@ class DumpReport:
         else:
             bad = sum(not (r.allclose or r.rounding) for r in self.rows)
             within = f" ({len(explained)} more within rounding)" if explained else ""
-            lines.append(f"{bad} of {len(self.rows)} tensors differ{within}; first divergence: {self.first_divergence}")
+            where = f"{self.first_divergence}" + (f" (call {self.first_call[1]})" if self.first_call else "")
+            if self.starts_inside is not None:
+                where += (f"; the difference starts inside {self.starts_inside[0]} (call {self.starts_inside[1]}), "
+                          "a call the dump does not hold, whose output it reads")
+            lines.append(f"{bad} of {len(self.rows)} tensors differ{within}; first divergence: {where}")
         return "\n".join(lines)
 
     def _math_lines(self) -> list[str]:
