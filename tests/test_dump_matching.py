@@ -176,3 +176,14 @@ def test_a_model_whose_every_key_changed_still_pairs_call_for_call(tmp_path: Pat
     paired = {r.key: r.key_b or r.key for r in report.rows if not r.one_sided and (r.module_path or r.function)}
     assert paired and all(kb == f"backbone.{ka}" for ka, kb in paired.items())
     assert all(r.allclose for r in report.rows if not r.one_sided) and report.first_divergence is None
+
+
+def test_a_long_loop_pairs_every_call_but_the_changed_ones() -> None:
+    """A 500-iteration loop whose run b swaps one call every 25 iterations: every other call pairs with
+    itself (the known answer), where a whole-run diff of so repetitive a sequence pairs far fewer, slowly."""
+    from fwdtrace.dump.compare import _matching
+
+    a = [(op, ((("input0", (2, 4)),))) for _ in range(500) for op in ("mul", "add", "tanh")]
+    changed = set(range(2, len(a), 75))
+    b = [("sigmoid", t[1]) if i in changed else t for i, t in enumerate(a)]
+    assert list(_matching(a, b)) == [(i, i) for i in range(len(a)) if i not in changed]

@@ -81,10 +81,7 @@ def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, s
 
     names_a, tokens_a = calls(ra)
     names_b, tokens_b = calls(rb)
-    pairs = {}
-    for block in difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False).get_matching_blocks():
-        for i in range(block.size):
-            pairs[names_a[block.a + i]] = names_b[block.b + i]
+    pairs = {names_a[i]: names_b[j] for i, j in _matching(tokens_a, tokens_b)}
     # b's graph is read only when calls are left on both sides (the same model twice leaves none)
     graph_b = rb.graph() if graph_a is not None and len(pairs) < min(len(names_a), len(names_b)) else None
     if graph_a is not None and graph_b is not None:
@@ -93,6 +90,50 @@ def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, s
         _match_through_graphs(_GraphCalls(ra, graph_a), _GraphCalls(rb, graph_b), pairs,
                               lambda ga, gb: shapes["a", ga] == shapes["b", gb])
     return pairs
+
+
+_WHOLE_DIFF = 400  # calls a side up to which difflib aligns the two runs whole
+_WINDOW = 128  # calls of each side difflib aligns at once past that
+
+
+def _matching(a: list, b: list) -> Iterator[tuple[int, int]]:
+    """Index pairs of ``a`` and ``b`` holding the same token, in order, as difflib's matching blocks.
+
+    difflib looks at every place a token recurs: a step of a long loop repeats the same calls hundreds of
+    times, and a whole-run diff of a 500-iteration loop took a minute. Past ``_WHOLE_DIFF`` calls, the runs
+    are walked together: equal calls pair as they come, and where they part, difflib aligns the next
+    ``_WINDOW`` calls of each side (a window 4 times larger each time it finds nothing) and the pairs in its
+    first half are kept, so each difference costs a window, not the run.
+
+    >>> list(_matching(list("abxcd"), list("abcyd")))
+    [(0, 0), (1, 1), (3, 2), (4, 4)]
+    """
+    if len(a) <= _WHOLE_DIFF or len(b) <= _WHOLE_DIFF:
+        for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+            for k in range(block.size):
+                yield block.a + k, block.b + k
+        return
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j]:
+            yield i, j
+            i, j = i + 1, j + 1
+            continue
+        window = _WINDOW
+        while True:
+            blocks = [m for m in difflib.SequenceMatcher(None, a[i:i + window], b[j:j + window],
+                                                         autojunk=False).get_matching_blocks() if m.size]
+            if blocks or (i + window >= len(a) and j + window >= len(b)):
+                break
+            window *= 4
+        if not blocks:
+            return
+        whole = i + window >= len(a) and j + window >= len(b)
+        kept = blocks if whole else [m for m in blocks if max(m.a, m.b) + m.size <= window // 2] or blocks[:1]
+        for m in kept:
+            for k in range(m.size):
+                yield i + m.a + k, j + m.b + k
+        i, j = i + kept[-1].a + kept[-1].size, j + kept[-1].b + kept[-1].size
 
 
 class _GraphCalls:
