@@ -49,9 +49,10 @@ def _tolerance(value: Any, name: str) -> float:
 def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> str:
     """Compare two statistics vectors into ``agreement``: their counts exactly, their moments, extremes, norm
     and samples by value (the histograms, whose edges move with min and max, are not compared)."""
-    da, db = as_dict(a), as_dict(b)
+    la, lb = a.tolist(), b.tolist()  # the numbers once: a tensor's per-number reads cost more than the comparison
+    da, db = as_dict(la), as_dict(lb)
     counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
-    ca, cb = compared(a), compared(b)
+    ca, cb = compared(la), compared(lb)
     if len(ca) == len(cb):
         agreement.add(torch.tensor(ca, dtype=torch.float64), torch.tensor(cb, dtype=torch.float64))
     else:
