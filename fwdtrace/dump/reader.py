@@ -367,7 +367,9 @@ class _Reader:
         """The torch dtype the dataset at ``where`` is marked with (bfloat16 stored as its bits), "" for none."""
         name = self._marked.get(where)
         if name is None:
-            name = self._marked[where] = str(_attr(ds.attrs.get("torch_dtype", "")))
+            # h5py's attrs.get of a missing attribute raises and catches inside: the low-level check is cheap
+            marked = not hasattr(ds, "id") or self.h5py.h5a.exists(ds.id, b"torch_dtype")
+            name = self._marked[where] = str(_attr(ds.attrs.get("torch_dtype", ""))) if marked else ""
         return name
 
     def load(self, gname: str, dname: str) -> torch.Tensor:
@@ -376,7 +378,11 @@ class _Reader:
     def blocks(self, gname: str, dname: str) -> Iterator[torch.Tensor]:
         """The tensor in pieces of at most ``COMPARE_BLOCK_ELEMENTS`` elements, in C order, flattened."""
         ds = self.checked(gname, dname)
-        for index in _blocks(tuple(ds.shape), COMPARE_BLOCK_ELEMENTS):
+        shape = tuple(ds.shape)
+        if math.prod(shape) <= COMPARE_BLOCK_ELEMENTS:  # one block: read whole, h5py's fast path (a slice is not)
+            yield self.read(ds, f"'{gname}/{dname}'").reshape(-1)
+            return
+        for index in _blocks(shape, COMPARE_BLOCK_ELEMENTS):
             yield self.read(ds, f"'{gname}/{dname}'", index).reshape(-1)
 
     def __enter__(self) -> _Reader:
