@@ -9,6 +9,8 @@ times steps (forward, backward, optimizer step) with one configuration in place:
 - ``+ weight arm``: one ``weight`` arm (parameter kinds hook gradient accumulation, outside compiled graphs);
 - ``+ forward arm``: one ``forward`` arm (its hook copies the layer's tensors inside a compiled copy of the
   model, made when armed);
+- ``+ forward arm toggled each step``: the same key disarmed and armed again before every step, as clicks on
+  the live page do (the first arming compiles the copy; every later one runs it again: no compilation);
 - ``+ grad arm``: one ``grad`` arm (gradient hooks: the compiled model runs eagerly while armed);
 - ``compiled + running Probe``: ``Probe.running_stats`` on the same key (statistics computed inside a
   compiled copy of the model, made when it attaches);
@@ -24,7 +26,8 @@ process's CPU time, which moves less when other programs share the cores), its r
 compiled row of the same run, and the graph breaks and compiled graphs dynamo added per round of
 the row (``torch._dynamo.utils.counters``; each round arms anew). After the tools leave, the compiled row is timed again
 (``compiled, after``): it runs the graphs it had.
-Run: ``.venv/bin/python benchmarks/compiled_cost.py [--rounds 3 --steps 20 --threads 1]``.
+Run: ``.venv/bin/python benchmarks/compiled_cost.py [--rounds 3 --steps 20 --threads 1 --backend inductor]``
+(``--backend aot_eager`` measures the graph counts and the arming's share of a step where inductor is too slow).
 """
 
 from __future__ import annotations
@@ -98,6 +101,18 @@ def served(model: nn.Module, *arms: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def toggled(model: nn.Module) -> Iterator[Callable[[], None]]:
+    with fwdtrace.serve(model, port=0) as server:
+        server.sampler.arm(KEY, "forward")
+
+        def each_step() -> None:  # a click off and on again on the live page
+            server.sampler.disarm(KEY)
+            server.sampler.arm(KEY, "forward")
+
+        yield each_step
+
+
+@contextlib.contextmanager
 def probed(model: nn.Module) -> Iterator[None]:
     with fwdtrace.Probe(model) as probe:
         probe.running_stats(KEY)
@@ -112,6 +127,7 @@ def main() -> None:
     # One thread by default: with more threads than free cores, OpenMP's spinning waits swamp the step times.
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (inductor, aot_eager, eager)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -119,7 +135,7 @@ def main() -> None:
     assert KEY in fwdtrace.module_keys(eager), fwdtrace.module_keys(eager)
     model = TransformerEncoder(d=64, layers=2, heads=4)
     model.load_state_dict(eager.state_dict())
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=args.backend)
     x = torch.randn(args.batch, 64, 64)
     opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (eager, compiled)}
     start = time.perf_counter()
@@ -131,6 +147,7 @@ def main() -> None:
         ("compiled + idle service", compiled, served),
         ("compiled + idle service + weight arm", compiled, lambda m: served(m, "weight")),
         ("compiled + idle service + forward arm", compiled, lambda m: served(m, "forward")),
+        ("compiled + idle service + forward arm toggled each step", compiled, toggled),
         ("compiled + idle service + grad arm", compiled, lambda m: served(m, "grad")),
         ("compiled + running Probe", compiled, probed),
         ("compiled + statistics dump", compiled, dumped),
@@ -160,7 +177,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"compile_s": compile_s, "rows": out}, indent=2))
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiling took {compile_s:.1f} s; "
+    print(f"torch {torch.__version__}, backend {args.backend}, {torch.get_num_threads()} threads, "
+          f"compiling took {compile_s:.1f} s; "
           f"medians of {args.rounds} rounds x {args.steps} steps")
     print("| configuration | step (wall) | vs compiled | step (CPU) | vs compiled | graphs compiled | graph breaks |")
     # (graphs compiled and graph breaks: per round, each round attaching the tool anew)

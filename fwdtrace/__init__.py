@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     # the core: trace, graph, registry (torch only)
     "FwdtraceError": "fwdtrace.errors",
+    "FwdtraceWarning": "fwdtrace.errors",
     "Graph": "fwdtrace.graph",
     "Node": "fwdtrace.node",
     "Edge": "fwdtrace.node",
@@ -56,6 +57,7 @@ _LAZY: dict[str, str] = {
     "compare_dumps": "fwdtrace.dump",
     "compare_ranks": "fwdtrace.dump",
     "RanksReport": "fwdtrace.dump",
+    "find_overflow": "fwdtrace.dump",
     "DumpReport": "fwdtrace.dump",
     # analysis
     "analyze": "fwdtrace.analysis",
@@ -97,8 +99,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .dump import RanksReport as RanksReport
     from .dump import compare_dumps as compare_dumps
     from .dump import compare_ranks as compare_ranks
+    from .dump import find_overflow as find_overflow
     from .dump import read_dump as read_dump
     from .errors import FwdtraceError as FwdtraceError
+    from .errors import FwdtraceWarning as FwdtraceWarning
     from .excepthook import install_excepthook as install_excepthook
     from .excepthook import uninstall_excepthook as uninstall_excepthook
     from .graph import Graph as Graph

@@ -191,6 +191,9 @@ def _check_onnx_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numeric", action="store_true",
                         help="compare numbers too: run the model eagerly and the ONNX model in onnxruntime, "
                              "and name the first call whose value differs (exit 1 if one does)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run torch's exporter in a child process: a crash of torch's own code there is an "
+                             "error naming the exporter and the signal (exit 2)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
 
 
@@ -213,7 +216,11 @@ def _analyze_arguments(parser: argparse.ArgumentParser) -> None:
 def _dump_diff_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", help="first dump (.hdf5), or a distributed run's folder of per-rank dumps")
     parser.add_argument("b", nargs="?", default=None,
-                        help="second dump (.hdf5), or the other run's folder: compared rank by rank")
+                        help="second dump (.hdf5), or the other run's folder: compared rank by rank; left out with "
+                             "--overflow or --ranks")
+    parser.add_argument("--overflow", action="store_true",
+                        help="one run alone: name where inf/NaN first appear in each dump given, forward and backward "
+                             "(exit 1 where they do)")
     parser.add_argument("--ranks", action="store_true",
                         help="compare the ranks of one run's folder (a) with its lowest rank: replicas that should "
                              "agree and do not")

@@ -6,7 +6,10 @@ user passed (the einops way). Every fwdtrace error is a :class:`FwdtraceError`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,12 +32,26 @@ class FwdtraceError(Exception):
 
 
 class FwdtraceWarning(UserWarning):
-    """What fwdtrace has to tell you without stopping: said once, in fwdtrace's words.
+    """What fwdtrace has to tell you without stopping, in fwdtrace's words: a picture drawn with
+    fwdtrace's own layout where Graphviz cannot lay out (and what to install), an ONNX export that
+    left outputs out or read tensors as Python values. Silence them all with
+    ``warnings.filterwarnings("ignore", category=fwdtrace.FwdtraceWarning)``.
 
     >>> import warnings, fwdtrace
-    >>> issubclass(fwdtrace.errors.FwdtraceWarning, UserWarning)
+    >>> issubclass(fwdtrace.FwdtraceWarning, UserWarning)
     True
     """
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside fwdtrace (and contextlib)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or frame.f_code.co_filename == contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def describe(obj: Any) -> str:

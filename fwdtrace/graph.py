@@ -177,10 +177,17 @@ class Graph:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Graph:
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> Graph:
+        """The graph :meth:`to_dict` gave; ``source`` (a file's name) is named in the error when ``data`` is not one.
+
+        A graph read from a file is untrusted: what it holds is checked before it is kept, nothing
+        is allocated beyond what it stores, and its edges must run forward, from a call to a later
+        one, as a trace's do (the passes read the graph in that order; an edge back would be a loop).
+        """
+        in_source = f" in {source!r}" if source is not None else ""
         if not isinstance(data, dict) or data.get("format") != "fwdtrace.Graph":
             raise FwdtraceError(
-                f"Graph.from_dict expected a dict with format 'fwdtrace.Graph', got {type(data).__name__}"
+                f"Graph.from_dict expected a dict with format 'fwdtrace.Graph'{in_source}, got {type(data).__name__}"
                 + (f" with format {data.get('format')!r}" if isinstance(data, dict) else "")
             )
         graph = cls()
@@ -205,10 +212,14 @@ class Graph:
                 edge = Edge.from_dict(e)
                 if not (0 <= edge.src < len(nodes) and 0 <= edge.dst < len(nodes)):
                     raise ValueError(f"it joins node {edge.src} to node {edge.dst}, of {len(nodes)} nodes")
+                if edge.src >= edge.dst:
+                    raise ValueError(f"it runs from node {edge.src} back to node {edge.dst}: a trace's edges run "
+                                     "from a call to a later one (a loop otherwise)")
                 graph.edges.append(edge)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
             what = f"no {e}" if isinstance(e, KeyError) else str(e)
-            raise FwdtraceError(f"Graph.from_dict expected a graph written by Graph.to_json, got one whose {where} has {what}") from None
+            raise FwdtraceError(f"Graph.from_dict expected a graph written by Graph.to_json{in_source}, got one whose "
+                                f"{where} has {what}") from None
         return graph
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -216,13 +227,19 @@ class Graph:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True, default=_json_default)
 
     @classmethod
-    def from_json(cls, text: str) -> Graph:
-        """The graph that :meth:`to_json` wrote: ``Graph.from_json(g.to_json()) == g``."""
+    def from_json(cls, text: str, source: str | None = None) -> Graph:
+        """The graph that :meth:`to_json` wrote: ``Graph.from_json(g.to_json()) == g``.
+
+        ``source`` names where the text came from (a file) in the error when it is not such a
+        graph; see :meth:`from_dict` for what is checked.
+        """
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise FwdtraceError(f"Graph.from_json expected JSON text written by Graph.to_json: {e}") from None
-        return cls.from_dict(data)
+        except (ValueError, RecursionError) as e:  # also: integers over 4300 digits, nesting too deep
+            in_source = f" in {source!r}" if source is not None else ""
+            raise FwdtraceError(f"Graph.from_json expected JSON text written by Graph.to_json{in_source}: "
+                                f"{type(e).__name__}: {e}") from None
+        return cls.from_dict(data, source)
 
     def to_networkx(self) -> networkx.MultiDiGraph:
         """A ``networkx.MultiDiGraph`` keyed by node id, with the node and edge fields as attributes."""
@@ -267,6 +284,7 @@ class Graph:
         cluster_name: str | None = None,
         fills: Mapping[int, str] | None = None,
         notes: Mapping[int, str] | None = None,
+        legend: Sequence[tuple[str, str]] = (),
     ) -> Digraph:
         """A ``graphviz.Digraph`` of this graph (shown inline in Jupyter); the options are
         :meth:`render`'s, plus those for embedding the picture in another one.
@@ -289,13 +307,15 @@ class Graph:
                 ``outer.subgraph(...)``, boxed and titled ``title``.
             fills: a fill colour per node id (a box holding several takes the first listed).
             notes: a line per node id, added to its box's tooltip.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
         """
         from .passes.draw import to_dot
 
         return to_dot(self, depth=depth, target_nodes=target_nodes, fold_side=fold_side, fold_loops=fold_loops,
                       collapse_repeats=collapse_repeats, open_leaf_layers=open_leaf_layers, wrap=wrap,
                       show_shapes=show_shapes, show_path=show_path, highlight=highlight, rankdir=rankdir,
-                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes)
+                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes, legend=legend)
 
     def render(
         self,
@@ -317,6 +337,7 @@ class Graph:
         cluster_name: str | None = None,
         fills: Mapping[int, str] | None = None,
         notes: Mapping[int, str] | None = None,
+        legend: Sequence[tuple[str, str]] = (),
         **unknown: Any,
     ) -> str:
         """Draw the graph into a PNG, SVG or PDF file, chosen by ``path``'s suffix; return the path.
@@ -352,6 +373,8 @@ class Graph:
             cluster_name: see :meth:`to_dot`.
             fills: a fill colour per node id, drawn as given.
             notes: a line per node id, added to its box's tooltip.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
+            legend: what the fills mean, a box per ``(colour, text)`` in a corner of the picture.
             **unknown: none is taken: a misspelt option is answered with a ``FwdtraceError``
                 that lists the options.
 
@@ -366,7 +389,7 @@ class Graph:
         return render(self, path, depth=depth, target_nodes=target_nodes, fold_side=fold_side,
                       fold_loops=fold_loops, collapse_repeats=collapse_repeats, open_leaf_layers=open_leaf_layers,
                       wrap=wrap, show_shapes=show_shapes, show_path=show_path, highlight=highlight, rankdir=rankdir,
-                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes,
+                      title=title, name_prefix=name_prefix, cluster_name=cluster_name, fills=fills, notes=notes, legend=legend,
                       **unknown)
 
     # -- Model Explorer (a pass; imported lazily) ------------------------------------------------
@@ -377,12 +400,11 @@ class Graph:
 
         return to_model_explorer(self, path, node_data=node_data)
 
-    def _repr_svg_(self) -> str | None:
-        from .passes.draw import layout_missing
+    def _repr_svg_(self) -> str:
+        from .passes.draw import dot_bytes
 
-        if layout_missing() is not None:  # Jupyter shows the text repr instead of a traceback
-            return None
-        return self.to_dot()._repr_image_svg_xml()
+        # Where Graphviz cannot lay out, fwdtrace's own layout, with a warning naming what to install.
+        return dot_bytes(self.to_dot(), "svg", caller="the notebook's display of a Graph").decode()
 
 
 def _json_default(obj: Any) -> Any:

@@ -8,7 +8,15 @@ precision standards do: elementwise error, the norm-relative error ``|a - b| / m
 over the whole tensor, and the cosine of the two. A difference whose norm-relative error is
 within ``ROUNDINGS`` unit roundoffs of the least precise math of the two runs, with a cosine
 at least that math's ``min_cosine``, is one that rounding explains; anything beyond is a
-divergence.
+divergence. Two float32 runs differ by the order their reductions add in: a difference within
+the caller's ``rtol`` as a whole (norm-relative) with float32's least cosine is that noise, even
+where elements near zero fail ``allclose``.
+
+That bound is a blanket over a whole run: in bfloat16 it is 8%, so a bug that changes a layer by
+3% passes under it. A call is therefore also judged by the error it *adds*: its outputs' error
+against its inputs' (:func:`added_error`). A call that rounds its inputs, weights and outputs once
+each in ``precision`` and accumulates in float32 adds a few unit roundoffs
+(:func:`added_bound`); one that adds more is a divergence, whatever the blanket says.
 
 :func:`math_record` says how this process computes now (device, dtypes, autocast, the TF32
 switches, deterministic algorithms, torch version); dumps store it, and
@@ -20,6 +28,7 @@ statistics block by block (a dump's tensors are read in blocks), and
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,8 +36,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["math_record", "value_precision", "pair_precision", "rounding_explains", "Agreement", "PRECISIONS",
-           "ROUNDINGS"]
+__all__ = ["math_record", "value_precision", "pair_precision", "rounding_explains", "explains", "added_error",
+           "added_bound", "condition", "follows_dtype", "Agreement", "PRECISIONS", "ROUNDINGS", "ADDED", "AMPLIFY", "RATIOS"]
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,23 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 # signs, and a forward and backward pass chain a few such ops. 20 keeps TF32 and float16 at 1e-2
 # (a ResNet's CPU-against-TF32 dump differs by 1e-3) and bfloat16 at 8e-2.
 ROUNDINGS = 20.0
-# Only arithmetic coarser than float32 explains a difference: two float32 runs that differ are
-# judged elementwise, as they always were.
+# The arithmetic whose rounding :func:`rounding_explains` puts a difference down to; float32 and
+# float64 differences are reduction order, judged by :func:`explains` against the caller's rtol.
 LOWER = ("bfloat16", "float16", "tfloat32")
+# What one call adds, in unit roundoffs of its math: its inputs, its weights and its outputs each
+# rounded once (about 0.6 u of norm-relative error each, for round-to-nearest), with room for a
+# reduction that adds in another order. Measured on a bfloat16 autocast GPT-2 against float32: a
+# Linear adds 0.8 to 1.2 u; a 3% change to its weights adds 7.7 u.
+ADDED = 4.0
+# A call may pass its inputs' error on amplified by this much for free (a product of two inputs
+# that each carry the error, a normalisation of a vector whose mean is not zero): beyond it, the
+# excess is what the call added.
+AMPLIFY = 2.0
+# msprobe's error ratios: the share of elements whose relative error exceeds one and five thousandths.
+RATIOS = (1e-3, 5e-3)
+# Accumulators are float32 below float32 (autocast's matmuls, TF32, cuDNN): a reduction of length K
+# adds about sqrt(K) of the accumulator's unit roundoff, not of the inputs' precision.
+_ACCUMULATOR = {"bfloat16": "float32", "float16": "float32", "tfloat32": "float32"}
 
 
 def math_record(model: torch.nn.Module | None = None, inputs: Iterable[Any] = ()) -> dict[str, Any]:
@@ -76,8 +99,9 @@ def math_record(model: torch.nn.Module | None = None, inputs: Iterable[Any] = ()
     device = _device(model, inputs)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}) if model is not None else []
     autocast = "off"
-    if torch.is_autocast_enabled(device.type):
-        autocast = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
+    with contextlib.suppress(RuntimeError):  # a device type autocast does not know (meta, a plugin's) has none
+        if torch.is_autocast_enabled(device.type):
+            autocast = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
     name = "cpu"
     if device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
@@ -91,9 +115,12 @@ def math_record(model: torch.nn.Module | None = None, inputs: Iterable[Any] = ()
 
 
 def _device(model: torch.nn.Module | None, inputs: Iterable[Any]) -> torch.device:
+    # A weight on the meta device holds no values: accelerate's cpu_offload and disk_offload keep them
+    # there between forwards and bring each layer's in on the device the inputs are on.
     if model is not None:
         for t in (*model.parameters(), *model.buffers()):
-            return t.device
+            if t.device.type != "meta":
+                return t.device
     for x in inputs:
         if isinstance(x, torch.Tensor):
             return x.device
@@ -143,7 +170,16 @@ class Agreement:
 
     ``close`` is ``torch.allclose`` at ``rtol``/``atol`` over every block (NaNs equal);
     ``max_rel`` is elementwise (to the larger magnitude of the two elements). Norms are
-    combined with ``hypot``: no overflow from summing squares.
+    combined with ``hypot``: no overflow from summing squares. ``over`` counts the elements
+    whose relative error exceeds each of :data:`RATIOS` (msprobe's one- and five-in-a-thousand
+    ratios: :attr:`ratios`); ``nonfinite_a``/``nonfinite_b`` count each side's inf and NaN and
+    ``only_a``/``only_b`` those where the other side is finite (an overflow one run has alone).
+    ``equivalent`` holds pairs of constants that count as equal where ``a`` holds the first and
+    ``b`` the second: a fill value that follows the dtype (:func:`follows_dtype`).
+
+    >>> g = Agreement(); g.add(torch.tensor([1.0, 2.0, float("inf")]), torch.tensor([1.0, 2.004, 3.0]))
+    >>> g.over, g.only_a, g.nonfinite_b  # 2.004 against 2 is over one thousandth; inf against 3 over both
+    ((2, 1), 1, 0)
     """
 
     rtol: float = 0.0
@@ -155,24 +191,52 @@ class Agreement:
     norm_a: float = 0.0
     norm_b: float = 0.0
     norm_diff: float = 0.0
+    count: int = 0
+    over: tuple[int, int] = (0, 0)
+    nonfinite_a: int = 0
+    nonfinite_b: int = 0
+    only_a: int = 0
+    only_b: int = 0
+    magnitude: float = 0.0  # the largest finite |element| of either side
+    equivalent: tuple[tuple[float, float], ...] = ()
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.is_complex() or b.is_complex():
             a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
         a, b = a.to(torch.float64).reshape(-1), b.to(torch.float64).reshape(-1)
-        self.close = self.close and bool(torch.allclose(a, b, rtol=self.rtol, atol=self.atol, equal_nan=True))
         if a.numel() == 0:
             return
         same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        for const_a, const_b in self.equivalent:
+            same |= (a == const_a) & (b == const_b)
+        if self.equivalent:
+            # the constants count as equal: compare b's where a holds its own (so allclose and the norms agree)
+            a = torch.where(same, b, a)
+        self.close = self.close and bool(torch.allclose(a, b, rtol=self.rtol, atol=self.atol, equal_nan=True))
+        finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
+        # a comparison goes block by block, many small rows: the counts of inf and NaN only where there are any
+        all_finite = bool(finite_a.all()) and bool(finite_b.all())
+        if not all_finite:
+            self.nonfinite_a += int((~finite_a).sum())
+            self.nonfinite_b += int((~finite_b).sum())
+            self.only_a += int((~finite_a & finite_b).sum())
+            self.only_b += int((finite_a & ~finite_b).sum())
+        self.count += a.numel()
         diff = torch.where(same, torch.zeros_like(a), (a - b).abs())  # inf == inf and nan vs nan are no difference
         scale = torch.maximum(a.abs(), b.abs())
         rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
         self.max_abs = _max(self.max_abs, float(diff.max()))
-        self.max_rel = _max(self.max_rel, float(rel.max()))
+        block_max_rel = float(rel.max())
+        self.max_rel = _max(self.max_rel, block_max_rel)
+        if not block_max_rel <= RATIOS[0]:
+            # a NaN's relative error (nan against a number) counts as over either bound
+            self.over = tuple(n + int((~(rel <= bound)).sum()) for n, bound in zip(self.over, RATIOS, strict=True))  # type: ignore[assignment]
         self.dot += float(a @ b)
         self.norm_a = math.hypot(self.norm_a, float(a.norm()))
         self.norm_b = math.hypot(self.norm_b, float(b.norm()))
         self.norm_diff = math.hypot(self.norm_diff, float(diff.norm()))
+        finite = scale if all_finite else torch.where(finite_a & finite_b, scale, torch.zeros_like(scale))
+        self.magnitude = max(self.magnitude, float(finite.max()))
 
     @property
     def cosine(self) -> float:
@@ -182,6 +246,11 @@ class Agreement:
         if na == 0 or nb == 0 or not (math.isfinite(na) and math.isfinite(nb)):
             return 1.0 if self.close else math.nan
         return self.dot / (na * nb)
+
+    @property
+    def ratios(self) -> tuple[float, float]:
+        """The share of elements whose relative error exceeds one thousandth and five thousandths."""
+        return tuple(n / self.count if self.count else 0.0 for n in self.over)  # type: ignore[return-value]
 
     @property
     def norm_rel(self) -> float:
@@ -205,9 +274,122 @@ def rounding_bound(precision: str) -> float:
 
 def rounding_explains(norm_rel: float, cosine: float, precision: str) -> str | None:
     """The label of the rounding (``"TF32"``) that explains a difference of ``norm_rel`` and ``cosine``
-    between two values judged in ``precision``, or None: a float32 or finer difference, or one beyond
-    :func:`rounding_bound` or below the precision's least cosine."""
+    between two values judged in ``precision``, or None: a float32 or finer difference (:func:`explains`
+    judges those, by reduction order), or one beyond :func:`rounding_bound` or below the precision's
+    least cosine."""
     if precision not in LOWER or not (math.isfinite(norm_rel) and math.isfinite(cosine)):
         return None
     p = PRECISIONS[precision]
     return p.label if norm_rel <= rounding_bound(precision) and cosine >= p.min_cosine else None
+
+
+def explains(norm_rel: float, cosine: float, precision: str, rtol: float = 0.0) -> str | None:
+    """What explains a difference of ``norm_rel`` and ``cosine`` between two values judged in ``precision``.
+
+    >>> explains(1e-7, 1.0, "float32", rtol=1e-5), explains(1e-3, 0.99, "float32", rtol=1e-5)
+    ('float32', None)
+    >>> explains(0.05, 0.999, "bfloat16")
+    'bfloat16'
+
+    Below float32, :func:`rounding_explains`. In float32 or float64, the order reductions add in:
+    a norm-relative error within ``rtol`` (and at least what ``ROUNDINGS`` of the precision's unit
+    roundoffs explain) with the precision's least cosine, labelled by the precision. None otherwise.
+    """
+    if precision in LOWER:
+        return rounding_explains(norm_rel, cosine, precision)
+    p = PRECISIONS.get(precision)
+    if p is None or not (math.isfinite(norm_rel) and math.isfinite(cosine)):
+        return None
+    return p.label if norm_rel <= max(rounding_bound(precision), rtol) and cosine >= p.min_cosine else None
+
+
+def added_bound(precision: str, reduction: int = 1, calls: int = 1) -> float:
+    """The norm-relative error one call computed in ``precision`` adds by rounding alone.
+
+    >>> round(added_bound("bfloat16") / PRECISIONS["bfloat16"].unit_roundoff, 3)
+    4.0
+
+    :data:`ADDED` unit roundoffs of ``precision`` (its inputs, weights and outputs rounded once
+    each), plus a reduction of length ``reduction`` that adds in another order: about
+    ``sqrt(reduction)`` unit roundoffs of its accumulator (float32 below float32: autocast, TF32).
+    ``calls`` is how many recorded calls a module's call holds: their roundings add in quadrature.
+    """
+    p = PRECISIONS.get(precision)
+    if p is None:
+        return 0.0
+    accumulator = PRECISIONS[_ACCUMULATOR.get(precision, precision)]
+    own = ADDED * p.unit_roundoff + math.sqrt(max(reduction, 1)) * accumulator.unit_roundoff
+    return own * math.sqrt(max(calls, 1))
+
+
+def added_error(output: float, inputs: Iterable[float], condition: float = 1.0) -> float:
+    """The norm-relative error a call added: its output's beyond its inputs' worst, amplified by :data:`AMPLIFY`
+    times ``condition``.
+
+    >>> round(added_error(0.03, [0.001]), 4), added_error(0.004, [0.003])
+    (0.0299, 0.0)
+
+    Independent errors add in quadrature, so the excess is ``sqrt(output² - (AMPLIFY · condition · input)²)``.
+    ``condition`` is how much more the call may amplify its inputs' relative error: an exponential
+    (``softmax``, ``exp``, ``sigmoid``) turns an input's relative error into an absolute error as
+    large as the input's magnitude, so softmax over logits of 30 passes a 0.1% error on as 3%
+    (:func:`condition`).
+    """
+    carried = AMPLIFY * condition * max(inputs, default=0.0)
+    if not math.isfinite(output) or not math.isfinite(carried):
+        return math.nan
+    return math.sqrt(output * output - carried * carried) if output > carried else 0.0
+
+
+# Calls whose output's relative error is their input's absolute error: an input relative error grows
+# by the input's magnitude (softmax over sharp logits). Matched on a function's or class's last name.
+_EXPONENTIAL = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax", "exp", "exp2", "expm1", "logsumexp",
+                          "sigmoid", "tanh", "softplus", "silu", "elu", "selu", "celu", "mish", "pow"})
+
+
+def condition(name: str, magnitude: float, container: bool = False) -> float:
+    """How much more than :data:`AMPLIFY` a call named ``name`` may amplify its inputs' relative error, for
+    inputs whose largest element is ``magnitude``.
+
+    >>> condition("torch.Tensor.softmax", 30.0), condition("torch.nn.functional.linear", 30.0)
+    (30.0, 1.0)
+
+    An exponential (:data:`_EXPONENTIAL`: ``softmax``, ``exp``, ``sigmoid``, ...) by the input's
+    magnitude; a ``container`` (a module's call whose inner ops the dump does not all hold, such as an
+    attention block's softmax) the same, as it may hold one; anything else 1.
+    """
+    last = name.rsplit(".", 1)[-1].lower()
+    if container or last in _EXPONENTIAL:
+        return max(1.0, magnitude)
+    return 1.0
+
+
+# The constants of torch.finfo a model computes with (a causal mask's fill value, a clamp's bounds).
+_FINFO = ("min", "max", "eps", "tiny", "smallest_normal", "resolution")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def follows_dtype(value_a: Any, value_b: Any) -> str | None:
+    """How two differing arguments of a call are one constant of two dtypes, or None.
+
+    >>> follows_dtype(torch.finfo(torch.float32).min, torch.finfo(torch.float16).min)
+    'finfo(float32).min vs finfo(float16).min'
+    >>> follows_dtype("float32", "bfloat16"), follows_dtype(0.5, 0.25)
+    ('dtype float32 vs bfloat16', None)
+
+    A fill value written ``torch.finfo(x.dtype).min`` is -3.4e38 in a float32 run and -65504 in a
+    float16 one: the runs differ there because their dtypes do, not because the code does. A dtype
+    argument of two different floating dtypes is the same case.
+    """
+    names = {str(d).removeprefix("torch."): d for d in _FLOATS}
+    if isinstance(value_a, str) and isinstance(value_b, str):
+        return f"dtype {value_a} vs {value_b}" if value_a in names and value_b in names and value_a != value_b else None
+    if isinstance(value_a, bool) or isinstance(value_b, bool) or not isinstance(value_a, (int, float)) \
+            or not isinstance(value_b, (int, float)):
+        return None
+    for attr in _FINFO:
+        found_a = [n for n, d in names.items() if float(getattr(torch.finfo(d), attr)) == value_a]
+        found_b = [n for n, d in names.items() if float(getattr(torch.finfo(d), attr)) == value_b]
+        if found_a and found_b and set(found_a) != set(found_b):
+            return f"finfo({found_a[0]}).{attr} vs finfo({found_b[0]}).{attr}"
+    return None

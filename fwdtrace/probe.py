@@ -143,6 +143,8 @@ class StatsHandle(Hooks):
     def __repr__(self) -> str:
         if not compiled_parts(self.probe.model):
             runs = ""
+        elif self.in_graph and self._attachment is not None and self._attachment.eager_why():
+            runs = f"; computed eagerly: {'; '.join(self._attachment.eager_why())}"
         elif self.in_graph:
             runs = "; computed inside the compiled graphs"
         else:
@@ -712,7 +714,7 @@ class Probe:
                     handle.stats.setdefault(key, stats)
 
                 stats = handle.stats.get(key) or RunningStats(bins, range)
-                return on.stats(module, StatsSlot(stats, publish), of)
+                return on.stats(module, StatsSlot(stats, publish, key, reuse=("stats", id(module), of, bins, range)), of)
             if of in ("input", "output"):
 
                 def hook(m: torch.nn.Module, a: tuple, kw: dict, result: Any) -> None:

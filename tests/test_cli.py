@@ -126,6 +126,18 @@ def make_exiting_forward():
     return ExitingForward()
 
 
+class CrashesTheExporter(torch.nn.Module):
+    def forward(self, x):
+        if torch.onnx.is_in_onnx_export():
+            import os, signal
+            os.kill(os.getpid(), signal.SIGFPE)
+        return x * 2
+
+
+def make_crashing():
+    return CrashesTheExporter()
+
+
 def make_sized(width):
     return torch.nn.Linear(width, width)
 
@@ -160,6 +172,9 @@ EXIT_CODES = [
     (["analyze"], 2, "usage: fwdtrace analyze"),
     (["analyze", "models:make_raises", "--input-shape", "2,4"], 2,
      "fwdtrace analyze: error: factory 'models:make_raises' raised RuntimeError: broken factory"),
+    (["check-onnx", "models:make_crashing", "--input-shape", "2,4", "--exporter", "torchscript", "--isolate"], 2,
+     "fwdtrace check-onnx: error: check_onnx(): the torchscript ONNX exporter crashed on CrashesTheExporter: its "
+     "process was killed by SIGFPE"),
     (["check-onnx", "models:make_sized", "--input-shape", "2,4"], 2,
      "fwdtrace check-onnx: error: factory 'models:make_sized' expected to be callable without arguments, got make_sized(width)"),
     (["analyze", OK, "--input-shape", "100000,100000,1000"], 2,

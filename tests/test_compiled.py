@@ -536,18 +536,58 @@ def test_forward_statistics_are_computed_inside_the_compiled_graph(how: str) -> 
     assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
 
 
-def test_each_arming_compiles_once_and_disarming_compiles_nothing() -> None:
+def test_each_key_set_compiles_once_for_the_life_of_the_process_and_disarming_compiles_nothing() -> None:
+    """Arming a key set armed before (the same probe, a new probe, the live page's toggles) runs the copy
+    compiled then: no compilation. Before, every arming compiled the whole model again."""
     case = make("torch.compile")
     step(case.run)
     probe = fwdtrace.Probe(case.given)
-    counts = []
-    for selector in (LAYER, LAYER, "block.*"):
+    counts, handles = [], []
+    for selector in (LAYER, LAYER, "block.*", LAYER):
         handle = probe.running_stats(selector)
+        handles.append(handle)
         counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
         handle.remove()
         counts.append([step(case.run) for _ in range(2)] + [compile_state()[0]])
-    assert counts == [[1, 1, 2], [1, 1, 2], [1, 1, 3], [1, 1, 3], [1, 1, 4], [1, 1, 4]]
-    assert sum(counters["graph_break"].values()) == 0
+    assert counts == [[1, 1, 2], [1, 1, 2], [1, 1, 2], [1, 1, 2], [1, 1, 3], [1, 1, 3], [1, 1, 3], [1, 1, 3]]
+    with fwdtrace.Probe(case.given) as again:  # a new Probe, the same key set
+        fresh = again.running_stats(LAYER)
+        step(case.run, X * 10)  # other values: the copy reads this probe's state, not the first's
+    assert compile_state() == (3, 0)
+    want = eager_stats(eager_outputs(case.eager, LAYER, 2))
+    assert all(h.stats[LAYER].to_dict() == pytest.approx(want, rel=1e-9) for h in handles if LAYER in h.keys)
+    seen: list[torch.Tensor] = []
+    hook = fwdtrace.instrument.keys.key2module(case.eager)[LAYER].register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone()))
+    case.eager(X * 10)
+    hook.remove()
+    assert fresh.stats[LAYER].to_dict() == pytest.approx(eager_stats(seen), rel=1e-9)
+
+
+def test_toggling_a_live_forward_arm_compiles_at_most_once() -> None:
+    case = make("torch.compile")
+    step(case.run)
+    graphs = compile_state()[0]
+    sampler = Sampler(case.given)
+    means = []
+    try:
+        for n in range(5):  # arm, step, disarm: what a click on the live page does
+            sampler.arm(LAYER, "forward")
+            step(case.run, X * (n + 1))
+            sampler.drain(30)
+            means.append([t["mean"] for s in sampler.samples(LAYER, "forward") for t in s["tensors"]
+                          if t["role"] == "output"][-1])
+            sampler.disarm(LAYER)
+    finally:
+        sampler.close()
+    assert compile_state() == (graphs + 1, 0)
+    seen: list[torch.Tensor] = []
+    hook = fwdtrace.instrument.keys.key2module(case.eager)[LAYER].register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone()))
+    for n in range(5):
+        case.eager(X * (n + 1))
+    hook.remove()
+    assert means == pytest.approx([float(o.double().mean()) for o in seen], rel=1e-9)
 
 
 def test_in_graph_statistics_with_aot_autograd_train_as_the_eager_model() -> None:
@@ -849,3 +889,253 @@ def test_dumping_every_step_of_a_compiled_model_compiles_once(tmp_path: Path) ->
     for path in paths:  # no optimizer step: every step's values are the eager model's
         assert fwdtrace.compare_dumps(path, reference, rtol=1e-6).equal
     assert [step(case.run) for _ in range(2)] == [1, 1] and compile_state() == (graphs[0] + 1, 0)
+
+
+# -- graph breaks: the model's own, after it has run compiled ----------------------------------------------
+def _break(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """What a training script's forward does that dynamo cannot put in one graph."""
+    if kind == "graph_break":
+        torch._dynamo.graph_break()
+    elif kind == "print":
+        print(end="")
+    elif kind == "item":
+        x = x + x.sum().item() * 0
+    elif kind == "if":  # a data-dependent branch
+        if x.sum() > 1e9:
+            x = x * 0
+    return x
+
+
+class BreakBlock(Block):
+    kind = "if"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self[0](x)
+        return self[2](self[1](_break(self.kind, x)))
+
+
+class BreakNet(Net):
+    kind = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = BreakBlock(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _break(self.kind, self.inp(x))
+        return self.out(self.block(x))
+
+
+def make_breaking(kind: str, how: str, backend: Any = counting) -> Case:
+    torch.manual_seed(0)
+    net = BreakNet()
+    net.kind = "" if how == "regional" else kind
+    net.block.kind = kind if how == "regional" else ""
+    eager = copy.deepcopy(net)
+    if how == "torch.compile":
+        compiled = torch.compile(net, backend=backend)
+        return Case(compiled, compiled, eager)
+    if how == "module.compile":
+        net.compile(backend=backend)
+    else:  # regional: the block with the data-dependent branch compiled alone
+        net.block.compile(backend=backend)
+    return Case(net, net, eager)
+
+
+BREAK_KEYS = ["inp.Linear", "block.0.Linear", "block.2.Linear", "out.Linear"]
+
+
+@pytest.mark.filterwarnings("ignore:fwdtrace. \\w+ runs eagerly while the hooks:fwdtrace.errors.FwdtraceWarning")  # the arm's
+@pytest.mark.parametrize(("kind", "how"), [
+    ("graph_break", "torch.compile"), ("print", "torch.compile"), ("item", "module.compile"), ("if", "regional"),
+])
+def test_every_forward_tool_records_every_call_of_a_model_with_graph_breaks(kind: str, how: str) -> None:
+    """A model whose compiled forward breaks its graph, run compiled first (as every training loop has): a Probe's
+    statistics and a live forward arm get every call, equal to the eager copy's, and fwdtrace says once, in one
+    line, that the part runs eagerly and why. Before, the frames after the break ran code compiled without
+    the hooks: the statistics were empty and the arm took nothing, without a word."""
+    case = make_breaking(kind, how)
+    step(case.run)
+    assert sum(counters["graph_break"].values()) > 0  # the model's own breaks
+    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match=r"^fwdtrace: \w+ runs eagerly while the hooks on "
+                      r".* are attached: its compiled code breaks the graph \(") as said:
+        with fwdtrace.Probe(case.given) as probe:
+            stats = probe.running_stats(BREAK_KEYS)
+            for _ in range(2):
+                step(case.run)
+            assert "computed inside the compiled graphs" not in repr(stats)
+            assert "breaks its graph" in repr(stats)
+    assert len(said) == 1  # once, in one line
+    sampler = Sampler(case.given)
+    try:
+        sampler.arm("block.2.Linear", "forward")
+        for _ in range(2):
+            step(case.run)
+        sampler.drain(30)
+        taken = sampler.arms[("block.2.Linear", "forward")].info()["taken"]
+        samples = sampler.samples("block.2.Linear", "forward")
+    finally:
+        sampler.close()
+    for key in BREAK_KEYS:
+        assert stats.stats[key].to_dict() == pytest.approx(eager_stats(eager_outputs(case.eager, key, 2)), rel=1e-9)
+    want = eager_outputs(case.eager, "block.2.Linear", 2)
+    assert taken == 2
+    got = [t["mean"] for s in samples for t in s["tensors"] if t["role"] == "output"]
+    assert got == pytest.approx([float(o.double().mean()) for o in want], rel=1e-9)
+    calls = step(case.run)
+    assert calls >= 1  # the model's compiled code again once the tools left
+
+
+def test_a_statistics_dump_of_a_model_with_a_graph_break_holds_every_eager_call(tmp_path: Path) -> None:
+    case = make_breaking("graph_break", "torch.compile", backend="aot_eager")
+    step(case.run)
+    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match="breaks the graph"):
+        path, _ = dump_step(case.given, case.run, tmp_path / "compiled", "statistics")
+    reference, _ = dump_step(case.eager, case.eager, tmp_path / "eager", "statistics")
+    tree = fwdtrace.read_dump(path, show=False)
+    assert tree["status"] == "complete"
+    assert "breaks its graph" in tree["attrs"]["compiled"]
+    report = fwdtrace.compare_dumps(path, reference, rtol=1e-6)
+    assert report.equal and len(report.rows) == len(fwdtrace.compare_dumps(reference, reference).rows)
+
+
+def test_a_key_that_gets_no_value_inside_the_compiled_code_is_named(tmp_path: Path) -> None:
+    """A layer the compiled part runs without calling: every tool hears of it, once; a dump holds what the eager
+    model's dump holds (complete: an eager run does not call it either) and names it in ``not_called``."""
+
+    class Skips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Skips())
+    eager = copy.deepcopy(model)
+    model[1] = torch.compile(model[1], backend=counting)
+    model(X)
+    with pytest.warns(fwdtrace.errors.FwdtraceWarning, match=r"^fwdtrace: no value for 1\.unused\.Linear in a call "
+                      r"of compiled Skips: not called in it, or not reached by its compiled code$") as said:
+        with fwdtrace.Probe(model) as probe:
+            stats = probe.running_stats(["1.used.Linear", "1.unused.Linear"])
+            model(X)
+            model(X)
+    assert len(said) == 1 and list(stats.stats) == ["1.used.Linear"]
+    paths = []
+    for m, folder in ((model, "compiled"), (eager, "eager")):
+        dumper = fwdtrace.Dumper(tmp_path / folder, values="statistics")
+        dumper.register(m, grads=False)
+        m(X)
+        paths += dumper.remove()
+    tree = fwdtrace.read_dump(paths[0], show=False)
+    assert tree["status"] == "complete" and tree["attrs"]["not_called"] == "1.unused.Linear"
+    assert "not_called" not in fwdtrace.read_dump(paths[1], show=False)["attrs"]
+    assert fwdtrace.compare_dumps(paths[0], paths[1], rtol=1e-6).equal
+
+
+_DISTRIBUTED = '''
+import copy, json, socket, sys, torch, torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+class Block(nn.Sequential):  # forwards of the user's own, as training scripts' models have
+    def forward(self, x):
+        return self[1](self[0](x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 8), Block(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+
+def run(rank, port, out):
+    import fwdtrace
+    from fwdtrace.live.sampler import Sampler
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    calls = [0]
+
+    def counting(gm, example_inputs):
+        return lambda *a: (calls.__setitem__(0, calls[0] + 1), gm.forward(*a))[1]
+
+    def dump(model, folder):
+        dumper = fwdtrace.Dumper(f"{out}/{folder}{rank}", values="statistics")
+        dumper.register(model, grads=False)
+        model(x).sum().backward()
+        [path] = dumper.remove()
+        return path
+
+    results = {}
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for how in ("ddp", "fsdp2"):
+        torch.manual_seed(0)
+        net = Net()
+        eager = copy.deepcopy(net)
+        if how == "ddp":
+            compiled, eager, key = torch.compile(DistributedDataParallel(net), backend=counting), \\
+                DistributedDataParallel(eager), "module.block.0.Linear"
+        else:
+            mesh = init_device_mesh("cpu", (2,))
+            fully_shard(net.block, mesh=mesh)
+            compiled, key = torch.compile(fully_shard(net, mesh=mesh), backend=counting), "block.0.Linear"
+        compiled(x).sum().backward()  # the first compiled call, as every training loop has made
+        path, reference = dump(compiled, how), dump(eager, how + "eager")
+        tree, want = fwdtrace.read_dump(path, show=False), fwdtrace.read_dump(reference, show=False)
+        sampler = Sampler(compiled)
+        sampler.arm(key, "forward")
+        compiled(x).sum().backward()
+        sampler.drain(30)
+        taken = sampler.arms[(key, "forward")].info()["taken"]
+        sampler.close()
+        results[how] = {
+            "status": tree["status"], "groups": [g["attrs"]["module_key"] for g in tree["groups"].values()],
+            "eager_groups": [g["attrs"]["module_key"] for g in want["groups"].values()],
+            "equal": fwdtrace.compare_dumps(path, reference, rtol=1e-6).equal, "taken": taken,
+        }
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    other = mp.get_context("spawn").Process(target=run, args=(1, port, sys.argv[1]))
+    other.start()
+    run(0, port, sys.argv[1])
+    other.join(120)
+    sys.exit(other.exitcode)
+'''
+
+
+def test_compiled_ddp_and_fsdp2_on_two_ranks_dump_every_eager_group_and_sample(tmp_path: Path) -> None:
+    """``torch.compile(DDP(model))`` and an FSDP2 model compiled whole, on two gloo ranks: a forward statistics
+    dump holds every group the eager copy's dump holds, with its values, and a live forward arm takes samples.
+    Before, DDP's and FSDP's graph breaks left the layers' hooks in frames compiled without them: a dump marked
+    complete held the root alone."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(_DISTRIBUTED)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for how, got in results.items():
+            assert got["status"] == "complete", (rank, how)
+            assert got["groups"] == got["eager_groups"] and len(got["groups"]) >= 4, (rank, how, got)
+            assert got["equal"] and got["taken"] == 1, (rank, how, got)

@@ -186,4 +186,4 @@ def test_the_numeric_reference_finds_a_divergence_named_after_its_start(tmp_path
         corpus.assert_divergence_starts_there(run, "torchscript", report)
     report.numeric.random = [dataclasses.replace(report.first_divergence, kind="random", order=0, target="torch.rand")]
     with pytest.raises(AssertionError, match="is said to draw random numbers; the row declares 'no draw'"):
-        corpus.assert_divergence_starts_there(run, "torchscript", report)
+        corpus.assert_draws_declared(run, report)

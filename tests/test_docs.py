@@ -95,17 +95,81 @@ def test_skip_markers_are_read() -> None:
         python_blocks("<!-- docs-test: skip (why) -->\n```bash\nls\n```\n")
 
 
+CODE_WIDTH = 88  # what a code block shows at 1280 px without a horizontal scroll
+
+
+def test_code_lines_fit_the_page() -> None:
+    """Every line inside a fenced block of README.md and the docs is at most CODE_WIDTH characters:
+    a longer one's end, often its comment, hides behind a scroll bar."""
+    wide = []
+    for page in PAGES:
+        fence = None
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            m = _FENCE.match(line)
+            if m and (fence is None or (m["fence"] == fence and not m["info"].strip())):
+                fence = m["fence"] if fence is None else None
+            elif fence is not None and len(line) > CODE_WIDTH:
+                wide.append(f"{page.relative_to(ROOT)}:{number} ({len(line)})")
+    assert wide == []
+
+
+_USES = re.compile(r"^# uses (?P<names>[\w, ]+) from the examples? above$", re.M)
+
+
+def free_names(source: str) -> set[str]:
+    """The names a block reads but never binds (assigns, imports, defines, takes as an argument)."""
+    import ast
+    import builtins
+
+    bound, loaded = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return loaded - bound - set(dir(builtins)) - {"__name__"}
+
+
+def test_free_names_reads_what_a_block_takes_from_above() -> None:
+    assert free_names("import torch\ny = torch.ones(1) + x\ndef f(a):\n    return a + b\n") == {"x", "b"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_PAGE_IDS)
+def test_each_example_is_whole_or_says_what_it_takes_from_above(page: Path) -> None:
+    """An example copied alone runs, or opens with ``# uses model, x from the example above``
+    naming exactly what it takes from the blocks before it (skipped blocks included)."""
+    for line, source, _ in python_blocks(page.read_text(encoding="utf-8")):
+        said = _USES.search(source)
+        declared = {n.strip() for n in said["names"].split(",")} if said else set()
+        assert free_names(source) == declared, f"{page.name}:{line}"
+
+
 def test_every_page_parses() -> None:
     for page in PAGES:
         python_blocks(page.read_text(encoding="utf-8"))
 
 
 def test_readme_is_a_front_door() -> None:
-    """At most 300 lines, a quickstart in the first screens, and relative links that resolve."""
+    """At most 300 lines, a quickstart in the first screens, relative links that resolve, and links
+    to the docs site (mkdocs.yml's site_url, which work on a package page too) that name a page of it."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 300
     for target in re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text):
         assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+    site = re.search(r"^site_url: (\S+)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert site is not None
+    pages = re.findall(re.escape(site[1]) + r"([^)#\s]*)", text)
+    assert len(pages) >= 10  # the guides are linked on the site, not as docs/*.md paths
+    for page in pages:
+        path = DOCS / (page.rstrip("/") + ".md" if page else "index.md")
+        assert path.exists(), f"README.md links to {site[1]}{page}, which no page of docs/ becomes"
+    assert "](docs/" not in text
 
 
 _HASH = re.compile(r"(?<![0-9A-Za-z_./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
@@ -128,6 +192,64 @@ def test_reference_covers_every_public_name() -> None:
     for page in (DOCS / "reference").glob("*.md"):
         documented |= {m.rsplit(".", 1)[-1] for m in re.findall(r"^::: ([\w.]+)", page.read_text(), re.M)}
     assert sorted(set(fwdtrace.__all__) - documented) == []
+
+
+_DOTTED = re.compile(r"(?<![\w/.-])fwdtrace(?:\.[A-Za-z_]\w*)+")
+
+
+def _resolve(dotted: str) -> object:
+    """``fwdtrace.a.b`` as Python finds it: as attributes (what ``fwdtrace.live.reopen(...)`` calls),
+    else from the longest module path (the ``fwdtrace.live.reopen.reopen`` of a reference entry)."""
+    import importlib
+
+    parts = dotted.split(".")
+    try:
+        obj: object = fwdtrace
+        for i, name in enumerate(parts[1:], 2):
+            try:
+                obj = getattr(obj, name)
+            except AttributeError:
+                obj = importlib.import_module(".".join(parts[:i]))
+        return obj
+    except ImportError:
+        pass
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            for name in parts[i:]:
+                obj = getattr(obj, name)
+            return obj
+        except (ImportError, AttributeError):
+            continue
+    raise AttributeError(dotted)
+
+
+def test_reference_covers_every_name_the_guides_call() -> None:
+    """Each fwdtrace function or class a python block of the README or a guide names
+    (``fwdtrace.x.y``, ``from fwdtrace.x import y``) has a reference entry, itself or its class."""
+    import inspect
+
+    documented = set()
+    for page in (DOCS / "reference").glob("*.md"):
+        for path in re.findall(r"^::: ([\w.]+)", page.read_text(), re.M):
+            documented.add(_resolve(path) if path != "fwdtrace" else fwdtrace)
+    missing = []
+    for page in PAGES:
+        if "reference" in page.parts:
+            continue
+        for _, source, _ in python_blocks(page.read_text(encoding="utf-8")):
+            names = set(_DOTTED.findall(source))
+            for module, imported in re.findall(r"^\s*from (fwdtrace[\w.]*) import ([\w, ]+)$", source, re.M):
+                names |= {f"{module}.{n.strip()}" for n in imported.split(",")}
+            for dotted in names:
+                obj = _resolve(dotted)
+                if inspect.ismodule(obj) or not (inspect.isclass(obj) or callable(obj)):
+                    continue  # a namespace, or a constant the guide explains
+                owner = inspect.getmodule(obj)
+                first = getattr(owner, obj.__qualname__.split(".")[0], None)
+                if not {obj, first, owner} & documented:
+                    missing.append(f"{page.name}: {dotted}")
+    assert sorted(set(missing)) == []
 
 
 def test_nav_lists_every_page() -> None:

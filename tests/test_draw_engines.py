@@ -14,6 +14,9 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
+import warnings
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -73,7 +76,7 @@ try:
 except FwdtraceError as e:
     result["error"] = str(e)
 try:
-    dot.pipe(format="svg")
+    dot.pipe(format="png")
 except FwdtraceError as e:
     result["pipe"] = str(e)
 # then a dot executable on PATH
@@ -107,15 +110,134 @@ def test_without_graphviz_files_need_no_layout_and_render_says_what_to_install(w
     g = fwdtrace.trace(model, torch.ones(1, 3, 8, 8))
     assert got["dot"] == g.to_dot().source  # a small model: the same picture as where Graphviz measures it
     assert got["json"] == len(g.to_json()) and got["nx"] == len(g.nodes) and got["me"]
-    assert got["svg"] is None and not got["loaded"]
+    assert got["svg"].count("<svg") == 1 and not got["loaded"]  # fwdtrace's own layout (test below)
     error = got["error"]
     assert error.startswith("render() could not lay out the picture: pygraphviz cannot load the system's "
                             "libgobject-2.0.so.0 (ImportError: libgobject-2.0.so.0: cannot open"), error
     for hint in ("apt-get install libglib2.0-0 libxrender1", "apt-get install graphviz libgraphviz-dev",
-                 "dnf install graphviz", "conda install -c conda-forge pygraphviz", "no Graphviz dot executable"):
+                 "dnf install graphviz", "conda install -c conda-forge pygraphviz", "no Graphviz dot executable",
+                 "render('graph.svg') draws fwdtrace's own layout", "pip install cairosvg"):
         assert hint in error
     assert got["missing"] == error
     assert got["pipe"] == error.replace("render()", "Digraph.pipe()", 1)  # named by what the user called
+
+
+class _Nested(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.head(self.block(x) + x), -1)
+
+
+def _drawn(svg: str) -> dict:
+    """What an SVG shows, read as Graphviz writes it: each box's label and rectangle by DOT name,
+    each cluster's rectangle by name, each edge's ends."""
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    root = ET.fromstring(svg.encode())
+    boxes, clusters, edges = {}, {}, []
+    for g in root.iter("{http://www.w3.org/2000/svg}g"):
+        kind, title = (g.get("class") or "").split(" ")[0], g.findtext("s:title", namespaces=ns)
+        texts = "\n".join(t.text or "" for t in g.iter("{http://www.w3.org/2000/svg}text"))
+        shape = next(iter([*g.iterfind(".//s:rect", ns), *g.iterfind(".//s:ellipse", ns)]), None)
+        if kind in ("node", "cluster"):
+            if shape.tag.endswith("ellipse"):
+                cx, cy, rx, ry = (float(shape.get(a)) for a in ("cx", "cy", "rx", "ry"))
+                rect = (cx - rx, cy - ry, cx + rx, cy + ry)
+            else:
+                x, y, w, h = (float(shape.get(a)) for a in ("x", "y", "width", "height"))
+                rect = (x, y, x + w, y + h)
+            (boxes if kind == "node" else clusters)[title] = {"label": texts, "rect": rect, "class": g.get("class")}
+        elif kind == "edge":
+            edges.append(tuple(title.split("->")))
+    return {"boxes": boxes, "clusters": clusters, "edges": edges}
+
+
+def _inside(a: tuple, b: tuple) -> bool:
+    return b[0] <= a[0] and b[1] <= a[1] and a[2] <= b[2] and a[3] <= b[3]
+
+
+def _apart(a: tuple, b: tuple) -> bool:
+    return a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+
+
+def no_graphviz(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """This process as where Graphviz cannot lay out: pygraphviz unimportable, no dot on PATH."""
+    monkeypatch.setitem(sys.modules, "pygraphviz", None)  # import pygraphviz raises ImportError
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert draw.layout_missing() is not None
+
+
+@pytest.mark.parametrize("rankdir", ["TB", "LR", "BT", "RL"])
+def test_without_graphviz_render_and_the_notebook_draw_fwdtraces_own_layout(
+        rankdir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every box, label, cluster and edge the draw pass wrote (as pygraphviz reads its DOT) is in the SVG;
+    boxes do not overlap, each lies inside its clusters, sibling clusters apart; one warning says what to install."""
+    g = fwdtrace.trace(_Nested(), torch.ones(1, 4))
+    reference = draw._agraph(g.to_dot(depth=None, rankdir=rankdir).source)  # Graphviz's own reading
+    labels = {str(n): n.attr["label"] for n in reference.nodes()}
+    edges = sorted((str(u), str(v)) for u, v in reference.edges())
+    cluster2boxes = {str(s.name): {str(n) for n in s.nodes()} for s in reference.subgraphs()}
+    no_graphviz(monkeypatch, tmp_path)
+    for how in ("render", "notebook"):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            if how == "render":
+                svg = Path(g.render(tmp_path / "graph.svg", depth=None, rankdir=rankdir)).read_text()
+            else:
+                svg = g._repr_svg_()
+        assert [w.category for w in said] == [fwdtrace.FwdtraceWarning], [str(w.message) for w in said]
+        message = str(said[0].message)
+        assert "fwdtrace's own layout" in message and "pygraphviz cannot load" in message
+        assert "apt-get install libglib2.0-0 libxrender1" in message
+        if how == "render":
+            assert said[0].filename == __file__  # pointed at the caller
+        drawn = _drawn(svg)
+        assert {k: v["label"] for k, v in drawn["boxes"].items()} == labels
+        assert sorted(drawn["edges"]) == edges
+        assert set(drawn["clusters"]) == set(cluster2boxes) and cluster2boxes
+        rects = [b["rect"] for b in drawn["boxes"].values()]
+        assert all(_apart(a, b) for i, a in enumerate(rects) for b in rects[i + 1:])
+        for name, members in cluster2boxes.items():
+            assert all(_inside(drawn["boxes"][m]["rect"], drawn["clusters"][name]["rect"]) for m in members)
+            for other in drawn["boxes"].keys() - members:
+                assert _apart(drawn["boxes"][other]["rect"], drawn["clusters"][name]["rect"])
+
+
+def test_without_graphviz_a_png_is_cairosvgs_or_an_error_naming_the_svg_route(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_graphviz(monkeypatch, tmp_path)
+    g = fwdtrace.trace(_Nested(), torch.ones(1, 4))
+    monkeypatch.setitem(sys.modules, "cairosvg", None)
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^render\(\) could not lay out the picture: pygraphviz cannot "
+                       r"load .*An SVG needs none of it \(render\('graph.svg'\) draws fwdtrace's own layout"):
+        g.render(tmp_path / "graph.png")
+    assert not (tmp_path / "graph.png").exists()
+    rasterised = []
+    stand_in = types.SimpleNamespace(svg2png=lambda bytestring: rasterised.append(bytestring) or b"\x89PNG")
+    monkeypatch.setitem(sys.modules, "cairosvg", stand_in)
+    with pytest.warns(fwdtrace.FwdtraceWarning, match="own layout"):
+        g.render(tmp_path / "graph.png")
+        g.render(tmp_path / "graph.svg")
+    assert (tmp_path / "graph.png").read_bytes() == b"\x89PNG"
+    assert rasterised == [(tmp_path / "graph.svg").read_bytes()]  # the SVG drawn, rasterised
+
+
+def test_without_graphviz_the_live_pages_keys_are_read_from_fwdtraces_own_layout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The own layout writes Graphviz's skeleton, so the live page's keyed drawing reads the keys
+    and kinds it reads from Graphviz's SVG."""
+    from fwdtrace.live.svg import graph_svg
+
+    g = fwdtrace.trace(_Nested(), torch.ones(1, 4))
+    keyed = re.compile(r'class="(?:node|cluster)" (data-key="[^"]+" data-kind="[^"]+")')
+    with_graphviz = sorted(keyed.findall(graph_svg(g)))
+    no_graphviz(monkeypatch, tmp_path)
+    with pytest.warns(fwdtrace.FwdtraceWarning):
+        assert sorted(keyed.findall(graph_svg(g))) == with_graphviz and len(with_graphviz) == 4
 
 
 def test_render_falls_back_to_a_dot_executable(without_libraries: dict) -> None:

@@ -478,7 +478,7 @@ def test_a_dump_killed_mid_write_is_named_as_such(tmp_path: Path) -> None:
                         r"\(incomplete: it was cut short while being written", str(e)), str(e)
     else:
         assert status.startswith("incomplete: ") and "never closed" in status, status
-    with pytest.raises(FwdtraceError, match=r"^compare_dumps\(\) .*incomplete"):
+    with pytest.raises(FwdtraceError, match=r"^(compare_dumps\(\) .*|.*\.partial-\w+ is )incomplete"):
         _dump_diff(str(partial), str(partial))
 
 
@@ -818,3 +818,27 @@ def test_a_transformers_model_returning_a_model_output_gets_its_backward(tmp_pat
     ln_f = next(v for k, v in groups.items() if k.startswith("transformer.ln_f."))
     torch.testing.assert_close(ln_f["grad_output0"], kept["ln_f"], rtol=0, atol=0)
     torch.testing.assert_close(lm_head["grad_input0"], kept["ln_f"], rtol=0, atol=0)  # ln_f's output feeds only lm_head
+
+
+def test_a_dumper_given_a_file_is_refused_at_construction(tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file.txt"
+    a_file.write_text("notes")
+    with pytest.raises(FwdtraceError, match=r"^Dumper expected a folder path for its dumps .*, got '.*a_file\.txt', "
+                       r"an existing file$"):
+        fwdtrace.Dumper(a_file)
+    with pytest.raises(FwdtraceError, match=r"^Dumper expected a folder path .*, got 'dump\.hdf5', a file name$"):
+        fwdtrace.Dumper("dump.hdf5")
+    assert a_file.read_text() == "notes" and not Path("dump.hdf5").exists()
+    fwdtrace.Dumper(tmp_path / "run.v1")  # a folder with a dot in its name is a folder
+
+
+def test_a_dumpers_repr_shows_its_folder_and_settings(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    dumper = fwdtrace.Dumper(tmp_path / "run", values="statistics", keys="0.*", steps=[3, 1])
+    assert repr(dumper) == (f"Dumper({str(tmp_path / 'run')!r}, values='statistics', calls='modules', "
+                            "keys=('0.*',), steps=[1, 3], 0 written, 0 open)")
+    with dumper:
+        dumper.register(model, step=3)
+        assert repr(dumper).endswith(", 0 written, 1 open)")
+        model(torch.ones(1, 2)).sum().backward()
+    assert repr(dumper).endswith(f", {len(dumper.paths)} written, 0 open)") and len(dumper.paths) == 1

@@ -187,3 +187,29 @@ def test_a_long_loop_pairs_every_call_but_the_changed_ones() -> None:
     changed = set(range(2, len(a), 75))
     b = [("sigmoid", t[1]) if i in changed else t for i, t in enumerate(a)]
     assert list(_matching(a, b)) == [(i, i) for i in range(len(a)) if i not in changed]
+
+
+@pytest.mark.parametrize("edge, message", [
+    (lambda e: {**e, "src": e["dst"], "dst": e["src"]}, r"it runs from node \d+ back to node \d+"),  # a cycle
+    (lambda e: {**e, "dst": 10 ** 6}, r"it joins node \d+ to node 1000000, of \d+ nodes"),  # dangling
+])
+def test_a_stored_graph_with_a_cycle_or_a_dangling_edge_is_refused_naming_the_dump(
+        tmp_path: Path, edge, message: str) -> None:  # noqa: ANN001
+    import json
+    import re
+
+    import h5py
+
+    from fwdtrace.dump.layout import _create_text
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+    b = _dump(tmp_path, "b", model, values="statistics")
+    crafted = _dump(tmp_path, "a", model, values="statistics")  # the first run's graph is read by every comparison
+    with h5py.File(crafted, "r+") as f:
+        graph = json.loads(bytes(f["trace_graph"][()]))
+        graph["edges"][-1] = edge(graph["edges"][-1])
+        del f["trace_graph"]
+        _create_text(f, "trace_graph", json.dumps(graph))
+    with pytest.raises(fwdtrace.FwdtraceError, match=r"^Graph\.from_dict expected a graph written by Graph\.to_json in "
+                                                     rf"'{re.escape(str(crafted))}', got one whose edge \d+ has {message}"):
+        fwdtrace.compare_dumps(crafted, b)

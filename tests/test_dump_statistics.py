@@ -373,3 +373,77 @@ def test_a_packed_step_is_the_same_written_by_the_writer_thread_or_after_a_faile
         tree = step(name, background, fail_first)
         assert tree["groups"] == plain["groups"], name
         assert tree["attrs"]["discarded_forwards"] == fail_first and tree["status"] == "complete"
+
+
+def _open_or_refuse(reference: Path, damaged: Path) -> str:
+    """Read and compare ``damaged``: "ok", or "refused" with one FwdtraceError naming it; its peak memory bounded."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fwdtrace.read_dump(damaged, show=False)
+        fwdtrace.compare_dumps(reference, damaged).to_text()
+        outcome = "ok"
+    except FwdtraceError as e:
+        assert str(damaged) in str(e), str(e)
+        outcome = "refused"
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 32 << 20, (damaged.name, peak)  # the file is ~10 KiB: nothing it declares is allocated beyond that
+    return outcome
+
+
+def test_damaged_packed_statistics_dumps_open_or_fail_with_one_error_naming_them(tmp_path: Path) -> None:
+    import random
+
+    import h5py
+    import numpy as np
+
+    model = _model()
+    with fwdtrace.Dumper(tmp_path / "d", values="statistics", calls="all") as dumper:
+        dumper.register(model, grads=False)
+        model(torch.randn(2, 4))
+    reference = next((tmp_path / "d").glob("*.hdf5"))
+    data = reference.read_bytes()
+    rng = random.Random(0)
+    outcomes = []
+    for i in range(40):  # a flipped bit anywhere
+        flipped = bytearray(data)
+        offset = rng.randrange(len(data))
+        flipped[offset] ^= 1 << rng.randrange(8)
+        (tmp_path / f"flip{i}.hdf5").write_bytes(bytes(flipped))
+        outcomes.append(_open_or_refuse(reference, tmp_path / f"flip{i}.hdf5"))
+    for n in range(0, len(data), len(data) // 12):  # cut short anywhere
+        (tmp_path / f"cut{n}.hdf5").write_bytes(data[:n])
+        assert _open_or_refuse(reference, tmp_path / f"cut{n}.hdf5") == "refused"
+
+    def call_index(index: dict, value: object) -> dict:
+        index["calls"][0][1]["call_index"] = value
+        return index
+
+    def shapes(index: dict, shape: list[int]) -> dict:
+        index["rows"] = [[*r[:2], shape, r[3]] for r in index["rows"]]
+        return index
+
+    edits = {  # what the index declares, as a crafted file would
+        "huge_shape": (lambda i: shapes(i, [2 ** 62, 2 ** 62]), "ok"),
+        "many_dims": (lambda i: shapes(i, [2] * 500), "ok"),
+        "call_index_str": (lambda i: call_index(i, "x"), "refused"),
+        "call_index_huge": (lambda i: call_index(i, 10 ** 40), "refused"),
+        "key_not_str": (lambda i: {**i, "calls": [[c[0], {**c[1], "module_key": 7}] for c in i["calls"]]}, "refused"),
+    }
+    for name, (edit, expected) in edits.items():
+        crafted = _edited_index(reference, tmp_path / f"{name}.hdf5", edit)
+        assert _open_or_refuse(reference, crafted) == expected, name
+    # An index deflated from 64 MiB of zeros: 64 KiB of file declaring what no dump of its size holds.
+    bomb = tmp_path / "bomb.hdf5"
+    bomb.write_bytes(data)
+    with h5py.File(bomb, "r+") as f:
+        del f["statistics_index"]
+        f.create_dataset("statistics_index", data=np.zeros(64 << 20, np.uint8), chunks=(1 << 22,), compression="gzip")
+    assert _open_or_refuse(reference, bomb) == "refused"  # in bounded memory: it was 2 bytes of Python per byte
+    with pytest.raises(FwdtraceError, match=r"where 'statistics_index' declares 67108864 bytes but stores \d+ in the "
+                                            r"file, over 256 times as many: a crafted file"):
+        fwdtrace.read_dump(bomb, show=False)
+    assert outcomes.count("refused") >= 1  # a flip in the file's structure is refused, by name

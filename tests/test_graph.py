@@ -212,3 +212,28 @@ MALFORMED = [
 def test_a_malformed_body_is_a_fwdtrace_error(text: str, message: str) -> None:
     with pytest.raises(FwdtraceError, match=r"^Graph\.from_dict expected a graph written by Graph\.to_json, got one whose " + message):
         Graph.from_json(text)
+
+
+_NODE = '{{"id": {0}, "kind": "function", "target": "t", "name": "n{0}"}}'
+_EDGE = '{{"src": {0}, "dst": {1}, "obj_id": 0, "shape": [], "dtype": "f"}}'
+UNTRUSTED = [  # what a crafted file may hold that no trace writes
+    ([_EDGE.format(1, 0)], r"edge 0 has it runs from node 1 back to node 0"),  # a loop once 0 -> 1 is there
+    ([_EDGE.format(0, 1), _EDGE.format(1, 1)], r"edge 1 has it runs from node 1 back to node 1"),
+    ([_EDGE.format(0, 7)], r"edge 0 has it joins node 0 to node 7, of 2 nodes"),  # dangling
+    ([_EDGE.format(-1, 1)], r"edge 0 has it joins node -1 to node 1, of 2 nodes"),
+]
+
+
+@pytest.mark.parametrize("edges, message", UNTRUSTED)
+def test_cyclic_and_dangling_edges_are_refused_naming_the_source(edges: list[str], message: str) -> None:
+    text = ('{"format": "fwdtrace.Graph", "nodes": [' + ", ".join(_NODE.format(i) for i in range(2))
+            + '], "edges": [' + ", ".join(edges) + "]}")
+    with pytest.raises(FwdtraceError, match=r"^Graph\.from_dict expected a graph written by Graph\.to_json in "
+                                            r"'run/graph\.json', got one whose " + message):
+        Graph.from_json(text, source="run/graph.json")
+
+
+def test_json_nested_too_deep_is_a_fwdtrace_error_naming_the_source() -> None:
+    with pytest.raises(FwdtraceError, match=r"^Graph\.from_json expected JSON text written by Graph\.to_json in "
+                                            r"'dump\.h5': RecursionError"):
+        Graph.from_json("[" * 200_000 + "]" * 200_000, source="dump.h5")

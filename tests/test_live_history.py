@@ -24,7 +24,7 @@ from test_live import Net, health_step, request
 
 import fwdtrace
 import fwdtrace.live
-from fwdtrace import FwdtraceError
+from fwdtrace import FwdtraceError, Graph
 from fwdtrace.live import sampler
 from fwdtrace.live.history import HISTORY_FILE, History
 
@@ -756,3 +756,45 @@ def test_a_run_whose_writer_was_killed_while_adding_a_series_reopens_read_only(t
         assert [p["value"] for p in finished.scalars("loss")] == [1.0, 0.5, 1.0 / 3]
         assert len(finished.rows("0.Linear", "forward", "output")) == 3
     assert path.read_bytes() == before  # read as it is, not repaired
+
+
+def test_a_cyclic_graph_beside_the_history_is_refused_naming_its_file(tmp_path: Path) -> None:
+    from fwdtrace.live import reopen
+
+    _finished_run(tmp_path / "run")
+    graph = fwdtrace.trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), torch.ones(1, 2)).to_dict()
+    graph["edges"].append({**graph["edges"][-1], "src": graph["edges"][-1]["dst"], "dst": graph["edges"][-1]["src"]})
+    (tmp_path / "run" / "graph.json").write_text(json.dumps(graph))
+    with pytest.raises(FwdtraceError, match=rf"^Graph\.from_dict expected a graph written by Graph\.to_json in "
+                                            rf"'{re.escape(str(tmp_path / 'run' / 'graph.json'))}', got one whose "
+                                            rf"edge {len(graph['edges']) - 1} has it runs from node"):
+        reopen(tmp_path / "run", port=0)
+
+
+def test_a_flipped_byte_says_the_history_is_damaged_and_what_still_reads(tmp_path: Path) -> None:
+    graph = fwdtrace.trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+    with History(tmp_path / "run") as history:
+        history.append_scalar("loss", 1.0, step=0, time=0.0)
+        history.write_run(graph.to_json(), [{"key": "Linear"}])
+    data = (tmp_path / "run" / HISTORY_FILE).read_bytes()
+    damaged_seen = 0
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    path = tmp_path / "copy" / HISTORY_FILE
+    for offset in range(8, 4096, 29):  # the superblock and the object headers, all checksummed in this layout
+        flipped = bytearray(data)
+        flipped[offset] ^= 0xFF
+        path.write_bytes(bytes(flipped))
+        try:
+            History(tmp_path / "copy", read_only=True, caller="reopen()").close()  # as reopen() opens it
+            continue
+        except FwdtraceError as e:
+            message = str(e)
+        assert str(path) in message, message
+        if "checksum" in message:  # HDF5's words, now after what they mean
+            damaged_seen += 1
+            assert message.startswith(f"reopen() could not open the history {str(path)!r}: the file is damaged"), message
+            assert "graph.json and keys.json beside it are separate files and still read" in message, message
+            assert message.endswith("(HDF5 said: incorrect metadata checksum after all read attempts)"), message
+    assert damaged_seen >= 3
+    # What the message says still reads does: the graph beside the damaged history.
+    assert Graph.from_json((tmp_path / "copy" / "graph.json").read_text()) == graph

@@ -92,6 +92,35 @@ def assert_same_analysis(model: nn.Module, reference: nn.Module, x: torch.Tensor
     assert numbers(fwdtrace.analyze(model, x, warmup=0, repeats=1)) == numbers(fwdtrace.analyze(reference, x, warmup=0, repeats=1))
 
 
+@pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload"])
+def test_dumps_probes_and_analysis_of_an_offloaded_model_equal_the_plain_models(offload, tmp_path):
+    """accelerate keeps an offloaded model's weights on the meta device between forwards: a dump (tensors with
+    gradients, and statistics), a Probe and ``analyze`` see what they see on the same model without offloading."""
+    accelerate = pytest.importorskip("accelerate")
+    reference, model = make_model(), make_model()
+    if offload == "cpu_offload":
+        accelerate.cpu_offload(model, torch.device("cpu"))
+    else:
+        accelerate.disk_offload(model, str(tmp_path / "weights"), torch.device("cpu"))
+    assert next(model.parameters()).device.type == "meta"
+    x = torch.randn(3, 4)
+    for values in ("tensors", "statistics"):
+        paths = []
+        for name, m in (("plain", reference), ("offloaded", model)):
+            with fwdtrace.Dumper(tmp_path / f"{values}-{name}", values=values) as dumper:
+                dumper.register(m)
+                m(x).square().sum().backward()
+            paths += dumper.paths
+        report = fwdtrace.compare_dumps(*paths)
+        assert report.equal and not report.only_in_a and not report.only_in_b, report.to_text()
+        assert fwdtrace.read_dump(paths[1])["attrs"]["math_device"] == "cpu"
+    for m in (model, reference):
+        m.zero_grad()
+    with fwdtrace.Probe(model) as probe, fwdtrace.Probe(reference) as probe_reference:
+        assert probe.shapes(x) == probe_reference.shapes(x)
+    assert_same_analysis(model, reference, x)
+
+
 # -- FSDP2 ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def process_group():

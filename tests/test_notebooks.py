@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -32,3 +36,6 @@ def test_notebook_is_saved_with_its_outputs(path: Path) -> None:
     assert outputs and not [o for o in outputs if o.output_type == "error"]
     pictures = [o for o in outputs if {"image/png", "image/svg+xml"} & set(o.get("data", {}))]
     assert bool(pictures) == (path.stem in DRAWN)
+    # a reader's run writes elsewhere: no scratch folder of the run that saved it
+    shown = json.dumps([o for o in outputs if o.output_type != "display_data"])
+    assert not re.findall(r"/tmp/\w+|" + re.escape(tempfile.gettempdir() + os.sep), shown)

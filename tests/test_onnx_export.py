@@ -461,3 +461,53 @@ def test_onnx_graph_gives_an_if_the_values_its_branches_read() -> None:
     (add_og,) = [n for n in og.nodes if n.target == "onnx.Add"]
     assert add_og.outputs[0].obj_id in {r.obj_id for r in if_og.inputs}
     assert if_og.meta["data"]
+
+
+class _CrashesTheExporter(torch.nn.Module):
+    """Kills its own process with SIGFPE while an ONNX exporter traces it, as torch's TorchScript exporter dies
+    on some chains of empty-tensor reshapes; eager calls run as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():
+            import signal
+
+            os.kill(os.getpid(), signal.SIGFPE)
+        return self.fc(x)
+
+
+def test_an_isolated_export_turns_a_crash_of_the_exporters_process_into_an_error() -> None:
+    model, x = _CrashesTheExporter().eval(), torch.randn(3, 4)
+    with pytest.raises(FwdtraceError, match=r"^export_onnx\(\): the torchscript ONNX exporter crashed on "
+                                            r"_CrashesTheExporter: its process was killed by SIGFPE"):
+        fwdtrace.export_onnx(model, x, exporter="torchscript", isolate=True)
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(\): the torchscript ONNX exporter crashed .* SIGFPE"):
+        fwdtrace.check_onnx(model, x, exporter="torchscript", isolate=True)
+    assert torch.equal(model(x), model.fc(x))  # this process lives on, the model as it was
+
+
+def test_an_isolated_export_is_the_export_and_says_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = zoo.ZOO["resnetish"]()
+    plain = fwdtrace.export_onnx(model, *x, exporter="torchscript")
+    isolated = fwdtrace.export_onnx(model, *x, exporter="torchscript", isolate=True)
+    assert [n.op_type for n in isolated.graph.node] == [n.op_type for n in plain.graph.node]
+    # the reference: onnxruntime gives eager's output on the isolated file
+    (got,) = run_ort(isolated, *x)
+    with torch.no_grad():
+        assert np.allclose(got, model(*x).numpy(), rtol=1e-4, atol=1e-5)
+    assert fwdtrace.check_onnx(model, *x, exporter="torchscript", isolate=True).ok
+    # an error raised in the exporter's run, said as without isolate (the other exporter not tried: its first
+    # run in the child costs seconds, and the hint is no part of the isolation)
+    monkeypatch.setattr(onnx_export, "_other_exporter_hint", lambda *a, **k: "")
+    with pytest.raises(FwdtraceError, match=r"^the torchscript ONNX exporter failed on _Refuses: ValueError: refuses"):
+        fwdtrace.export_onnx(_Refuses(), torch.randn(2, 4), exporter="torchscript", isolate=True)
+
+
+class _Refuses(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():
+            raise ValueError("refuses to be exported")
+        return x * 2

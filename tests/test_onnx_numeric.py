@@ -93,6 +93,11 @@ def _transformer(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         model = transformers.T5Model(transformers.T5Config(
             d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100))
         inputs = {"input_ids": torch.randint(1, 100, (2, 8)), "decoder_input_ids": torch.randint(1, 100, (2, 5))}
+    elif name == "mistral":  # a sliding-window cache: TorchScript flattens each layer's state into one int64 more
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=32))
+        inputs = {"input_ids": torch.randint(0, 64, (1, 6)), "use_cache": True}
     else:
         model = transformers.ViTModel(transformers.ViTConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
@@ -732,7 +737,8 @@ def test_side_by_side_colours_matched_boxes_by_the_reports_relative_error(tmp_pa
 
 
 class _Noisy(torch.nn.Module):
-    """A layer, then noise drawn eagerly and in onnxruntime (randn_like) or training-mode dropout, then a layer."""
+    """A layer, then noise drawn eagerly and in onnxruntime (randn_like, gumbel_softmax) or training-mode
+    dropout, then a layer."""
 
     def __init__(self, draw: str) -> None:
         super().__init__()
@@ -742,25 +748,57 @@ class _Noisy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.first(x)
+        if self.draw == "gumbel_softmax":
+            return self.last(torch.nn.functional.gumbel_softmax(y, tau=0.5))
         y = y + torch.randn_like(y) if self.draw == "randn_like" else self.drop(y)
         return self.last(y)
 
 
-@pytest.mark.parametrize(("draw", "called"), [("randn_like", "randn_like"), ("dropout", "drop (Dropout)")])
-def test_a_random_op_is_named_as_where_the_difference_starts(draw: str, called: str) -> None:
+@pytest.mark.parametrize(("draw", "called", "exporter"), [
+    ("randn_like", "randn_like", "torchscript"), ("dropout", "drop (Dropout)", "torchscript"),
+    ("gumbel_softmax", "gumbel_softmax", "dynamo"),  # TorchScript cannot export its exponential draw
+])
+def test_values_after_a_random_op_are_not_compared_and_the_status_says_so(draw: str, called: str,
+                                                                          exporter: str) -> None:
     torch.manual_seed(0)
     model = _Noisy(draw)
     x = torch.randn(4, 8)
     if draw == "dropout":
         model.train()
-    report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
-    # the reference: the layer before the draw agrees with onnxruntime, the one after it does not
+    report = fwdtrace.check_onnx(model, x, exporter=exporter, numeric=True)
+    # the reference: onnxruntime's output differs from eager's, the layer before the draw agrees with a plain hook
+    proto = fwdtrace.export_onnx(model, x, exporter=exporter)
+    (got,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [proto.graph.output[0].name])
+    seen: list[torch.Tensor] = []
+    model.first.register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+    with torch.no_grad():
+        want = model(x)
+    assert not np.allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
     rows = {r.module_path: r for r in report.numeric.rows if r.kind == "module"}
-    assert rows["first"].ok and not rows["last"].ok
-    first = report.first_divergence
-    assert first is not None and first.kind == "random" and first.call.startswith(called), report.numeric.lead()
-    assert report.numeric.lead().startswith(f"first divergence: {called}")
-    assert "draws random numbers" in report.numeric.lead()
+    (first_value,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [rows["first"].onnx_value])
+    assert np.allclose(first_value, seen[0].numpy(), rtol=1e-4, atol=1e-5) and rows["first"].ok
+    # what the draw feeds is not compared, not a divergence: the check cannot decide, and says why
+    assert not rows["last"].compared and rows["last"].note.startswith("after the random draw")
+    assert report.first_divergence is None and report.status == "incomplete" and not report.ok
+    (drawn,) = report.numeric.random
+    assert drawn.call.startswith(called) and drawn.kind == "random"
+    lead = report.numeric.lead()
+    assert lead.startswith("no divergence") and f"after {drawn.call}, which draws random numbers, not compared" in lead
+
+
+def test_a_divergence_before_a_random_op_is_still_found() -> None:
+    torch.manual_seed(0)
+    model, x = _Noisy("randn_like"), torch.randn(4, 8)
+    proto = _scale_initializer(fwdtrace.export_onnx(model, x, exporter="torchscript"), "first.weight", 1.01)
+    report = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    # the reference: onnxruntime's value of the changed layer against a plain hook's
+    seen: list[torch.Tensor] = []
+    model.first.register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+    model(x)
+    row = next(r for r in report.numeric.rows if r.module_path == "first")
+    (got,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [row.onnx_value])
+    assert not np.allclose(got, seen[0].numpy(), rtol=1e-4, atol=1e-5)
+    assert report.status == "diverges" and report.first_divergence is row, report.numeric.lead()
 
 
 class _IdleDropout(torch.nn.Module):
@@ -1007,3 +1045,160 @@ def test_a_ranking_that_picks_other_values_is_still_the_first_divergence(op: str
     assert first is not None and first.target.endswith(f".{op}"), str(report)
     assert first.inputs_rel is not None and first.inputs_rel < 1e-5
     assert not first.note.startswith("order of near-ties")
+
+
+class _StdLoss(torch.nn.Module):
+    """A BarlowTwins-style loss: two projections each divided by its std, their cross-correlation, a loss on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        za, zb = self.proj(a), self.proj(b)
+        za, zb = za / za.std(), zb / zb.std()
+        c = za.T @ zb / a.shape[0]
+        on = (torch.diagonal(c) - 1).pow(2).sum()
+        off = (c - torch.diag(torch.diagonal(c))).pow(2).sum()
+        return on + 0.005 * off
+
+
+def _std_loss() -> tuple[_StdLoss, tuple[torch.Tensor, torch.Tensor], onnx.ModelProto]:
+    torch.manual_seed(0)
+    model, args = _StdLoss().eval(), (torch.randn(4, 8), torch.randn(4, 8))
+    return model, args, fwdtrace.export_onnx(model, *args, exporter="dynamo")
+
+
+def _std_divisor(proto: onnx.ModelProto) -> str:
+    """The constant the dynamo export's first std divides the squared deviations by (n - 1)."""
+    (var,) = [n for n in proto.graph.node if n.name == "node_var"]
+    return str(var.input[1])
+
+
+def test_a_call_after_a_std_no_rule_knows_is_no_false_divergence() -> None:
+    model, args, proto = _std_loss()
+    report = fwdtrace.check_onnx(model, *args, onnx=proto, numeric=True)
+    # the reference: onnxruntime's loss on the file is eager's
+    feeds = {i.name: t.numpy() for i, t in zip(proto.graph.input, args, strict=True)}
+    (got,) = _run_ort(proto, feeds, [proto.graph.output[0].name])
+    with torch.no_grad():
+        assert np.allclose(got, model(*args).numpy(), rtol=1e-5, atol=1e-6)
+    assert report.first_divergence is None and report.status in ("ok", "rewritten"), str(report)[:3000]
+    assert report.ok
+
+
+def test_a_std_computed_otherwise_in_the_file_still_diverges() -> None:
+    model, args, proto = _std_loss()
+    divisor = _std_divisor(proto)
+    (value,) = [onnx.numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == divisor]
+    tampered = _with_initializer(proto, divisor, value + np.float32(1))  # the population's std, not the sample's
+    feeds = {i.name: t.numpy() for i, t in zip(proto.graph.input, args, strict=True)}
+    (got,) = _run_ort(tampered, feeds, [proto.graph.output[0].name])
+    with torch.no_grad():
+        assert not np.allclose(got, model(*args).numpy(), rtol=1e-4, atol=1e-5)
+    report = fwdtrace.check_onnx(model, *args, onnx=tampered, numeric=True)
+    assert report.status == "diverges" and not report.ok, str(report)[:3000]
+
+
+class _CellLoop(torch.nn.Module):
+    """torch's LSTMCell example: a cell stepped over the sequence from a given state, each step's h stacked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = torch.nn.LSTMCell(10, 20)
+
+    def forward(self, x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor) -> torch.Tensor:
+        output = []
+        for step in x:
+            hx, cx = self.cell(step, (hx, cx))
+            output.append(hx)
+        return torch.stack(output, dim=0)
+
+
+def test_a_loop_of_lstm_cells_under_dynamo_is_no_false_divergence() -> None:
+    # A guard: a looped LSTMCell was reported diverging on a peer suite while its outputs agreed to 7.5e-9;
+    # batch 1 and 3, hidden 16, 20 and 64, 5 to 12 steps, with and without a state, train and eval all check ok here
+    torch.manual_seed(0)
+    model, args = _CellLoop().eval(), (torch.randn(6, 3, 10), torch.randn(3, 20), torch.randn(3, 20))
+    proto = fwdtrace.export_onnx(model, *args, exporter="dynamo")
+    report = fwdtrace.check_onnx(model, *args, onnx=proto, numeric=True)
+    feeds = {i.name: t.numpy() for i, t in zip(proto.graph.input, args, strict=True)}
+    (got,) = _run_ort(proto, feeds, [proto.graph.output[0].name])
+    with torch.no_grad():
+        assert np.allclose(got, model(*args).numpy(), rtol=1e-4, atol=1e-5)  # the reference: the file computes eager's
+    assert report.ok and report.first_divergence is None, str(report)[:3000]
+    assert all(r.ok for r in report.numeric.rows if r.compared)
+
+
+class _SetUpOnFirstCall(torch.nn.Module):
+    """Builds a scale buffer and its head from the first input's width on its first call, as a fresh R-CNN sets up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.head: torch.nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, x.shape[-1]).mul(2.0))
+            self.head = torch.nn.Linear(x.shape[-1], 4)
+        return self.head(torch.relu(self.fc(x)) * self.scale)
+
+
+def test_a_model_that_sets_itself_up_on_its_first_call_is_checked_as_it_runs_after() -> None:
+    torch.manual_seed(0)
+    model, x = _SetUpOnFirstCall().eval(), torch.randn(2, 8)
+    report = fwdtrace.check_onnx(model, x, exporter="torchscript", numeric=True)
+    # the reference: plain hooks on a second call, and onnxruntime on the file checked
+    seen: dict[str, torch.Tensor] = {}
+    for name in ("fc", "head"):
+        getattr(model, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.detach()))
+    with torch.no_grad():
+        model(x)
+    proto = report.numeric.proto
+    rows = {r.module_path: r for r in report.numeric.rows if r.kind == "module"}
+    for name in ("fc", "head"):
+        (got,) = _run_ort(proto, {proto.graph.input[0].name: x.numpy()}, [rows[name].onnx_value])
+        assert np.allclose(got, seen[name].numpy(), rtol=1e-4, atol=1e-5) and rows[name].ok
+    assert report.ok and report.status == "ok", str(report)[:3000]
+    assert report.text.startswith("the model set itself up on its first call")
+
+
+class _PathByValue(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) if bool(x.sum() > 0) else torch.sigmoid(x).mul(2)
+
+
+def test_inputs_that_take_another_path_are_an_error_saying_what_to_pass() -> None:
+    x = torch.ones(2, 3)
+    with pytest.raises(FwdtraceError, match=r"^check_onnx\(numeric=True\): batch 0 of inputs made the model run "
+                                            r"other calls than when it was traced .*Pass inputs that take"):
+        fwdtrace.check_onnx(_PathByValue(), x, exporter="torchscript", numeric=True, inputs=[-x])
+
+
+def test_outputs_of_a_file_with_more_outputs_are_paired_where_they_can_be_told_apart() -> None:
+    model, inputs = _transformer("mistral")
+    proto = fwdtrace.export_onnx(model, exporter="torchscript", **inputs)
+    report = fwdtrace.check_onnx(model, onnx=proto, numeric=True, **inputs)
+    # the reference: onnxruntime's outputs of the file against the eager outputs, by their paths
+    with torch.no_grad():
+        out = model(**inputs)
+    eager = {"logits": out.logits}
+    for k, layer in enumerate(out.past_key_values.layers):
+        eager |= {f"cache_layers[{k}]_keys": layer.keys, f"cache_layers[{k}]_values": layer.values}
+    names = [o.name for o in proto.graph.output]
+    assert len(names) > len(eager) + len(out.past_key_values.layers)  # the file has outputs the trace has not
+    got = dict(zip(names, _run_ort(proto, {proto.graph.input[0].name: inputs["input_ids"].numpy()}, names),
+                   strict=True))
+    rows = {r.call.removeprefix("output output_"): r for r in report.numeric.rows if r.kind == "output"}
+    for path, want in eager.items():  # each float output compared with the file's output holding its values
+        row = rows[path]
+        assert row.compared and row.ok, row
+        assert np.allclose(got[row.onnx_value], want.numpy(), rtol=1e-4, atol=1e-5), path
+    # the sliding-window states: two int64 scalars alike in the file for each one of eager's, which is which unknown
+    left = [r for r in report.numeric.rows if r.kind == "output" and not r.compared]
+    assert [r.call for r in left] == [f"output output_cache_layers[{k}]__sliding_window_tensor" for k in range(2)]
+    assert all("outputs of the file alike" in r.note for r in left)
+    assert len(report.numeric.unpaired_outputs) == len(names) - len(eager)
+    assert "2 outputs of the model paired with none of the file's" in report.numeric.lead()
+    assert report.ok, str(report)[:3000]

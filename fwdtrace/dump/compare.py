@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import difflib
+import json
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -15,11 +17,20 @@ from ..errors import FwdtraceError
 from ..graph import Graph
 from ..node import Scope
 from ..passes.align import align
-from ..precision import Agreement, pair_precision, rounding_explains
+from ..precision import (
+    PRECISIONS,
+    Agreement,
+    added_bound,
+    added_error,
+    condition,
+    explains,
+    follows_dtype,
+    pair_precision,
+)
 from ..summary import as_dict, compared
 from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
-from .reader import _max_bytes, _Reader
-from .report import DumpReport, DumpRow, _call_name
+from .reader import _attr, _max_bytes, _Reader
+from .report import Divergence, DumpReport, DumpRow, _call_name
 
 
 @contextlib.contextmanager
@@ -59,6 +70,12 @@ def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> st
         counts.append(f"{len(da['samples'])} vs {len(db['samples'])} samples")
     if counts:
         agreement.close = False
+    # by statistics, which elements are inf or NaN is not known: the counts say where one side has more
+    nonfinite_a, nonfinite_b = int(da["nans"] + da["infs"]), int(db["nans"] + db["infs"])
+    agreement.nonfinite_a, agreement.nonfinite_b = nonfinite_a, nonfinite_b
+    agreement.only_a, agreement.only_b = max(nonfinite_a - nonfinite_b, 0), max(nonfinite_b - nonfinite_a, 0)
+    extremes = [abs(d[name]) for d in (da, db) for name in ("min", "max") if math.isfinite(d[name])]
+    agreement.magnitude = max(extremes, default=0.0)
     return "by statistics" + "".join(f"; {c}" for c in counts)
 
 
@@ -187,14 +204,47 @@ def _match_through_graphs(a: _GraphCalls, b: _GraphCalls, pairs: dict[str, str],
             taken.add(gb)
 
 
+def _arguments(reader: _Reader, gname: str) -> str:
+    """A function call's non-tensor arguments as its dump recorded them (JSON), "" for none or a module call."""
+    return str(_attr(reader.name2group[gname].attrs.get("arguments", "")))
+
+
+def _differing_arguments(text_a: str, text_b: str) -> list[tuple[str, Any, Any, str | None]]:
+    """The arguments two calls were given differently: (which, in a, in b, how it follows the dtype or None)."""
+    try:
+        args_a, args_b = json.loads(text_a or "{}"), json.loads(text_b or "{}")
+    except ValueError:
+        return [("arguments", text_a, text_b, None)]
+    flat_a, flat_b = _flat_arguments(args_a), _flat_arguments(args_b)
+    return [(name, flat_a.get(name), flat_b.get(name), follows_dtype(flat_a.get(name), flat_b.get(name)))
+            for name in dict.fromkeys([*flat_a, *flat_b]) if flat_a.get(name) != flat_b.get(name)]
+
+
+def _flat_arguments(args: Any) -> dict[str, Any]:
+    out = {}
+    for name, value in (args.items() if isinstance(args, dict) else ()):
+        for i, v in enumerate(value) if name == "args" and isinstance(value, list) else [(None, value)]:
+            out[name if i is None else f"args[{i}]"] = v
+    return out
+
+
 def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
                  atol: float) -> None:
-    """One tensor of a call in both dumps, by value or by statistics, into ``row``."""
+    """One tensor of a call in both dumps, by value or by statistics, into ``row``: judged by the verdict
+    engine (:mod:`fwdtrace.precision`)."""
     shape_b = rb.shape(gb, dname)
     if row.shape != shape_b:
         row.note = f"shape {shape_b} in b"
         return
     agreement = Agreement(rtol, atol)
+    differing: list[tuple[str, Any, Any, str | None]] = []
+    if row.function and dname.startswith("output"):  # only function calls record their arguments
+        text_a, text_b = _arguments(ra, ga), _arguments(rb, gb)
+        if text_a != text_b:
+            differing = _differing_arguments(text_a, text_b)
+            # a fill value that follows the dtype (finfo.min) counts as equal where each run holds its own
+            agreement.equivalent = tuple((float(va), float(vb)) for _, va, vb, follows in differing
+                                         if follows and not isinstance(va, str))
     if ra.statistics or rb.statistics:
         row.note = _by_statistics(agreement, ra.summary(ga, dname), rb.summary(gb, dname))
     else:
@@ -204,38 +254,120 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
     row.cosine, row.max_abs, row.max_rel, row.allclose = (
         agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
     row.norm_rel = agreement.norm_rel
+    row.one_thousandth, row.five_thousandths = agreement.ratios
+    row.nonfinite_a, row.nonfinite_b, row.only_a, row.only_b = (
+        agreement.nonfinite_a, agreement.nonfinite_b, agreement.only_a, agreement.only_b)
+    row.magnitude = agreement.magnitude
     row.precision = pair_precision(ra.dtype(ga, dname), ra.math, rb.dtype(gb, dname), rb.math)
     if ra.math is not None and rb.math is not None and not row.allclose:
         # without both records, no difference is put down to rounding
-        row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
+        row.rounding = explains(row.norm_rel, row.cosine, row.precision, rtol)
+    if differing:
+        said = "; ".join(f"{name} {va!r} vs {vb!r}" + (f" ({follows}: follows the dtype)" if follows else "")
+                         for name, va, vb, follows in differing)
+        row.note = "; ".join(n for n in (row.note, f"arguments differ: {said}") if n)
+        if not row.agrees and all(f for *_, f in differing) and (ra.statistics or rb.statistics):
+            # by statistics the constant's elements cannot be set apart from the rest: the dtype explains the row
+            row.explained = "a constant that follows the dtype"
 
 
-def _first_divergence(rows: list[DumpRow]) -> str | None:
-    """The earliest call in both runs whose inputs agree and whose outputs do not, as the numeric ONNX
-    check finds it (earliest to finish: a layer before the block around it); else the first whose outputs
-    differ, else the first whose gradients differ."""
-    name = _call_name
+class _Call:
+    """A call's rows in both runs (compared in both), in the order run a wrote them."""
 
-    def agree(row: DumpRow) -> bool:
-        return row.allclose or row.rounding is not None
+    def __init__(self, group: str, start: int) -> None:
+        self.group, self.start, self.finish = group, start, -1
+        self.inputs: list[DumpRow] = []
+        self.outputs: list[DumpRow] = []
+        self.inside = 0  # calls recorded inside it (a module's call around its layers')
 
-    by_call: dict[str, list[DumpRow]] = {}
-    finished: dict[str, int] = {}  # a call's first output row: rows are in the order the run wrote them
+
+def _calls(rows: list[DumpRow]) -> list[_Call]:
+    """The calls compared in both runs, in the order they finished (a layer before the block around it)."""
+    calls: dict[str, _Call] = {}
     for i, row in enumerate(rows):
-        if not row.one_sided:
-            by_call.setdefault(row.group, []).append(row)
-            if row.name.startswith("output"):
-                finished.setdefault(row.group, i)
-    for group in sorted(finished, key=finished.__getitem__):
-        call_rows = by_call[group]
-        inputs = [r for r in call_rows if r.name.startswith("input")]
-        outputs = [r for r in call_rows if r.name.startswith("output")]
-        if inputs and all(agree(r) for r in inputs) and not all(agree(r) for r in outputs):
-            return name(outputs[0])
+        if row.one_sided:
+            continue
+        call = calls.setdefault(row.group, _Call(row.group, i))
+        if row.name.startswith("input"):
+            call.inputs.append(row)
+        elif row.name.startswith("output"):
+            call.outputs.append(row)
+            if call.finish < 0:
+                call.finish = i
+    finished = [c for c in calls.values() if c.finish >= 0]
+    starts = sorted(c.start for c in calls.values())
+    for c in finished:
+        c.inside = bisect.bisect_left(starts, c.finish) - bisect.bisect_right(starts, c.start)
+    return sorted(finished, key=lambda c: c.finish)
+
+
+def _judge_added_error(calls: list[_Call]) -> None:
+    """Each call's outputs against its inputs: an output within the blanket rounding bound whose error stands
+    above what the call's own rounding adds (:func:`fwdtrace.precision.added_bound`: its dtype, its reduction
+    length, the calls inside it) diverges all the same. A bfloat16 run's 8% blanket would hide a 3% bug.
+    An exponential (softmax over sharp logits) and a module's call that may hold one amplify both their
+    inputs' error and their own rounding by their inputs' magnitude (:func:`fwdtrace.precision.condition`)."""
+    for call in calls:
+        if not call.inputs or not all(r.agrees and r.norm_rel is not None for r in call.inputs):
+            continue
+        floating = [r for r in call.inputs if r.precision in PRECISIONS]
+        reduction = max((r.shape[-1] for r in floating if r.shape), default=1)
+        errors = [r.norm_rel or 0.0 for r in call.inputs]
+        first = call.inputs[0]
+        name = first.function or first.key  # a module's key ends with its class: "h.0.attn.Softmax"
+        amplified = condition(name, max((r.magnitude or 0.0) for r in call.inputs),
+                              container=call.inside > 0 or (not first.function and not _torch_layer(first)))
+        for row in call.outputs:
+            if row.allclose or row.rounding is None or row.norm_rel is None or row.precision not in PRECISIONS:
+                continue
+            row.added = added_error(row.norm_rel, errors, amplified)
+            # an exponential's own rounding is amplified as its inputs' error is (softmax rounds its logits)
+            bound = added_bound(row.precision, reduction, 1 + call.inside) * amplified
+            if not row.added <= bound:
+                what = "the calls inside it" if call.inside else "one call"
+                row.note = "; ".join(n for n in (row.note, (
+                    f"adds {row.added:.3g} of norm-relative error to its inputs' {max(errors):.3g}: "
+                    f"{row.added / bound:.1f}x what {PRECISIONS[row.precision].label} rounding in {what} explains "
+                    f"({bound:.3g})")) if n)
+                row.rounding = None
+
+
+def _torch_layer(row: DumpRow) -> bool:
+    """Whether a module call is of one of torch's own leaf layers (its key's class is torch.nn's): the dump
+    holds all it computes. A model's own module may compute more than the calls it records."""
+    class_name = row.key.rsplit(".", 1)[-1]
+    return isinstance(getattr(torch.nn, class_name, None), type) and bool(row.module_path)
+
+
+def _first_divergence(rows: list[DumpRow]) -> Divergence | None:
+    """Where the runs part, in this order: the earliest call whose inputs are finite in a run whose outputs hold
+    inf or NaN where the other run's are finite (an overflow); else the earliest call in both runs whose inputs
+    agree and whose outputs do not, as the numeric ONNX check finds it (earliest to finish: a layer before the
+    block around it); else the first whose outputs differ, else the first whose gradients differ."""
+    calls = _calls(rows)
+    _judge_added_error(calls)
+
+    def named(row: DumpRow, kind: str, reason: str) -> Divergence:
+        return Divergence(_call_name(row), row.key, row.call_index, row.group, kind, reason)
+
+    for call in calls:
+        for side, other in (("a", "b"), ("b", "a")):
+            if any(getattr(r, f"nonfinite_{side}") for r in call.inputs):
+                continue
+            overflowed = [r for r in call.outputs if getattr(r, f"only_{side}")]
+            if overflowed:
+                counts = ", ".join(f"{r.name} {getattr(r, f'only_{side}')} of {math.prod(r.shape)}" for r in overflowed)
+                return named(overflowed[0], "overflow", f"overflow in {side}: its inputs are finite, its outputs "
+                             f"hold inf/NaN where {other}'s are finite ({counts})")
+    for call in calls:
+        if call.inputs and all(r.agrees for r in call.inputs) and not all(r.agrees for r in call.outputs):
+            bad = next(r for r in call.outputs if not r.agrees)
+            return named(call.outputs[0], "values", f"its inputs agree, {bad.name} does not"
+                         + (f" ({bad.note})" if bad.note else ""))
     for prefix in ("output", "grad_input", ""):
-        found = next((r for r in rows if not agree(r) and not r.one_sided and r.name.startswith(prefix)), None)
+        found = next((r for r in rows if not r.agrees and not r.one_sided and r.name.startswith(prefix)), None)
         if found is not None:
-            return name(found)
+            return named(found, "values", f"{found.name} differs" + (f" ({found.note})" if found.note else ""))
     return None
 
 
@@ -324,35 +456,26 @@ def compare_dumps(
                     key_b = str(rb.group_attrs(gb).get("module_key", gb))
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
-    report.first_divergence = _first_divergence(report.rows)
+    report.divergence = _first_divergence(report.rows)
+    report.first_divergence = report.divergence.name if report.divergence is not None else None
     _place_first_divergence(report, graph_a)
     return report
 
 
-def _agrees(row: DumpRow) -> bool:
-    return row.allclose or row.rounding is not None
-
-
 def _place_first_divergence(report: DumpReport, graph: Graph | None) -> None:
-    """The call the first divergence names, by key and call index (a key such as ``add`` is shared by many
-    calls, most of them equal in both runs), and, where that call's inputs already differ and come from a
-    call the dump does not hold (a ``Linear`` in a dump of function calls), that call: the difference starts
-    inside it."""
-    first = next((r for r in report.rows if not _agrees(r) and not r.one_sided
-                  and _call_name(r) == report.first_divergence), None)
-    if first is None:
-        return
-    report.first_call = (first.key, first.call_index)
-    if graph is None:
+    """Where the first divergence's call has differing inputs that are the output of a call the dump does not
+    hold (a ``Linear`` in a dump of function calls), that call: the difference starts inside it."""
+    d = report.divergence
+    if d is None or graph is None:
         return
     call2node = {(n.key, n.call_index): n for n in graph.nodes if n.kind in ("module", "function")}
-    node = call2node.get(report.first_call)
+    node = call2node.get((d.key, d.call_index))
     if node is None:
         return
     held = {(r.key, r.call_index) for r in report.rows}
     differing = set()
     for r in report.rows:
-        if r.group == first.group and r.name.startswith("input") and r.name[5:].isdigit() and not _agrees(r):
+        if r.group == d.group and r.name.startswith("input") and r.name[5:].isdigit() and not r.agrees:
             i = int(r.name[5:])
             if i < len(node.inputs):
                 differing.add(node.inputs[i].obj_id)

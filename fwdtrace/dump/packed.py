@@ -74,6 +74,20 @@ class _PackedGroup:
         return self.datasets[name]
 
 
+_STR_ATTRS = ("module_key", "module_path", "class_name", "function")
+
+
+def _bad_call_attrs(attrs: Any) -> str | None:
+    """What is wrong with a call's attributes that the comparison reads as str or int (a file from elsewhere)."""
+    for name in _STR_ATTRS:
+        if name in attrs and not isinstance(attrs[name], str):
+            return f"whose {name} is {attrs[name]!r}, not a str"
+    call_index = attrs.get("call_index", 0)
+    if not isinstance(call_index, int) or isinstance(call_index, bool) or not 0 <= call_index < 1 << 63:
+        return f"whose call_index is {call_index!r}, not a count"
+    return None
+
+
 def _bad_index(index: Any) -> str | None:
     """What is wrong with a packed statistics dump's index (a file from elsewhere), or None."""
     if not isinstance(index, dict) or not isinstance(index.get("calls"), list) or not isinstance(index.get("rows"), list):
@@ -84,6 +98,9 @@ def _bad_index(index: Any) -> str | None:
                 and isinstance(call[1], dict)
                 and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in call[1].values())):
             return f"has a call {str(call)[:80]!r}, not [NNN_ClassName, {{attribute: str or int}}]"
+        typed = _bad_call_attrs(call[1])
+        if typed is not None:
+            return f"has a call {call[0]!r} {typed}"
         if call[0] in names:
             return f"has the call {call[0]!r} twice"
         names.add(call[0])

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import FwdtraceError
 from .layout import MAX_TENSOR_BYTES
-from .report import DumpReport, _call_name
+from .report import DumpReport
 
 # what Dumper.register names a rank's dump under torch.distributed
 _RANK_FILE_RE = re.compile(r"^(\d+)-epoch_(\d+)-step_rank(\d+)_dump\.hdf5$", re.ASCII)
@@ -76,10 +76,10 @@ def _rank_files(folder: Path, caller: str) -> dict[int, Path]:
 
 def _parts_at(report: DumpReport) -> int | None:
     """Where in its run a report's first divergence is: the index of its first differing row."""
-    if report.first_divergence is None:
+    d = report.divergence
+    if d is None:
         return None
-    return next((i for i, r in enumerate(report.rows) if not (r.allclose or r.rounding) and not r.one_sided
-                 and _call_name(r) == report.first_divergence), len(report.rows))
+    return next((i for i, r in enumerate(report.rows) if r.group == d.group), len(report.rows))
 
 
 def compare_ranks(
@@ -133,6 +133,7 @@ def compare_ranks(
     parted = {r: at for r, rep in out.by_rank.items() if (at := _parts_at(rep)) is not None}
     if parted:
         out.first_rank = min(parted, key=lambda r: (parted[r], r))
+        out.divergence = out.by_rank[out.first_rank].divergence
         out.first_divergence = out.by_rank[out.first_rank].first_divergence
         out.graph = out.by_rank[out.first_rank].graph
     else:

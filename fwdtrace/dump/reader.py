@@ -35,7 +35,13 @@ from .layout import (
     WRITING,
     _h5py,
 )
-from .packed import _bad_index, _PackedGroup, _PackedTensor
+from .packed import _STR_ATTRS, _bad_call_attrs, _bad_index, _PackedGroup, _PackedTensor
+
+# A text (the index, the graph) or the packed matrix, deflated, declares at most this many times the bytes the
+# file stores for it, plus _INFLATE_SLACK: fwdtrace's own deflate to about a tenth, while a crafted dataset of
+# zeros deflates a thousandfold (80 KiB of file declaring 1 GiB of JSON to parse).
+_INFLATE_RATIO = 256
+_INFLATE_SLACK = 1 << 20
 
 
 class _Reader:
@@ -121,6 +127,10 @@ class _Reader:
                     ds = group[dname]
                     self._dataset(ds, f"'{name}/{dname}'")
                     self._datasets[name, dname] = ds
+                typed = _bad_call_attrs({k: _attr(group.attrs[k]) for k in (*_STR_ATTRS, "call_index")
+                                         if k in group.attrs})
+                if typed is not None:
+                    raise self.error(f"where the call {name!r} {typed}")
                 self.groups.append((name, group))
             self.packed: list[tuple[str, str]] | None = None  # a packed statistics dump's rows
             if STATISTICS_INDEX in names or STATISTICS_DATASET in names:
@@ -222,7 +232,7 @@ class _Reader:
             return None
         text = self.text(GRAPH_DATASET)
         try:
-            return Graph.from_json(text)
+            return Graph.from_json(text, source=str(self.path))
         except FwdtraceError:
             raise
         except Exception as e:
@@ -232,7 +242,7 @@ class _Reader:
         """A text the dump stores: as UTF-8 bytes (deflated), or as one HDF5 string (dumps written before)."""
         ds = self.file[name]
         if ds.dtype.kind == "u" and ds.dtype.itemsize == 1 and ds.ndim == 1:
-            data: Any = bytes(to_numpy(self.read(self._checked(ds, repr(name)), repr(name))))
+            data: Any = bytes(to_numpy(self.read(self._inflating(self._checked(ds, repr(name)), repr(name)), repr(name))))
         elif ds.dtype.kind in "OS" and ds.shape == ():
             try:
                 data = ds[()]
@@ -285,7 +295,8 @@ class _Reader:
         if isinstance(tensor, _PackedTensor):
             if self.matrix is None:  # read once, on the first vector asked for
                 where = repr(STATISTICS_DATASET)
-                self.matrix = self.read(self._checked(self.file[STATISTICS_DATASET], where), where).to(torch.float64)
+                matrix = self._inflating(self._checked(self.file[STATISTICS_DATASET], where), where)
+                self.matrix = self.read(matrix, where).to(torch.float64)
             count = math.prod(tensor.shape) * (2 if tensor.dtype.startswith("complex") else 1)
             return self.matrix[tensor.row, :len(FIELDS) + BINS + len(sample_positions(count))]
         if self.statistics:
@@ -344,6 +355,17 @@ class _Reader:
                 f"where {where} declares {nbytes} bytes in {grid} chunks but stores {written} of them: "
                 "a crafted or incomplete file"
             )
+        return ds
+
+    def _inflating(self, ds: Any, where: str) -> Any:
+        """``ds``, read whole, once what it declares is within ``_INFLATE_RATIO`` times what the file stores."""
+        try:
+            declared, stored = ds.size * ds.dtype.itemsize, ds.id.get_storage_size()
+        except Exception as e:
+            raise self.damaged(e) from e
+        if declared > _INFLATE_RATIO * stored + _INFLATE_SLACK:
+            raise self.error(f"where {where} declares {declared} bytes but stores {stored} in the file, over "
+                             f"{_INFLATE_RATIO} times as many: a crafted file")
         return ds
 
     def read(self, ds: Any, where: str, index: tuple = ()) -> torch.Tensor:

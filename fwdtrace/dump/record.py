@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import operator
 import os
 import sys
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._files import AtomicFile
+from .._files import AtomicFile, QuietWrites
 from .._host import HostCopy, host, to_numpy
 from .._tree import dtype_name, iter_tensors, tensors_of
 from ..errors import FwdtraceError, describe, one_line
@@ -80,17 +81,11 @@ class _Call:
 
     name: str
     recorded: bool  # False: a call seen but not recorded (the root's, one outside the selection): no group
+    # the HDF5 group once created (on the writer thread, if any, before the call's datasets): looking a group
+    # up by name for each dataset cost more than writing a small dataset
+    group: Any = None
     grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
     ends_scope: bool = False  # the selection's scope ends with this call
-
-
-@dataclass
-class _Kept:
-    """What a Dumper keeps across its registrations so that dumping a compiled model every step compiles once:
-    the in-graph slot of each hooked module (the compiled copy's hooks append to it), and the copies compiled."""
-
-    slots: dict[tuple[int, str, bool, bool], Slot] = field(default_factory=dict)  # (id(owner), key, statistics, wanted)
-    copies: dict[int, dict[frozenset[int], Any]] = field(default_factory=dict)  # GraphRoute's kept
 
 
 @dataclass
@@ -179,16 +174,19 @@ class _Recording:
     def __init__(
         self, path: Path, model: torch.nn.Module, epoch: int, step: int, rank: int | None, grads: bool,
         overwrite: bool, values: str = "tensors", calls: str = "modules", selection: _Selection | None = None,
-        writer: _Writer | None = None, kept: _Kept | None = None,
+        writer: _Writer | None = None,
     ) -> None:
         h5py = _h5py()
         self.path = path
         self.writer = writer
-        self.kept = kept or _Kept()
         self.atomic = AtomicFile(path, "Dumper.register()", overwrite=overwrite, partial_name=True)
+        self.file: Any = None
+        self.disk: QuietWrites | None = None
+        self.raw_dcpl: Any = None  # the creation properties of a dataset whose bytes are written by _create_dataset
         try:
             self.atomic.check_target()
-            self.file = h5py.File(self.atomic.tmp, "w", track_order=True, libver=("v110", "latest"))
+            self.disk = QuietWrites(self.atomic.tmp)
+            self.file = h5py.File(self.disk, "w", track_order=True, libver=("v110", "latest"))
             self.file.attrs[FORMAT_ATTR] = FORMAT_VERSION
             self.file.attrs["model"] = type(eager_module(model)).__name__
             self.file.attrs.update({"epoch": epoch, "step": step, "values": values, "calls": calls})
@@ -196,7 +194,10 @@ class _Recording:
                 self.file.attrs["rank"] = rank
             self.file.attrs["complete"] = False
             self.file.attrs["status"] = WRITING
+            self.file.flush()  # the file reads back as one being written if the process dies from here on
+            self._check_disk()
         except BaseException:
+            self._close_file()
             self.atomic.discard()
             raise
         self.grads = grads
@@ -221,6 +222,10 @@ class _Recording:
         self.backward_expected = False
         self.backward_done = False
         self.closed = False
+        # keys the compiled code ran without handing a value to (the graph route): a part compiled with the hooks
+        # is one whole graph (else it runs eagerly), so these are layers it does not call, nor would an eager run
+        self.missing: list[str] = []
+        self.eager_why: list[str] = []  # why its compiled parts ran eagerly instead (the graph route)
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
         self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | HostCopy]] = {}
@@ -229,7 +234,7 @@ class _Recording:
             self._register(model, grads)
         except BaseException:
             self._remove_hooks()
-            self.file.close()
+            self._close_file()
             self.atomic.discard()
             raise
 
@@ -267,7 +272,7 @@ class _Recording:
         route = self._route(model, root, grads, bool(sites))
         # Until the file is closed, a compiled model's compiled parts run eagerly, so the hooks run; or,
         # on the graph route, the hooks of the modules inside them run in compiled copies of them.
-        on = Attachment(model, "Dumper.register()", route, self.kept.copies)
+        on = Attachment(model, "Dumper.register()", route)
         self.forward_handles.append(on)
         if self.record_functions:
             # Function calls as the trace sees them: the step's forward runs inside a Tracer, which hands
@@ -297,12 +302,8 @@ class _Recording:
                     else:
                         post(None, (), {}, _Taken(event[1], event[2]))
 
-                # the slot its hooks had at the Dumper's last registration: the copy compiled then runs again
-                slot = self.kept.slots.get((id(owner), key, self.statistics, wanted))
-                if slot is None or slot.bound:
-                    slot = self.kept.slots[(id(owner), key, self.statistics, wanted)] = Slot(consume)
-                else:
-                    slot.bind(consume)
+                # the slot id these hooks had at an earlier registration: the copy compiled then runs again
+                slot = Slot(consume, key, reuse=("dump", id(owner), key, self.statistics, wanted))
                 traced_pre, traced_post = _in_graph_hooks(slot, self.statistics, wanted)
                 traced.append((owner, slot, traced_post, traced_pre))
                 continue
@@ -312,6 +313,10 @@ class _Recording:
         on.traced(traced)
 
     def _remove_hooks(self) -> None:
+        # what the compiled code ran without (the graph route), read before its hooks go
+        attached = [h for h in self.forward_handles if isinstance(h, Attachment)]
+        self.missing = sorted({*self.missing, *(key for h in attached for key in h.missing())})
+        self.eager_why = list(dict.fromkeys([*self.eager_why, *(why for h in attached for why in h.eager_why())]))
         for h in self.forward_handles:
             h.remove()
         self.forward_handles.clear()
@@ -327,16 +332,26 @@ class _Recording:
         self.closed = True
         if self.writer is not None:
             self.writer.finish()
-        try:
-            self.file.close()
-        except Exception:  # noqa: S110 - the file is being dropped; the first error is the one to report
-            pass
+        self._close_file()
         self.atomic.discard()
         # HDF5's own text runs over several lines; the errno says it in a few words
         reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else one_line(exc)
         return FwdtraceError(
             f"Dumper could not write {str(self.path)!r} ({where}): {reason}; the dump was dropped and its hooks removed"
         )
+
+    def _check_disk(self) -> None:
+        """Raise the first write the system refused (HDF5 itself was told it went through)."""
+        if self.disk is not None and self.disk.error is not None:
+            raise self.disk.error
+
+    def _close_file(self) -> None:
+        """Close the HDF5 file and its descriptor, for a file being dropped: errors are not the first to report."""
+        with critical(), contextlib.suppress(Exception):
+            if self.file is not None:
+                self.file.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def _write(self, call: _Call, name: str, t: torch.Tensor) -> None:
         where = f"{call.name}/{name}"
@@ -376,10 +391,31 @@ class _Recording:
 
         def create() -> None:
             arr = data.array() if isinstance(data, HostCopy) else data
-            self.file[call.name].create_dataset(name, data=arr).attrs.update(attrs)
+            dataset = self._create_dataset(call.group, name, arr)
+            if attrs:
+                dataset.attrs.update(attrs)
 
         if self._file_op(create, data.nbytes, where):
             self.order.append(where)
+
+    def _create_dataset(self, group: Any, name: str, arr: np.ndarray) -> Any:
+        """``group[name] = arr``, its bytes written straight to the file where HDF5 placed the dataset: through
+        h5py's ``fileobj`` driver each write would be copied once more (a tensor dump is mostly raw bytes)."""
+        import numpy as np
+
+        if self.raw_dcpl is None:
+            h5py = _h5py()
+            self.raw_dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            self.raw_dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # placed now, at an offset the file knows
+            self.raw_dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # not filled first: every byte is written below
+        ds = group.create_dataset(name, shape=arr.shape, dtype=arr.dtype, dcpl=self.raw_dcpl)
+        offset = ds.id.get_offset()
+        if offset is None or self.disk is None:  # no contiguous storage (a scalar, no values): HDF5 writes it
+            if arr.size:
+                ds[()] = arr
+        else:
+            self.disk.write_at(offset, np.ascontiguousarray(arr))
+        return ds
 
     def _summary(self, t: torch.Tensor) -> np.ndarray | HostCopy:
         """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per tensor and
@@ -405,15 +441,20 @@ class _Recording:
     def _file_op(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
         """Run ``op`` on the file now, or queue it for the writer thread; False when the queue was full and the
         Dumper drops (counted)."""
+        def checked() -> None:
+            op()
+            self._check_disk()
+
         if self.writer is None:
             try:
-                op()
+                with critical():  # a Ctrl-C inside HDF5's call of QuietWrites would be a failed write to HDF5
+                    checked()
             except Exception as e:
                 raise self._fail(e, where) from e
             return True
         if self.writer.error is not None:
             raise self._fail(self.writer.error, self.writer.where)
-        return self.writer.put(op, nbytes, where)
+        return self.writer.put(checked, nbytes, where)
 
     def _write_all(self, call: _Call, prefix: str, obj: Any) -> None:
         tensors = obj.tensors if isinstance(obj, _Taken) else (t for _, t in iter_tensors(obj, prefix))
@@ -428,7 +469,7 @@ class _Recording:
             if self.packed is not None:
                 self.packed.calls[call.name]["skipped"] = text
             else:
-                self._file_op(lambda: self.file[call.name].attrs.__setitem__("skipped", text), 0, call.name)
+                self._file_op(lambda: call.group.attrs.__setitem__("skipped", text), 0, call.name)
             self.skipped += [f"{call.name} {n}" for n in notes]
 
     def _restart(self) -> None:
@@ -502,19 +543,22 @@ class _Recording:
         return call_index
 
     def _begin_call(self, key: str, path: str, class_name: str, function: str | None, inputs: Any,
-                    is_root: bool) -> _Call:
-        """A call's group, with its inputs written and its gradients' hooks on."""
+                    is_root: bool, arguments: str = "") -> _Call:
+        """A call's group, with its inputs written and its gradients' hooks on; ``arguments`` its non-tensor
+        arguments as JSON (a function call's scalars, fill values, dtypes and shapes), compared with the other
+        run's."""
         call_index = self._next_call_index(key)
         name = group_name(self.calls, class_name)
         try:
             call = _Call(name, True)
             attrs = {"module_key": key, "module_path": path, "call_index": call_index, "class_name": class_name,
-                     **({"function": function} if function else {})}
+                     **({"function": function} if function else {}), **({"arguments": arguments} if arguments else {})}
         except Exception as e:
             raise self._fail(e, name) from e
 
         def create() -> None:
-            self.file.create_group(name, track_order=True).attrs.update(attrs)
+            call.group = self.file.create_group(name, track_order=True)
+            call.group.attrs.update(attrs)
 
         if self.packed is not None:
             self.packed.calls[name] = attrs
@@ -556,7 +600,7 @@ class _Recording:
             grads, self.grads = self.grads, self.grads and not in_place
             try:
                 call = self._begin_call(key, node.module_path, node.class_name, node.target,
-                                        [] if in_place else inputs, False)
+                                        [] if in_place else inputs, False, _arguments_json(node.attrs))
             finally:
                 self.grads = grads
             self._end_call(call, outputs[0] if len(outputs) == 1 else tuple(outputs), False)
@@ -623,8 +667,28 @@ class _Recording:
             return False, f"{self.writer.dropped} tensors dropped: the write queue was full (when_full='drop')" + raised
         return True, "complete"
 
+    def abandon(self) -> None:
+        """Drop the dump at once (a Ctrl-C while it closes): hooks off, the writer stopped, the partial file removed."""
+        self._remove_hooks()
+        self._cancel_grads()
+        self.closed = True
+        if self.writer is not None:
+            self.writer.finish(skip=True)
+        self._close_file()
+        self.atomic.discard()
+
     def close(self, exc: BaseException | None = None) -> Path | None:
         """Record the completeness, close the file and rename it; None when it was dropped."""
+        try:
+            return self._close(exc)
+        except FwdtraceError:
+            raise
+        except BaseException:  # a Ctrl-C: the dump is dropped whole
+            with critical():
+                self.abandon()
+            raise
+
+    def _close(self, exc: BaseException | None) -> Path | None:
         self._remove_hooks()
         self._cancel_grads()
         self.summaries.clear()
@@ -640,30 +704,51 @@ class _Recording:
                 raise self._fail(self.writer.error, self.writer.where)
         complete, status = self._status(exc)
         try:
-            attrs = self.file.attrs
-            if self.writer is not None:
-                attrs["dropped"] = self.writer.dropped
-            attrs["calls"] = self.calls
-            attrs["complete"] = complete
-            attrs["status"] = status
-            attrs["forward_finished"] = self.forward_done
-            attrs["backward_finished"] = self.backward_done
-            attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
-            attrs["discarded_forwards"] = self.discarded
-            # One dataset at the end instead of an attribute per tensor: attributes cost more
-            # than small datasets. Without it (a file never closed) group order is used.
-            if packed is None:  # a packed dump's rows are in the order written
-                self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
-            if self.graph is not None:
-                _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
-            if self.skipped:
-                attrs["skipped"] = "\n".join(self.skipped)
-            self.file.close()
+            with critical():  # HDF5 calls QuietWrites: a Ctrl-C inside would be a failed write to HDF5
+                self._finish_file(complete, status, packed)
         except Exception as e:
             self.closed = False
             raise self._fail(e, "closing the file") from e
         self.atomic.commit()
         return self.path
+
+    def _finish_file(self, complete: bool, status: str, packed: _Packed | None) -> None:
+        """The completeness attributes and the step's tables written, the file closed."""
+        attrs = self.file.attrs
+        if self.writer is not None:
+            attrs["dropped"] = self.writer.dropped
+        attrs["calls"] = self.calls
+        attrs["complete"] = complete
+        attrs["status"] = status
+        if self.missing:
+            attrs["not_called"] = "\n".join(self.missing)
+        if self.eager_why:
+            attrs["compiled"] = f"eager: the compiled parts ran eagerly while dumped, as {'; '.join(self.eager_why)}"
+        attrs["forward_finished"] = self.forward_done
+        attrs["backward_finished"] = self.backward_done
+        attrs["stopped_after"] = self.order[-1].split("/", 1)[0] if self.order else ""
+        attrs["discarded_forwards"] = self.discarded
+        # One dataset at the end instead of an attribute per tensor: attributes cost more
+        # than small datasets. Without it (a file never closed) group order is used.
+        if packed is None:  # a packed dump's rows are in the order written
+            self.file.create_dataset(ORDER_DATASET, data=self.order, dtype=_h5py().string_dtype())
+        if self.graph is not None:
+            _create_text(self.file, GRAPH_DATASET, self.graph.to_json(indent=None))
+        if self.skipped:
+            attrs["skipped"] = "\n".join(self.skipped)
+        self.file.close()
+        self._check_disk()
+        self._close_file()
+
+
+def _arguments_json(attrs: dict[str, Any]) -> str:
+    """A function node's non-tensor arguments (the tracer's ``attrs``: ``args`` and keywords) as compact JSON."""
+    if not attrs:
+        return ""
+    try:
+        return json.dumps(attrs, separators=(",", ":"), sort_keys=True)
+    except (TypeError, ValueError):
+        return ""
 
 
 def _int_set(value: Any, name: str, every: bool) -> int | frozenset[int] | None:
@@ -754,7 +839,8 @@ class Dumper:
     A dump records whether its step completed: a forward that raised, a backward that did
     not run, an exception leaving the ``with`` block. An existing file is an error unless
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
-    naming the file, with every hook removed and the partial file deleted. Gradients of a
+    naming the file, with every hook removed and the partial file deleted; the process runs
+    on, and the next dump is written whole once space returns. Gradients of a
     module called several times are matched to its calls last first, the order backward
     visits them. The calls of functions registered with ``hook_forward``/``register_atomic``
     (when :meth:`register` runs) are groups of their own, keyed as in a trace's graph.
@@ -795,6 +881,11 @@ class Dumper:
                  queue_bytes: int = 1 << 28, when_full: str = "wait") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise FwdtraceError(f"Dumper expected a directory path, got {describe(directory)}")
+        # Refused here, not at register(): each step's file is named inside the folder
+        if Path(directory).exists() and not Path(directory).is_dir() or Path(directory).suffix in (".hdf5", ".h5"):
+            what = "an existing file" if Path(directory).exists() else "a file name"
+            raise FwdtraceError(f"Dumper expected a folder path for its dumps (each step's file is named inside "
+                                f"it), got {str(directory)!r}, {what}")
         if not isinstance(overwrite, bool):
             raise FwdtraceError(f"Dumper expected overwrite as a bool, got {describe(overwrite)}")
         if values not in VALUES:
@@ -824,9 +915,16 @@ class Dumper:
         self.directory = Path(directory)
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
-        self._kept = _Kept()
         self._written: list[Path] = []
         self._guard: InterruptGuard | None = None
+
+    def __repr__(self) -> str:
+        settings = {"values": self.values, "calls": self.calls, "keys": self.keys, "scope": self.scope,
+                    "steps": sorted(self.steps) if isinstance(self.steps, frozenset) else self.steps,
+                    "ranks": sorted(self.ranks) if isinstance(self.ranks, frozenset) else self.ranks,
+                    "background": self.background or None, "overwrite": self.overwrite or None}
+        shown = "".join(f", {k}={v!r}" for k, v in settings.items() if v is not None)
+        return f"Dumper({str(self.directory)!r}{shown}, {len(self._written)} written, {len(self._recordings)} open)"
 
     @property
     def paths(self) -> list[Path]:
@@ -862,18 +960,20 @@ class Dumper:
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:
-            writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
-            try:
-                with critical():  # a Ctrl-C waits: hooks are never on without the recording that removes them
-                    self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite, self.values,
-                                                       self.calls, _Selection(self.keys, self.scope), writer,
-                                                       self._kept))
-            except BaseException:
-                if writer is not None:
-                    writer.finish()
-                raise
+            # A Ctrl-C waits: the writer thread and the hooks are never on without the listed recording that
+            # takes them off
+            with critical():
+                writer = _Writer(self.queue_bytes, self.when_full) if self.background else None
+                try:
+                    self._recordings.append(_Recording(path, model, epoch, step, rank, grads, self.overwrite,
+                                                       self.values, self.calls, _Selection(self.keys, self.scope),
+                                                       writer))
+                except BaseException:
+                    if writer is not None:
+                        writer.finish()
+                    raise
         except OSError as e:
-            raise FwdtraceError(f"Dumper.register() could not create {path}: {e.strerror or e}") from e
+            raise FwdtraceError(f"Dumper.register() could not create {str(path)!r}: {e.strerror or e}") from e
 
     def _check_writable(self) -> None:
         # Fail here, before a training step runs, rather than in the middle of a hook.
@@ -892,15 +992,21 @@ class Dumper:
 
     def _close(self, exc: BaseException | None) -> list[Path]:
         first_error: FwdtraceError | None = None
-        while self._recordings:
-            recording = self._recordings.pop(0)
-            try:
-                path = recording.close(exc)
-            except FwdtraceError as e:  # close the others all the same
-                first_error = first_error or e
-                continue
-            if path is not None:
-                self._written.append(path)
+        try:
+            while self._recordings:
+                try:
+                    path = self._recordings[0].close(exc)
+                except FwdtraceError as e:  # close the others all the same
+                    first_error = first_error or e
+                    path = None
+                self._recordings.pop(0)
+                if path is not None:
+                    self._written.append(path)
+        except BaseException:  # Ctrl-C while closing: the dumps not closed yet are dropped, nothing left running
+            with critical():
+                while self._recordings:
+                    self._recordings.pop().abandon()
+            raise
         if first_error is not None:
             raise first_error
         return list(self._written)

@@ -37,6 +37,41 @@ class DumpRow:
     one_sided: bool = False  # the call is in one run only (an extra cast, an added layer)
     call_index: int = 0  # which call of its key
     key_b: str = ""  # the call's key in run b where it differs (a renamed layer, matched through the graphs)
+    # msprobe's error ratios: the share of elements whose relative error exceeds 1/1000 and 5/1000
+    one_thousandth: float | None = None
+    five_thousandths: float | None = None
+    nonfinite_a: int = 0  # inf and NaN elements in a (by statistics: its nans + infs)
+    nonfinite_b: int = 0
+    only_a: int = 0  # inf or NaN in a where b is finite
+    only_b: int = 0
+    magnitude: float | None = None  # the largest finite |element| of either run
+    # the norm-relative error the call added beyond its inputs' (fwdtrace.precision.added_error), on an output
+    # row judged so; None where not judged
+    added: float | None = None
+    # a difference no rounding explains but the dtype does: an argument that follows it (finfo.min), by statistics
+    explained: str = ""
+
+    @property
+    def agrees(self) -> bool:
+        """Allclose, within what the runs' rounding explains, or explained by a constant that follows the dtype."""
+        return self.allclose or self.rounding is not None or bool(self.explained)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two runs part: the call (its key and which call of it), and why.
+
+    ``kind`` is ``"overflow"`` (its inputs are finite in the run that overflows, its outputs hold
+    inf or NaN where the other run's are finite) or ``"values"`` (its inputs agree, its outputs do
+    not, or it added more error than its math's rounding explains).
+    """
+
+    name: str  # as first_divergence names it: a module by its path, a function call by its key
+    key: str
+    call_index: int
+    group: str  # the call's group in dump a
+    kind: str
+    reason: str
 
 
 @dataclass
@@ -49,6 +84,8 @@ class DumpReport:
     atol: float
     rows: list[DumpRow] = field(default_factory=list)
     first_divergence: str | None = None
+    # the call first_divergence names, with its call index and why (an overflow with its counts)
+    divergence: Divergence | None = None
     incomplete: dict[str, str] = field(default_factory=dict)  # path -> "incomplete: stopped after ..."
     # path -> how that run computed (see fwdtrace.precision.math_record), None for a dump written without it
     math: dict[str, dict[str, Any] | None] = field(default_factory=dict)
@@ -56,11 +93,15 @@ class DumpReport:
     graph: Graph | None = field(default=None, repr=False)
     # the dumps that hold no graph (of module calls only): calls were matched by key and call order only
     without_graph: list[str] = field(default_factory=list)
-    # the call first_divergence names, (key, call index): a key ("add") may be shared by calls equal in both runs
-    first_call: tuple[str, int] | None = None
     # (key, call index) of the call, not held by the dump (a Linear in a dump of function calls), whose output
     # first_call's differing inputs are: the difference starts inside it
     starts_inside: tuple[str, int] | None = None
+
+    @property
+    def first_call(self) -> tuple[str, int] | None:
+        """The call first_divergence names, (key, call index): a key (``add``) may be shared by calls equal in
+        both runs."""
+        return (self.divergence.key, self.divergence.call_index) if self.divergence is not None else None
 
     @property
     def equal(self) -> bool:
@@ -70,7 +111,7 @@ class DumpReport:
     @property
     def agree(self) -> bool:
         """Both dumps are complete and every tensor is allclose or differs by what the runs' rounding explains."""
-        return not self.incomplete and all(r.allclose or r.rounding for r in self.rows)
+        return not self.incomplete and all(r.agrees for r in self.rows)
 
     @property
     def only_in_a(self) -> list[str]:
@@ -103,22 +144,28 @@ class DumpReport:
         True
 
         Colours as :func:`fwdtrace.render_side_by_side`'s (:data:`fwdtrace.onnx.compare.ERROR_COLORS`):
-        within a hundredth of ``rtol``, within tolerance (or what rounding explains), beyond. A
-        box's tooltip gives its call's worst output error. ``depth`` and ``options`` are
+        within a hundredth of ``rtol``, within tolerance (or what rounding explains), beyond, and
+        saturated where the error is inf or NaN (an overflow in one run); a legend says which. A
+        box's tooltip gives its call's worst output error ("inf" where it is) and its inf/NaN counts.
+        The red outline is on the call :attr:`divergence` names (its key and call index). ``depth`` and ``options`` are
         :meth:`fwdtrace.Graph.render`'s. Needs a dump that holds its run's graph: one of
         ``Dumper(..., calls="functions")`` or ``calls="all"``, whose step runs inside a trace (a
         dump of module calls only runs no trace, so it has none). Returns the path written.
         """
-        from ..onnx.compare import error_color
+        from ..onnx.compare import error_color, error_legend
+        from ..passes.draw import HIGHLIGHT_COLOR
 
         graph, worst = self._worst_by_node("DumpReport.render()")
-        fills = {n: error_color(r.max_rel if r.max_rel is not None else math.inf, self.rtol, r.allclose or bool(r.rounding))
+        fills = {n: error_color(_worst_error(r), self.rtol, r.agrees) for n, r in worst.items()}
+        notes = {n: f"max rel err {_num(_worst_error(r))}, cosine {_num(r.cosine)}"
+                 + (f", {r.nonfinite_a} inf/NaN in a, {r.nonfinite_b} in b" if r.nonfinite_a or r.nonfinite_b else "")
+                 + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose
+                    else f", {r.explained}" if r.explained else ", diverges")
                  for n, r in worst.items()}
-        notes = {n: f"max rel err {_num(r.max_rel)}, cosine {_num(r.cosine)}"
-                 + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose else ", diverges")
-                 for n, r in worst.items()}
-        first = self._outlined(worst)
-        return graph.render(path, depth, fills=fills, notes=notes, highlight=first, **options)
+        first = self._first_node(graph, worst)
+        legend = [*error_legend(self.rtol), (HIGHLIGHT_COLOR, f"first divergence: {self.first_divergence}")] \
+            if first else error_legend(self.rtol)
+        return graph.render(path, depth, fills=fills, notes=notes, highlight=first, legend=legend, **options)
 
     def to_model_explorer(self, folder: str | os.PathLike[str]) -> ModelExplorerFiles:
         """Write the run's graph for Model Explorer with each call's errors as node data and the first
@@ -139,9 +186,9 @@ class DumpReport:
 
         caller = "DumpReport.to_model_explorer()"
         graph, worst = self._worst_by_node(caller)
-        errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, r.max_rel, 0 if r.allclose else 1 if r.rounding else 2)
-                  for n, r in worst.items()}
-        first = self._outlined(worst)
+        errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, _worst_error(r), 0 if r.allclose else 1 if r.agrees else 2,
+                                r.only_a + r.only_b) for n, r in worst.items()}
+        first = self._first_node(graph, worst)
         return errors_to_model_explorer(graph, folder, errors, highlight=first, caller=caller)
 
     def _worst_by_node(self, caller: str) -> tuple[Graph, dict[int, DumpRow]]:
@@ -159,16 +206,18 @@ class DumpReport:
                 worst[node] = row
         return self.graph, worst
 
-    def _outlined(self, worst: dict[int, DumpRow]) -> list[int]:
-        """The node outlined as the first divergence: the call the report names by key and call index (where
-        the difference starts inside a call the dump does not hold, that call), never a call equal in both runs."""
-        assert self.graph is not None
-        call = self.starts_inside or self.first_call
-        node = next((n.id for n in self.graph.nodes if n.kind in ("module", "function")
-                     and (n.key, n.call_index) == call), None)
-        if node is None or (node in worst and worst[node].allclose):
+    def _first_node(self, graph: Graph, worst: dict[int, DumpRow] | None = None) -> list[int]:
+        """The node of the call the report names as the first divergence, by key and call index (a key two calls
+        share names neither alone), if the graph holds it; where the difference starts inside a call the dump does
+        not hold, that call's node. Never a call whose values are equal in both runs."""
+        d = self.divergence
+        if d is None:
             return []
-        return [node]
+        call = self.starts_inside or (d.key, d.call_index)
+        nodes = [n.id for n in graph.nodes if n.kind in ("module", "function") and (n.key, n.call_index) == call][:1]
+        if nodes and worst is not None and nodes[0] in worst and worst[nodes[0]].allclose:
+            return []
+        return nodes
 
     def _one_sided(self, note: str) -> list[str]:
         groups = {r.group: r.key for r in self.rows if r.one_sided and r.note == note}
@@ -176,15 +225,20 @@ class DumpReport:
 
     def to_text(self, only_diverged: bool = False) -> str:
         """The table the ``fwdtrace dump-diff`` command prints."""
-        header = ("#", "group", "key", "name", "shape", "cosine", "max_abs", "max_rel", "norm_rel", "allclose")
+        header = ("#", "group", "key", "name", "shape", "cosine", "max_abs", "max_rel", "norm_rel", ">1e-3", ">5e-3",
+                  "allclose")
         body = []
         for i, r in enumerate(self.rows):
-            if only_diverged and (r.allclose or r.rounding):
+            if only_diverged and r.agrees:
                 continue
-            verdict = "yes" if r.allclose else f"within {r.rounding} rounding" if r.rounding else "NO"
+            verdict = "yes" if r.allclose else f"within {r.rounding} rounding" if r.rounding \
+                else f"explained: {r.explained}" if r.explained else "NO"
+            nonfinite = f"inf/NaN {r.nonfinite_a} in a, {r.nonfinite_b} in b" if r.nonfinite_a or r.nonfinite_b else ""
+            notes = "; ".join(n for n in (r.note, nonfinite) if n)
             body.append((
                 str(i), r.group, r.key + (f" (b: {r.key_b})" if r.key_b else ""), r.name, "x".join(map(str, r.shape)) or "scalar", _num(r.cosine),
-                _num(r.max_abs), _num(r.max_rel), _num(r.norm_rel), verdict + (f" ({r.note})" if r.note else ""),
+                _num(r.max_abs), _num(r.max_rel), _num(r.norm_rel), _num(r.one_thousandth), _num(r.five_thousandths),
+                verdict + (f" ({notes})" if notes else ""),
             ))
         widths = [max(len(h), *(len(row[j]) for row in body)) if body else len(h) for j, h in enumerate(header)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *body]]
@@ -200,20 +254,24 @@ class DumpReport:
         explained = [r for r in self.rows if not r.allclose and r.rounding]
         if self.equal:
             lines.append(f"equal: {len(self.rows)} tensors allclose (rtol={self.rtol:g}, atol={self.atol:g})")
-        elif all(r.allclose or r.rounding for r in self.rows) and self.incomplete:
+        elif all(r.agrees for r in self.rows) and self.incomplete:
             lines.append(f"not comparable as whole runs: {len(self.rows)} tensors agree, but a dump is incomplete")
         elif self.agree:
             labels = ", ".join(dict.fromkeys(str(r.rounding) for r in explained))
-            lines.append(f"agree: {len(self.rows) - len(explained)} tensors allclose (rtol={self.rtol:g}, "
-                         f"atol={self.atol:g}), {len(explained)} within what {labels} rounding explains")
+            by_dtype = [r for r in self.rows if not r.allclose and not r.rounding and r.explained]
+            dtype_text = f", {len(by_dtype)} explained by a constant that follows the dtype" if by_dtype else ""
+            rounding_text = f", {len(explained)} within what {labels} rounding explains" if explained else ""
+            lines.append(f"agree: {len(self.rows) - len(explained) - len(by_dtype)} tensors allclose "
+                         f"(rtol={self.rtol:g}, atol={self.atol:g}){rounding_text}{dtype_text}")
         else:
-            bad = sum(not (r.allclose or r.rounding) for r in self.rows)
+            bad = sum(not r.agrees for r in self.rows)
             within = f" ({len(explained)} more within rounding)" if explained else ""
-            where = f"{self.first_divergence}" + (f" (call {self.first_call[1]})" if self.first_call else "")
+            d = self.divergence
+            why = f" (call {d.call_index} of {d.key}: {d.reason})" if d is not None else ""
             if self.starts_inside is not None:
-                where += (f"; the difference starts inside {self.starts_inside[0]} (call {self.starts_inside[1]}), "
-                          "a call the dump does not hold, whose output it reads")
-            lines.append(f"{bad} of {len(self.rows)} tensors differ{within}; first divergence: {where}")
+                why += (f"; the difference starts inside {self.starts_inside[0]} (call {self.starts_inside[1]}), "
+                        "a call the dump does not hold, whose output it reads")
+            lines.append(f"{bad} of {len(self.rows)} tensors differ{within}; first divergence: {self.first_divergence}{why}")
         return "\n".join(lines)
 
     def _math_lines(self) -> list[str]:
@@ -242,8 +300,17 @@ class DumpReport:
 
 def _badness(row: DumpRow) -> tuple[int, float]:
     """How far a row is from agreeing: diverging before within rounding before allclose, then by max_rel."""
-    rank = 0 if row.allclose else 1 if row.rounding else 2
-    return rank, row.max_rel if row.max_rel is not None and not math.isnan(row.max_rel) else math.inf
+    rank = 0 if row.allclose else 1 if row.agrees else 2
+    return rank, _worst_error(row)
+
+
+def _worst_error(row: DumpRow) -> float:
+    """A row's max relative error, inf where it is unknown or NaN (an inf against a number, NaN against NaN-free):
+    the worst, so the picture colours it so and says "inf" rather than leaving it blank."""
+    x = row.max_rel
+    if row.only_a or row.only_b:
+        return math.inf
+    return x if x is not None and not math.isnan(x) else math.inf
 
 
 def _num(x: float | None) -> str:

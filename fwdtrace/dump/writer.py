@@ -24,6 +24,7 @@ class _Writer:
         self.error: BaseException | None = None
         self.where = ""
         self.stopping = False
+        self.skip = False  # the dump is dropped: the operations left are not run
         self.thread = threading.Thread(target=self._run, name="fwdtrace-dump-writer", daemon=True)
         self.thread.start()
 
@@ -48,7 +49,7 @@ class _Writer:
                 if not self.queue:
                     return
                 op, nbytes, where = self.queue[0]
-            if self.error is None:
+            if self.error is None and not self.skip:
                 try:
                     op()
                 except Exception as e:
@@ -58,9 +59,11 @@ class _Writer:
                 self.queued_bytes -= nbytes
                 self.cond.notify_all()
 
-    def finish(self) -> None:
-        """Wait for every queued operation; the thread ends."""
+    def finish(self, skip: bool = False) -> None:
+        """Wait for every queued operation (``skip``: the ones not begun are skipped); the thread ends."""
         with self.cond:
+            if skip:
+                self.skip = True
             self.stopping = True
             self.cond.notify_all()
         self.thread.join()

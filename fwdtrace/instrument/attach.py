@@ -55,19 +55,15 @@ class Attachment:
     0
 
     ``caller`` names the public function in errors (a model whose ``forward`` is itself a compiled
-    function cannot be run eagerly). ``route`` is one of :data:`ROUTES` (see the module's notes). ``kept``: a
-    dict the tool keeps across attachments, where the copies compiled for its in-graph hooks wait to be used
-    again by the same hooks on the same slots (:class:`~fwdtrace.instrument.compiled.GraphRoute`).
+    function cannot be run eagerly). ``route`` is one of :data:`ROUTES` (see the module's notes).
     Each ``forward*``/``grads``/... method adds its hooks now and returns their handle, which may
     also be removed alone; :meth:`remove` (or leaving ``with``) takes everything off, twice is harmless.
     """
 
-    def __init__(self, model: torch.nn.Module, caller: str, route: str = "eager",
-                 kept: dict[int, dict[frozenset[int], Any]] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, caller: str, route: str = "eager") -> None:
         if route not in ROUTES:
             raise ValueError(f"route is one of {ROUTES}, got {route!r}")
         self.model, self.caller, self.route = model, caller, route
-        self.kept = kept  # the tool's compiled copies, for the same in-graph hooks attached again (GraphRoute's kept)
         self._handles: list[Any] = []
         self._eager: EagerRoute | None = None
         self._inside: set[int] | None = None  # id() of every module inside a compiled part, on the graph route
@@ -87,6 +83,18 @@ class Attachment:
         if not compiled_parts(self.model):
             return "eager"
         return "eager route" if self._eager is not None else "compiled"
+
+    def _graph_routes(self) -> list[GraphRoute]:
+        return [h for h in self._handles if isinstance(h, GraphRoute)]
+
+    def eager_why(self) -> list[str]:
+        """On the ``"graph"`` route: why compiled parts with these hooks run them eagerly instead (a graph
+        break in the model's compiled code, a compile that failed); empty while they run in the graphs."""
+        return list(dict.fromkeys(why for route in self._graph_routes() for why in route.eager_why()))
+
+    def missing(self) -> list[str]:
+        """On the ``"graph"`` route: keys whose in-graph hooks got no value in a call of their compiled part."""
+        return sorted({key for route in self._graph_routes() for key in route.missing()})
 
     def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)
@@ -143,7 +151,7 @@ class Attachment:
         with critical():
             if self.route == "graph" and made:
                 # The route first (one for them all): the hooks are never seen by a part's own compiled code.
-                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module) for module, slot, _ in made], self.kept))
+                self._keep(GraphRoute(self.model, self.caller, [(slot.id, module) for module, slot, _ in made]))
             return [self._keep(make()) for _, _, make in made]
 
     def stats(self, module: torch.nn.Module, slot: StatsSlot, of: str) -> ForwardHook:

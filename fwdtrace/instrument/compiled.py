@@ -9,7 +9,7 @@ see its hooks; while it is attached, the compiled parts run one of two routes.
 Hooks that dynamo traces without a break (:mod:`fwdtrace.instrument.ingraph`: forward statistics and
 copies) take the :class:`GraphRoute`: a ``torch.compile`` wrapper, or a module compiled in place, runs a
 compiled copy of its module made with those hooks in place and its own backend and options (found in
-dynamo's context), once per armed set.
+dynamo's context), once per armed set for as long as the module lives.
 
 Every other hook takes the :class:`EagerRoute`: every compiled part runs its eager module instead. An
 ``OptimizedModule`` (``torch.compile(module)``) calls its ``_orig_mod``, a ``module.compile()``'d module
@@ -28,18 +28,20 @@ Keys see through the wrappers too: :func:`eager_module` and :func:`eager_path` a
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
-from ..errors import FwdtraceError
+from ..errors import FwdtraceError, FwdtraceWarning
 from ..patching import Patcher, add_eager_modules, critical, remove_eager_modules
-from .ingraph import drain
+from .ingraph import drain, received, slot_key
 
 __all__ = [
     "CALL_KINDS", "is_compile_wrapper", "compiled_in_place", "eager_module", "eager_path", "compiled_parts", "EagerRoute",
@@ -135,13 +137,14 @@ class _Routed:
     slots: dict[int, int] = field(default_factory=dict)  # slot id -> how many GraphRoutes hold it
     graphs: dict[frozenset[int], Any] = field(default_factory=dict)  # armed slot ids -> compiled call
     context: Any = None  # dynamo's context that compiled the module (its backend and options), if known
+    missing: set[int] = field(default_factory=set)  # armed slots a routed call ran without handing a value to
+    eager_why: str | None = None  # why the in-graph hooks run eagerly (a graph break, a failed compile), if they do
 
     def idle(self) -> bool:
         return self.users == 0 and not self.slots
 
 
 _ROUTED: dict[int, _Routed] = {}  # id() of a compiled module -> its route
-_KEPT_SETS = 4  # compiled copies a GraphRoute's ``kept`` holds per compiled module, the oldest dropped first
 
 
 def _checked_walk(model: torch.nn.Module, caller: str) -> list[tuple[str, torch.nn.Module]]:
@@ -180,15 +183,46 @@ def _dynamo_context(module: torch.nn.Module) -> Any:
 
 
 def _compile_again(context: Any, inner: Any) -> Any:
-    """``inner`` compiled anew, with ``context``'s backend and options, in a cache of its own."""
+    """``inner`` compiled anew, with ``context``'s backend and options, in a cache of its own, whole: a graph
+    break raises (dynamo's ``Unsupported``) before anything runs, instead of splitting the call into frames."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs)
 
     # Dynamo keeps compiled code per code object and does not guard on module hooks: a copy of this code
     # object per armed set is compiled with exactly that set's hooks, and never reuses the module's own graphs.
+    # Whole, because the frames a graph break leaves (the rest of a forward, a submodule's forward) are the
+    # model's own code objects, whose compiled code dynamo already holds without the hooks: hooks there never run.
     call.__code__ = call.__code__.replace()
-    return context(call)
+    whole = copy.copy(context)
+    if not getattr(whole, "fullgraph", False):
+        whole.error_on_graph_break = True
+    return whole(call)
+
+
+def _break_reason(error: Exception) -> str | None:
+    """The first line of why dynamo broke the graph, when ``error`` is a graph break a whole compile refused."""
+    dynamo_exc = sys.modules.get("torch._dynamo.exc")
+    if dynamo_exc is None or not isinstance(error, dynamo_exc.Unsupported):
+        return None
+    return (str(error).strip().splitlines() or ["a graph break"])[0]
+
+
+# Compiled modules whose code breaks its graph: their in-graph hooks run eagerly, without trying to compile
+# again, for as long as the module lives (a graph break is the model's own code, whatever the hooks).
+_BREAKS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+_WARNED: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()  # what was said, once
+
+
+def _say_once(module: torch.nn.Module, keys: list[str], text: str, stacklevel: int = 3) -> None:
+    said = _WARNED.setdefault(module, set())
+    if text not in said:
+        said.add(text)
+        warnings.warn(text, FwdtraceWarning, stacklevel=stacklevel)
+
+
+def _keys_of(slot_ids: Any) -> list[str]:
+    return sorted({slot_key(s) for s in slot_ids})
 
 
 def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
@@ -202,6 +236,7 @@ def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
             return module._call_impl(*args, **kwargs)
 
     context = routed.context
+    name = type(eager_module(module)).__name__
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if routed.users or not routed.slots:  # a tool that needs the eager route is attached
@@ -209,27 +244,63 @@ def _routing_call(module: torch.nn.Module, routed: _Routed) -> Any:
         armed = frozenset(routed.slots)
         call = routed.graphs.get(armed)
         if call is None:
-            call = routed.graphs[armed] = _compile_again(context, inner)
+            broken = _BREAKS.get(module)
+            if broken is not None:
+                call = routed.graphs[armed] = _Eager(f"{name} breaks its graph: {broken}")
+                _say_once(module, _keys_of(armed), _eager_text(name, _keys_of(armed), broken))
+            else:
+                call = routed.graphs[armed] = _compile_again(context, inner)
+        before = received(armed)
         try:
+            if isinstance(call, _Eager):
+                routed.eager_why = call.why
+                return inner(*args, **kwargs)
             try:
                 return call(*args, **kwargs)
             except Exception as e:
                 # Training is never broken by a tool: what dynamo or the backend could not compile with the
                 # hooks runs eagerly while they are attached (an error of the model's own is raised there again).
-                if not _from_dynamo(e) or call is inner:
+                if not _from_dynamo(e):
                     raise
-                routed.graphs[armed] = inner
-                first_line = (str(e).strip().splitlines() or [""])[0]
-                warnings.warn(
-                    f"fwdtrace: compiling {type(eager_module(module)).__name__} with the hooks of the tools attached "
-                    f"failed ({type(e).__name__}: {first_line}); it runs eagerly while they are attached",
-                    RuntimeWarning, stacklevel=2,
-                )
+                reason = _break_reason(e)
+                if reason is not None:  # the model's own graph break: its hooks would miss every call past it
+                    _BREAKS[module] = reason
+                    routed.eager_why = f"{name} breaks its graph: {reason}"
+                    _say_once(module, _keys_of(armed), _eager_text(name, _keys_of(armed), reason), stacklevel=2)
+                else:
+                    first_line = (str(e).strip().splitlines() or [""])[0]
+                    routed.eager_why = f"compiling {name} with the hooks failed: {type(e).__name__}"
+                    warnings.warn(
+                        f"fwdtrace: compiling {name} with the hooks of the tools attached "
+                        f"failed ({type(e).__name__}: {first_line}); it runs eagerly while they are attached",
+                        RuntimeWarning, stacklevel=2,
+                    )
+                routed.graphs[armed] = _Eager(routed.eager_why)
                 return inner(*args, **kwargs)
         finally:
             drain()
+            after = received(armed)
+            missing = [s for s in armed if after[s] == before[s]]
+            if missing:
+                routed.missing.update(missing)
+                keys = _keys_of(missing)
+                _say_once(module, keys, f"fwdtrace: no value for {', '.join(keys)} in a call of compiled {name}: "
+                          "not called in it, or not reached by its compiled code", stacklevel=2)
 
     return forward
+
+
+@dataclass(frozen=True)
+class _Eager:
+    """In place of a compiled copy: the armed set runs its module eagerly, for this reason."""
+
+    why: str
+
+
+def _eager_text(name: str, keys: list[str], reason: str) -> str:
+    return (f"fwdtrace: {name} runs eagerly while the hooks on {', '.join(keys)} are attached: its compiled code breaks "
+            f"the graph "
+            f"({reason}), and the frames after a break run code compiled without the tools' hooks")
 
 
 def _from_dynamo(error: Exception) -> bool:
@@ -237,10 +308,17 @@ def _from_dynamo(error: Exception) -> bool:
     return dynamo_exc is not None and isinstance(error, dynamo_exc.TorchDynamoException)
 
 
+# The compiled copies each compiled module ran with in-graph hooks, per armed set of slots, for as long as the
+# module lives: the same hooks armed again (they take the same slot ids) run their copy again, uncompiled.
+_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, dict[frozenset[int], Any]] = weakref.WeakKeyDictionary()
+_COPIES_KEPT = 32  # armed sets kept per compiled module, the oldest dropped first
+
+
 def _routed(module: torch.nn.Module) -> _Routed:
     routed = _ROUTED.get(id(module))
     if routed is None:
-        routed = _ROUTED[id(module)] = _Routed(Patcher(), context=_dynamo_context(module))
+        routed = _ROUTED[id(module)] = _Routed(Patcher(), context=_dynamo_context(module),
+                                               graphs=_COPIES.setdefault(module, {}))
         if is_compile_wrapper(module):  # its own hooks still run, around the routed call
             routed.patcher.patch(module, "forward", _routing_call(module, routed))
         elif routed.context is not None:  # compiled in place: nn.Module.__call__ calls this instead
@@ -363,21 +441,16 @@ class GraphRoute(_Route):
     ``torch.compile`` wrapper, a module compiled in place) runs a compiled copy of its module made with those
     hooks in place, with the part's backend and options.
 
-    The copy is compiled once per armed set of slots (arming a key costs one compilation; the part's own
-    graphs are set aside, not changed, so disarming costs none) and kept while its slots are armed. While an
-    :class:`EagerRoute` is also held on a part, the part runs eagerly and the hooks run there.
-    ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
-
-    ``kept`` (optional, owned by the tool): where the copies compiled with these slots go when they are given
-    back, and are found again when a route arms the same slots (a tool that arms the same hooks each step, as
-    a Dumper registering every step, then compiles once, not once per step). Dynamo guards on what the
-    hooks read, so a copy whose hooks changed is compiled anew all the same.
+    The copy is compiled once per armed set of slots for as long as the part lives (arming a key set for the
+    first time costs one compilation; the same hooks armed again take the same slot ids, see
+    :class:`~fwdtrace.instrument.ingraph.Slot`'s ``reuse``, and run the copy made then; the part's own graphs
+    are set aside, not changed, so disarming costs none). A part whose code breaks its graph runs eagerly
+    instead (said once). While an :class:`EagerRoute` is also held on a part, the part runs eagerly and the
+    hooks run there. ``modules`` pairs each in-graph slot id with the module whose hook feeds it.
     """
 
-    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]],
-                 kept: dict[int, dict[frozenset[int], Any]] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, caller: str, modules: list[tuple[int, torch.nn.Module]]) -> None:
         self.modules = modules
-        self.kept = kept
         self._armed: list[tuple[torch.nn.Module, list[int]]] = []
         super().__init__(model, caller)
 
@@ -391,10 +464,31 @@ class GraphRoute(_Route):
                 routed = _routed(wrapper)
                 for slot_id in slot_ids:
                     routed.slots[slot_id] = routed.slots.get(slot_id, 0) + 1
-                if self.kept is not None:
-                    for armed, call in self.kept.get(id(wrapper), {}).items():
-                        routed.graphs.setdefault(armed, call)
                 self._armed.append((wrapper, slot_ids))
+
+    def eager_why(self) -> list[str]:
+        """Why the compiled parts these hooks are in run eagerly instead (a graph break, a compile that failed):
+        empty while every such part runs its compiled copy, or has not been called yet."""
+        why = []
+        for wrapper, _ in self._armed:
+            routed = _ROUTED.get(id(wrapper))
+            found = routed.eager_why if routed is not None else None
+            if found is None and routed is not None and routed.users:
+                found = f"{type(eager_module(wrapper)).__name__} runs eagerly for a tool that needs it"
+            if found is None and wrapper in _BREAKS:
+                found = f"{type(eager_module(wrapper)).__name__} breaks its graph: {_BREAKS[wrapper]}"
+            if found is not None:
+                why.append(found)
+        return why
+
+    def missing(self) -> list[str]:
+        """The keys of these hooks' slots that a call of their compiled part ran without a value for."""
+        gone: set[int] = set()
+        for wrapper, slot_ids in self._armed:
+            routed = _ROUTED.get(id(wrapper))
+            if routed is not None:
+                gone.update(s for s in slot_ids if s in routed.missing)
+        return _keys_of(gone)
 
     def _give_back(self, errors: list[Exception]) -> None:
         for wrapper, slot_ids in reversed(self._armed):
@@ -403,13 +497,7 @@ class GraphRoute(_Route):
                 routed.slots[slot_id] -= 1
                 if routed.slots[slot_id] == 0:
                     del routed.slots[slot_id]
-                    # the copies compiled with it go (to the tool's keeping, if it arms the same slots again)
-                    gone = {k: v for k, v in routed.graphs.items() if slot_id in k}
-                    routed.graphs = {k: v for k, v in routed.graphs.items() if slot_id not in k}
-                    if self.kept is not None and gone:
-                        kept = self.kept.setdefault(id(wrapper), {})
-                        kept.update(gone)
-                        while len(kept) > _KEPT_SETS:
-                            del kept[next(iter(kept))]
+                    while len(routed.graphs) > _COPIES_KEPT:  # the copies compiled with it stay, for it armed again
+                        del routed.graphs[next(iter(routed.graphs))]
             _put_back_if_idle(wrapper, routed, errors)
         self._armed = []

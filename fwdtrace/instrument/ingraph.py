@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -28,13 +28,16 @@ import torch
 from .._tree import iter_tensors, tensors_of
 from .stats import RunningStats
 
-__all__ = ["Slot", "StatsSlot", "ForwardHook", "drain", "summarize", "merge_summary"]
+__all__ = ["Slot", "StatsSlot", "ForwardHook", "drain", "received", "slot_key", "summarize", "merge_summary"]
 
 # (slot id, payload) appended by the hooks, in graph order; drained outside compiled code.
 _SINK: list[tuple[int, Any]] = []
 _SLOT2CONSUMER: dict[int, Callable[[Any], None]] = {}
+_SLOT2KEY: dict[int, str] = {}  # the key a tool named a slot by, for what fwdtrace says about it
+_SLOT2RECEIVED: dict[int, int] = {}  # payloads handed over per slot: a routed call sees which armed slots got none
 _DRAINING = threading.Lock()
 _SLOT_IDS = itertools.count()
+_REUSE2SLOT: dict[Hashable, int] = {}  # what a tool's hooks are (their module and options) -> the slot id they took
 
 # Layout of a summary vector (float64): these fields, then the histogram's bins.
 _COUNT, _FINITE, _NANS, _INFS, _ZEROS, _MEAN, _M2, _MIN, _MAX, _SUMSQ, _UNDER, _OVER, _LOW, _HIGH = range(14)
@@ -110,20 +113,25 @@ def merge_summary(stats: RunningStats, summary: torch.Tensor, range_t: torch.Ten
 
 class Slot:
     """Where one hook's in-graph results go: a slot id baked into the compiled graph, and the consumer
-    that :func:`drain` hands each queued payload to, outside compiled code. :meth:`close` drains first."""
+    that :func:`drain` hands each queued payload to, outside compiled code. :meth:`close` drains first.
 
-    def __init__(self, consume: Callable[[Any], None]) -> None:
-        self.id = next(_SLOT_IDS)
+    ``key`` names the slot in what fwdtrace says about it. ``reuse`` says what the hooks feeding it are (their
+    kind, module and options): a slot made with the same ``reuse`` as a closed one takes its id again, so
+    the compiled copy made for those hooks runs again, uncompiled."""
+
+    def __init__(self, consume: Callable[[Any], None], key: str = "", reuse: Hashable | None = None) -> None:
+        # The same hooks on the same module take the same slot id again (when no other tool holds it): the
+        # id is baked into the compiled copy, which then serves every later arming of them.
+        slot_id = _REUSE2SLOT.get(reuse) if reuse is not None else None
+        if slot_id is None or slot_id in _SLOT2CONSUMER:
+            slot_id = next(_SLOT_IDS)
+            if reuse is not None:
+                _REUSE2SLOT.setdefault(reuse, slot_id)
+        self.id = slot_id
+        self.key = key
         _SLOT2CONSUMER[self.id] = consume
-
-    @property
-    def bound(self) -> bool:
-        """Whether a consumer takes this slot's payloads (from construction or :meth:`bind` until :meth:`close`)."""
-        return self.id in _SLOT2CONSUMER
-
-    def bind(self, consume: Callable[[Any], None]) -> None:
-        """Hand this slot's payloads to ``consume`` from now on (a slot armed again after :meth:`close`)."""
-        _SLOT2CONSUMER[self.id] = consume
+        if key:
+            _SLOT2KEY[self.id] = key
 
     def put(self, payload: Any) -> None:
         """Queue ``payload`` (tensors, and Python values dynamo can rebuild) for this slot's consumer."""
@@ -148,8 +156,9 @@ class StatsSlot(Slot):
     >>> slot.close()
     """
 
-    def __init__(self, stats: RunningStats, on_first: Callable[[], None] | None = None) -> None:
-        super().__init__(self._consume)
+    def __init__(self, stats: RunningStats, on_first: Callable[[], None] | None = None, key: str = "",
+                 reuse: Hashable | None = None) -> None:
+        super().__init__(self._consume, key, reuse)
         self.stats = stats
         self._on_first = on_first  # called once, before the first summary is merged
         low, high = stats.range if stats.range is not None else (math.nan, math.nan)
@@ -181,6 +190,16 @@ class StatsSlot(Slot):
             self.put(summarize(tensor, self.stats.bins, self.range_on(tensor.device)))
 
 
+def received(slot_ids: Iterable[int]) -> dict[int, int]:
+    """How many payloads each of ``slot_ids`` has handed to its consumer so far."""
+    return {slot_id: _SLOT2RECEIVED.get(slot_id, 0) for slot_id in slot_ids}
+
+
+def slot_key(slot_id: int) -> str:
+    """The key a tool named slot ``slot_id`` by (``slot <id>`` where it named none)."""
+    return _SLOT2KEY.get(slot_id) or f"slot {slot_id}"
+
+
 def drain() -> None:
     """Hand every queued summary to its slot's consumer; outside compiled code (after a routed call)."""
     if not _SINK:
@@ -189,6 +208,7 @@ def drain() -> None:
         pending = _SINK[:]
         del _SINK[: len(pending)]
     for slot_id, summary in pending:
+        _SLOT2RECEIVED[slot_id] = _SLOT2RECEIVED.get(slot_id, 0) + 1
         consumer = _SLOT2CONSUMER.get(slot_id)
         if consumer is not None:
             consumer(summary)

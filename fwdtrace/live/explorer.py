@@ -8,30 +8,26 @@ serves the page's static files from the installed package, the graph and node-da
 ``view()`` wrote (those exact paths, nothing else), and the one extension the page needs
 (its JSON reader, which runs in the browser). Every other endpoint answers 404.
 
-The rules are :func:`fwdtrace.serve`'s: loopback by default; any other bind gets a token
-(made and printed when none is given), checked on every request before anything else
-(``Authorization: Bearer``, ``?token=``, or the cookie the first page load with ``?token=``
-sets, since the page's own requests carry no token); the ``Host`` header must name the bound
-address. stdlib only: one daemon thread per connection, stopped by :meth:`ExplorerServer.stop`.
+The server core is :func:`fwdtrace.serve`'s (:mod:`fwdtrace.live.httpd`): loopback by default;
+any other bind gets a token (made and printed when none is given), checked on every request
+before anything else (``Authorization: Bearer``, ``?token=``, or the cookie the first page
+load with ``?token=`` sets, since the page's own requests carry no token); the ``Host`` header
+must name the bound address; connections capped in number and time; every request answered.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import mimetypes
 import os
-import socket
-import threading
 from collections.abc import Iterable
+from email.message import Message
 from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import quote
 
-from ..errors import FwdtraceError
-from .server import _WILDCARD, _allowed_hosts, check_network
+from .httpd import HTTPService, _Reply, check_network
 
 __all__ = ["ExplorerServer"]
 
@@ -41,7 +37,7 @@ _EXTENSIONS = [{"fileExts": ["json"], "type": "adapter", "id": "builtin_json", "
                 "description": "Convert graphs json data file or tfjs model."}]
 
 
-class ExplorerServer:
+class ExplorerServer(HTTPService):
     """Serve Model Explorer's page and the files ``paths``, under fwdtrace's Host and token checks.
 
     >>> import json, tempfile, urllib.request
@@ -56,49 +52,46 @@ class ExplorerServer:
 
     ``web_app`` is the folder of the page's static files (Model Explorer's ``web_app``).
     ``any_host`` leaves the ``Host`` check out, for a port reached only through a notebook's proxy.
+    ``max_connections`` and ``timeout`` bound the connections as :func:`fwdtrace.serve`'s do.
     ``page_url(data)`` is the address to open, with the page's ``?data=`` (the models and
     node data to load) and the token when there is one.
     """
 
+    caller = "fwdtrace.view()"
+    thread_name = "fwdtrace-view"
+    takes_body = False  # uploads, commands, config changes: none of them here
+
     def __init__(self, web_app: Path, paths: Iterable[str | os.PathLike[str]], host: str = "127.0.0.1",
                  port: int = 8080, token: str | None = None, caller: str = "fwdtrace.view()",
-                 any_host: bool = False) -> None:
-        self.token = check_network(host, port, token, 64, 60.0, caller)
+                 any_host: bool = False, max_connections: int = 32, timeout: float = 10.0) -> None:
+        self.caller = caller
+        token = check_network(host, port, token, max_connections, timeout, caller)
         self.web_app = Path(web_app).resolve()
         self.paths = {os.path.abspath(os.path.expanduser(os.fspath(p))) for p in paths}
-        try:
-            self.httpd = _HTTPServer((host, port), _Handler)
-        except OSError as e:
-            raise FwdtraceError(f"{caller} could not listen on {host}:{port} ({e.strerror or e}); "
-                                "pass port=0 for a free port") from None
-        self.httpd.app = self
-        self.host = host
-        self.port: int = self.httpd.server_address[1]
         # any_host: requests come through a notebook's proxy (Colab), which names its own host.
-        self._hosts = None if host in _WILDCARD or any_host else _allowed_hosts(host, self.port)
-        name = "127.0.0.1" if host in _WILDCARD else host
-        self.url = f"http://{'[' + name + ']' if ':' in name else name}:{self.port}/"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name=f"fwdtrace-view-{self.port}", daemon=True)
-        self._thread.start()
+        self.serve_http(host, port, token, max_connections, float(timeout), any_host=any_host)
 
     def page_url(self, data: str) -> str:
         token = f"&token={quote(self.token)}" if self.token else ""
         return f"{self.url}?data={data}{token}"
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._thread.join(10)
+        self.stop_http()
 
     # -- one request ------------------------------------------------------------------------------
-    def check(self, host_header: str | None, token: str | None) -> int:
-        """0 when the request may be answered, else the HTTP status refusing it."""
-        if self._hosts is not None and (host_header or "").lower() not in self._hosts:
-            return 403
-        if self.token is not None and not (token and hmac.compare_digest(token.encode(), self.token.encode())):
-            return 401
-        return 0
+    def request_token(self, headers: Message, query: dict[str, str]) -> str | None:
+        cookies = SimpleCookie(headers.get("Cookie", ""))
+        return super().request_token(headers, query) or (cookies[_COOKIE].value if _COOKIE in cookies else None)
+
+    def reply_headers(self, query: dict[str, str]) -> dict[str, str]:
+        if self.token is not None and "token" in query:  # the page's own requests send the cookie
+            return {"Set-Cookie": f"{_COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/"}
+        return {}
+
+    def handle(self, method: str, path: str, query: dict[str, str], body: bytes | None) -> tuple[int, str, bytes]:
+        if method != "GET":
+            raise _Reply(404, f"{method} {path} is not served by {self.caller}")
+        return self.answer(path, query)
 
     def answer(self, path: str, query: dict[str, str]) -> tuple[int, str, bytes]:
         if path == "/api/v1/read_text_file":
@@ -130,51 +123,3 @@ class ExplorerServer:
 
 def _json(status: int, obj: Any) -> tuple[int, str, bytes]:
     return status, "application/json", json.dumps(obj).encode()
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    app: ExplorerServer
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        if ":" in address[0]:  # an IPv6 address ("::", "::1")
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    server_version = "fwdtrace-view"
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        pass
-
-    def do_GET(self) -> None:
-        app = self.server.app
-        url = urlsplit(self.path)
-        query = {k: v[-1] for k, v in parse_qs(url.query, max_num_fields=64).items()}
-        cookies = SimpleCookie(self.headers.get("Cookie", ""))
-        token = (self.headers.get("Authorization", "").removeprefix("Bearer ").strip() or query.get("token")
-                 or (cookies[_COOKIE].value if _COOKIE in cookies else None))
-        refused = app.check(self.headers.get("Host"), token)
-        if refused:
-            status, ctype, payload = _json(refused, {"error": "wrong Host header" if refused == 403 else
-                                                     "expected the token as ?token=TOKEN or 'Authorization: Bearer TOKEN'"})
-        else:
-            status, ctype, payload = app.answer(url.path, query)
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(payload)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        if not refused and app.token is not None and "token" in query:  # the page's own requests send the cookie
-            self.send_header("Set-Cookie", f"{_COOKIE}={app.token}; HttpOnly; SameSite=Strict; Path=/")
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def do_POST(self) -> None:  # uploads, commands, config changes: none of them here
-        self.send_response(404)
-        self.send_header("Content-Length", "0")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True

@@ -207,6 +207,8 @@ class History:
                 self._file = h5py.File(self.path, "w-", libver="latest")
                 _create_layout(self._file, retention or DEFAULT_RETENTION)
         except OSError as e:
+            if _damage(e):
+                raise self._damaged(e) from None
             why = ("its writer was killed or is still running (HDF5 marks it open for writing): reopen it read-only "
                    "with `fwdtrace serve --logdir`, and give a new logdir to write" if "already open" in str(e)
                    else str(e))
@@ -237,10 +239,23 @@ class History:
             raise
         except Exception as e:  # a damaged or foreign file: one error naming it
             self._file.close()
+            if _damage(e):
+                raise self._damaged(e) from None
             raise self._untrusted(f"which cannot be read ({one_line(e)})") from None
         except BaseException:
             self._file.close()
             raise
+
+    def _damaged(self, error: BaseException) -> FwdtraceError:
+        """What HDF5's report of a damaged file means for the user: which file, what is lost, what is not."""
+        beside = [name for name in (GRAPH_FILE, KEYS_FILE) if (self.logdir / name).is_file()]
+        still = (f"; {' and '.join(beside)} beside it {'are separate files' if len(beside) > 1 else 'is a separate file'}"
+                 " and still read" if beside else "")
+        return FwdtraceError(
+            f"{self.caller} could not open the history {str(self.path)!r}: the file is damaged (its HDF5 structure "
+            "does not read back as written: bytes changed on disk or in a copy after it was written), so none of the "
+            "run's series or scalars can be read from it, as they share that structure; a copy of the run taken "
+            f"before the damage reads again{still} (HDF5 said: {_damage(error)})")
 
     def _untrusted(self, what: str) -> FwdtraceError:
         return FwdtraceError(f"{self.caller} expected a fwdtrace live run, got {str(self.path)!r}, {what}")
@@ -671,6 +686,21 @@ def _ignoring_status_flags(h5py: Any) -> Any:
     if lib.H5Pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
         raise OSError("HDF5 has no clear_status_flags property here")
     return fapl
+
+
+# What HDF5 says when a file's own structure is damaged (a flipped byte, a torn copy), as opposed to a
+# file that is not HDF5 at all, or one that another process holds.
+_DAMAGE = ("checksum", "bad superblock", "bad byte number", "truncated file", "object header",
+           "wrong B-tree signature", "bad local heap signature", "bad global heap")
+
+
+def _damage(error: BaseException) -> str | None:
+    """HDF5's own words when ``error`` reports a damaged file (its innermost parenthesis), else None."""
+    text = str(error)
+    if not any(phrase in text for phrase in _DAMAGE):
+        return None
+    inner = text[text.rfind("(") + 1:text.find(")", text.rfind("("))] if "(" in text else text
+    return inner.strip() or text
 
 
 def _open_for_reading(h5py: Any, path: Path) -> Any:

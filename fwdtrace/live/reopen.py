@@ -13,7 +13,7 @@ from typing import Any
 
 from ..graph import Graph
 from ..instrument.stats import RunningStats
-from .history import History
+from .history import GRAPH_FILE, History
 from .server import Server, _curve, _int, _json, _Reply, check_network
 
 __all__ = ["reopen", "ReopenedServer"]
@@ -33,14 +33,14 @@ class ReopenedServer(Server):
             self._key_rows = self.history.keys()
             text = self.history.graph_json()
             if text is not None:
-                self.graph, self._graph_json = Graph.from_json(text), text
+                self.graph, self._graph_json = Graph.from_json(text, str(self.logdir / GRAPH_FILE)), text
             else:
                 self.graph_error = f"no graph in the run {str(self.logdir)!r} (the model was never traced)"
-            self._listen(host, port, max_connections, timeout)
+            self.listen(host, port, max_connections, timeout, caller="reopen()")
         except BaseException:
             self.history.close()
             raise
-        self._start(token)
+        self.start_serving(token)
 
     def _unhook(self) -> None:
         if self.history is not None:

@@ -295,7 +295,8 @@ class Sampler:
                 arm.handles.append(on)
                 if graph:  # copies taken in the compiled graph, sampled after it
                     on.copies(cast("torch.nn.Module", module),
-                              Slot(self._guard(arm, "the forward hook", self._copies_taken(arm))))
+                              Slot(self._guard(arm, "the forward hook", self._copies_taken(arm)), key,
+                                   reuse=("copies", id(module), True)))
                 elif kind == "forward":
                     on.forward(module, self._forward_hook(arm), with_kwargs=True)
                 elif kind == "grad":

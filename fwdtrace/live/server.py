@@ -6,28 +6,21 @@ Security: loopback by default; any other bind needs a token, checked on every re
 before anything else is read; the ``Host`` header must name the bound address (DNS
 rebinding); JSON in and out, never pickle; request bodies are size-limited; POST needs
 ``Content-Type: application/json``, which a cross-site form cannot send without a CORS
-preflight this server never grants. Connections are bounded (:class:`_HTTPServer`): at most
-``max_connections`` open, each closed after ``timeout`` seconds without a whole request.
+preflight this server never grants. Connections, timeouts and malformed requests are the
+server core's (:mod:`fwdtrace.live.httpd`), which :func:`fwdtrace.view`'s server shares.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import io
 import json
-import math
-import secrets
-import socket
-import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import torch
 
@@ -40,47 +33,40 @@ from ..instrument.compiled import eager_module
 from ..instrument.keys import closest_keys, key_path
 from ..machinery import model_class
 from .history import History
+from .httpd import HTTPService, _finite, _Reply, check_network
 from .sampler import KINDS, ROLES, KindRefused, Sampler, SamplerClosed, check_positive
 
 __all__ = ["Server", "serve"]
 
 STATIC = Path(__file__).parent / "static"
-MAX_BODY = 64 * 1024
 MAX_LIMIT = 10_000  # samples or scalar points one read of the history may return
 MAX_POINTS = 20_000  # scalar points one /api/scalars?before= answer holds, all names together: then it pages
 # Points a scalar chart shows, the newest or those before the step scrolled to: about one per pixel of
 # its 440-pixel plot, so scrolling moves a window of a steady width rather than zooming out.
 SCALAR_WINDOW = 512
 SVG_CACHE = 8  # graph drawings kept, one per depth, the least recently shown dropped first
-JOIN_TIMEOUT = 10.0  # stop() waits this long in all for the request threads to finish
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_WILDCARD = ("0.0.0.0", "::", "")
 _ARM_EXAMPLE = '{"key": "0.Linear", "kind": "forward", "every": 1, "count": null, "raw": false}'
 _WHICH = tuple(f"{kind}_{role.removeprefix('grad_')}" for kind in ROLES for role in ROLES[kind])
 _KIND_LIST = "|".join(KINDS)
 
 
-class _Reply(Exception):
-    """An HTTP error answer: status, message and extra JSON fields."""
+class Server(HTTPService):
+    """A running live service, what :func:`serve` returns. Stop it with ``stop()`` or by leaving ``with``.
 
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.extra = status, extra
+    >>> import torch, fwdtrace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    >>> with fwdtrace.serve(model, port=0) as server:
+    ...     server.url.startswith("http://127.0.0.1:"), server.sampler.arm("0.Linear", "forward")
+    (True, ['0.Linear'])
 
+    ``url`` is the page's address (with its token, if any); ``sampler`` is the model's
+    :class:`~fwdtrace.live.sampler.Sampler`, which arms layers from code as a click on the page
+    does; ``history`` is the run's :class:`~fwdtrace.live.history.History` on disk with
+    ``serve(logdir=...)``, else None.
+    """
 
-def _finite(obj: Any) -> Any:
-    """``obj`` with NaN and infinities as None: JSON has no NaN."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-class Server:
-    """A running live service; see :func:`serve`. Stop it with ``stop()`` or by leaving ``with``."""
+    caller = "fwdtrace live"
+    thread_name = "fwdtrace-live"
 
     read_only = False  # a finished run reopened from its history (fwdtrace.live.reopen), no model
     history: History | None  # the run's history on disk, with serve(logdir=...)
@@ -111,11 +97,11 @@ class Server:
                 raise FwdtraceError(f"serve() cannot listen on port {port} + rank {self.sampler.rank} = {bind_port}: "
                                     f"expected a port of at most {65535 - self.sampler.rank} for rank "
                                     f"{self.sampler.rank} (each rank serves on port + rank), or port=0")
-            self._listen(host, bind_port, max_connections, timeout)
+            self.listen(host, bind_port, max_connections, timeout, caller="serve()")
         except BaseException:
             self._unhook()
             raise
-        self._start(token)
+        self.start_serving(token)
 
     def _init_state(self) -> None:
         self.history = None
@@ -129,26 +115,6 @@ class Server:
         self._lock = threading.Lock()
         self.closed = False
 
-    def _listen(self, host: str, bind_port: int, max_connections: int, timeout: float) -> None:
-        self.host = host
-        try:
-            self.httpd = _HTTPServer((host, bind_port), _Handler, max_connections, timeout)
-        except OSError as e:
-            raise FwdtraceError(
-                f"serve() could not listen on {host}:{bind_port} ({e.strerror or e}); pass port=0 for a free port"
-            ) from None
-
-    def _start(self, token: str | None) -> None:
-        host = self.host
-        self.httpd.app = self
-        self.port: int = self.httpd.server_address[1]
-        self.token = token
-        hostname = "127.0.0.1" if host in _WILDCARD else host
-        self._hosts = None if host in _WILDCARD else _allowed_hosts(host, self.port)
-        self.url = f"http://{'[' + hostname + ']' if ':' in hostname else hostname}:{self.port}/"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name=f"fwdtrace-live-{self.port}", daemon=True)
-        self._thread.start()
 
     # -- the graph --------------------------------------------------------------------------------
     def _trace(self, args: tuple, kwargs: dict) -> None:
@@ -245,12 +211,7 @@ class Server:
             self.closed = True
             layouts, self._layouts = self._layouts, None
         self._unhook()
-        if self._thread.is_alive():
-            self.httpd.shutdown()
-            self._thread.join()
-        self.httpd.server_close()
-        self.httpd.close_connections()  # a browser's keep-alive connection would outlive the server
-        self.httpd.join_handlers(JOIN_TIMEOUT)
+        self.stop_http()
         if layouts is not None:
             layouts.close()
 
@@ -265,13 +226,6 @@ class Server:
         return f"Server({type(eager_module(self.model)).__name__}, {self.url}, {state})"
 
     # -- requests ---------------------------------------------------------------------------------
-    def check_request(self, host_header: str | None, token: str | None) -> None:
-        """Refuse a request whose Host header or token is wrong; the first thing done with a request."""
-        if self._hosts is not None and (host_header or "").lower() not in self._hosts:
-            raise _Reply(403, f"expected the Host header to be one of {sorted(self._hosts)}, got {host_header!r}")
-        if self.token is not None and not (token and hmac.compare_digest(token.encode(), self.token.encode())):
-            raise _Reply(401, "expected the token as 'Authorization: Bearer TOKEN' or ?token=TOKEN")
-
     def _closest(self, name: str) -> list[str]:
         """The module keys and paths most like an unknown ``name``, best first."""
         return closest_keys(name, [*self._known_keys(), *self._path2key()])
@@ -614,236 +568,6 @@ def _curve(points: list[tuple[int, float]]) -> dict[str, Any]:
     return {"steps": [s for s, _ in points], "values": [v for _, v in points], "seq": None}
 
 
-def _allowed_hosts(host: str, port: int) -> set[str]:
-    names = {"127.0.0.1", "localhost", "[::1]"} if host in _LOOPBACK else {f"[{host}]" if ":" in host else host}
-    return {f"{n}:{port}".lower() for n in names}
-
-
-class _Connection:
-    """One open connection: the thread serving it, and whether it is answering a request or waiting for one."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.busy = False  # answering a request; never closed to make room
-        self.since = time.monotonic()  # when it last started waiting for a request
-        self.authorized = False  # has sent a request that passed the token and Host checks
-        self.closing = False
-        self.thread: threading.Thread | None = None
-
-    def close(self) -> None:
-        """End it from another thread: its thread's read returns at once, and the thread exits."""
-        self.closing = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-         b"Content-Length: %d\r\n\r\n%s")
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    """Connections bounded in number and time, so idle or slow clients cannot exhaust threads or descriptors.
-
-    At most ``max_connections`` are open. A new one beyond that replaces the connection that
-    has waited longest for a request (one that never passed the token check first); when
-    every connection is answering a request, the new one is refused at once with 503, from
-    the accepting thread, without a thread of its own. A connection that goes ``timeout``
-    seconds without sending a whole request (idle keep-alive, or trickling bytes) is closed.
-    """
-
-    daemon_threads = True
-    request_queue_size = 128  # the listen backlog; at socketserver's 5, a burst of connects waits 1 s for SYN retries
-    app: Server
-
-    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int, timeout: float) -> None:
-        self.connections: dict[socket.socket, _Connection] = {}  # with threads alive, closing ones included
-        self.connections_lock = threading.Lock()
-        self.max_connections, self.request_timeout = max_connections, timeout
-        self.refused = self.replaced = self.timed_out = 0
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        connection = _Connection(request)
-        self._wait_for_closing()
-        with self.connections_lock:
-            open_ = [c for c in self.connections.values() if not c.closing]
-            accept = len(open_) < self.max_connections
-            if not accept:
-                waiting = [c for c in open_ if not c.busy]
-                if waiting:
-                    min(waiting, key=lambda c: (c.authorized, c.since)).close()
-                    self.replaced += 1
-                    accept = True
-                else:
-                    self.refused += 1
-            if accept:
-                self.connections[request] = connection
-                connection.thread = threading.Thread(target=self.process_request_thread,
-                                                     args=(request, client_address),
-                                                     name="fwdtrace-live-request", daemon=True)
-        if accept:
-            connection.thread.start()  # type: ignore[union-attr]
-        else:
-            self._refuse(request)
-
-    def _wait_for_closing(self, timeout: float = 5.0) -> None:
-        """Keep threads under twice the cap: connections closed to make room hold theirs until it
-        sees the close. Waits here, in the accepting thread (new connections queue in the backlog)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.connections_lock:
-                if len(self.connections) < 2 * self.max_connections:
-                    return
-                closing = [c.thread for c in self.connections.values() if c.closing and c.thread is not None]
-            if not closing or time.monotonic() > deadline:
-                return
-            closing[0].join(max(0.0, deadline - time.monotonic()))
-
-    def _refuse(self, request: socket.socket) -> None:
-        body = json.dumps({"error": f"too many connections (at most {self.max_connections}, all answering); "
-                                    "try again", "status": 503}).encode()
-        try:
-            request.setblocking(False)  # never wait on a client that does not read
-            request.send(_BUSY % (len(body), body))
-        except OSError:
-            pass
-        self.shutdown_request(request)
-
-    def connection(self, request: Any) -> _Connection | None:
-        with self.connections_lock:
-            return self.connections.get(request)
-
-    def service_actions(self) -> None:
-        """Between accepts (every poll interval): close connections waiting too long for a whole request."""
-        now = time.monotonic()
-        with self.connections_lock:
-            late = [c for c in self.connections.values()
-                    if not c.busy and not c.closing and now - c.since > self.request_timeout]
-            for c in late:
-                c.close()
-            self.timed_out += len(late)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self.connections_lock:
-            self.connections.pop(request, None)
-        super().shutdown_request(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # Clients that hang up or time out are normal; a traceback would land in the training script's stderr.
-        error = sys.exc_info()[1]
-        if not isinstance(error, OSError):
-            print(f"fwdtrace live: a request from {client_address[0]} failed: {type(error).__name__}: {error}",
-                  file=sys.stderr, flush=True)
-
-    def close_connections(self) -> None:
-        with self.connections_lock:
-            connections = list(self.connections.values())
-        for connection in connections:
-            connection.close()
-
-    def join_handlers(self, timeout: float) -> None:
-        """Wait, ``timeout`` seconds in all, for the threads of the connections closed by close_connections()."""
-        deadline = time.monotonic() + timeout
-        with self.connections_lock:
-            threads = [c.thread for c in self.connections.values() if c.thread is not None]
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-    def server_bind(self) -> None:
-        if ":" in self.server_address[0]:
-            self.address_family = socket.AF_INET6
-            self.socket = socket.socket(self.address_family, self.socket_type)
-        super().server_bind()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    protocol_version = "HTTP/1.1"  # keep-alive: a polling page reuses its connection
-    # Headers and body go out in two writes; with Nagle's algorithm the body waits for the
-    # client's delayed ACK, 40 ms on Linux, on every keep-alive request.
-    disable_nagle_algorithm = True
-    server_version = "fwdtrace-live"
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet: this runs inside a training script
-        pass
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_DELETE(self) -> None:
-        self._serve("DELETE")
-
-    def setup(self) -> None:
-        self.connection_state = self.server.connection(self.request)
-        super().setup()
-        self.connection.settimeout(self.server.request_timeout)  # each read; the server times the whole request
-
-    def _serve(self, method: str) -> None:
-        app, state = self.server.app, self.connection_state
-        if state is not None:
-            state.busy = True
-        try:
-            self._answer(app, method)
-        finally:
-            if state is not None:
-                state.since, state.busy = time.monotonic(), False
-
-    def _answer(self, app: Server, method: str) -> None:
-        try:
-            url = urlsplit(self.path)
-            try:
-                query = {k: v[-1] for k, v in parse_qs(url.query, max_num_fields=64).items()}
-            except ValueError as e:
-                self.close_connection = True
-                raise _Reply(400, f"expected a URL with at most 64 query fields ({e})") from None
-            auth = self.headers.get("Authorization", "")
-            try:
-                app.check_request(self.headers.get("Host"), auth.removeprefix("Bearer ").strip() or query.get("token"))
-            except _Reply:
-                self.close_connection = True  # nothing more is read from a client that failed the checks
-                raise
-            if self.connection_state is not None:
-                self.connection_state.authorized = True
-            body = self._body() if method == "POST" else None
-            status, ctype, payload = app.handle(method, url.path, query, body)
-        except _Reply as e:
-            status, ctype = e.status, "application/json"
-            payload = json.dumps(_finite({"error": str(e), "status": e.status, **e.extra})).encode()
-        except Exception as e:  # a bug of ours answers 500 and keeps the server (and training) going
-            status, ctype = 500, "application/json"
-            payload = json.dumps({"error": f"{type(e).__name__}: {e}", "status": 500}).encode()
-        if method == "POST" and status >= 400:
-            self.close_connection = True  # the body may be unread: it would be taken for the next request
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(payload)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def _body(self) -> bytes:
-        ctype = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        length = self.headers.get("Content-Length")
-        if not length or not length.isdigit():
-            self.close_connection = True
-            raise _Reply(411, "expected a Content-Length header with the JSON body")
-        if int(length) > MAX_BODY:
-            self.close_connection = True  # the unread body would be taken for the next request
-            raise _Reply(413, f"expected a body of at most {MAX_BODY} bytes, got {length}")
-        body = self.rfile.read(int(length))
-        if ctype != "application/json":
-            raise _Reply(415, f"expected Content-Type: application/json, got {ctype or 'none'!r}")
-        return body
-
-
 def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "127.0.0.1", port: int = 8765,
           token: str | None = None, ring: int = 64, bins: int | Sequence[float] = DEFAULT_BINS, raw_cap: int = 1 << 22,
           pending: int = 32, memory: int = 256 << 20, max_connections: int = 32, timeout: float = 10.0,
@@ -893,25 +617,6 @@ def serve(model: torch.nn.Module, *, example_inputs: Any = None, host: str = "12
                             f"retention={retention!r} without a logdir")
     return Server(model, example_inputs, host, port, token, ring, bins, raw_cap, pending, memory, max_connections,
                   float(timeout), logdir, retention)
-
-
-def check_network(host: Any, port: Any, token: Any, max_connections: Any, timeout: Any, caller: str = "serve()"
-                  ) -> str | None:
-    """Check what a service takes about the network; the token to use (one made and printed beyond loopback)."""
-    if not isinstance(host, str):
-        raise FwdtraceError(f"{caller} expected host as a str such as '127.0.0.1', got {describe(host)}")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise FwdtraceError(f"{caller} expected port as an int in 0..65535 (0 picks a free one), got {port!r}")
-    if token is not None and (not isinstance(token, str) or len(token) < 8):
-        raise FwdtraceError(f"{caller} expected token as a str of at least 8 characters or None, got {token!r}")
-    if not isinstance(max_connections, int) or isinstance(max_connections, bool) or max_connections < 1:
-        raise FwdtraceError(f"{caller} expected max_connections as a positive int, got {max_connections!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise FwdtraceError(f"{caller} expected timeout as a positive number of seconds, got {timeout!r}")
-    if host not in _LOOPBACK and token is None:
-        token = secrets.token_urlsafe(16)
-        print(f"fwdtrace live: serving {host} beyond loopback; token {token}", file=sys.stderr, flush=True)
-    return token
 
 
 # -- the `fwdtrace serve` subcommand ---------------------------------------------------------------------

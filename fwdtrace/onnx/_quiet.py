@@ -24,9 +24,8 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
-from ..errors import FwdtraceWarning
+from ..errors import FwdtraceWarning, user_stacklevel
 
 logger = logging.getLogger("fwdtrace.onnx")
 # Loggers of the libraries an export runs through; their records are captured, not shown.
@@ -124,17 +123,6 @@ def _summarise(what: str, caught: list[warnings.WarningMessage]) -> None:
         FwdtraceWarning,
         stacklevel=user_stacklevel(),
     )
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside fwdtrace (and contextlib)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame: Any = sys._getframe(1)
-    level = 1
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
-                                 or frame.f_code.co_filename == contextlib.__file__):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 @contextlib.contextmanager

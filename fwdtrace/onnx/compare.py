@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -98,7 +99,7 @@ _RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
 _CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 # Random draws besides dropout and rand*: two on the same input are two draws.
 _SAMPLERS = frozenset({"bernoulli", "multinomial", "normal", "uniform", "exponential", "poisson", "cauchy",
-                       "geometric", "log_normal", "rrelu"})
+                       "geometric", "log_normal", "rrelu", "gumbel_softmax"})
 _VALUE_FREE_OPS = frozenset({"RandomNormalLike", "RandomUniformLike", "EyeLike", "ConstantOfShape"})
 # ONNX ops whose result depends on the order of their inputs and that take them in the
 # order of the torch call: Concat all of them (constants too), the others their data inputs
@@ -144,8 +145,9 @@ class TopologyReport:
     return (a transformers cache exported without it: ``cache.layers[0].conv_states[0]``),
     by their paths in what the model returned; the others are compared. With ``numeric=True``
     the numbers settle what the structure cannot: ``status`` is ``'diverges'`` when a value is out of tolerance and ``'rewritten'`` when the
-    structure differs but the values after every difference agree; ``ok`` is then
-    ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
+    structure differs but the values after every difference agree, ``'incomplete'`` when values after a
+    random draw differ (eager and onnxruntime draw different numbers; none of them can be compared);
+    ``ok`` is then ``status in ('ok', 'rewritten')``. ``str(report)`` is ``report.text`` (led by the numbers'
     answer with ``numeric=True``).
     """
 
@@ -215,14 +217,18 @@ class TopologyReport:
         ``'diverges'``: a value is out of tolerance, or a structural mismatch has a value
         after it that differs. ``'rewritten'``: the structure differs, and after every
         mismatch the values agree: the exporter rewrote those parts and they compute the same.
-        A mismatch with no compared value after it stays ``'mismatch'``.
+        A mismatch with no compared value after it stays ``'mismatch'``. Values after a random draw
+        (dropout in training, ``randn_like``) that differ cannot be compared: ``'incomplete'``.
         """
         numbers = self.numeric.status if self.numeric is not None else None
         if numbers == "diverges":
             return "diverges"
+        # every structural mismatch settled by the numbers, only values after random draws left unsettled
+        settled = self.numeric is not None and all(m.compared for m in self.numeric.mismatches)
         if self.missing or self.extra or self.rewired:
-            return "rewritten" if numbers == "rewritten" else "mismatch"
-        return "incomplete" if self.not_opened or self.undecided else "ok"
+            return ("rewritten" if numbers == "rewritten" else "incomplete" if numbers == "unchecked" and settled
+                    else "mismatch")
+        return "incomplete" if self.not_opened or self.undecided or numbers == "unchecked" else "ok"
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-friendly data."""
@@ -1798,7 +1804,7 @@ def compare_onnx(graph: Graph, proto: onnx.ModelProto | str | os.PathLike[str]) 
 def check_onnx(
     model: Any, *args: Any, exporter: str | None = None, onnx: Any = None, verbose: bool = False,
     numeric: bool = False, inputs: list[Any] | None = None, tolerances: dict[str, tuple[float, float]] | None = None,
-    **kwargs: Any,
+    isolate: bool = False, **kwargs: Any,
 ) -> TopologyReport:
     """Trace ``model(*args, **kwargs)`` and diff it with its ONNX export, or with a given ONNX model.
 
@@ -1824,7 +1830,9 @@ def check_onnx(
     when the ONNX model returns its tensors, and left out (said in the report) when it returns the other
     outputs only.
     The exporters' own warnings and prints are kept quiet (see :func:`fwdtrace.export_onnx`);
-    ``verbose=True`` shows them.
+    ``verbose=True`` shows them. ``isolate=True`` runs torch's exporter in a child process, so that
+    a crash in torch's own code is an error naming the exporter and the signal, not the end of
+    your process (see :func:`fwdtrace.export_onnx`).
 
     ``numeric=True`` also compares numbers: the model runs eagerly and the ONNX model in
     onnxruntime on the same inputs (the example inputs, or each batch of ``inputs=[...]``),
@@ -1848,7 +1856,8 @@ def check_onnx(
         report = _build_report(graph, og, result, None, opened, source=source)
         if numeric:
             folder = os.path.dirname(os.path.abspath(onnx)) if isinstance(onnx, (str, os.PathLike)) else None
-            _add_numbers(report, model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+            report = _add_numbers(report, model, args, kwargs, graph, og, result, proto, folder, opened, inputs,
+                                  tolerances, _emitted_functions(proto), source)
         return report
     exporter = "dynamo" if exporter is None else exporter
     if exporter not in CHECK_EXPORTERS:
@@ -1860,22 +1869,48 @@ def check_onnx(
 
         proto = to_onnx(model, *args, verbose=verbose, **kwargs)
     else:  # a large model's weights stay on disk, unless onnxruntime is to run it
-        proto = _export(model, args, kwargs, exporter, None, None, weights=numeric, verbose=verbose)
+        proto = _export(model, args, kwargs, exporter, None, None, weights=numeric, verbose=verbose, isolate=isolate,
+                        caller="check_onnx()")
     og, result = _compare(graph, proto, "check_onnx()", model=model)
     report = _build_report(graph, og, result, exporter, opened)
     if numeric:
-        _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances)
+        report = _add_numbers(report, model, args, kwargs, graph, og, result, proto, None, opened, inputs, tolerances,
+                              None if exporter == "fwdtrace" else frozenset(), None)
     return report
 
 
 def _add_numbers(report: TopologyReport, model: Any, args: tuple, kwargs: dict, graph: Graph, og: Graph,
                  result: _Result, proto: Any, folder: str | None, opened: list[str], inputs: Any,
-                 tolerances: Any) -> None:
-    """Compare the values too; the numbers then say whether the report is ok (see ``TopologyReport.status``)."""
-    from .numeric import compare_values
+                 tolerances: Any, emitted: frozenset[str] | None, source: str | None) -> TopologyReport:
+    """Compare the values too; the numbers then say whether the report is ok (see ``TopologyReport.status``).
 
-    report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs, tolerances)
+    A model that sets itself up on its first call (a fresh torchvision R-CNN, a layer built from
+    its first input's shape) runs other calls in the trace than in every call after it, the
+    export's and the value runs' among them: when the first batch runs other calls, the model is
+    traced again, set up, and the structure compared on that trace. ``emitted`` is as for
+    :func:`_trace_opening_ruleless_layers`, ``source`` as for :func:`_build_report`.
+    """
+    from .numeric import OtherCalls, compare_values
+
+    try:
+        report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs,
+                                        tolerances)
+    except OtherCalls as e:
+        if e.batch != 0:
+            raise
+        again, opened_again = _trace_opening_ruleless_layers(model, args, kwargs, emitted)
+        if [n.target for n in again.nodes] == [n.target for n in graph.nodes]:
+            raise  # the model runs the same calls again: the inputs take another path
+        first_calls = len(graph.nodes)
+        graph, opened = again, opened_again
+        og, result = _compare(graph, proto, "check_onnx()", model=model)
+        report = _build_report(graph, og, result, report.exporter, opened, source=source)
+        report.text = (f"the model set itself up on its first call ({first_calls} nodes traced, {len(graph.nodes)} "
+                       f"on the next): checked as it runs from its second call on\n{report.text}")
+        report.numeric = compare_values(model, args, kwargs, graph, og, result, proto, folder, opened, inputs,
+                                        tolerances)
     report.ok = report.status in ("ok", "rewritten")
+    return report
 
 
 def _emitted_functions(proto: onnx.ModelProto) -> frozenset[str] | None:
@@ -1993,7 +2028,20 @@ def render_side_by_side(
 
 
 # Fill colours by relative error: within 1% of the tolerance, within it, and out of it.
-ERROR_COLORS = {"exact": "#cfe8cf", "within": "#f7e7a1", "diverges": "#f3a683"}
+# "nonfinite": an error that is inf or NaN (an overflow in one run), the saturated end of the scale
+ERROR_COLORS = {"exact": "#cfe8cf", "within": "#f7e7a1", "diverges": "#f3a683", "nonfinite": "#b2182b"}
+
+
+def error_legend(rtol: float) -> list[tuple[str, str]]:
+    """What :func:`error_color`'s colours mean, as a picture's legend: ``(colour, text)`` pairs.
+
+    >>> error_legend(1e-5)[0]
+    ('#cfe8cf', 'max rel err <= 1e-07')
+    """
+    return [(ERROR_COLORS["exact"], f"max rel err <= {rtol / 100:g}"),
+            (ERROR_COLORS["within"], "within tolerance or rounding"),
+            (ERROR_COLORS["diverges"], "diverges"),
+            (ERROR_COLORS["nonfinite"], "inf or NaN where the other run is finite")]
 
 
 def error_color(max_rel: float, rtol: float, ok: bool) -> str:
@@ -2001,9 +2049,11 @@ def error_color(max_rel: float, rtol: float, ok: bool) -> str:
 
     >>> error_color(1e-7, 1e-4, True), error_color(1e-5, 1e-4, True), error_color(1e-2, 1e-4, False)
     ('#cfe8cf', '#f7e7a1', '#f3a683')
+    >>> error_color(float("inf"), 1e-4, False)
+    '#b2182b'
     """
     if not ok:
-        return ERROR_COLORS["diverges"]
+        return ERROR_COLORS["nonfinite"] if not math.isfinite(max_rel) else ERROR_COLORS["diverges"]
     return ERROR_COLORS["exact"] if max_rel <= rtol / 100 else ERROR_COLORS["within"]
 
 
@@ -2024,7 +2074,7 @@ def run_cli(args: argparse.Namespace) -> int:
     inputs = make_inputs(args)
     model = load_factory(args.factory).eval()
     try:
-        report = check_onnx(model, *inputs, numeric=args.numeric, **source)
+        report = check_onnx(model, *inputs, numeric=args.numeric, isolate=args.isolate, **source)
     except FwdtraceError:
         raise
     except Exception as e:

@@ -70,6 +70,7 @@ def export_onnx(
     path: str | os.PathLike[str] | None = None,
     opset_version: int | None = None,
     verbose: bool = False,
+    isolate: bool = False,
     **kwargs: Any,
 ) -> onnx.ModelProto:
     """Export ``model(*args, **kwargs)`` with torch's ONNX exporter and return the ModelProto.
@@ -101,8 +102,15 @@ def export_onnx(
     1 KiB or more go to ``path + ".data"`` beside it, and the proto returned refers to that
     file instead of holding the weights (``onnx.load(path)`` reads them); without ``path``
     the weights are loaded into the proto returned.
+
+    ``isolate=True`` runs the exporter in a child process (forked: the model and inputs as they
+    are, nothing pickled), so that a crash of torch's own code there (the TorchScript exporter
+    dies of SIGFPE on some chains of empty-tensor reshapes) is a :class:`~fwdtrace.errors.FwdtraceError`
+    naming the exporter and the signal, not the end of your process or notebook kernel. It
+    costs a process start; it needs ``fork`` (Linux, macOS).
     """
-    return _export(model, args, kwargs, exporter, opset_version, path, weights=True, verbose=verbose)
+    return _export(model, args, kwargs, exporter, opset_version, path, weights=True, verbose=verbose,
+                   isolate=isolate)
 
 
 def _export(
@@ -114,17 +122,22 @@ def _export(
     path: str | os.PathLike[str] | None,
     weights: bool,
     verbose: bool = False,
+    isolate: bool = False,
+    caller: str = "export_onnx()",
 ) -> onnx.ModelProto:
     """export_onnx's work; ``weights=False`` (for check_onnx) leaves a large model's weights unread.
 
     Over :data:`EXTERNAL_DATA_THRESHOLD` the exporter writes into a private folder (beside
     ``path`` when given) with external data, read back without the weights' bytes.
+    ``isolate``: in a child process (see :func:`export_onnx`).
     """
     if not isinstance(model, torch.nn.Module):
         raise FwdtraceError(f"export_onnx() expected a torch.nn.Module as model, got {describe(model)}")
     if exporter not in EXPORTERS:
         raise FwdtraceError(f"export_onnx() expected exporter 'dynamo' or 'torchscript', got {exporter!r}")
     onnx_mod = _import_onnx()
+    if isolate:
+        return _export_in_child(model, args, kwargs, exporter, opset_version, path, weights, verbose, caller)
     if not _large(model):
         proto = _run_exporter(model, args, kwargs, exporter, opset_version, None, verbose)
         if path is not None:
@@ -145,6 +158,74 @@ def _export(
         else:
             _load_small_external_data(proto, tmp)
     return cast("onnx.ModelProto", proto)
+
+
+def _export_in_child(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], exporter: str, opset_version: int | None,
+    path: str | os.PathLike[str] | None, weights: bool, verbose: bool, caller: str,
+) -> onnx.ModelProto:
+    """Export in a forked child that writes the file; read it back here, or name how the child died."""
+    import multiprocessing
+    import signal
+
+    onnx_mod = _import_onnx()
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise FwdtraceError(f"{caller} with isolate=True exports in a forked child process, and this platform has "
+                            "no fork: export without isolate=True")
+    context = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix=".fwdtrace-isolated-") as tmp:
+        target = os.fspath(path) if path is not None else os.path.join(tmp, "model.onnx")
+        reader, writer = context.Pipe(duplex=False)
+        child = context.Process(target=_exporting_child, daemon=True,
+                                args=(writer, model, args, kwargs, exporter, opset_version, target, verbose))
+        child.start()
+        writer.close()
+        try:
+            outcome, text, said = reader.recv()
+        except EOFError:  # the child died before it could say anything
+            outcome, text, said = "died", "", []
+        finally:
+            reader.close()
+            child.join()
+        for message in said:  # what the export warned, in fwdtrace's words, said here where the user sees it
+            warnings.warn(message, FwdtraceWarning, stacklevel=user_stacklevel())
+        if outcome == "died" or child.exitcode != 0:
+            code = child.exitcode or 0
+            how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+                   else f"exited with status {code}")
+            raise FwdtraceError(
+                f"{caller}: the {exporter} ONNX exporter crashed on {type(model).__name__}: its process was {how} "
+                f"(a crash in torch's own code, isolated in a child process by isolate=True; your process is fine)"
+                + (" (try exporter='dynamo')" if exporter == "torchscript" else ""))
+        if outcome == "error":
+            raise FwdtraceError(text)
+        proto = onnx_mod.load(target, load_external_data=False)
+        folder = os.path.dirname(os.path.abspath(target))
+        if path is None and weights:
+            onnx_mod.load_external_data_for_model(proto, folder)
+        elif path is None:
+            _load_small_external_data(proto, folder)
+    return cast("onnx.ModelProto", proto)
+
+
+def _exporting_child(writer: Any, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], exporter: str,
+                     opset_version: int | None, target: str, verbose: bool) -> None:
+    """The forked child of :func:`_export_in_child`: export into ``target``, send (outcome, error, warnings)."""
+    # the parent's OpenMP threads do not exist in a forked child; one thread needs none
+    # (DataLoader's workers do the same)
+    torch.set_num_threads(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FwdtraceWarning)
+        try:
+            _export(model, args, kwargs, exporter, opset_version, target, weights=True, verbose=verbose)
+            outcome, text = "ok", ""
+        except FwdtraceError as e:
+            outcome, text = "error", str(e)
+        except BaseException as e:  # noqa: BLE001 - anything else the child raises is said in the parent
+            outcome, text = "error", f"export_onnx(): the {exporter} ONNX exporter failed: {type(e).__name__}: {e}"
+    said = [str(w.message) for w in caught if issubclass(w.category, FwdtraceWarning)]
+    writer.send((outcome, text, said))
+    writer.close()
 
 
 def _large(model: torch.nn.Module) -> bool:

@@ -52,6 +52,7 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 _EXACT = (0.0, 0.0)
 _MISMATCH_KINDS = ("missing", "extra", "rewired")
+_AFTER_RANDOM = "after the random draw "  # a row's note when a value computed from a random draw differs
 _INSIDE = "compared at "  # a row's note when its value is found inside its ONNX ops, not where they end
 # rows placed where a difference starts and measured by the values after them
 _PLACED_KINDS = (*_MISMATCH_KINDS, "random")
@@ -144,10 +145,13 @@ class NumericResult:
     # compared values right after it: ok when they agree (the exporter rewrote that part and it
     # computes the same), not ok when they differ, not compared when none after it was
     mismatches: list[ValueRow] = field(default_factory=list)
-    # one row (kind "random") per call that draws random numbers (randn_like, dropout in training)
-    # whose nearest compared values after it differ: eager and onnxruntime draw different numbers,
-    # so the difference starts there, not at the first call that reads them
+    # one row (kind "random", not compared) per call that draws random numbers (randn_like, gumbel_softmax,
+    # dropout in training) with values after it that differ: eager and onnxruntime draw different numbers,
+    # so those values are left uncompared (their notes name the draw) and the status is 'unchecked'
     random: list[ValueRow] = field(default_factory=list)
+    # the file's outputs paired with none of the model's (its outputs outnumber the trace's, alike ones left
+    # unpaired where which is which cannot be told)
+    unpaired_outputs: list[str] = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[ValueRow]:
@@ -181,10 +185,11 @@ class NumericResult:
     @property
     def status(self) -> str:
         """``'diverges'`` (a value out of tolerance), ``'rewritten'`` (every structural mismatch computes
-        the same), ``'unchecked'`` (a mismatch with no compared value after it), else ``'ok'``."""
+        the same), ``'unchecked'`` (a mismatch with no compared value after it, or values after a random
+        draw that differ: no comparison can say whether the file computes them), else ``'ok'``."""
         if self.divergent:
             return "diverges"
-        if any(not m.compared for m in self.mismatches):
+        if self.random or any(not m.compared for m in self.mismatches):
             return "unchecked"
         return "rewritten" if self.mismatches else "ok"
 
@@ -213,23 +218,38 @@ class NumericResult:
             tied = (f"; {ties} ranking{'s' if ties > 1 else ''} differ{'' if ties > 1 else 's'} in the {_TIES}"
                     + (f", {after} value{'s' if after > 1 else ''} after {'them' if ties > 1 else 'it'} "
                        "in that order" if after else "") if ties else "")
-            return f"no divergence: {compared} matched values agree with eager{batches}{within}{tied}{at}{rewrote}"
+            return (f"no divergence: {compared} matched values agree with eager{batches}{within}{tied}{at}{rewrote}"
+                    f"{self._drawn()}")
         inputs = (
             "at the model's inputs" if first.inputs_rel == 0.0
             else f"inputs agree to {_num(first.inputs_rel)}" if first.inputs_rel is not None and _within_inputs(first, self)
             else f"inputs already off by {_num(first.inputs_rel)}" if first.inputs_rel is not None
             else "inputs not compared"
         )
-        if first.kind == "random":
-            return (f"first divergence: {first.call}, which draws random numbers: eager PyTorch and onnxruntime "
-                    f"draw different ones, so {first.onnx_value} after it differs by max rel err "
-                    f"{_num(first.max_rel)} ({first.dtype}); not an export error{batches}")
         if first.kind in _MISMATCH_KINDS:
             return (f"first divergence: {first.module_path or '<root>'}, {first.note}: max rel err "
-                    f"{_num(first.max_rel)} ({first.dtype}), {inputs}{batches}")
+                    f"{_num(first.max_rel)} ({first.dtype}), {inputs}{batches}{self._drawn()}")
         where = first.module_path if first.kind == "module" and first.module_path else first.call
         err = first.note if first.shape_differs else f"max rel err {_num(first.max_rel)}"
-        return f"first divergence: {where}, {err} ({first.dtype}), {inputs}{batches}"
+        return f"first divergence: {where}, {err} ({first.dtype}), {inputs}{batches}{self._drawn()}"
+
+    def _drawn(self) -> str:
+        """The lead's clauses on what no comparison settles: outputs left unpaired, values after random draws."""
+        unpaired = [r for r in self.rows if r.kind == "output" and not r.compared and not r.onnx_value]
+        outputs = (f"; {len(unpaired)} output{'s' if len(unpaired) > 1 else ''} of the model paired with none of "
+                   f"the file's ({', '.join(r.call.removeprefix('output ') for r in unpaired[:3])}"
+                   f"{' ...' if len(unpaired) > 3 else ''}), not compared" if unpaired else "")
+        return outputs + self._after_draws()
+
+    def _after_draws(self) -> str:
+        if not self.random:
+            return ""
+        after = sum(1 for r in self.rows if not r.compared and r.note.startswith(_AFTER_RANDOM))
+        draws = ", ".join(r.call for r in self.random[:3]) + (f" and {len(self.random) - 3} more"
+                                                              if len(self.random) > 3 else "")
+        return (f"; {after} value{'s' if after != 1 else ''} after {draws}, which draw{'s' if len(self.random) == 1 else ''} "
+                "random numbers, not compared: eager PyTorch and onnxruntime draw different ones (not an export "
+                "error; check the file in eval mode or without the draw to compare them)")
 
     def table(self, limit: int = 8) -> list[str]:
         """The worst rows, with the first divergence, as aligned lines."""
@@ -237,7 +257,7 @@ class NumericResult:
         shown = self.worst[:limit]
         if first is not None and first not in shown and first.kind not in _PLACED_KINDS:
             shown.append(first)
-        skipped = [r for r in self.rows if not r.compared]
+        skipped = [r for r in self.rows if not r.compared and not r.note.startswith(_AFTER_RANDOM)]
         ties = [r for r in self.rows if r.compared and r.note.startswith(_TIES)]
         partly = [r for r in self.rows if r.compared and r.note and not r.shape_differs
                   and not r.note.startswith((_INSIDE, _TIES)) and not r.follows_ties]
@@ -267,8 +287,9 @@ class NumericResult:
         for r in ties:
             lines.append(f"  {r.call}: {r.note}")
         for r in self.random:
-            lines.append(f"  random: {r.call} draws random numbers, {r.onnx_value} after it differs"
-                         + (" (first)" if r is first else ""))
+            lines.append(f"  random: {r.call} {r.note}")
+        if self.unpaired_outputs:
+            lines.append(f"  outputs of the file paired with no output of the model: {', '.join(self.unpaired_outputs)}")
         for m in self.mismatches:
             verdict = ("rewritten by the exporter, computes the same" if m.compared and m.ok
                        else "DIVERGES" + (" (first)" if m is first else "") if m.compared
@@ -290,7 +311,67 @@ class NumericResult:
             "values": [r.to_dict() for r in self.rows],
             "mismatches": [r.to_dict() for r in self.mismatches],
             "random": [r.to_dict() for r in self.random],
+            "unpaired_outputs": list(self.unpaired_outputs),
         }
+
+
+class OtherCalls(FwdtraceError):
+    """A batch made the model run other calls than the trace the structure was compared on (``batch``: which)."""
+
+    def __init__(self, message: str, batch: int) -> None:
+        super().__init__(message)
+        self.batch = batch
+
+
+def _signature(value: Any) -> tuple[str, tuple[int, ...]] | None:
+    """What tells one output from another without its name: its kind of number and its shape."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        kind = "bool" if value.dtype == torch.bool else "float" if value.is_floating_point() or value.is_complex() \
+            else "int"
+        return kind, tuple(value.shape)
+    array = np.asarray(value)
+    kind = "bool" if array.dtype == np.bool_ else "int" if np.issubdtype(array.dtype, np.integer) else "float"
+    return kind, tuple(array.shape)
+
+
+def _pair_outputs(eager: list[Any], onnx: list[Any]) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+    """Pair two lists of output signatures in order, where the pairing is certain.
+
+    The file's outputs are the model's flattened in order, with some left out or added (a cache
+    layer whose state TorchScript flattens into two int64 scalars where eager has one). Of the
+    in-order pairings of alike signatures that pair the most, an output is paired when every one
+    pairs it, and with the same output of the file. Returns the (eager, onnx) index pairs and, for
+    each eager output left unpaired, the outputs of the file it could be.
+    """
+    n, m = len(eager), len(onnx)
+
+    def same(i: int, j: int) -> bool:
+        return eager[i] is not None and eager[i] == onnx[j]
+
+    # before[i][j]: the most pairs of eager[:i] with onnx[:j]; after[i][j]: of eager[i:] with onnx[j:]
+    before = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n):
+        for j in range(m):
+            before[i + 1][j + 1] = max(before[i][j + 1], before[i + 1][j], before[i][j] + same(i, j))
+    after = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            after[i][j] = max(after[i + 1][j], after[i][j + 1], after[i + 1][j + 1] + same(i, j))
+    best = before[n][m]
+    pairs: list[tuple[int, int]] = []
+    alike: dict[int, list[int]] = {}
+    for i in range(n):
+        # the onnx outputs eager[i] pairs with in some pairing of the most pairs
+        could = [j for j in range(m) if same(i, j) and before[i][j] + 1 + after[i + 1][j + 1] == best]
+        # and whether some pairing of the most pairs leaves eager[i] unpaired
+        skipped = any(before[i][j] + after[i + 1][j] == best for j in range(m + 1))
+        if len(could) == 1 and not skipped:
+            pairs.append((i, could[0]))
+        else:
+            alike[i] = [j for j in range(m) if same(i, j)]
+    return pairs, alike
 
 
 def _within_inputs(row: ValueRow, result: NumericResult) -> bool:
@@ -486,15 +567,18 @@ def compare_values(
     # ONNX computes in full float32 (see providers()): only the eager run's math can explain a rounding
     numeric.math = math_record(model if isinstance(model, torch.nn.Module) else None, args)
     out_rows: list[ValueRow] = []
+    out_pairs: list[tuple[Node, str]] = []  # (trace output node, the file's output it is compared with)
     for b, (bargs, bkwargs) in enumerate(batches):
         tracer = _ValueTracer(wanted, through, through_functions, ranking)
         with torch.no_grad(), tracer:
             out = model(*bargs, **bkwargs)
         got = tracer.graph
         if len(got.nodes) != len(trace.nodes) or any(got.nodes[t].target != trace.nodes[t].target for t in wanted):
-            raise FwdtraceError(f"check_onnx(numeric=True): batch {b} of inputs made the model run other calls "
-                                f"than the example inputs ({len(got.nodes)} nodes against {len(trace.nodes)}): "
-                                "the ONNX model was made for one path through the model")
+            raise OtherCalls(
+                f"check_onnx(numeric=True): batch {b} of inputs made the model run other calls than when it was "
+                f"traced ({len(got.nodes)} nodes against {len(trace.nodes)}): the ONNX model was made for one path "
+                "through the model. Pass inputs that take the example's path (inputs=[...]), or, for a model "
+                "that changes itself per call, one that does not", b)
         given = [(n, tracer.inputs[n.outputs[0].obj_id]) for n in input_nodes
                  if n.outputs and n.outputs[0].obj_id in tracer.inputs]
         _check_feeds(expected, [(n.name, onnx_inputs.get(n.id), t) for n, t in given], unpaired,
@@ -524,21 +608,38 @@ def compare_values(
                     _compare_into(other_row, eager[i], values[other], tols, record=numeric.math)
             if b == 0 and row.compared:
                 numeric.eager[name] = to_numpy(eager[i], torch.float32 if eager[i].is_floating_point() else None)
-        # the model's outputs, paired by position (an export that leaves a cache out has fewer)
+        # the model's outputs, paired by position (an export that leaves a cache out has fewer), or, where the
+        # file flattens them otherwise (TorchScript's cache layers with a state more), by what can be told apart
         eager_outs = [t for _, t in iter_tensors(out, "output", caches=True)]
-        if len(t_out_nodes) == len(out_names):
-            outs_by_node = [n for n in trace.nodes if n.kind == "output"]
-            for k, (tnode, name) in enumerate(zip(t_out_nodes, out_names, strict=True)):
-                if b == 0:
-                    out_rows.append(ValueRow(len(trace.nodes) + k, f"output {tnode.name}", "", "output", "graph output",
-                                             name, (), "", kind="output"))
-                j = outs_by_node.index(tnode)
-                feeder = rows.get(out_feeder.get(tnode.id, -1))
-                if j < len(eager_outs) and name in values:
-                    _compare_into(out_rows[k], eager_outs[j], values[name], tols,
-                                  feeder.dtype if feeder is not None and feeder.compared else None, numeric.math)
-                if feeder is not None and feeder.compared:
-                    out_rows[k].inputs_rel = feeder.max_rel
+        outs_by_node = [n for n in trace.nodes if n.kind == "output"]
+        if b == 0:
+            if len(t_out_nodes) == len(out_names):
+                out_pairs = list(zip(t_out_nodes, out_names, strict=True))
+            else:
+                at, alike = _pair_outputs(
+                    [_signature(eager_outs[outs_by_node.index(t)]) if outs_by_node.index(t) < len(eager_outs)
+                     else None for t in t_out_nodes], [_signature(values.get(n)) for n in out_names])
+                out_pairs = [(t_out_nodes[i], out_names[j]) for i, j in at]
+                paired = {t.id for t, _ in out_pairs}
+                for i, tnode in enumerate(t_out_nodes):
+                    if tnode.id not in paired:
+                        names = [out_names[j] for j in alike.get(i, [])]
+                        out_rows.append(ValueRow(
+                            len(trace.nodes) + len(t_out_nodes) + i, f"output {tnode.name}", "", "output",
+                            "graph output", "", (), "", compared=False, kind="output",
+                            note=(f"{len(names)} outputs of the file alike ({', '.join(names)}): which is it cannot "
+                                  "be told" if len(names) > 1 else "no output of the file alike")))
+                numeric.unpaired_outputs = [n for n in out_names if n not in {name for _, name in out_pairs}]
+            out_rows[:0] = [ValueRow(len(trace.nodes) + k, f"output {tnode.name}", "", "output", "graph output",
+                                     name, (), "", kind="output") for k, (tnode, name) in enumerate(out_pairs)]
+        for k, (tnode, name) in enumerate(out_pairs):
+            j = outs_by_node.index(tnode)
+            feeder = rows.get(out_feeder.get(tnode.id, -1))
+            if j < len(eager_outs) and name in values:
+                _compare_into(out_rows[k], eager_outs[j], values[name], tols,
+                              feeder.dtype if feeder is not None and feeder.compared else None, numeric.math)
+            if feeder is not None and feeder.compared:
+                out_rows[k].inputs_rel = feeder.max_rel
     for gid, others in inner.items():
         row = rows[gid]
         found = next((r for r in others.values() if r.compared and r.ok), None)
@@ -561,12 +662,14 @@ def compare_values(
     for row in numeric.rows:
         if row.compared and not row.ok:
             row.rounding = rounding_explains(row.norm_rel, row.cosine, row.precision)
-    _follow_ties(numeric.rows, result.reqs)
-    out_by_node = {t.id: r for t, r in zip(t_out_nodes, out_rows, strict=False)}
+    out_by_node = {t.id: r for (t, _), r in zip(out_pairs, out_rows, strict=False)}
     # a Dropout in eval mode (or of p=0) returns its input: it draws nothing, and cannot be where a difference starts
     idle = {p for p, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
             and (not m.training or m.p == 0)} if isinstance(model, torch.nn.Module) else set()
-    numeric.mismatches, numeric.random = _judge_mismatches(trace, og, result, rows, out_by_node, readers, tols, idle)
+    numeric.random = _after_random_draws(trace, result, rows, out_by_node, idle)
+    _unpair_past_missing(trace, result, rows, out_by_node)
+    _follow_ties(numeric.rows, result.reqs)
+    numeric.mismatches = _judge_mismatches(trace, og, result, rows, out_by_node, readers)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
     return numeric
 
@@ -661,6 +764,98 @@ def _follow_ties(rows: list[ValueRow], reqs: dict[int, list[frozenset[int]]]) ->
             row.follows_ties, row.note = True, f"follows the {_TIES} of {tied[row.order]}"
 
 
+def _after_random_draws(trace: Graph, result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
+                        idle_dropouts: set[str]) -> list[ValueRow]:
+    """A row (kind ``"random"``) per call that draws random numbers and the values after it that differ.
+
+    Eager PyTorch and onnxruntime draw different numbers, so every value computed from a draw
+    may differ without the file computing anything else, and none of them can be compared: each
+    such row that differs is left uncompared, its note naming the draw. A value the draw does not
+    reach is compared as usual, so a divergence before it or beside it is still found.
+    """
+    from .compare import _trace_label, draws_random
+
+    succ: dict[int, list[int]] = {}
+    for e in trace.edges:
+        succ.setdefault(e.src, []).append(e.dst)
+    node2rows: dict[int, list[ValueRow]] = {}
+    for g, row in rows.items():
+        for t in result.groups[g].trace_ids:
+            node2rows.setdefault(t, []).append(row)
+    for t, row in out_by_node.items():
+        node2rows.setdefault(t, []).append(row)
+    random: list[ValueRow] = []
+    for tn in trace.nodes:
+        if tn.kind not in ("module", "function") or not draws_random(tn):
+            continue
+        if (tn.kind == "module" and tn.module_path in idle_dropouts) or tn.attrs.get("training") is False \
+                or tn.attrs.get("p") == 0:
+            continue  # a dropout that returns its input (eval mode, p=0) draws nothing
+        reached, seen, stack = [], {tn.id}, [tn.id]
+        while stack:  # every value computed from the draw, not only the nearest: all of them may differ
+            n = stack.pop()
+            reached += node2rows.get(n, [])
+            for d in succ.get(n, ()):
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        label = _trace_label(tn)
+        bad = sorted({id(r): r for r in reached if r.compared and not r.ok}.values(), key=lambda r: r.order)
+        if not bad:
+            continue  # a draw whose values nothing compared reads, or that changes nothing compared
+        worst = max(bad, key=lambda r: (_sortable(r.max_rel), -r.order))
+        random.append(ValueRow(tn.id, label, tn.module_path, tn.target, "", worst.call, worst.shape,
+                               worst.dtype, worst.max_abs, worst.max_rel, ok=False, compared=False, kind="random",
+                               note=f"draws random numbers: {len(bad)} value{'s' if len(bad) > 1 else ''} after it "
+                                    f"not compared ({', '.join(r.call for r in bad[:3])}"
+                                    f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''})"))
+        for r in bad:
+            r.compared, r.note = False, f"{_AFTER_RANDOM}{label}: eager and onnxruntime draw different numbers"
+    return random
+
+
+def _unpair_past_missing(trace: Graph, result: _Result, rows: dict[int, ValueRow],
+                         out_by_node: dict[int, ValueRow]) -> None:
+    """Leave uncompared a call paired past a missing call whose value differs while the values after it agree.
+
+    A call that reads a missing call's result is paired by reachability from its other
+    inputs, past ONNX ops no call claims: ``x / x.std()`` under dynamo, the std written as
+    seven ops no rule knows, had its ``div`` paired with the ``Mul`` squaring ``x - mean``
+    inside the std. Such a pairing is a guess; a difference there is the guess's when every
+    compared value after it agrees (had the file computed something else there, the values
+    it feeds would differ too). The row is then not compared, with why, and the missing call
+    is judged by the values after it.
+    """
+    from .compare import _trace_label
+
+    missing = set(result.missing)
+    succ: dict[int, list[int]] = {}
+    fed_by_missing: set[int] = set()
+    for e in trace.edges:
+        succ.setdefault(e.src, []).append(e.dst)
+        if e.src in missing:
+            fed_by_missing.add(e.dst)
+    unsure = {gid: [t for t in result.groups[gid].trace_ids if t in fed_by_missing] for gid in rows}
+    unsure = {gid: ts for gid, ts in unsure.items() if ts}
+    if not unsure:
+        return
+    node2row = {t: rows[g] for g in rows for t in result.groups[g].trace_ids if rows[g].compared and g not in unsure}
+    node2row.update({t: r for t, r in out_by_node.items() if r.compared})
+    for gid, past in unsure.items():
+        row = rows[gid]
+        if not row.compared or row.ok or row.rounding:
+            continue
+        after = _nearest_rows(result.groups[gid].trace_ids, lambda n: succ.get(n, ()), node2row.get)
+        if not after or not all(r.ok or r.rounding for r in after):
+            continue
+        names = ", ".join(r.call for r in sorted(after, key=lambda r: r.order)[:3])
+        missed = sorted({e.src for e in trace.edges if e.dst in past and e.src in missing})
+        row.compared = False
+        row.note = (f"paired with {row.onnx_value} past the missing {_trace_label(trace.nodes[missed[0]])}, "
+                    f"which differs by max rel err {_num(row.max_rel)} while {names} after it agree: "
+                    "not its value")
+
+
 def _check_feeds(expected: list[tuple[str, str, list[Any]]], given: list[tuple[str, str | None, torch.Tensor]],
                  unpaired: list[str], batch: int | None) -> None:
     """Raise unless every input of the ONNX model gets a tensor of its shape and dtype.
@@ -708,10 +903,9 @@ def _dims(shape: list[Any]) -> str:
 
 def _judge_mismatches(
     trace: Graph, og: Graph, result: _Result, rows: dict[int, ValueRow], out_by_node: dict[int, ValueRow],
-    readers: dict[int, list[int]], tols: dict[str, tuple[float, float]], idle_dropouts: set[str],
-) -> tuple[list[ValueRow], list[ValueRow]]:
-    """A row per structural mismatch, judged by the nearest compared values after it; and a row per
-    call that draws random numbers whose nearest compared values after it differ.
+    readers: dict[int, list[int]],
+) -> list[ValueRow]:
+    """A row per structural mismatch, judged by the nearest compared values after it.
 
     Where the trace and the ONNX graph differ in structure, the values that flow out of the
     difference settle it: when every nearest compared value downstream agrees, the exporter
@@ -720,7 +914,7 @@ def _judge_mismatches(
     reads its result). Nearest: a path stops at its first compared value, so a divergence
     further on, with causes of its own, is not charged to this mismatch.
     """
-    from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label, draws_random
+    from .compare import _OUTPUT_GROUP, _onnx_name, _trace_label
 
     node2row: dict[int, ValueRow] = {t: rows[g] for g in rows for t in result.groups[g].trace_ids if rows[g].compared}
     node2row.update({t: r for t, r in out_by_node.items() if r.compared})
@@ -794,25 +988,7 @@ def _judge_mismatches(
                        kind="rewired", inputs_rel=inputs_of(dst) if dst >= 0 else None)
         on_side = {"trace": "in the trace only", "onnx": "in ONNX only"}.get(side, "inputs taken in another order")
         judge(row, after, f"edge {edge} ({on_side})")
-    random: list[ValueRow] = []
-    for tn in trace.nodes:
-        if tn.kind not in ("module", "function") or not draws_random(tn):
-            continue
-        if (tn.kind == "module" and tn.module_path in idle_dropouts) or tn.attrs.get("training") is False \
-                or tn.attrs.get("p") == 0:
-            continue  # a dropout that returns its input (eval mode, p=0) draws nothing
-        own = node2row.get(tn.id)
-        after = [own] if own is not None else after_in_trace([tn.id])
-        bad = [r for r in after if not r.ok]
-        if not bad:
-            continue  # dropout in eval mode, or a draw nothing compared reads
-        worst = max(bad, key=lambda r: (_sortable(r.max_rel), -r.order))
-        fed = inputs_of(tn.id)
-        random.append(ValueRow(tn.id, _trace_label(tn), tn.module_path, tn.target, "", worst.call, worst.shape,
-                               worst.dtype, worst.max_abs, worst.max_rel, ok=False, kind="random",
-                               inputs_rel=0.0 if fed is None else fed,
-                               note="draws random numbers: eager and onnxruntime draw different ones"))
-    return sorted(out, key=lambda r: r.order), random
+    return sorted(out, key=lambda r: r.order)
 
 
 def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, shape: tuple[int, ...]) -> str:

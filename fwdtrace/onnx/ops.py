@@ -569,6 +569,11 @@ _register(_nn("Hardsigmoid") + _functions("hardsigmoid"), "HardSigmoid")
 _register(_nn("Softplus") + _functions("softplus"), "Softplus", "Softplus+Greater+Where")
 _register(_nn("Softmax") + _functions("softmax"), "Softmax", "ReduceMax+Sub+Exp+ReduceSum+Div", "Exp+ReduceSum+Div")
 _register(_nn("LogSoftmax") + _functions("log_softmax"), "LogSoftmax", "Softmax+Log")
+# Gumbel noise -log(-log(u)) from a uniform draw (its zeros guarded by a Where) added to the logits, the
+# softmax of that over tau; hard=True then puts a one-hot of the argmax in, y_hard - y_soft + y_soft
+_GUMBEL_NOISE = "RandomUniformLike+GreaterOrEqual+Where+Log*2+Mul+Neg+Add+Div+Softmax"
+_register(_functions("gumbel_softmax"), _GUMBEL_NOISE,
+          f"{_GUMBEL_NOISE}+ArgMax+ConstantOfShape+ScatterElements+Sub+Add")
 _register(_nn("MaxPool1d", "MaxPool2d", "MaxPool3d") + _functions("max_pool1d", "max_pool2d", "max_pool3d"), "MaxPool")
 _register(_nn("AvgPool1d", "AvgPool2d", "AvgPool3d") + _functions("avg_pool1d", "avg_pool2d", "avg_pool3d"),
           "AveragePool")

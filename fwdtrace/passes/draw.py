@@ -7,8 +7,9 @@ blocks) is drawn as one box each. By default the depth is chosen so that the pic
 stays readable: at most a target number of boxes, within PNG bounds at a legible resolution. Rendering goes through pygraphviz, whose wheel bundles
 Graphviz's layout engine, so no ``dot`` binary is needed; where pygraphviz cannot load (its wheel
 needs the system's GLib and libXrender, which slim and CUDA container images lack), through a
-``dot`` executable on PATH. The DOT text itself needs neither: without a layout engine the
-automatic depth goes by box count alone.
+``dot`` executable on PATH; with neither, an SVG (and a notebook's picture) comes from fwdtrace's own
+layout (``layered.py``) with a warning naming what to install. The DOT text itself needs none of
+them: without a layout engine the automatic depth goes by box count alone.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,8 @@ from urllib.parse import quote
 
 import graphviz
 
-from .._files import write_bytes
-from ..errors import FwdtraceError
+from .._files import check_folder, write_bytes
+from ..errors import FwdtraceError, FwdtraceWarning, user_stacklevel
 from ..graph import Graph
 from ..machinery import NODE_TARGETS
 from ..node import Edge, Node, Scope
@@ -50,6 +51,7 @@ _FILL = {"input": "#e8e8e8", "output": "#e8e8e8", "module": "#d6e6f5", "layer": 
          "side": "#f4f4f4", "loop": "#e2ecd9"}
 _SHAPE = {"input": "box", "output": "box", "module": "box", "layer": "box", "function": "ellipse", "side": "note"}
 _HIGHLIGHT = {"color": "#c0392b", "fillcolor": "#f6c9c4", "penwidth": "2"}
+HIGHLIGHT_COLOR = _HIGHLIGHT["color"]  # a legend entry of this colour is drawn as the highlight's outline
 
 
 class Digraph(graphviz.Digraph):
@@ -66,12 +68,34 @@ class Digraph(graphviz.Digraph):
 
 def layout_bytes(source: str, fmt: str, caller: str = "render()") -> bytes:
     """Lay out DOT ``source`` with Graphviz's ``dot`` engine as ``fmt``: pygraphviz's bundled one, else
-    a ``dot`` executable; with neither, a :class:`FwdtraceError` from ``caller`` saying what to install."""
+    a ``dot`` executable; with neither, fwdtrace's own layout (:mod:`fwdtrace.passes.layered`) with a
+    :class:`FwdtraceWarning` saying what to install, rasterised for PNG and PDF by cairosvg where it is
+    installed, else a :class:`FwdtraceError` from ``caller`` naming the SVG route."""
+    need = _layout_need()
+    if need is not None:
+        return _own_layout(source, fmt, caller, need)
     engine = layout_engine(caller)
     if engine != "pygraphviz":
         return _run_dot(engine, source, fmt, caller)
     with _graphviz_messages(), _Layout(source) as layout:
         return layout.draw(fmt)
+
+
+def _own_layout(source: str, fmt: str, caller: str, need: str) -> bytes:
+    """``source`` drawn by fwdtrace's own layout as ``fmt`` (see :func:`layout_bytes`)."""
+    from .layered import layered_svg
+
+    svg = layered_svg(source).encode()
+    if fmt != "svg":
+        try:
+            import cairosvg
+        except ImportError:
+            raise FwdtraceError(str(layout_missing(caller))) from None
+        svg = getattr(cairosvg, f"svg2{fmt}")(bytestring=svg)  # svg2png, svg2pdf
+    warnings.warn(f"{caller} drew the picture with fwdtrace's own layout, since {need}, and there is no "
+                  "Graphviz dot executable on PATH. For Graphviz's layout (more compact, fewer crossings) install "
+                  f"what it needs: {INSTALL_HINTS}", FwdtraceWarning, stacklevel=user_stacklevel())
+    return svg
 
 
 def dot_bytes(dot: graphviz.Digraph, fmt: str, caller: str = "render()") -> bytes:
@@ -102,22 +126,30 @@ def _pygraphviz_error() -> str | None:
     return None
 
 
-def layout_missing(caller: str = "render()") -> str | None:
-    """Why nothing can lay out a picture here (the text of the error ``caller`` would raise), or None."""
+def _layout_need() -> str | None:
+    """What keeps Graphviz from laying out here (pygraphviz cannot load and no ``dot`` on PATH), or None."""
     error = _pygraphviz_error()
     if error is None or shutil.which("dot"):
         return None
     libraries = list(dict.fromkeys(_LIBRARY.findall(error)))
     if "No module named" in error:
-        need = "pygraphviz is not installed (pip install pygraphviz)"
-    elif libraries:  # the loader names the first library missing; the others may be missing too
-        need = (f"pygraphviz cannot load the system's {', '.join(libraries)} ({error}; its wheel loads "
+        return "pygraphviz is not installed (pip install pygraphviz)"
+    if libraries:  # the loader names the first library missing; the others may be missing too
+        return (f"pygraphviz cannot load the system's {', '.join(libraries)} ({error}; its wheel loads "
                 f"{', '.join(WHEEL_LIBRARIES)})")
-    else:
-        need = f"pygraphviz cannot load ({error})"
+    return f"pygraphviz cannot load ({error})"
+
+
+def layout_missing(caller: str = "render()") -> str | None:
+    """Why Graphviz cannot lay out a picture here, and so why a PNG or PDF cannot be drawn without
+    cairosvg (the text of the error ``caller`` would raise), or None."""
+    need = _layout_need()
+    if need is None:
+        return None
     return (f"{caller} could not lay out the picture: {need}, and there is no Graphviz dot executable on PATH. "
-            f"Install what it needs: {INSTALL_HINTS}. to_dot(), the JSON, networkx and Model Explorer files "
-            "need none of it")
+            f"Install what it needs: {INSTALL_HINTS}. An SVG needs none of it (render('graph.svg') draws "
+            "fwdtrace's own layout, and so does a notebook; pip install cairosvg rasterises that as PNG), nor "
+            "do to_dot(), the JSON, networkx and Model Explorer files")
 
 
 def layout_engine(caller: str = "render()") -> str:
@@ -359,11 +391,8 @@ def render_digraph(dot: graphviz.Digraph, path: str | os.PathLike[str], caller: 
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise FwdtraceError(f"{caller} expected a path ending in .png, .svg or .pdf, got {str(path)!r}")
-    data = dot_bytes(dot, fmt, caller)
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise FwdtraceError(f"{caller} expected an existing folder for {str(path)!r}, but {str(directory)!r} is not one")
-    write_bytes(path, data, caller=caller)
+    check_folder(path, caller)  # before the layout, which may take long
+    write_bytes(path, dot_bytes(dot, fmt, caller), caller=caller)
     return str(path)
 
 
@@ -931,6 +960,7 @@ def to_dot(
     cluster_name: str | None = None,
     fills: Mapping[int, str] | None = None,
     notes: Mapping[int, str] | None = None,
+    legend: Sequence[tuple[str, str]] = (),
 ) -> Digraph:
     """A ``graphviz.Digraph`` of ``graph``: modules as nested clusters, edges labelled with shapes.
 
@@ -966,7 +996,8 @@ def to_dot(
     ``highlight`` is a set of node ids drawn in red. ``fills`` colours boxes by node id (a
     box holding several coloured nodes takes the colour listed first: list the most telling
     first), ``notes`` adds a line per node id to its box's tooltip; both are drawn as given
-    (:func:`fwdtrace.render_side_by_side` colours by relative error this way). ``name_prefix`` keeps DOT names apart
+    (:func:`fwdtrace.render_side_by_side` colours by relative error this way); ``legend`` draws what the
+    colours mean, a box per ``(colour, text)`` in a corner cluster. ``name_prefix`` keeps DOT names apart
     when two graphs share a picture; ``cluster_name`` (starting with ``cluster``) makes the
     result embeddable with ``outer.subgraph(...)``, boxed and titled ``title``.
     """
@@ -978,7 +1009,8 @@ def to_dot(
              chain_ops: bool = False) -> Digraph:
         return _dot(graph, _units(graph, folds, d, **options, opened=opened, chain_ops=chain_ops), caption, wrap=wrap,
                     show_shapes=show_shapes, highlight=set(highlight), rankdir=rankdir, title=title,
-                    name_prefix=name_prefix, cluster_name=cluster_name, fills=dict(fills or {}), notes=dict(notes or {}))
+                    name_prefix=name_prefix, cluster_name=cluster_name, fills=dict(fills or {}), notes=dict(notes or {}),
+                    legend=list(legend))
 
     if not isinstance(depth, str):  # "auto", the one string checked above
         return draw(depth, None, wrap)
@@ -1106,7 +1138,7 @@ def _partly_opened(graph: Graph, folds: Folds, options: dict[str, Any], depth: i
 
 def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, show_shapes: bool,
          highlight: set[int], rankdir: str, title: str | None, name_prefix: str, cluster_name: str | None,
-         fills: dict[int, str], notes: dict[int, str]) -> Digraph:
+         fills: dict[int, str], notes: dict[int, str], legend: list[tuple[str, str]] = []) -> Digraph:  # noqa: B006 - read only
     node2unit, units = picture.node2unit, picture.units
     names = {u.key: f"{name_prefix}u{i}" for i, u in enumerate(units)}
 
@@ -1146,7 +1178,8 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
             if fill is not None:
                 attrs["fillcolor"] = fill
             if highlight.intersection(u.members):
-                attrs.update(_HIGHLIGHT)
+                # outlined in red; a fill given for the box (its error's colour) is kept under the outline
+                attrs.update({k: v for k, v in _HIGHLIGHT.items() if k != "fillcolor" or fill is None})
             attrs["tooltip"] = _tooltip(u, [graph.nodes[i] for i in u.members])
             attrs["tooltip"] += "".join(f"\n{notes[i]}" for i in u.members if i in notes)
             attrs["fwdtrace_members"] = _id_ranges(u.members)
@@ -1178,7 +1211,27 @@ def _dot(graph: Graph, picture: _Picture, caption: str | None, *, wrap: int, sho
     if wrap:
         for u_key, v_key in _wrap_edges([u.key for u in units], set(pair2edges), wrap):
             dot.edge(names[u_key], names[v_key], style="invis")
+    if legend:
+        _draw_legend(dot, legend, name_prefix)
     return dot
+
+
+def _draw_legend(dot: Digraph, legend: list[tuple[str, str]], name_prefix: str) -> None:
+    """What the fills mean: one filled box per (colour, text), in a row of their own, joined by invisible edges.
+    The boxes carry no tooltip: a reader of the SVG that takes boxes with tooltips for calls finds none here."""
+    with dot.subgraph(name=f"cluster_{name_prefix}legend") as sub:
+        sub.attr(label="legend", style="rounded", color="#999999", fontsize="9", labeljust="l",
+                 **{"class": "legend"})
+        previous = None
+        for i, (color, text) in enumerate(legend):
+            name = f"{name_prefix}legend{i}"
+            attrs = {"shape": "box", "fillcolor": color, "class": "legend"}
+            if color == _HIGHLIGHT["color"]:  # the outline the first divergence gets, not a fill
+                attrs.update(_HIGHLIGHT)
+            sub.node(name, label=text, **attrs)
+            if previous is not None:
+                sub.edge(previous, name, style="invis")
+            previous = name
 
 
 KEY_CLASS = "key:"  # the class token that carries a box's module key into the SVG

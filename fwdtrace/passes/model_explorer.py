@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .._files import write_bytes
+from .._files import write_bytes, write_files
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
 from ..node import Node, Scope
@@ -231,7 +231,7 @@ def analysis_node_data(graph: Graph, analysis: Analysis) -> dict[str, dict[Any, 
 def _node_data_file(graph_id: str, name: str, results: dict[str, float],
                     colors: Mapping[str, str] | None = None) -> dict[str, Any]:
     # ModelNodeData: GraphNodeData per graph id; a result's own bgColor takes precedence over the gradient.
-    return {graph_id: {"name": name, "results": {k: {"value": v, **({"bgColor": colors[k]} if colors else {})}
+    return {graph_id: {"name": name, "results": {k: {"value": v, **({"bgColor": colors[k]} if colors and k in colors else {})}
                                                  for k, v in results.items()},
                        "gradient": [dict(g) for g in _GRADIENT]}}
 
@@ -294,9 +294,9 @@ def _write(graph: Graph, target: Path, node_data: NodeData, colors: Mapping[str,
         node_colors = None if own is None else {str(n): c for n, c in own.items()}
         files[str(name)] = (target.with_name(f"{target.stem}.{_slug(str(name))}.json"),
                             _dump(_node_data_file(graph_id, str(name), results, node_colors)))
-    write_bytes(target, _dump(graph_collection(graph, graph_id=graph_id, label=label, highlight=highlight)), caller)
-    for file, data in files.values():
-        write_bytes(file, data, caller)
+    # The graph and its node data together: an error leaves every file as it was, never a new graph beside old data.
+    write_files({target: _dump(graph_collection(graph, graph_id=graph_id, label=label, highlight=highlight)),
+                 **dict(files.values())}, caller)
     return ModelExplorerFiles(str(target), {name: str(file) for name, (file, _) in files.items()})
 
 
@@ -359,12 +359,17 @@ def _value_errors(numeric: NumericResult, nodes: int) -> tuple[dict[int, CallErr
 
 
 def _folder(folder: str | os.PathLike[str], caller: str) -> Path:
-    """``folder``, made if its parent exists."""
+    """``folder``, made if its parent exists. A symlink to a folder, named by the user, is that folder; the
+    files written inside replace what is at their names (a symlink planted there is replaced, not followed)."""
     out = Path(folder)
     if not out.is_dir():
-        if out.exists() or not (out.parent if str(out.parent) else Path(".")).is_dir():
-            raise FwdtraceError(f"{caller} expected a folder, or a new one in an existing folder, got {str(folder)!r}")
-        out.mkdir()
+        refused = FwdtraceError(f"{caller} expected a folder, or a new one in an existing folder, got {str(folder)!r}")
+        if os.path.lexists(out) or not (out.parent if str(out.parent) else Path(".")).is_dir():
+            raise refused  # a file, a dangling symlink, or no folder to make it in
+        try:
+            out.mkdir()
+        except OSError as e:
+            raise FwdtraceError(f"{caller} could not make the folder {str(folder)!r}: {e.strerror or e}") from None
     return out
 
 
@@ -382,6 +387,7 @@ class CallErrors(NamedTuple):
     max_abs: float | None
     max_rel: float | None
     verdict: int
+    nonfinite: int = 0  # inf and NaN elements where the other run's are finite (an overflow in one run)
 
 
 def errors_to_model_explorer(
@@ -404,7 +410,10 @@ def errors_to_model_explorer(
 
     ``errors`` is keyed by node id. One node-data file per error (``diff.cosine.json``,
     ``diff.norm_rel.json``, ``diff.max_abs.json``, ``diff.max_rel.json``: pale to red by value;
-    a value that is not finite is left out, as JSON has none) and ``diff.verdict.json``: 0
+    an error that is inf or NaN, which JSON cannot hold, is written as the largest float with the
+    saturated colour :data:`fwdtrace.onnx.compare.ERROR_COLORS` ``["nonfinite"]``, never left
+    blank; ``diff.nonfinite.json``, where a call has any, counts its inf and NaN elements where the
+    other run's are finite) and ``diff.verdict.json``: 0
     allclose, 1 within what rounding explains, 2 diverges, coloured as :meth:`Graph.render`
     colours an error (:data:`fwdtrace.onnx.compare.ERROR_COLORS`). ``highlight`` names the
     node ids drawn in red (the first divergence).
@@ -413,12 +422,22 @@ def errors_to_model_explorer(
 
     verdict_colors = (ERROR_COLORS["exact"], ERROR_COLORS["within"], ERROR_COLORS["diverges"])
     out = _folder(folder, caller)
+    # an error that is not finite is the worst there is: the largest float (a cosine: -1)
+    worst = {name: -1.0 if name == "cosine" else sys.float_info.max for name in ERROR_FIELDS}
     data: dict[str, dict[Any, float]] = {
-        name: {n: float(v) for n, e in errors.items()
-               if (v := getattr(e, name)) is not None and math.isfinite(v)} for name in ERROR_FIELDS
+        name: {n: float(v) if math.isfinite(v) else worst[name] for n, e in errors.items()
+               if (v := getattr(e, name)) is not None} for name in ERROR_FIELDS
     }
+    colors: dict[str, dict[Any, str]] = {
+        name: {n: ERROR_COLORS["nonfinite"] for n, e in errors.items()
+               if (v := getattr(e, name)) is not None and not math.isfinite(v)} for name in ERROR_FIELDS}
+    colors = {name: c for name, c in colors.items() if c}
+    if any(e.nonfinite for e in errors.values()):
+        data["nonfinite"] = {n: e.nonfinite for n, e in errors.items()}
+        colors["nonfinite"] = {n: ERROR_COLORS["nonfinite"] if e.nonfinite else ERROR_COLORS["exact"]
+                               for n, e in errors.items()}
     data["verdict"] = {n: e.verdict for n, e in errors.items()}
-    colors = {"verdict": {n: verdict_colors[e.verdict] for n, e in errors.items()}}
+    colors["verdict"] = {n: verdict_colors[e.verdict] for n, e in errors.items()}
     return _write(graph, out / f"{stem}.json", data, colors, graph_id, label, highlight, caller)
 
 
@@ -426,7 +445,7 @@ def errors_to_model_explorer(
 def view(
     graph_or_model: Any, *args: Any, node_data: NodeData | Analysis | None = None, folder: str | None = None,
     host: str = "127.0.0.1", port: int = 8080, open_browser: bool = True, token: str | None = None,
-    notebook: bool | None = None,
+    notebook: bool | None = None, max_connections: int = 32, timeout: float = 10.0,
 ) -> ModelExplorerFiles:
     """Open a graph (or ``model(*args)``, traced) in Model Explorer, with its node data.
 
@@ -439,7 +458,9 @@ def view(
     (:class:`fwdtrace.live.explorer.ExplorerServer`), not Model Explorer's, which reads any
     file a client names: it serves the page and the files written here, nothing else. As
     :func:`fwdtrace.serve`: loopback by default; another ``host`` needs ``token`` (one is made
-    and printed when None), and the ``Host`` header must name the address bound. Needs
+    and printed when None), the ``Host`` header must name the address bound, at most
+    ``max_connections`` connections are open and each is closed after ``timeout`` seconds
+    without a whole request. Needs
     ``pip install ai-edge-model-explorer``; without it a FwdtraceError says so. Returns the files written.
 
     In a Jupyter or Colab notebook (``notebook=None`` finds out; ``True``/``False`` decide) the
@@ -476,7 +497,7 @@ def view(
     web_app = Path(model_explorer.__file__).parent / "web_app"
     where_shown = _notebook() if notebook is None else ("colab" if _in_colab() else "jupyter") if notebook else None
     server = ExplorerServer(web_app, [files.graph, *files.node_data.values()], host, port, token,
-                            any_host=where_shown == "colab")
+                            any_host=where_shown == "colab", max_connections=max_connections, timeout=timeout)
     if where_shown is not None:
         try:
             _show_in_notebook(server, config.to_url_param_value(), where_shown)

@@ -541,7 +541,7 @@ class Recorder:
             channel.add(stem, key, k)
             record = self._recorder_of(stem, f"{key}.{param}" if param else key, k, channel)
             if k == "forward" and on_graph is not None:
-                on_graph.copies(module, Slot(_on_copies(record)), inputs=False)
+                on_graph.copies(module, Slot(_on_copies(record), key, reuse=("copies", id(module), False)), inputs=False)
             elif k == "forward":
                 on.forward(module, _on_output(record))
             elif k == "grad":
