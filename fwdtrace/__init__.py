@@ -55,6 +55,8 @@ _LAZY: dict[str, str] = {
     "Dumper": "fwdtrace.dump",
     "read_dump": "fwdtrace.dump",
     "compare_dumps": "fwdtrace.dump",
+    "compare_ranks": "fwdtrace.dump",
+    "RanksReport": "fwdtrace.dump",
     "find_overflow": "fwdtrace.dump",
     "DumpReport": "fwdtrace.dump",
     # analysis
@@ -94,7 +96,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the lazy names, imported eagerl
     from .analysis import analyze as analyze
     from .dump import Dumper as Dumper
     from .dump import DumpReport as DumpReport
+    from .dump import RanksReport as RanksReport
     from .dump import compare_dumps as compare_dumps
+    from .dump import compare_ranks as compare_ranks
     from .dump import find_overflow as find_overflow
     from .dump import read_dump as read_dump
     from .errors import FwdtraceError as FwdtraceError

@@ -214,11 +214,16 @@ def _analyze_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _dump_diff_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", help="first dump (.hdf5)")
-    parser.add_argument("b", nargs="?", default=None, help="second dump (.hdf5); left out with --overflow")
+    parser.add_argument("a", help="first dump (.hdf5), or a distributed run's folder of per-rank dumps")
+    parser.add_argument("b", nargs="?", default=None,
+                        help="second dump (.hdf5), or the other run's folder: compared rank by rank; left out with "
+                             "--overflow or --ranks")
     parser.add_argument("--overflow", action="store_true",
                         help="one run alone: name where inf/NaN first appear in each dump given, forward and backward "
                              "(exit 1 where they do)")
+    parser.add_argument("--ranks", action="store_true",
+                        help="compare the ranks of one run's folder (a) with its lowest rank: replicas that should "
+                             "agree and do not")
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     parser.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
     parser.add_argument("--only-diverged", action="store_true", help="print only the rows that differ")

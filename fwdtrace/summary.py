@@ -284,7 +284,8 @@ def _bins(offset: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
 
 def as_dict(vector: Any) -> dict[str, Any]:
     """A statistics vector as ``{"count": ..., ..., "histogram": [...], "samples": [...]}`` of Python numbers."""
-    values = [float(v) for v in vector]
+    # a tensor's or an array's tolist() in one call: iterating it makes a tensor per number
+    values = [float(v) for v in (vector.tolist() if hasattr(vector, "tolist") else vector)]
     out: dict[str, Any] = dict(zip(FIELDS, values, strict=False))
     out["histogram"] = values[len(FIELDS):len(FIELDS) + BINS]
     out["samples"] = values[len(FIELDS) + BINS:]

@@ -178,6 +178,17 @@ def test_a_model_whose_every_key_changed_still_pairs_call_for_call(tmp_path: Pat
     assert all(r.allclose for r in report.rows if not r.one_sided) and report.first_divergence is None
 
 
+def test_a_long_loop_pairs_every_call_but_the_changed_ones() -> None:
+    """A 500-iteration loop whose run b swaps one call every 25 iterations: every other call pairs with
+    itself (the known answer), where a whole-run diff of so repetitive a sequence pairs far fewer, slowly."""
+    from fwdtrace.dump.compare import _matching
+
+    a = [(op, ((("input0", (2, 4)),))) for _ in range(500) for op in ("mul", "add", "tanh")]
+    changed = set(range(2, len(a), 75))
+    b = [("sigmoid", t[1]) if i in changed else t for i, t in enumerate(a)]
+    assert list(_matching(a, b)) == [(i, i) for i in range(len(a)) if i not in changed]
+
+
 @pytest.mark.parametrize("edge, message", [
     (lambda e: {**e, "src": e["dst"], "dst": e["src"]}, r"it runs from node \d+ back to node \d+"),  # a cycle
     (lambda e: {**e, "dst": 10 ** 6}, r"it joins node \d+ to node 1000000, of \d+ nodes"),  # dangling

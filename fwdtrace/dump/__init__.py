@@ -22,9 +22,10 @@ from .cli import run_cli
 from .compare import compare_dumps
 from .layout import MATH_PREFIX as MATH_PREFIX
 from .overflow import Overflow, OverflowReport, find_overflow
+from .ranks import RanksReport, compare_ranks
 from .reader import read_dump
 from .record import Dumper
 from .report import Divergence, DumpReport, DumpRow
 
-__all__ = ["Dumper", "read_dump", "compare_dumps", "find_overflow", "DumpReport", "DumpRow", "Divergence", "Overflow",
-           "OverflowReport", "run_cli"]
+__all__ = ["Dumper", "read_dump", "compare_dumps", "compare_ranks", "find_overflow", "DumpReport", "DumpRow",
+           "Divergence", "Overflow", "OverflowReport", "RanksReport", "run_cli"]

@@ -60,9 +60,10 @@ def _tolerance(value: Any, name: str) -> float:
 def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> str:
     """Compare two statistics vectors into ``agreement``: their counts exactly, their moments, extremes, norm
     and samples by value (the histograms, whose edges move with min and max, are not compared)."""
-    da, db = as_dict(a), as_dict(b)
+    la, lb = a.tolist(), b.tolist()  # the numbers once: a tensor's per-number reads cost more than the comparison
+    da, db = as_dict(la), as_dict(lb)
     counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
-    ca, cb = compared(a), compared(b)
+    ca, cb = compared(la), compared(lb)
     if len(ca) == len(cb):
         agreement.add(torch.tensor(ca, dtype=torch.float64), torch.tensor(cb, dtype=torch.float64))
     else:
@@ -87,8 +88,9 @@ def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, s
     def calls(reader: _Reader) -> tuple[list[str], list[tuple]]:
         names, tokens = [], []
         for gname, group in reader.groups:
-            key = _attr(group.attrs.get("module_key", gname))
-            if _attr(group.attrs.get("module_path")) == "" and "function" not in group.attrs:
+            attrs = reader.group_attrs(gname)
+            key = attrs.get("module_key", gname)
+            if attrs.get("module_path") == "" and "function" not in attrs:
                 key = ""  # the root, keyed by its class name: the two runs' models may be of two classes
             shapes = tuple((d, tuple(reader.shape(gname, d))) for d in group if not d.startswith("grad_"))
             names.append(gname)
@@ -97,10 +99,7 @@ def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, s
 
     names_a, tokens_a = calls(ra)
     names_b, tokens_b = calls(rb)
-    pairs = {}
-    for block in difflib.SequenceMatcher(None, tokens_a, tokens_b, autojunk=False).get_matching_blocks():
-        for i in range(block.size):
-            pairs[names_a[block.a + i]] = names_b[block.b + i]
+    pairs = {names_a[i]: names_b[j] for i, j in _matching(tokens_a, tokens_b)}
     # b's graph is read only when calls are left on both sides (the same model twice leaves none)
     graph_b = rb.graph() if graph_a is not None and len(pairs) < min(len(names_a), len(names_b)) else None
     if graph_a is not None and graph_b is not None:
@@ -109,6 +108,50 @@ def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, s
         _match_through_graphs(_GraphCalls(ra, graph_a), _GraphCalls(rb, graph_b), pairs,
                               lambda ga, gb: shapes["a", ga] == shapes["b", gb])
     return pairs
+
+
+_WHOLE_DIFF = 400  # calls a side up to which difflib aligns the two runs whole
+_WINDOW = 128  # calls of each side difflib aligns at once past that
+
+
+def _matching(a: list, b: list) -> Iterator[tuple[int, int]]:
+    """Index pairs of ``a`` and ``b`` holding the same token, in order, as difflib's matching blocks.
+
+    difflib looks at every place a token recurs: a step of a long loop repeats the same calls hundreds of
+    times, and a whole-run diff of a 500-iteration loop took a minute. Past ``_WHOLE_DIFF`` calls, the runs
+    are walked together: equal calls pair as they come, and where they part, difflib aligns the next
+    ``_WINDOW`` calls of each side (a window 4 times larger each time it finds nothing) and the pairs in its
+    first half are kept, so each difference costs a window, not the run.
+
+    >>> list(_matching(list("abxcd"), list("abcyd")))
+    [(0, 0), (1, 1), (3, 2), (4, 4)]
+    """
+    if len(a) <= _WHOLE_DIFF or len(b) <= _WHOLE_DIFF:
+        for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+            for k in range(block.size):
+                yield block.a + k, block.b + k
+        return
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j]:
+            yield i, j
+            i, j = i + 1, j + 1
+            continue
+        window = _WINDOW
+        while True:
+            blocks = [m for m in difflib.SequenceMatcher(None, a[i:i + window], b[j:j + window],
+                                                         autojunk=False).get_matching_blocks() if m.size]
+            if blocks or (i + window >= len(a) and j + window >= len(b)):
+                break
+            window *= 4
+        if not blocks:
+            return
+        whole = i + window >= len(a) and j + window >= len(b)
+        kept = blocks if whole else [m for m in blocks if max(m.a, m.b) + m.size <= window // 2] or blocks[:1]
+        for m in kept:
+            for k in range(m.size):
+                yield i + m.a + k, j + m.b + k
+        i, j = i + kept[-1].a + kept[-1].size, j + kept[-1].b + kept[-1].size
 
 
 class _GraphCalls:
@@ -124,10 +167,10 @@ class _GraphCalls:
         self.graph = graph
         self.node2group: dict[int, str] = {}
         self.containers: dict[str, tuple[str, set[int]]] = {}  # group -> (its class, the nodes inside its call)
-        for gname, group in reader.groups:
-            attrs = group.attrs
-            key, call_index = str(_attr(attrs.get("module_key", ""))), int(_attr(attrs.get("call_index", 0)))
-            path, class_name = str(_attr(attrs.get("module_path", ""))), str(_attr(attrs.get("class_name", "")))
+        for gname, _ in reader.groups:
+            attrs = reader.group_attrs(gname)
+            key, call_index = str(attrs.get("module_key", "")), int(attrs.get("call_index", 0))
+            path, class_name = str(attrs.get("module_path", "")), str(attrs.get("class_name", ""))
             node = call2node.get((key, call_index))
             if node is not None:
                 self.node2group[node] = gname
@@ -362,12 +405,22 @@ def compare_dumps(
     each row's ``key_b``); ``report.without_graph`` names the dumps that hold none. The comparison is
     two-sided: a tensor in only one dump, or of another shape, is a differing row. ``incomplete`` names
     the dumps whose step did not complete (their rows are compared, but the report is not ``equal``).
+    Given two folders of a distributed run's per-rank dumps, the runs are compared rank by rank
+    (:func:`fwdtrace.compare_ranks`; the result a :class:`~fwdtrace.dump.ranks.RanksReport`).
     The comparison runs torch on one intra-op thread (the caller's setting is restored after): block
     by block, that reads at disk speed on a busy machine, where a thread pool's wake-ups per block
     would not.
     """
     rtol, atol = _tolerance(rtol, "rtol"), _tolerance(atol, "atol")
     max_bytes = _max_bytes(max_bytes, "compare_dumps()")
+    folders = [isinstance(p, (str, os.PathLike)) and os.path.isdir(p) for p in (a, b)]
+    if any(folders):
+        if not all(folders):
+            raise FwdtraceError(f"compare_dumps() expected two dump files or two runs' folders of per-rank dumps, got "
+                                f"{str(a)!r} and {str(b)!r}, one a folder and one not")
+        from .ranks import compare_ranks
+
+        return compare_ranks(a, b, rtol=rtol, atol=atol, max_bytes=max_bytes)
     report = DumpReport(str(a), str(b), rtol, atol)
     with _one_intra_op_thread(), _Reader(a, "compare_dumps()", max_bytes) as ra, \
             _Reader(b, "compare_dumps()", max_bytes) as rb:
@@ -388,12 +441,11 @@ def compare_dumps(
             for gname, dname in order:
                 if reader is rb and (b2a.get(gname), dname) in in_a:
                     continue  # compared already
-                group = reader.name2group[gname]
-                key = str(_attr(group.attrs.get("module_key", gname)))
-                path = str(_attr(group.attrs.get("module_path", "")))
+                attrs = reader.group_attrs(gname)
+                key = str(attrs.get("module_key", gname))
+                path = str(attrs.get("module_path", ""))
                 row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
-                              function=str(_attr(group.attrs.get("function", ""))),
-                              call_index=int(_attr(group.attrs.get("call_index", 0))))
+                              function=str(attrs.get("function", "")), call_index=int(attrs.get("call_index", 0)))
                 ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
                 if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
                     row.note = "missing in b" if reader is ra else "missing in a"
@@ -401,9 +453,37 @@ def compare_dumps(
                 else:
                     _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
                 if reader is ra and gb is not None:
-                    key_b = str(_attr(rb.name2group[gb].attrs.get("module_key", gb)))
+                    key_b = str(rb.group_attrs(gb).get("module_key", gb))
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
     report.divergence = _first_divergence(report.rows)
     report.first_divergence = report.divergence.name if report.divergence is not None else None
+    _place_first_divergence(report, graph_a)
     return report
+
+
+def _place_first_divergence(report: DumpReport, graph: Graph | None) -> None:
+    """Where the first divergence's call has differing inputs that are the output of a call the dump does not
+    hold (a ``Linear`` in a dump of function calls), that call: the difference starts inside it."""
+    d = report.divergence
+    if d is None or graph is None:
+        return
+    call2node = {(n.key, n.call_index): n for n in graph.nodes if n.kind in ("module", "function")}
+    node = call2node.get((d.key, d.call_index))
+    if node is None:
+        return
+    held = {(r.key, r.call_index) for r in report.rows}
+    differing = set()
+    for r in report.rows:
+        if r.group == d.group and r.name.startswith("input") and r.name[5:].isdigit() and not r.agrees:
+            i = int(r.name[5:])
+            if i < len(node.inputs):
+                differing.add(node.inputs[i].obj_id)
+    id2node = {n.id: n for n in graph.nodes}
+    for edge in graph.edges:
+        src = id2node.get(edge.src)
+        if edge.dst != node.id or edge.obj_id not in differing or src is None:
+            continue
+        if src.kind in ("module", "function") and (src.key, src.call_index) not in held:
+            report.starts_inside = (str(src.key), src.call_index)
+            return

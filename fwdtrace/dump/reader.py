@@ -105,6 +105,14 @@ class _Reader:
                     "in another layout"
                 )
             self.groups: list[tuple[str, Any]] = []
+            # Each HDF5 object looked up and each attribute read costs tens of microseconds, more than comparing
+            # a small tensor: a dump of many small calls is read at disk speed only when each is looked up once.
+            self._datasets: dict[tuple[str, str], Any] = {}
+            self._group_attrs: dict[str, dict[str, Any]] = {}
+            self._shapes: dict[tuple[str, str], list[int]] = {}
+            self._dtypes: dict[tuple[str, str], str] = {}
+            self._marked: dict[str, str] = {}  # where -> the torch dtype a dataset is marked with ("" for none)
+            self._checked_ok: set[tuple[str, str]] = set()
             for name in names:
                 self._link(f, name, repr(name))
                 if name in (ORDER_DATASET, GRAPH_DATASET, STATISTICS_DATASET, STATISTICS_INDEX):
@@ -116,7 +124,9 @@ class _Reader:
                     raise self.error(f"where {name!r} is a {type(group).__name__}, not a group")
                 for dname in group:
                     self._link(group, dname, f"'{name}/{dname}'")
-                    self._dataset(group[dname], f"'{name}/{dname}'")
+                    ds = group[dname]
+                    self._dataset(ds, f"'{name}/{dname}'")
+                    self._datasets[name, dname] = ds
                 typed = _bad_call_attrs({k: _attr(group.attrs[k]) for k in (*_STR_ATTRS, "call_index")
                                          if k in group.attrs})
                 if typed is not None:
@@ -129,6 +139,8 @@ class _Reader:
             self.groups.sort(key=lambda item: int(item[0].split("_", 1)[0]))
             self.name2group = dict(self.groups)
             self.attrs = {k: _attr(v) for k, v in f.attrs.items()}
+            math_record = {k.removeprefix(MATH_PREFIX): v for k, v in self.attrs.items() if k.startswith(MATH_PREFIX)}
+            self._math = math_record or None  # asked for on every row
             self.status = self._status()
         except FwdtraceError:
             raise
@@ -204,7 +216,7 @@ class _Reader:
         for entry in entries:
             text = entry.decode(errors="replace") if isinstance(entry, bytes) else str(entry)
             gname, _, dname = text.partition("/")
-            if gname not in group_names or dname not in self.file[gname]:
+            if gname not in group_names or (gname, dname) not in self._datasets:
                 raise self.error(f"whose {ORDER_DATASET!r} names {text!r}, which is not in the file")
             out.append((gname, dname))
         return out
@@ -240,22 +252,46 @@ class _Reader:
             raise self.error(f"whose {name!r} is a {ds.dtype} array of shape {ds.shape}, not one text")
         return data.decode(errors="replace") if isinstance(data, bytes) else str(data)
 
+    def dataset(self, gname: str, dname: str) -> Any:
+        """The dataset (or a packed statistics dump's tensor) ``gname/dname``, looked up once."""
+        ds = self._datasets.get((gname, dname))
+        if ds is None:
+            ds = self._datasets[gname, dname] = self.name2group[gname][dname]
+        return ds
+
+    def group_attrs(self, gname: str) -> dict[str, Any]:
+        """A call's attributes (``module_key``, ``call_index``, ...), read once."""
+        attrs = self._group_attrs.get(gname)
+        if attrs is None:
+            attrs = self._group_attrs[gname] = {k: _attr(v) for k, v in self.name2group[gname].attrs.items()}
+        return attrs
+
     def shape(self, gname: str, dname: str) -> list[int]:
-        ds = self.name2group[gname][dname]
-        if self.statistics:
-            return [int(n) for n in _attr(ds.attrs.get("tensor_shape", []))]
-        return list(ds.shape)
+        shape = self._shapes.get((gname, dname))
+        if shape is None:
+            ds = self.dataset(gname, dname)
+            if self.statistics:
+                shape = [int(n) for n in _attr(ds.attrs.get("tensor_shape", []))]
+            else:
+                shape = list(ds.shape)
+            self._shapes[gname, dname] = shape
+        return list(shape)
 
     def dtype(self, gname: str, dname: str) -> str:
-        ds = self.name2group[gname][dname]
-        if self.statistics:
-            return str(_attr(ds.attrs.get("tensor_dtype", "")))
-        return str(_attr(ds.attrs.get("torch_dtype", ds.dtype)))
+        dtype = self._dtypes.get((gname, dname))
+        if dtype is None:
+            ds = self.dataset(gname, dname)
+            if self.statistics:
+                dtype = str(_attr(ds.attrs.get("tensor_dtype", "")))
+            else:
+                dtype = self._marked_dtype(ds, f"'{gname}/{dname}'") or str(ds.dtype)
+            self._dtypes[gname, dname] = dtype
+        return dtype
 
     def summary(self, gname: str, dname: str) -> torch.Tensor:
         """The tensor's statistics vector (:mod:`fwdtrace.summary`): stored in a statistics dump, computed
         block by block from a full one."""
-        tensor = self.name2group[gname][dname]
+        tensor = self.dataset(gname, dname)
         if isinstance(tensor, _PackedTensor):
             if self.matrix is None:  # read once, on the first vector asked for
                 where = repr(STATISTICS_DATASET)
@@ -274,12 +310,15 @@ class _Reader:
     @property
     def math(self) -> dict[str, Any] | None:
         """The run's math record (see :func:`fwdtrace.precision.math_record`); None in a dump written without one."""
-        record = {k.removeprefix(MATH_PREFIX): v for k, v in self.attrs.items() if k.startswith(MATH_PREFIX)}
-        return record or None
+        return self._math
 
     def checked(self, gname: str, dname: str) -> Any:
-        """The dataset, once its size is within the cap and backed by what the file really stores."""
-        return self._checked(self.file[gname][dname], f"'{gname}/{dname}'")
+        """The dataset, once its size is within the cap and backed by what the file really stores (checked once)."""
+        ds = self.dataset(gname, dname)
+        if (gname, dname) not in self._checked_ok:
+            self._checked(ds, f"'{gname}/{dname}'")
+            self._checked_ok.add((gname, dname))
+        return ds
 
     def _checked(self, ds: Any, where: str) -> Any:
         import numpy as np
@@ -338,7 +377,7 @@ class _Reader:
         except Exception as e:
             raise self.damaged(e) from e
         t = torch.from_numpy(arr.copy()) if arr.ndim else torch.tensor(arr)
-        name = str(_attr(ds.attrs.get("torch_dtype", "")))
+        name = self._marked_dtype(ds, where)
         dtype = _STR2DTYPE.get(name)
         if dtype is None:
             return t
@@ -346,13 +385,26 @@ class _Reader:
             raise self.error(f"where {where} is marked {name} but holds {arr.dtype}")
         return t.view(dtype)
 
+    def _marked_dtype(self, ds: Any, where: str) -> str:
+        """The torch dtype the dataset at ``where`` is marked with (bfloat16 stored as its bits), "" for none."""
+        name = self._marked.get(where)
+        if name is None:
+            # h5py's attrs.get of a missing attribute raises and catches inside: the low-level check is cheap
+            marked = not hasattr(ds, "id") or self.h5py.h5a.exists(ds.id, b"torch_dtype")
+            name = self._marked[where] = str(_attr(ds.attrs.get("torch_dtype", ""))) if marked else ""
+        return name
+
     def load(self, gname: str, dname: str) -> torch.Tensor:
         return self.read(self.checked(gname, dname), f"'{gname}/{dname}'")
 
     def blocks(self, gname: str, dname: str) -> Iterator[torch.Tensor]:
         """The tensor in pieces of at most ``COMPARE_BLOCK_ELEMENTS`` elements, in C order, flattened."""
         ds = self.checked(gname, dname)
-        for index in _blocks(tuple(ds.shape), COMPARE_BLOCK_ELEMENTS):
+        shape = tuple(ds.shape)
+        if math.prod(shape) <= COMPARE_BLOCK_ELEMENTS:  # one block: read whole, h5py's fast path (a slice is not)
+            yield self.read(ds, f"'{gname}/{dname}'").reshape(-1)
+            return
+        for index in _blocks(shape, COMPARE_BLOCK_ELEMENTS):
             yield self.read(ds, f"'{gname}/{dname}'", index).reshape(-1)
 
     def __enter__(self) -> _Reader:

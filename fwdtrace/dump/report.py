@@ -93,6 +93,15 @@ class DumpReport:
     graph: Graph | None = field(default=None, repr=False)
     # the dumps that hold no graph (of module calls only): calls were matched by key and call order only
     without_graph: list[str] = field(default_factory=list)
+    # (key, call index) of the call, not held by the dump (a Linear in a dump of function calls), whose output
+    # first_call's differing inputs are: the difference starts inside it
+    starts_inside: tuple[str, int] | None = None
+
+    @property
+    def first_call(self) -> tuple[str, int] | None:
+        """The call first_divergence names, (key, call index): a key (``add``) may be shared by calls equal in
+        both runs."""
+        return (self.divergence.key, self.divergence.call_index) if self.divergence is not None else None
 
     @property
     def equal(self) -> bool:
@@ -153,7 +162,7 @@ class DumpReport:
                  + (f", within {r.rounding} rounding" if r.rounding else "" if r.allclose
                     else f", {r.explained}" if r.explained else ", diverges")
                  for n, r in worst.items()}
-        first = self._first_node(graph)
+        first = self._first_node(graph, worst)
         legend = [*error_legend(self.rtol), (HIGHLIGHT_COLOR, f"first divergence: {self.first_divergence}")] \
             if first else error_legend(self.rtol)
         return graph.render(path, depth, fills=fills, notes=notes, highlight=first, legend=legend, **options)
@@ -179,7 +188,7 @@ class DumpReport:
         graph, worst = self._worst_by_node(caller)
         errors = {n: CallErrors(r.cosine, r.norm_rel, r.max_abs, _worst_error(r), 0 if r.allclose else 1 if r.agrees else 2,
                                 r.only_a + r.only_b) for n, r in worst.items()}
-        first = self._first_node(graph)
+        first = self._first_node(graph, worst)
         return errors_to_model_explorer(graph, folder, errors, highlight=first, caller=caller)
 
     def _worst_by_node(self, caller: str) -> tuple[Graph, dict[int, DumpRow]]:
@@ -197,14 +206,18 @@ class DumpReport:
                 worst[node] = row
         return self.graph, worst
 
-    def _first_node(self, graph: Graph) -> list[int]:
+    def _first_node(self, graph: Graph, worst: dict[int, DumpRow] | None = None) -> list[int]:
         """The node of the call the report names as the first divergence, by key and call index (a key two calls
-        share names neither alone), if the graph holds it."""
+        share names neither alone), if the graph holds it; where the difference starts inside a call the dump does
+        not hold, that call's node. Never a call whose values are equal in both runs."""
         d = self.divergence
         if d is None:
             return []
-        return [n.id for n in graph.nodes if n.kind in ("module", "function") and n.key == d.key
-                and n.call_index == d.call_index][:1]
+        call = self.starts_inside or (d.key, d.call_index)
+        nodes = [n.id for n in graph.nodes if n.kind in ("module", "function") and (n.key, n.call_index) == call][:1]
+        if nodes and worst is not None and nodes[0] in worst and worst[nodes[0]].allclose:
+            return []
+        return nodes
 
     def _one_sided(self, note: str) -> list[str]:
         groups = {r.group: r.key for r in self.rows if r.one_sided and r.note == note}
@@ -255,6 +268,9 @@ class DumpReport:
             within = f" ({len(explained)} more within rounding)" if explained else ""
             d = self.divergence
             why = f" (call {d.call_index} of {d.key}: {d.reason})" if d is not None else ""
+            if self.starts_inside is not None:
+                why += (f"; the difference starts inside {self.starts_inside[0]} (call {self.starts_inside[1]}), "
+                        "a call the dump does not hold, whose output it reads")
             lines.append(f"{bad} of {len(self.rows)} tensors differ{within}; first divergence: {self.first_divergence}{why}")
         return "\n".join(lines)
 
