@@ -144,6 +144,7 @@ class QuietWrites:
 
     >>> import tempfile, os, h5py
     >>> path = os.path.join(tempfile.mkdtemp(), "a.h5")
+    >>> open(path, "wb").close()  # AtomicFile makes the file; this opens it as it is
     >>> quiet = QuietWrites(path)
     >>> with h5py.File(quiet, "w") as f:
     ...     f["x"] = [1, 2]
