@@ -4,7 +4,9 @@ running, hooked or patched, and the file left behind is gone or reads back as in
 
 from __future__ import annotations
 
+import dis
 import json
+import linecache
 import os
 import re
 import signal
@@ -136,11 +138,13 @@ def _ctrl_c_at(line: int, run: Callable[[], object]) -> int:
     the frame of that line, as the interpreter would give it: what it holds back is delivered where it would be.
     """
     seen = [0]
+    delivered: list[int] = []
 
     def local(frame: FrameType, event: str, arg: object) -> Any:
         if event == "line":
             seen[0] += 1
-            if seen[0] == line:
+            if seen[0] >= line > 0 and not delivered and not _at_a_with_exit(frame):
+                delivered.append(frame.f_lineno)
                 signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
         return local
 
@@ -155,11 +159,22 @@ def _ctrl_c_at(line: int, run: Callable[[], object]) -> int:
     return seen[0]
 
 
+def _at_a_with_exit(frame: FrameType) -> bool:
+    """Whether a line event is a ``with`` block's exit: CPython gives it the ``with`` line and then calls
+    ``__exit__``. A signal never lands between (none is checked before a C ``__exit__`` such as
+    ``DisableTorchFunction``'s is called), but a trace function can raise there and leave the context
+    entered for every later test: such a Ctrl-C goes to the next line instead."""
+    at = next((i for i in dis.get_instructions(frame.f_code) if i.offset == frame.f_lasti), None)
+    source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return at is not None and at.opname == "LOAD_CONST" and at.argval is None and source.startswith("with ")
+
+
 def _nothing_left(model: nn.Module) -> None:
     assert [t.name for t in threading.enumerate() if t.name.startswith("fwdtrace")] == []
     assert [(name, h) for m in model.modules() for h in HOOKS if (name := type(m).__name__) and getattr(m, h)] == []
     assert nn.Module.__dict__["__call__"] is ORIGINAL_CALL and not call_dispatch_active()
     assert patched_functions() == [] and active_tracer() is None
+    assert torch._C._is_torch_function_enabled()  # no DisableTorchFunction left entered
 
 
 Prepared = tuple[Callable[[], object], Callable[[], object]]
