@@ -1100,7 +1100,7 @@ class _Matcher:
         """
         found = set()
         for r in self.onodes[oid].inputs:
-            if r.obj_id not in self.producer or r.shape not in shapes:
+            if r.obj_id not in self.producer or not _may_be_shaped(r.shape, shapes):
                 continue
             v = r.obj_id
             while (p := self.producer.get(v)) is not None and p in self.wiring and len(self._data_inputs(self.onodes[p])) == 1:
@@ -2217,3 +2217,15 @@ def run_cli(args: argparse.Namespace) -> int:
         raise forward_failed(args.factory, inputs, e) from e
     print(json.dumps(report.to_dict(), indent=1) if args.json else str(report))
     return 0 if report.ok else 1
+
+
+def _may_be_shaped(shape: tuple[int, ...] | None, shapes: set[tuple[int, ...]]) -> bool:
+    """Whether an ONNX value of ``shape`` may have one of ``shapes``: a dimension ONNX could not infer (-1, as for a
+    custom-domain op's result) may be any.
+
+    >>> _may_be_shaped((-1, 4), {(2, 4)}), _may_be_shaped((3, 4), {(2, 4)}), _may_be_shaped(None, {(2,)})
+    (True, False, True)
+    """
+    if shape is None:
+        return True
+    return any(len(s) == len(shape) and all(a < 0 or a == b for a, b in zip(shape, s, strict=True)) for s in shapes)
