@@ -230,7 +230,9 @@ def test_a_torch_op_with_a_symbolic_needs_no_equivalence(restore_rules) -> None:
     assert report.matched[0][0] == "thrice = fwdtrace_check.thrice"
     fwdtrace.remove_onnx_symbolic("fwdtrace_check.thrice")
     without = fwdtrace.compare_onnx(fwdtrace.trace(model, x), proto)  # nothing says what it became
-    assert without.missing == ["thrice = fwdtrace_check.thrice"]
+    assert without.status == "incomplete" and not without.missing and not without.extra, without.text
+    assert [t for t, _ in without.undecided] == ["thrice = fwdtrace_check.thrice"]
+    assert "no ONNX rule knows fwdtrace_check.thrice" in without.undecided[0][1]
 
 
 # -- quiet by default -----------------------------------------------------------------------------

@@ -2167,3 +2167,242 @@ def test_a_container_never_called_gives_its_children_their_paths_on_a_graph_alon
     assert alone.status == "incomplete" and not alone.extra, alone.text
     assert alone.not_opened == ["head.norm (LayerNorm2d)"] and f"unchecked: {norm}" in alone.text
 
+
+
+class StdThenEqualProducts(torch.nn.Module):
+    """``s * a + s * b`` with equal constants after a ``Tensor.std`` (a BarlowTwins-style normalisation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.std(dim=1, keepdim=True)
+        return s * 2.0 + s * 2.0 + x
+
+
+class DistanceThenArithmetic(torch.nn.Module):
+    """A call no ONNX rule knows (pairwise_distance, written out by each exporter), arithmetic after it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.pairwise_distance(x, x + 1).unsqueeze(1)
+        return y * 2.0 + y * 3.0 - 1.0
+
+
+@pytest.fixture(scope="module")
+def ruleless_exports():
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(cls: type, exporter: str):
+        if (cls.__name__, exporter) not in cache:
+            torch.manual_seed(0)
+            model, x = cls().eval(), torch.randn(4, 5)
+            proto = fwdtrace.export_onnx(model, x, exporter=exporter)
+            assert_runs_like_torch(proto, model(x), x)  # the export is right: no alarm is due
+            cache[cls.__name__, exporter] = model, x, proto
+        return cache[cls.__name__, exporter]
+
+    return get
+
+
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
+def test_the_arithmetic_after_a_std_is_matched(ruleless_exports, exporter: str) -> None:
+    model, x, proto = ruleless_exports(StdThenEqualProducts, exporter)
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.ok, report.text
+    # every call the model makes (plain hooks' view: the trace's function calls) is matched or computed once
+    calls = [n for n in report.trace.nodes if n.kind == "function"]
+    assert {t for t, _ in report.matched} | {t for t, _ in report.elided} == {
+        onnx_compare._trace_label(n) for n in calls}
+    assert [t for t, _ in report.matched][0] == "std = torch.Tensor.std"
+
+
+@pytest.mark.parametrize("exporter", TORCH_EXPORTERS)
+def test_a_call_no_rule_knows_is_undecided_and_the_calls_after_it_matched(ruleless_exports, exporter: str) -> None:
+    model, x, proto = ruleless_exports(DistanceThenArithmetic, exporter)
+    graph = fwdtrace.trace(model, x)
+    (call,) = [n for n in graph.nodes if n.target.endswith("pairwise_distance")]
+    assert onnx_ops.equivalence_for(call) is None  # the point: no rule knows it
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.status == "incomplete" and not (report.missing or report.extra or report.rewired), report.text
+    assert [t for t, _ in report.undecided] == ["pairwise_distance = torch.nn.functional.pairwise_distance"]
+    assert "no ONNX rule" in report.undecided[0][1]
+    assert [t for t, _ in report.matched] == [
+        "add = torch.Tensor.add", "mul = torch.Tensor.mul", "mul_1 = torch.Tensor.mul", "add_1 = torch.Tensor.add",
+        "sub = torch.Tensor.sub"]
+    # the values after it settle it: onnxruntime agrees with eager
+    assert fwdtrace.check_onnx(model, x, onnx=proto, numeric=True).status == "rewritten"
+    # and a Mul dropped after it is still caught
+    mul = next(n for n in proto.graph.node if n.name == dict(report.matched)["mul = torch.Tensor.mul"][0])
+    tampered = _bypass(proto, "Mul", [n for n in proto.graph.node if n.op_type == "Mul"].index(mul))
+    assert _differs(tampered, model, (x,))
+    # y * 2 and y * 3 read the same value: the one left may be paired with either
+    assert fwdtrace.check_onnx(model, x, onnx=tampered).missing in (["mul = torch.Tensor.mul"],
+                                                                    ["mul_1 = torch.Tensor.mul"])
+
+
+# -- small models whose TorchScript exports onnxruntime shows equal to eager --------------------
+class AdaIN(torch.nn.Module):
+    """Adaptive instance normalisation: x's statistics replaced by y's."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mx, sx = x.mean(dim=(2, 3), keepdim=True), x.std(dim=(2, 3), keepdim=True) + 1e-5
+        my, sy = y.mean(dim=(2, 3), keepdim=True), y.std(dim=(2, 3), keepdim=True) + 1e-5
+        return (x - mx) / sx * sy + my
+
+
+class BarlowTwins(torch.nn.Module):
+    """A shared projector, the cross-correlation of two views, its diagonal to one and the rest to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                        torch.nn.Linear(8, 8))
+        self.bn = torch.nn.BatchNorm1d(8, affine=False)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        c = self.bn(self.proj(a)).T @ self.bn(self.proj(b)) / a.shape[0]
+        n = c.shape[0]
+        off = c.flatten()[:-1].view(n - 1, n + 1)[:, 1:].flatten()
+        return torch.diagonal(c).add(-1).pow(2).sum() + 0.005 * off.pow(2).sum()
+
+
+def _squash(s: torch.Tensor) -> torch.Tensor:
+    n2 = (s**2).sum(dim=-1, keepdim=True)
+    return n2 / (1 + n2) * s / torch.sqrt(n2 + 1e-8)
+
+
+class CapsuleNet(torch.nn.Module):
+    """Primary capsules from a Conv, squashed, two rounds of routing by agreement."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3, stride=2)
+        self.weight = torch.nn.Parameter(torch.randn(1, 18, 3, 4, 2) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.conv(x).view(x.shape[0], 2, 4, 9).permute(0, 1, 3, 2).reshape(x.shape[0], 18, 4)[..., :2]
+        u_hat = (self.weight @ _squash(u)[:, :, None, :, None]).squeeze(-1)
+        logits = torch.zeros(x.shape[0], 18, 3)
+        for step in range(2):
+            v = _squash((logits.softmax(dim=2).unsqueeze(-1) * u_hat).sum(dim=1))
+            if step == 0:
+                logits = logits + (u_hat * v.unsqueeze(1)).sum(-1)
+        return v.norm(dim=-1)
+
+
+class DuplicateParents(torch.nn.Module):
+    """Calls that read one value twice: h + h, h * h, cat([a, a]), maximum(b, b)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        a, b = h + h, h * h
+        return torch.cat([a, a], dim=1).sum(1, keepdim=True) + torch.maximum(b, b)
+
+
+class GroupedQueryAttention(torch.nn.Module):
+    """Four query heads sharing two key/value heads (repeat_interleave), attention written out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 8, bias=False)
+        self.v, self.o = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 4).transpose(1, 2)
+        k = self.k(x).view(b, t, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1)
+        v = self.v(x).view(b, t, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1)
+        att = ((q @ k.transpose(-2, -1)) / 2.0).softmax(-1)
+        return self.o((att @ v).transpose(1, 2).reshape(b, t, 16))
+
+
+class PartialConv(torch.nn.Module):
+    """A convolution of the known pixels, rescaled by how many of its window were known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.register_buffer("ones", torch.ones(1, 1, 3, 3))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            known = torch.nn.functional.conv2d(mask, self.ones, padding=1)
+            ratio = 9.0 / (known + 1e-8)
+            updated = torch.clamp(known, 0, 1)
+            ratio = ratio * updated
+        bias = self.conv.bias.view(1, -1, 1, 1)
+        return ((self.conv(x * mask) - bias) * ratio + bias) * updated, updated
+
+
+class StopGradient(torch.nn.Module):
+    """SimSiam's loss: a prediction against the projection with its gradient stopped (detach)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.h = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.f(x)
+        return -torch.nn.functional.cosine_similarity(self.h(z), z.detach(), dim=-1).mean()
+
+
+TORCHSCRIPT_TOYS = {
+    "adain": (AdaIN, ((1, 3, 4, 4), (1, 3, 4, 4))),
+    "barlow_twins": (BarlowTwins, ((4, 6), (4, 6))),
+    "capsule_net": (CapsuleNet, ((2, 1, 7, 7),)),
+    "duplicate_parents": (DuplicateParents, ((2, 4),)),
+    "grouped_query_attention": (GroupedQueryAttention, ((1, 3, 16),)),
+    "partial_conv": (PartialConv, ((1, 3, 5, 5), (1, 1, 5, 5))),
+    "stop_gradient": (StopGradient, ((3, 4),)),
+}
+
+
+@pytest.mark.parametrize(("name", "exporter"), [
+    *((name, "torchscript") for name in TORCHSCRIPT_TOYS),
+    # the dynamo exporter computes the mean once for x.mean() and x.std(), and x - mean once with the std's
+    ("adain", "dynamo"),
+    ("barlow_twins", "dynamo"),
+])
+def test_small_models_exported_right_are_ok(name: str, exporter: str) -> None:
+    cls, shapes = TORCHSCRIPT_TOYS[name]
+    torch.manual_seed(0)
+    model = cls().eval()
+    args = tuple(torch.randn(s) for s in shapes)
+    if name == "partial_conv":
+        args = (args[0], (args[1] > 0).float())
+    proto = fwdtrace.export_onnx(model, *args, exporter=exporter)
+    assert_runs_like_torch(proto, model(*args), *args)  # the export is right: no alarm is due
+    report = fwdtrace.check_onnx(model, *args, onnx=proto)
+    assert report.status == "ok", report.text
+
+
+class TwoWritesThroughAView(torch.nn.Module):
+    """Two writes through one view of a copy, nothing reading the copy between them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        v = y[1:]
+        v[:, 0] = x[1:, 1] * 2
+        v[:, 1] = x[1:, 0] + 1
+        return (y * 3).relu() + y
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "fwdtrace"])
+def test_two_writes_through_a_view_are_each_put_back(exporter: str) -> None:
+    model, x = TwoWritesThroughAView(), torch.randn(4, 3)
+    proto = export(model, x, exporter=exporter)
+    assert_runs_like_torch(proto, model(x), x)
+    report = fwdtrace.check_onnx(model, x, onnx=proto)
+    assert report.ok, report.text
+    writes = [t for t, _ in report.matched if "__setitem__" in t]
+    assert len(writes) == 2
+    # the first write's scatter back into the copy dropped: its readers read x instead
+    (first_back,) = [o for t, o in report.matched if t == writes[0]][0][-1:]
+    back = next(n for n in proto.graph.node if n.name == first_back)
+    assert back.op_type == "ScatterND"
+    p = copy.deepcopy(proto)
+    p.graph.node.remove(next(n for n in p.graph.node if n.name == first_back))
+    _replace_uses(p.graph, back.output[0], back.input[0])
+    assert _differs(p, model, (x,))
+    assert not fwdtrace.check_onnx(model, x, onnx=p).ok

@@ -138,9 +138,13 @@ class TopologyReport:
     inputs and their readers are theirs, unchecked. ``undecided`` pairs the calls a graph alone
     cannot decide with why: a layer repeating another of its class on the same inputs that the
     export computes once, right only if their weights are equal (LeViT's two heads, fresh from
-    their initialiser), which only the model shows. ``status`` is ``'ok'``, ``'mismatch'``
+    their initialiser), which only the model shows; or a function call no rule knows
+    (``torch.nn.functional.cosine_similarity``), whose ONNX ops between its inputs and its
+    readers are taken as its, unchecked, while the calls after it are compared as any other.
+    ``status`` is ``'ok'``, ``'mismatch'``
     (something missing, extra or rewired) or ``'incomplete'`` (only layers not opened or calls
-    undecided: neither ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` decides them); ``ok`` is
+    undecided: neither ok nor a mismatch; ``check_onnx(model, x, onnx=proto)`` decides the layers,
+    ``numeric=True`` the calls no rule knows by the values after them); ``ok`` is
     ``status == 'ok'``. ``left_out`` names the outputs of the model the ONNX model does not
     return (a transformers cache exported without it: ``cache.layers[0].conv_states[0]``),
     by their paths in what the model returned; the others are compared. With ``numeric=True``
@@ -228,6 +232,8 @@ class TopologyReport:
         if self.missing or self.extra or self.rewired:
             return ("rewritten" if numbers == "rewritten" else "incomplete" if numbers == "unchecked" and settled
                     else "mismatch")
+        if numbers == "rewritten":  # the calls undecided compute the same
+            return "rewritten"
         return "incomplete" if self.not_opened or self.undecided or numbers == "unchecked" else "ok"
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,6 +281,7 @@ class _Result:
     outputs_fed: dict[int, list[str]] = field(default_factory=dict)  # gid -> the trace outputs it feeds
     left_out: list[str] = field(default_factory=list)  # cache outputs the export does not return
     undecided: list[tuple[int, str]] = field(default_factory=list)  # trace node id -> why a graph alone cannot tell
+    ruleless: list[int] = field(default_factory=list)  # trace node ids of function calls no rule knows
 
 
 class _Matcher:
@@ -348,11 +355,14 @@ class _Matcher:
             for r in n.outputs:
                 self.made_by.setdefault(r.obj_id, n.id)
         self.fill_copies: set[int] = set()  # copies into a tensor still holding one value: pads
+        self.computed_once: set[int] = set()  # ONNX nodes of one call's region another call is too
         self.trace_succ: dict[int, list[int]] = {}
         for e in trace.edges:
             self.trace_succ.setdefault(e.src, []).append(e.dst)
         self.unopened: list[int] = []  # layers no rule knows, which a graph alone cannot open
+        self.ruleless: list[int] = []  # function calls no rule knows, whose ONNX ops are unknown too
         self.unopened_values: set[int] = set()  # trace obj_ids computed through one of them
+        self.ruleless_values: set[int] = set()  # those computed through a function call no rule knows
         # the groups such layers read: whether they read a value or only its shape (OPT's positional
         # embedding, the attention mask), a graph alone cannot tell, so no edge from them is required
         self.read_by_unopened: set[int] = set()
@@ -504,18 +514,27 @@ class _Matcher:
             if n.kind == "function" and n.id not in self.matched and n.id not in self.wiring
             and n.id not in self.value_free
         ]
-        unopened = self._inside_unopened(extra)
+        unopened = self._inside_unopened(extra, self.unopened)
         inside = {oid for oids in unopened.values() for oid in oids}
         extra = [oid for oid in extra if oid not in inside]
+        for tid, oids in self._inside_unopened(extra, self.ruleless).items():
+            if not oids:  # nothing of it in the export
+                self._add_missing(self.tnodes[tid])
+                continue
+            self.undecided.append((tid, f"no ONNX rule knows {self.tnodes[tid].target}: "
+                                        f"{', '.join(_onnx_name(self.onodes[o]) for o in oids)} between its inputs "
+                                        "and its readers taken as its, unchecked (fwdtrace.onnx_equivalent declares "
+                                        "a rule; numeric=True compares the values after it)"))
+            extra = [oid for oid in extra if oid not in oids]
         reordered = self._reordered()
         rewired = self._rewired() + [("order", gid, gid) for gid in reordered]
         outputs_fed: dict[int, list[str]] = {}
         for n in out_nodes:
             for gid in sorted(self.tensor_groups.get(n.inputs[0].obj_id, ())) if n.inputs else ():
                 outputs_fed.setdefault(gid, []).append(_output_label(n))
-        return _Result(self.groups, self.missing, extra, self.elided, rewired,
+        return _Result(self.groups, sorted(self.missing), extra, self.elided, rewired,
                        ([n.id for n in lone_t], [n.id for n in lone_o]), self.reqs, reordered, unopened,
-                       outputs_fed, [_output_label(n) for n in self.left_out], self.undecided)
+                       outputs_fed, [_output_label(n) for n in self.left_out], self.undecided, self.ruleless)
 
     def _constants_indexed(self) -> None:
         """A Gather from a constant by a computed index that no call took as its op is wiring.
@@ -545,7 +564,7 @@ class _Matcher:
             return [n for n in outs if not n.meta.get("cache")], cached
         return outs, []
 
-    def _inside_unopened(self, extra: list[int]) -> dict[int, list[int]]:
+    def _inside_unopened(self, extra: list[int], calls: list[int]) -> dict[int, list[int]]:
         """The extra ONNX nodes each layer not opened may have become.
 
         Those reached from the layer's inputs through unmatched ops only, within the layer's
@@ -554,7 +573,7 @@ class _Matcher:
         found: dict[int, list[int]] = {}
         extra_set = set(extra)
         taken: set[int] = set()
-        for tid in self.unopened:
+        for tid in calls:
             tn = self.tnodes[tid]
             sources = frozenset().union(*self.reqs.get(tid, [])) if self.reqs.get(tid) else frozenset()
             seen: set[int] = set()
@@ -671,6 +690,19 @@ class _Matcher:
             also.setdefault(e.src, {})[e.obj_id] = None
             if _numel(e.shape) > _numel(partial.get(e.src, src.outputs[0].shape)):
                 partial[e.src] = e.shape
+        # an earlier write through the same view wrote into the same tensor, though nothing read it
+        # before this one wrote again (``v = y[1:]; v[:, 0] = a; v[:, 1] = b``): the export puts each back
+        for nid in sorted(partial, reverse=True):
+            view = self.tnodes[nid].outputs[0].obj_id
+            if self.tnodes[nid].inputs[:1] and self.tnodes[nid].inputs[0].obj_id != view:
+                continue
+            for earlier in reversed(self.tnodes[:nid]):
+                if earlier.kind != "function" or not earlier.outputs or earlier.outputs[0].obj_id != view:
+                    continue
+                if not earlier.inputs or earlier.inputs[0].obj_id != view or earlier.id in partial:
+                    break  # what made the view, or a write already known
+                partial[earlier.id] = partial[nid]
+                also.setdefault(earlier.id, {}).update(dict.fromkeys(also.get(nid, {})))
         return {nid: list(objs) for nid, objs in also.items()}, partial
 
     def _reaches_an_output(self) -> set[int]:
@@ -725,6 +757,7 @@ class _Matcher:
         missing_feeder = self.missing_producer.get(data_in[0].obj_id) if len(data_in) == 1 else None
         outs: list[frozenset[int]] | None = None
         through_unopened = any(r.obj_id in self.unopened_values for r in data_in)
+        through_ruleless = any(r.obj_id in self.ruleless_values for r in data_in)
         if through_unopened:
             self.after_unopened.add(tn.id)
         emitted = self._emitted(tn)
@@ -738,8 +771,12 @@ class _Matcher:
             tn_out = passthrough
             self.read_by_unopened.update(passthrough)
         elif eq is None:
-            self._add_missing(tn)
+            # a call no rule knows (Tensor.std): which ONNX ops it became is unknown, as for a
+            # layer not opened, so the calls reading its result may stand behind them
+            self.ruleless.append(tn.id)
+            through_unopened = through_ruleless = True
             tn_out = passthrough
+            self.read_by_unopened.update(passthrough)
         else:
             single = next(iter(reqs[0])) if len(reqs) == 1 and len(reqs[0]) == 1 else None
             feeder = self.groups.get(single) if single is not None else None
@@ -756,6 +793,13 @@ class _Matcher:
                 key, region = found
                 self._new_group(tn.id, region, key)
                 tn_out = frozenset({tn.id})
+                # the calls whose op it shares (computed once) feed it in ONNX: so in the trace
+                shared = sorted({self.matched[p] for o in region for v in self._data_inputs(self.onodes[o])
+                                 if (p := self.producer[v]) in self.matched and self.matched[p] not in passthrough
+                                 and self.matched[p] != tn.id and p not in self.computed_once
+                                 and self.op(p) in eq.op_types
+                                 and self._computed_once_with(self.matched[p], p, passthrough)})
+                self.reqs[tn.id] = reqs = [*reqs, *(frozenset({g}) for g in shared)]
             elif simpler is not None:
                 how, outs = simpler
                 (self.undecided if twin is not None else self.elided).append((tn.id, how))
@@ -769,6 +813,11 @@ class _Matcher:
                 and eq.folds_into & (equivalence_for(self.tnodes[missing_feeder]) or Equivalence()).op_types
             ):
                 self.elided.append((tn.id, f"would fold into {_trace_label(self.tnodes[missing_feeder])}, missing"))
+                tn_out = passthrough
+            elif (inside := self._inside_another(eq, reqs)) is not None:
+                self.elided.append((tn.id, f"simplified: computed once, as {_onnx_name(self.onodes[inside[1]])} "
+                                           f"of {_trace_label(self.tnodes[inside[0]])}"))
+                self.computed_once.add(inside[1])
                 tn_out = passthrough
             elif eq.optional:
                 wiring = not eq.patterns or tn.id in self.fill_copies  # a copy filling all of the buffer
@@ -791,6 +840,8 @@ class _Matcher:
         self.out_groups[tn.id] = [self.tensor_groups[r.obj_id] for r in tn.outputs]
         if through_unopened and tn.id not in self.groups:  # passed on, still behind the unknown ops
             self.unopened_values.update(r.obj_id for r in tn.outputs)
+            if through_ruleless and outs is None:  # not an earlier call's values again
+                self.ruleless_values.update(r.obj_id for r in tn.outputs)
         self.calls.setdefault(call_key, []).append(tn.id)
 
     def _emitted(self, tn: Node) -> tuple[int, set[int]] | None:
@@ -965,6 +1016,10 @@ class _Matcher:
         # candidates, the one that reads what the call read (by shape) is the call's, not one skipping less
         # (TorchScript drops the write-back of ``y = x[0]; y[:] = 1; y.mean()``: the mean reads the slice)
         after_missing = {r.shape for r in tn.inputs if r.obj_id in self.missing_producer}
+        # behind a call no rule knows, the value it became is one of its ops' results, which only
+        # the shape tells from the others (see _reads_shaped)
+        behind = {r.shape for r in tn.inputs if r.obj_id in self.ruleless_values}
+        reads: dict[int, frozenset[int]] = {}  # candidate -> the values shaped so that it reads
         best: tuple[tuple[Any, ...], int, set[int]] | None = None
         for cand, _cost in self._reachable(sources, ops, max_skipped):
             if not self._compatible(tn, cand):
@@ -989,11 +1044,70 @@ class _Matcher:
             in_turn = self._writes_in_turn(nodes)
             score = (self._anchor(cand, nodes, scopes, params), reads_alike, -len(skipped), len(touched), -in_turn,
                      -leaks, size, len(nodes), -cand)
+            if behind:
+                reads[cand] = self._reads_shaped(cand, behind)
+                if not reads[cand]:
+                    continue
             if best is None or score > best[0]:
                 best = (score, cand, nodes)
+        if best is not None and len({vs for vs in reads.values() if vs}) > 1:
+            return None  # the call's partner reads one of several of the unknown call's values: which, no rule says
         if best is None and anchored:
             best = self._anchored_fallback(tn, eq, ops, budget, scopes, params)
         return None if best is None else (best[1], best[2])
+
+    def _inside_another(self, eq: Equivalence, reqs: list[frozenset[int]]) -> tuple[int, int] | None:
+        """A one-op call's op that an earlier call's region holds, read from just what the call reads.
+
+        The other side of :meth:`_computed_once_with`: AdaIN's ``x - x.mean()`` is the Sub
+        inside the dynamo exporter's ``x.std()``. Returns (that call's group, the ONNX node).
+        """
+        ones = {p.ops[0][0] for p in eq.patterns if p.ops == ((p.ops[0][0], 1),)}
+        sources = frozenset().union(*reqs) if reqs else frozenset()
+        if not ones or len(reqs) < 2:
+            return None
+        for n in self.onodes:
+            gid = self.matched.get(n.id)
+            if gid is None or gid < 0 or n.id == self.groups[gid].key or self.op(n.id) not in ones:
+                continue
+            behind = [self._groups_behind(self.producer[v]) for v in self._data_inputs(n)]
+            if set().union(*behind) == sources and all(len(b) == 1 for b in behind):
+                return gid, n.id
+        return None
+
+    def _computed_once_with(self, gid: int, oid: int, sources: frozenset[int]) -> bool:
+        """Whether ONNX node ``oid``, all of call ``gid``'s work, may be shared with a call reading ``sources``.
+
+        An exporter computes a subexpression once: the dynamo exporter's ``x.std()`` reads the
+        ReduceMean of the ``x.mean()`` before it (AdaIN). Only a call computed from those same
+        inputs alone, and of one op, may be an op of the call after it too.
+        """
+        group = self.groups.get(gid)
+        if gid < 0 or group is None or group.key != oid or self.tnodes[gid].kind != "function":
+            return False
+        if any(o != oid and o not in self.wiring for o in group.onodes):
+            return False
+        read = frozenset().union(*self.reqs.get(gid, [])) if self.reqs.get(gid) else frozenset()
+        return bool(read) and read <= sources
+
+    def _reads_shaped(self, oid: int, shapes: set[tuple[int, ...]]) -> frozenset[int]:
+        """The values shaped as ``shapes`` that an ONNX node reads, each as the result of an unmatched op before any wiring.
+
+        After a call no rule knows (``Tensor.std``), the op that reads its result reads a value
+        of its shape, made by one of its ops. Several such values, read by candidates alike
+        (``std(x) * 2``: the Mul by N inside the std, the Mul after its Sqrt), leave the pairing
+        undecided rather than wrong.
+        """
+        found = set()
+        for r in self.onodes[oid].inputs:
+            if r.obj_id not in self.producer or not _may_be_shaped(r.shape, shapes):
+                continue
+            v = r.obj_id
+            while (p := self.producer.get(v)) is not None and p in self.wiring and len(self._data_inputs(self.onodes[p])) == 1:
+                v = self._data_inputs(self.onodes[p])[0]
+            if self.producer.get(v) not in self.matched:
+                found.add(v)
+        return frozenset(found)
 
     def _writes_in_turn(self, region: set[int]) -> bool:
         """Whether a scatter of the region writes into what another scatter of it wrote: two writes, not one.
@@ -1080,8 +1194,19 @@ class _Matcher:
                 p = self.producer[v]
                 if p in self.matched:
                     g = self.matched[p]
+                    if p in self.computed_once and g not in sources:  # another call's op, and ours too
+                        behind = set().union(*(self._groups_behind(self.producer[v])
+                                               for v in self._data_inputs(self.onodes[p])))
+                        if not behind <= sources:
+                            return None
+                        touched |= behind
+                        continue
                     if g not in sources:
-                        return None  # the candidate also depends on some other matched call
+                        if not self._computed_once_with(g, p, sources) or not (
+                            self.op(p) in ops and counts[self.op(p)] < budget[self.op(p)]
+                        ):
+                            return None  # the candidate also depends on some other matched call
+                        counts[self.op(p)] += 1  # one of its own ops, which the export shares with g
                     touched.add(g)
                     continue
                 if p in region or p in skipped:
@@ -1089,7 +1214,11 @@ class _Matcher:
                 op = self.op(p)
                 if p in self.wiring:
                     region.add(p)
-                elif op in ops and counts[op] < budget[op]:
+                elif op in ops and counts[op] < budget[op] and (
+                    max_skipped <= MAX_SKIPPED or _fits_a_pattern(eq, counts + Counter([op]))
+                ):
+                    # behind unknown ops, an op of the call's kind is the call's only while one of its
+                    # patterns still holds them all: the Mul inside a std is no part of a Div after it
                     region.add(p)
                     counts[op] += 1
                 else:
@@ -1313,7 +1442,7 @@ class _Matcher:
             for req in reqs:
                 trace_edges.update((g, dst) for g in req if g != dst)
         onnx_edges: set[tuple[int, int]] = set()
-        prelude = {oid for gid in self.groups for oid in self._prelude(gid)}
+        prelude = {oid for gid in self.groups for oid in self._prelude(gid)} | self.computed_once
         for gid in self.groups:
             seen: set[int] = set()
             queue = deque(
@@ -1396,6 +1525,11 @@ def _scopes_as_called(trace: Graph, og: Graph) -> None:
             if scope == alias or scope.startswith(alias + "."):
                 on.meta["scope"] = on.module_path = path + scope[len(alias):]
                 break
+
+
+def _fits_a_pattern(eq: Equivalence, counts: Counter[str]) -> bool:
+    """Whether one of the rule's patterns holds all of these ops."""
+    return any(all(n <= dict(p.ops).get(op, 0) for op, n in counts.items()) for p in eq.patterns)
 
 
 def _has_weights(tn: Node) -> bool:
@@ -1698,7 +1832,9 @@ def _build_report(
             ops = [_onnx_name(og.nodes[o]) for o in result.unopened[i]]
             lines.append(f"  - {_trace_label(trace.nodes[i])}" + (f", unchecked: {', '.join(ops)}" if ops else ""))
     if undecided:
-        lines.append("undecided (a graph alone cannot tell; pass the model, fwdtrace.check_onnx(model, x, onnx=proto)):")
+        lines.append("undecided (the structure alone cannot tell"
+                     + ("; pass the model, fwdtrace.check_onnx(model, x, onnx=proto)" if any(
+                         i not in result.ruleless for i, _ in result.undecided) else "") + "):")
         lines += [f"  - {label}: {why}" for label, why in undecided]
     if result.missing or result.unmatched_inputs[0]:
         lines.append("missing (in the trace, not in the ONNX graph):")
@@ -2081,3 +2217,15 @@ def run_cli(args: argparse.Namespace) -> int:
         raise forward_failed(args.factory, inputs, e) from e
     print(json.dumps(report.to_dict(), indent=1) if args.json else str(report))
     return 0 if report.ok else 1
+
+
+def _may_be_shaped(shape: tuple[int, ...] | None, shapes: set[tuple[int, ...]]) -> bool:
+    """Whether an ONNX value of ``shape`` may have one of ``shapes``: a dimension ONNX could not infer (-1, as for a
+    custom-domain op's result) may be any.
+
+    >>> _may_be_shaped((-1, 4), {(2, 4)}), _may_be_shaped((3, 4), {(2, 4)}), _may_be_shaped(None, {(2,)})
+    (True, False, True)
+    """
+    if shape is None:
+        return True
+    return any(len(s) == len(shape) and all(a < 0 or a == b for a, b in zip(shape, s, strict=True)) for s in shapes)

@@ -51,7 +51,7 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (5e-2, 1e-2),
 }
 _EXACT = (0.0, 0.0)
-_MISMATCH_KINDS = ("missing", "extra", "rewired")
+_MISMATCH_KINDS = ("missing", "extra", "rewired", "undecided")
 _AFTER_RANDOM = "after the random draw "  # a row's note when a value computed from a random draw differs
 _INSIDE = "compared at "  # a row's note when its value is found inside its ONNX ops, not where they end
 # rows placed where a difference starts and measured by the values after them
@@ -102,7 +102,7 @@ class ValueRow:
     precision: str = ""
     rounding: str | None = None
     # the trace node's: "module", "function", "output" for the model's outputs; for a structural
-    # mismatch (NumericResult.mismatches) "missing", "extra" or "rewired"
+    # mismatch (NumericResult.mismatches) "missing", "extra", "rewired" or "undecided" (no rule knows it)
     kind: str = "module"
     shape_differs: bool = False
     # the dtype of the worst compared call feeding it, whose tolerance says whether the inputs
@@ -141,7 +141,7 @@ class NumericResult:
     eager: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     # ONNX node name -> the data values it reads from outside, for the repro's subgraph
     region_inputs: dict[int, list[str]] = field(default_factory=dict, repr=False)
-    # one row per structural mismatch (kind "missing", "extra" or "rewired"), judged by the
+    # one row per structural mismatch (kind "missing", "extra", "rewired" or "undecided"), judged by the
     # compared values right after it: ok when they agree (the exporter rewrote that part and it
     # computes the same), not ok when they differ, not compared when none after it was
     mismatches: list[ValueRow] = field(default_factory=list)
@@ -970,6 +970,11 @@ def _judge_mismatches(
         row = ValueRow(m, _trace_label(tn), tn.module_path, tn.class_name if tn.kind == "module" else tn.target,
                        "", "", (), "", kind="missing", inputs_rel=inputs_of(m))
         judge(row, after_in_trace([m]), f"{_trace_label(tn)} is not in the ONNX model")
+    for u, _why in result.undecided:  # no ONNX rule knows it (Tensor.std): the values after it settle it
+        tn = trace.nodes[u]
+        row = ValueRow(u, _trace_label(tn), tn.module_path, tn.class_name if tn.kind == "module" else tn.target,
+                       "", "", (), "", kind="undecided", inputs_rel=inputs_of(u))
+        judge(row, after_in_trace([u]), f"{_trace_label(tn)} is unchecked in the ONNX model")
     for o in result.extra:
         on = og.nodes[o]
         after = after_in_onnx(o)

@@ -476,6 +476,7 @@ _register(
         "squeeze", "unsqueeze", "expand", "expand_as", "t", "chunk", "split", "unbind", "narrow", "select",
         "movedim", "repeat", "tile", "clone", "detach", "to", "type_as", "type", "swapaxes", "swapdims",
         "moveaxis", "ravel", "squeeze_", "unsqueeze_", "transpose_", "t_",
+        "repeat_interleave",  # by a count: Unsqueeze, then Tile or Expand, then Reshape
     )
     + [f"torch.Tensor.{cast}" for cast in _CASTS]
     + ["torch.Tensor.__getitem__", "torch.Tensor.T", "torch.Tensor.mT", "torch._pack_padded_sequence",
@@ -634,7 +635,9 @@ _register(PAD_FUNCTIONS, "Pad", optional=True)
 _register(_binary("add"), "Add", "Sum")
 _register(_binary("sub") + _functions("rsub"), "Sub")
 _register(_binary("mul") + _functions("multiply"), "Mul")
-_register(_binary("truediv"), "Div", "Mul")
+# a scalar over a tensor (9.0 / x) may be TorchScript's Reciprocal, then a Mul by the scalar
+_TRUE_DIVIDE = ("Div", "Mul", "Reciprocal+Mul", "Reciprocal")
+_register(_binary("truediv"), *_TRUE_DIVIDE)
 # Rounding down: a Floor after the Div on floats; on integers (the TorchScript exporter) a Div put
 # right where the signs differ and a remainder is left (Less, Xor, Mod, Equal, Not, And, Sub, Where).
 _FLOOR_DIVIDE = ("Div+Floor", "Div+Less*2+Xor+Mod+Equal+Not+And+Sub+Where", "Div")
@@ -643,7 +646,7 @@ _register(_binary("floordiv") + _functions("floor_divide", "floor_divide_"), *_F
 
 def _div(node: Node) -> RuleResult:
     return {"floor": _FLOOR_DIVIDE, "trunc": ("Div", "Div+Floor+Ceil+Less+Where")}.get(
-        str(node.attrs.get("rounding_mode")), ("Div", "Mul")
+        str(node.attrs.get("rounding_mode")), _TRUE_DIVIDE
     )
 
 
@@ -807,10 +810,21 @@ _register(["torch.Tensor.unfold"], "Add+Gather*2+Sub", "Concat")
 _register(_functions("cdist"), "Sub+Pow+ReduceSum+Sqrt", "Sub+Pow*2+ReduceSum", "ReduceSumSquare*2+MatMul+Mul+Add*2+Max+Sqrt",
           "ReduceSum*2+Pow*2+MatMul+Mul+Add*2+Max+Sqrt", "ReduceSum*2+Pow*2+Mul+Concat*2+MatMul+Max+Sqrt",
           "ReduceSum*2+Pow*2+Mul+Concat*2+MatMul+Clip+Sqrt")
+_register(_functions("square"), "Mul", "Pow")
 _register(_functions("rsqrt"), "Sqrt+Reciprocal", "Sqrt+Div", "Pow")
 _register(_functions("max"), "ReduceMax", "Max")
 _register(_functions("min"), "ReduceMin", "Min")
 _register(_functions("var"), "ReduceMean*2+Sub+Mul+Pow+Div", "ReduceVariance")
+# the square root of the variance written out: mean, centre, square, mean, the correction's scale (N / (N - 1))
+_register(_functions("std"), "ReduceMean*2+Sub+Mul*2+Pow+Div+Sqrt")
+# Masked by an EyeLike (a constant) and summed, then sliced (dynamo) or picked inside an If (a GatherND
+# in its branch: TorchScript). torchlib's own form also adds and gathers, on indices an export folds
+# away: that rule took the Add of diagonal(c).add(-1) in.
+_register(_functions("diagonal"), "Mul+ReduceSum", "Mul+ReduceSum+If")
+# the dot product over the norms' product (TorchScript, each norm a sum of squares), or each side over
+# its clamped norm, then the dot product (dynamo)
+_register(_functions("cosine_similarity"), "Mul*4+ReduceSum*3+Sqrt+Max+Clip+Div",
+          "ReduceL2*2+Clip*2+Max*2+Div*2+Mul+ReduceSum")
 _register(_functions("normalize"), "LpNormalization", "ReduceL2+Clip+Div", "ReduceL2+Max+Div", "ReduceL2+Div")
 
 
