@@ -263,6 +263,39 @@ def test_ctrl_c_anywhere_in_a_trace_through_accelerates_hooks_leaves_nothing_pat
     assert {name: dict(m._forward_pre_hooks) for name, m in model.named_modules()} == hooks  # accelerate's own
 
 
+
+def test_ctrl_c_anywhere_in_a_trace_through_fsdp2s_unshard_leaves_nothing_patched() -> None:
+    """FSDP2 (world size 1, gloo): a trace draws each unit's unshard by patching FSDP's methods; a Ctrl-C at any
+    line of fwdtrace's code leaves nothing patched or running, and FSDP's own hooks as they were."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _model()
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        drawn = [n.target for n in fwdtrace.trace(model, torch.ones(2, 4)).nodes]
+        assert drawn.count("fsdp.unshard") == 2  # the patches were on: one node per unit
+        hooks = {(name, h): dict(getattr(m, h)) for name, m in model.named_modules() for h in HOOKS}  # FSDP's own
+
+        def trace() -> Prepared:
+            return lambda: fwdtrace.trace(model, torch.ones(2, 4)), lambda: None
+
+        # nothing patched or running after each (FSDP's own hooks are on the model: compared after)
+        assert _every_line(trace, nn.Module(), most=40) > 0
+        # (a forward cut short leaves FSDP's own state as any Ctrl-C in its forward would: not compared)
+        assert {(name, h): dict(getattr(m, h)) for name, m in model.named_modules() for h in HOOKS} == hooks
+    finally:
+        if made:
+            dist.destroy_process_group()
+
 # -- SIGKILL mid-write -------------------------------------------------------------------------------------
 # A background dump in a forked process, SIGKILLed once the step has run `moment` hooks (its writer busy with the
 # tensors queued); then what is left is read and compared. Each moment prints one JSON line.
