@@ -273,7 +273,7 @@ def test_ctrl_c_anywhere_in_a_trace_through_fsdp2s_unshard_leaves_nothing_patche
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    made = not dist.is_initialized()
+    made, excepthook = not dist.is_initialized(), sys.excepthook  # torch's prefixes '[rank0]:' and stays
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -295,6 +295,7 @@ def test_ctrl_c_anywhere_in_a_trace_through_fsdp2s_unshard_leaves_nothing_patche
     finally:
         if made:
             dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 # -- SIGKILL mid-write -------------------------------------------------------------------------------------
 # A background dump in a forked process, SIGKILLed once the step has run `moment` hooks (its writer busy with the
