@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 
 import pytest
 import torch
@@ -127,12 +128,13 @@ def process_group():
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    made = not dist.is_initialized()
+    made, excepthook = not dist.is_initialized(), sys.excepthook  # torch's prefixes '[rank0]:' and stays
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     if made:
         dist.destroy_process_group()
+    sys.excepthook = excepthook
 
 
 def sharded(model: nn.Module, units: list[str]) -> nn.Module:
