@@ -21,11 +21,11 @@ NUDGED = "2"  # the layer rank 1's replica changes: the known place where the ra
 # clean step dumped, then rank 1's replica of layer 2 nudged (DDP never broadcasts parameters again) and a step
 # dumped as tensors and as statistics.
 _WORKER = textwrap.dedent("""
-    import multiprocessing, sys, torch, torch.distributed as dist, torch._dynamo, fwdtrace, fwdtrace.dump
+    import datetime, multiprocessing, sys, torch, torch.distributed as dist, torch._dynamo, fwdtrace, fwdtrace.dump
     from torch import nn
 
     def rank_main(rank, out):
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=40))
         torch.manual_seed(rank)  # replicas built apart: DDP makes them equal
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -49,7 +49,7 @@ _WORKER = textwrap.dedent("""
         for p in ranks:
             p.start()
         for p in ranks:
-            p.join(100)
+            p.join(60)
         sys.exit(max(abs(p.exitcode or 0) if p.exitcode is not None else 1 for p in ranks))
 """)
 
@@ -63,18 +63,26 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gloo")
-    script = out / "worker.py"
-    script.write_text(_WORKER)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
-           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(fwdtrace.__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
-    try:
-        done = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, timeout=150)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the gloo run did not finish in 150 s: {(e.stderr or b'').decode(errors='replace')[-2000:]}")
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
-    return out
+    # A gloo run of two forked ranks, tried up to three times with a fresh port and folder: one fresh-clone run
+    # of the suite saw it hang (ranks waiting to meet) until its time-out, where the other runs took seconds
+    failures = []
+    for _ in range(3):
+        out = tmp_path_factory.mktemp("gloo")
+        script = out / "worker.py"
+        script.write_text(_WORKER)
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+               "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(Path(fwdtrace.__file__).parent.parent),
+                                              os.environ.get("PYTHONPATH", "")])}
+        try:
+            done = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, timeout=70)
+        except subprocess.TimeoutExpired as e:
+            failures.append(f"did not finish in 70 s: {(e.stderr or b'').decode(errors='replace')[-1000:]}")
+            continue
+        if done.returncode == 0:
+            return out
+        failures.append(f"exit {done.returncode}: {done.stderr.decode(errors='replace')[-1000:]}")
+    pytest.fail("the gloo run failed three times: " + " | ".join(failures))
 
 
 def _output(path: Path, group_key: str) -> torch.Tensor:
