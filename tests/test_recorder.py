@@ -574,7 +574,7 @@ def test_reduce_sends_small_numpy_arrays_and_the_full_range() -> None:
     assert payload["range"] == (float(t.min()), 100.0) and payload["shape"] == [4, 3, 600, 700]
     assert all(isinstance(v, np.ndarray) for k, v in payload.items() if k in views.VIEWS)  # no tensor crosses
     assert np.array_equal(payload["heatmap"], t[0, 0, ::3, ::3].numpy())  # the first 2D slice, strided to <= 256
-    assert payload["histogram"].size <= views.HISTOGRAM_MAX
+    assert payload["histogram"].size == fwdtrace.statistics.width(views.HISTOGRAM_BINS)  # the summary, not values
     assert 256 < payload["pca"].shape[0] <= views.PCA_ROWS_MAX
     assert payload["pca"].shape[1] == 3  # pixels as points, channels as features
 
@@ -667,7 +667,7 @@ def test_a_layer_with_several_outputs_says_which_one_is_drawn(tmp_path: Path, mo
 
 
 def histogram_limits(canvas: views.FrameCanvas, tensor: torch.Tensor) -> tuple[tuple[float, float], np.ndarray]:
-    canvas.draw("k", views.reduce(tensor, ("histogram",)), ("histogram",))
+    canvas.draw("k", views.reduce(tensor, ("histogram",), canvas.bins), ("histogram",))
     panel = canvas.panels["histogram"]
     return tuple(panel.ax.get_xlim()), panel.artist.get_data().edges
 

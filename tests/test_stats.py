@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from stats_reference import assert_moments, power_of_two_bins
 
 import fwdtrace
 from fwdtrace import FwdtraceError
@@ -25,16 +27,19 @@ def _assert_matches_torch(s: RunningStats, data: torch.Tensor) -> None:
     x = data.to(torch.float64).reshape(-1)
     finite = x[torch.isfinite(x)]
     assert s.count == x.numel()
-    assert s.mean == pytest.approx(float(finite.mean()), rel=1e-12)
-    assert s.std == pytest.approx(float(finite.std(correction=0)), rel=1e-10)
+    assert_moments(s.mean, s.std, s.l2, data.reshape(-1))
     assert s.min == float(finite.min()) and s.max == float(finite.max())
-    assert s.l2 == pytest.approx(float(torch.linalg.vector_norm(finite)), rel=1e-12)
     assert s.zero_fraction == float((x == 0).sum()) / x.numel()
     assert s.nans == int(torch.isnan(x).sum()) and s.infs == int(torch.isinf(x).sum())
-    lo, hi = s.range or (0.0, 0.0)
-    inside = finite[(finite >= lo) & (finite <= hi)]
-    assert s.histogram == [int(v) for v in torch.histc(inside, bins=s.bins, min=lo, max=hi).tolist()]
-    assert s.underflow == int((finite < lo).sum()) and s.overflow == int((finite > hi).sum())
+    edges = np.array(s.bin_edges)
+    if s.fixed is None:  # a running range: the power-of-two bins of every value seen
+        assert (edges[0], edges[-1]) == s.range
+        exponent, start = power_of_two_bins(float(finite.min()), float(finite.max()), s.bins)
+        assert edges.tolist() == [math.ldexp(start + i, exponent) for i in range(s.bins + 1)]
+    # [a, b) bins, the last one too; NumPy's last bin is closed: its edge moved down by a rounding
+    inside = finite.numpy()[(finite.numpy() >= edges[0]) & (finite.numpy() < edges[-1])]
+    assert s.histogram == np.histogram(inside, np.append(edges[:-1], np.nextafter(edges[-1], -np.inf)))[0].tolist()
+    assert s.underflow == int((finite < edges[0]).sum()) and s.overflow == int((finite >= edges[-1]).sum())
 
 
 def test_update_in_steps_equals_torch_on_the_concatenation() -> None:
@@ -75,11 +80,15 @@ def test_merge_of_partial_results_equals_one_pass() -> None:
         assert merged[name] == pytest.approx(expected[name], rel=1e-12), name
 
 
-def test_histogram_range_is_fixed_by_the_first_batch() -> None:
+def test_a_running_histogram_widens_to_hold_every_value() -> None:
+    """Without a range the bins are the power-of-two bins of every value so far: wider (by whole doublings) when
+    a value falls outside, each count moved into the wider bin that holds it, none outside."""
     s = RunningStats(bins=4)
     s.update(torch.tensor([0.0, 4.0]))
+    first = s.range
     s.update(torch.tensor([5.0, -1.0, 2.0]))
-    assert s.range == (0.0, 4.0)
+    assert first is not None and s.range is not None and s.range[0] <= -1 and s.range[1] > 5
+    assert s.underflow == s.overflow == 0 and sum(s.histogram) == 5
     _assert_matches_torch(s, torch.tensor([0.0, 4.0, 5.0, -1.0, 2.0]))
 
 
@@ -143,9 +152,7 @@ def test_weight_stats_match_torch_on_each_parameter() -> None:
         for name, p in module.named_parameters():
             got = stats[key][name]
             x = p.detach().double()
-            assert got["mean"] == pytest.approx(float(x.mean()), rel=1e-12)
-            assert got["std"] == pytest.approx(float(x.std(correction=0)), rel=1e-10)
-            assert got["l2"] == pytest.approx(float(x.norm()), rel=1e-12)
+            assert_moments(got["mean"], got["std"], got["l2"], p.detach(), what=(key, name))
             assert (got["min"], got["max"]) == (float(x.min()), float(x.max()))
             assert sum(got["histogram"]) == x.numel()
     assert math.isnan(RunningStats().to_dict()["mean"])

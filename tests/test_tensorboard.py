@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from stats_reference import power_of_two_bins
 from torch import nn
 
 import fwdtrace
@@ -145,13 +146,13 @@ def test_running_stats_read_back_as_numpy_sees_every_output_so_far(tmp_path: Pat
             stats.to_tensorboard(writer, step)
             expected[step] = np.concatenate(outputs).astype(np.float64)
     writer.close()
-    first = outputs[0].astype(np.float64)
-    edges = np.linspace(first.min(), first.max(), BINS + 1)  # RunningStats: the first batch's range
     events = read_events(tmp_path)
     histograms = events.Histograms("1.Tanh/output")
     assert [e.step for e in histograms] == [1, 2, 3]
-    for event in histograms:
-        check_histogram(event, expected[event.step], edges)
+    for event in histograms:  # RunningStats: the power-of-two bins of every output so far
+        seen = expected[event.step]
+        exponent, start = power_of_two_bins(float(seen.min()), float(seen.max()), BINS)
+        check_histogram(event, seen, np.ldexp(start + np.arange(BINS + 1.0), exponent))
     check_scalars(events, "1.Tanh/output", expected)
 
 

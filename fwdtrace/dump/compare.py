@@ -27,7 +27,7 @@ from ..precision import (
     follows_dtype,
     pair_precision,
 )
-from ..summary import as_dict, compared
+from ..statistics import as_dict, compared
 from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
 from .reader import _attr, _max_bytes, _Reader
 from .report import Divergence, DumpReport, DumpRow, _call_name

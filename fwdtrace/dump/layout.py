@@ -11,7 +11,8 @@ from .._tree import dtype_name
 from ..errors import FwdtraceError
 
 FORMAT_ATTR = "fwdtrace_dump"
-FORMAT_VERSION = 4  # 2: completeness attributes, sanitized group names; 3: statistics dumps; 4: packed statistics
+FORMAT_VERSION = 5  # 2: completeness attributes, sanitized group names; 3: statistics dumps; 4: packed statistics;
+# 5: statistics vectors of fwdtrace.statistics (zero counts, power-of-two histogram bins)
 VALUES = ("tensors", "statistics")  # what a dump stores per tensor (the file's "values" attribute)
 CALLS = ("modules", "functions", "all")  # which calls a dump records (the file's "calls" attribute)
 ORDER_DATASET = "execution_order"

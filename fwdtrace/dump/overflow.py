@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..summary import as_dict
+from ..statistics import as_dict
 from .layout import MAX_TENSOR_BYTES
 from .reader import _attr, _max_bytes, _Reader
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._host import HostCopy
-from ..summary import BINS, FIELDS, SAMPLES
+from ..statistics import BINS, FIELDS, SAMPLES
 
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
     import numpy as np

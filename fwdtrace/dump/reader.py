@@ -17,7 +17,7 @@ from .._hdf5 import check_dataset, check_link
 from .._host import to_numpy
 from ..errors import FwdtraceError, describe, one_line
 from ..graph import Graph
-from ..summary import BINS, FIELDS, SAMPLES, as_dict, sample_positions, summarize_blocks
+from ..statistics import BINS, FIELDS, SAMPLES, as_dict, summarize_blocks
 from .layout import (
     _BITS_AS,
     _GROUP_RE,
@@ -133,6 +133,8 @@ class _Reader:
                     raise self.error(f"where the call {name!r} {typed}")
                 self.groups.append((name, group))
             self.packed: list[tuple[str, str]] | None = None  # a packed statistics dump's rows
+            version = _attr(f.attrs.get(FORMAT_ATTR, 1))
+            self.version = version if isinstance(version, int) and not isinstance(version, bool) else 1
             if STATISTICS_INDEX in names or STATISTICS_DATASET in names:
                 self._read_index()
             # call order is the numeric prefix; the name alone sorts wrong past 999
@@ -162,7 +164,7 @@ class _Reader:
         if bad is not None:
             raise self.error(f"whose {STATISTICS_INDEX!r} {bad}")
         if matrix.dtype.kind != "f" or matrix.ndim != 2 or matrix.shape[0] != len(index["rows"]) \
-                or matrix.shape[1] < len(FIELDS) + BINS + SAMPLES:
+                or matrix.shape[1] < _vector_width(self.version):
             raise self.error(f"whose {STATISTICS_DATASET!r} is a {matrix.dtype} array of shape {matrix.shape}, not "
                              f"{len(index['rows'])} rows of statistics")
         groups = {name: _PackedGroup(attrs) for name, attrs in index["calls"]}
@@ -289,7 +291,7 @@ class _Reader:
         return dtype
 
     def summary(self, gname: str, dname: str) -> torch.Tensor:
-        """The tensor's statistics vector (:mod:`fwdtrace.summary`): stored in a statistics dump, computed
+        """The tensor's statistics vector (:mod:`fwdtrace.statistics`): stored in a statistics dump, computed
         block by block from a full one."""
         tensor = self.dataset(gname, dname)
         if isinstance(tensor, _PackedTensor):
@@ -297,13 +299,12 @@ class _Reader:
                 where = repr(STATISTICS_DATASET)
                 matrix = self._inflating(self._checked(self.file[STATISTICS_DATASET], where), where)
                 self.matrix = self.read(matrix, where).to(torch.float64)
-            count = math.prod(tensor.shape) * (2 if tensor.dtype.startswith("complex") else 1)
-            return self.matrix[tensor.row, :len(FIELDS) + BINS + len(sample_positions(count))]
+            return _upgraded(self.matrix[tensor.row, :_vector_width(self.version)], self.version)
         if self.statistics:
             vector = self.load(gname, dname).to(torch.float64).reshape(-1)
-            if vector.numel() < len(FIELDS) + BINS:
+            if vector.numel() < _vector_width(self.version) - SAMPLES:
                 raise self.error(f"where '{gname}/{dname}' holds {vector.numel()} numbers, not a statistics vector")
-            return vector
+            return _upgraded(vector, self.version)
         count = math.prod(self.shape(gname, dname)) * (2 if self.dtype(gname, dname).startswith("complex") else 1)
         return summarize_blocks(lambda: self.blocks(gname, dname), count)
 
@@ -494,3 +495,24 @@ def _blocks(shape: tuple[int, ...], per_block: int) -> Iterator[tuple[Any, ...]]
     for outer in itertools.product(*(range(n) for n in shape[:axis])):
         for start in range(0, shape[axis], step):
             yield (*outer, slice(start, min(start + step, shape[axis])))
+
+
+# Before version 5 a statistics vector held 9 fields (no zeros, no histogram placement) and a histogram of 16 bins
+# over [min, max]: read as today's layout, the fields it lacks NaN.
+_V4_FIELDS = ("count", "finite", "nans", "infs", "mean", "std", "min", "max", "norm")
+_V4_BINS = 16
+
+
+def _vector_width(version: int) -> int:
+    """The length of a statistics vector in a dump of ``version`` (up to its samples)."""
+    return (len(_V4_FIELDS) + _V4_BINS if version < 5 else len(FIELDS) + BINS) + SAMPLES
+
+
+def _upgraded(vector: torch.Tensor, version: int) -> torch.Tensor:
+    """A statistics vector of a dump of ``version`` in today's layout (:data:`fwdtrace.statistics.FIELDS`)."""
+    if version >= 5:
+        return vector
+    head = dict(zip(_V4_FIELDS, vector[:len(_V4_FIELDS)].tolist(), strict=True))
+    fields = [head.get(name, math.nan) for name in FIELDS]
+    fields[FIELDS.index("underflow")] = fields[FIELDS.index("overflow")] = 0.0
+    return torch.cat([torch.tensor(fields, dtype=torch.float64), vector[len(_V4_FIELDS):]])

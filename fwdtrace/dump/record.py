@@ -41,7 +41,7 @@ from ..patching import (
     remove_call_handler,
 )
 from ..precision import math_record
-from ..summary import summarize
+from ..statistics import summarize
 from ..tracer import Tracer, active_tracer
 
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch

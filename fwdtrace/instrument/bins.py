@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FwdtraceError
+from ..statistics.rule import _floor_float, as_dict, place_float, rebin
 
 __all__ = ["SteadyBins", "check_bins_spec", "DEFAULT_BINS"]
 
@@ -72,7 +73,7 @@ class SteadyBins:
         self.fixed = not isinstance(spec, int)
         self.bins = spec if isinstance(spec, int) else len(spec) - 1
         self._edges: np.ndarray | None = None if isinstance(spec, int) else np.asarray(spec, dtype=np.float64)
-        self._width = 0.0  # a power of two; edges are low + i * width with low a multiple of width
+        self._exponent = 0  # the bins' width is 2**exponent; edges are multiples of it
         self.counts = np.zeros(self.bins, dtype=np.int64)
         self.underflow = self.overflow = self.nonfinite = 0
         self.rebins = 0  # how many times the edges grew
@@ -87,112 +88,116 @@ class SteadyBins:
         return None if self._edges is None else (float(self._edges[0]), float(self._edges[-1]))
 
     def fit(self, low: float, high: float) -> bool:
-        """Grow the edges so that ``[low, high]`` lies inside; True when they changed (fixed edges never do)."""
+        """Grow the edges so that ``[low, high]`` lies inside; True when they changed (fixed edges never do).
+
+        The edges are :mod:`fwdtrace.statistics`' power-of-two bins (:func:`~fwdtrace.statistics.place_float`):
+        first those of ``[low, high]``, then the narrowest at least twice as wide that hold the old edges too.
+        """
         if self.fixed or not (math.isfinite(low) and math.isfinite(high)):
             return False
         low, high = (min(max(v, -RUNNING_LIMIT), RUNNING_LIMIT) for v in (min(low, high), max(low, high)))
         if self._edges is None:
-            # The smallest power-of-two width whose bins span the first range (a point gets a narrow range around it).
-            per_bin = ((high - low) or max(abs(low), 1.0) * 2.0**-10) / self.bins
-            width = 2.0 ** (math.ceil(math.log2(per_bin)) if per_bin > 0 else -1074)  # -1074: the smallest float
-            # One bin cannot straddle zero (its edges are multiples of the width): it takes the low end.
-            self._width, start = self._place(low, high, width) or self._place(low, low, width) or (width, 0)
+            exponent, start = place_float(low, high, self.bins)
+            if not self._holds(low, high, exponent, start):  # one bin across zero: it takes the low end
+                exponent, start = place_float(low, low, self.bins)
+            self._exponent = exponent
             self._set(start)
             return True
         first, last = float(self._edges[0]), float(self._edges[-1])
         if first <= low and high < last:
             return False
-        old_start = round(first / self._width)
-        placed = self._place(min(low, first), max(high, last), self._width * 2)
-        if placed is None:  # only one bin, on one side of zero: what lies beyond is counted outside
-            return False
-        width, start = placed
-        # Old bin j covers [j w, (j + 1) w), inside new bin j // factor: whole bins, merged exactly.
-        # In Python ints, from the exponents: after a jump by 1e19 the factor is past int64, after 1e-320 -> 1e300 past float.
-        factor = 2 ** round(math.log2(width) - math.log2(self._width))
-        merged = np.zeros(self.bins, dtype=np.int64)
-        index = [(old_start + j) // factor - start for j in range(self.bins)]
-        np.add.at(merged, np.asarray(index, dtype=np.int64), self.counts)
-        self.counts, self._width = merged, width
+        old = self._exponent, round(first / self._width)
+        exponent, start = place_float(min(low, first), max(high, last), self.bins, least=self._exponent + 1)
+        if not self._holds(min(low, first), max(high, last), exponent, start):
+            return False  # only one bin, on one side of zero: what lies beyond is counted outside
+        counts, _, _ = rebin(self.counts, *old, exponent, start)  # whole bins into whole bins: nothing outside
+        self.counts = counts.astype(np.int64)
+        self._exponent = exponent
         self._set(start)
         self.rebins += 1
         return True
 
-    def _place(self, low: float, high: float, width: float) -> tuple[float, int] | None:
-        """The smallest width (``width`` times a power of two) and the start index whose bins hold ``[low, high)``.
+    def _holds(self, low: float, high: float, exponent: int, start: int) -> bool:
+        return start * 2.0**exponent <= low and high < (start + self.bins) * 2.0**exponent
 
-        Among the starts that fit, the one that centres the range: room to drift either way.
-        None when no width fits (a single bin across zero).
-        """
-        per_bin = (high - low) / self.bins
-        if per_bin > width:  # skip at once the doublings that cannot fit (a jump from 1e-320 to 1e300 needs 2,000)
-            width = 2.0 ** (round(math.log2(width)) + math.floor(math.log2(per_bin) - math.log2(width)))
-        while width < 2.0**1010:  # any range inside ±RUNNING_LIMIT fits well before
-            most = math.floor(low / width)  # the last start with start * width <= low
-            least = math.floor(high / width) - self.bins + 1  # the first with high < (start + bins) * width
-            if least <= most:
-                centred = math.floor((low + high) / (2 * width) - self.bins / 2)
-                return width, min(max(centred, least), most)
-            width *= 2
-        return None
+    @property
+    def _width(self) -> float:
+        return math.ldexp(1.0, self._exponent)
 
     def _set(self, start: int) -> None:
         self._edges = (start + np.arange(self.bins + 1, dtype=np.float64)) * self._width
 
+    def summarize(self, values: Any, edges: bool = False) -> Any:
+        """The :mod:`fwdtrace.statistics` summary of ``values`` with these bins' count; on the edges in use where
+        they are fixed or ``edges`` is set."""
+        import torch  # here: a recorder worker keeps bins from summaries made elsewhere, without torch
+
+        from ..statistics.engine import summarize
+
+        t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.asarray(values, dtype=np.float64))
+        on = self._edges is not None and (self.fixed or edges)
+        return summarize(t, self.bins, self._edges.tolist() if on and self._edges is not None else None)
+
+    def counts_of(self, vector: Any) -> tuple[np.ndarray, int, int]:
+        """A summary's histogram (made with these bins' count, or on their fixed edges) on the edges in use:
+        ``(counts, underflow, overflow)``; nothing kept."""
+        return self._counts_of(vector)[:3]
+
+    def _counts_of(self, vector: Any) -> tuple[np.ndarray, int, int, bool]:
+        """A summary's histogram on the edges in use: ``(counts, underflow, overflow, exact)``. ``exact`` is False
+        only where its bins were wider than ours (a range held at ``RUNNING_LIMIT``) and its values not all one:
+        each bin's count then went where its low edge lies."""
+        d = as_dict(vector, self.bins)
+        exact = True
+        if self.fixed or not math.isfinite(d["bin_exponent"]):  # counted on our edges, or on none
+            counts, under, over = np.asarray(d["histogram"]), d["underflow"], d["overflow"]
+        elif self._edges is None or not d["finite"]:
+            counts, under, over = np.zeros(self.bins), 0.0, 0.0
+        else:
+            start = round(float(self._edges[0]) / self._width)
+            if d["min"] == d["max"]:  # one value, wherever its bins: all in ours that holds it
+                counts, i = np.zeros(self.bins), _floor_float(d["min"], self._exponent) - start
+                total = sum(d["histogram"])
+                under, over = (total, 0.0) if i < 0 else (0.0, total) if i >= self.bins else (0.0, 0.0)
+                if 0 <= i < self.bins:
+                    counts[i] = total
+            else:
+                exact = d["bin_exponent"] <= self._exponent
+                counts, under, over = rebin(d["histogram"], int(d["bin_exponent"]), int(d["bin_start"]),
+                                            self._exponent, start)
+            under, over = under + d["underflow"], over + d["overflow"]
+        return counts.astype(np.int64), int(under), int(over), exact
+
     def histogram(self, values: Any) -> np.ndarray:
         """Counts of ``values`` on the current edges (finite values only, those outside left out); nothing kept."""
-        finite = _finite(values)
-        if self._edges is None or finite.size == 0:
+        if self._edges is None:
             return np.zeros(self.bins, dtype=np.int64)
-        if self.fixed:
-            inside = finite[(finite >= self._edges[0]) & (finite < self._edges[-1])]
-            # searchsorted on the edges themselves: the same bin numpy.histogram gives, [a, b) everywhere.
-            index = np.searchsorted(self._edges, inside, side="right") - 1
-        else:
-            low, high = self._edges[0], self._edges[-1]
-            if finite.min() < low or finite.max() >= high:  # rare (a range at its limit): keep the bins' own
-                finite = finite[(finite >= low) & (finite < high)]
-            index = self._running_index(finite, round(float(low) / self._width))
-            index = index[(index >= 0) & (index < self.bins)]
-        return np.bincount(index, minlength=self.bins).astype(np.int64)[: self.bins]
+        return self._counts_of(self.summarize(values, edges=True))[0]
 
-    def _running_index(self, finite: np.ndarray, start: int) -> np.ndarray:
-        """The bin of each value on a running range's edges (``(start + i) * width``), outside ones beyond ``0..bins-1``.
-
-        A tenth of searchsorted's cost (the live sampler bins every parameter of a model): with
-        ``width`` a power of two ``x / width`` is exact, so its floor is the ``[a, b)`` bin numpy
-        gives. Except where it rounds to -0.0 (a negative x below ``width * 2**-1075``), which
-        needs a subnormal x and a width of 2 or more: corrected then, at the cost of two more passes.
-        """
-        bins = np.floor(finite / self._width)
-        if self._width >= 2.0:  # at 2 the smallest subnormal halves to a tie, rounded to -0.0
-            bins[(bins == 0) & (finite < 0)] = -1
-        return bins.astype(np.int64) - start
-
-    def add(self, values: Any) -> tuple[np.ndarray, int, int]:
-        """Grow the edges to fit ``values`` if needed, then add their counts to :attr:`counts`.
+    def add(self, values: Any, vector: Any = None) -> tuple[np.ndarray, int, int]:
+        """Grow the edges to fit ``values`` (an array or a tensor) if needed, then add their counts to
+        :attr:`counts`; the values are summarised by :func:`fwdtrace.statistics.summarize` (``vector``: their
+        summary by :meth:`summarize`, where made already), so a tensor of more than ``HISTOGRAM_SAMPLE`` values
+        adds the counts of that many.
 
         Returns what ``values`` alone added: ``(counts, underflow, overflow)`` on the edges now in use.
         """
-        finite = _finite(values)
-        self.nonfinite += int(np.size(values)) - finite.size
-        if finite.size == 0:
-            return np.zeros(self.bins, dtype=np.int64), 0, 0
-        low, high = float(finite.min()), float(finite.max())
-        self.fit(low, high)
-        under = over = 0
-        assert self._edges is not None  # fit() placed them: finite values came
-        if low < self._edges[0] or high >= self._edges[-1]:
-            under = int((finite < self._edges[0]).sum())
-            over = int((finite >= self._edges[-1]).sum())
-            self.underflow += under
-            self.overflow += over
-        counts = self.histogram(finite)
+        vector = self.summarize(values) if vector is None else vector
+        d = as_dict(vector, self.bins)
+        if d["finite"]:
+            self.fit(d["min"], d["max"])
+        if not self._counts_of(vector)[3]:  # its bins wider than ours: counted again, on ours
+            vector = self.summarize(values, edges=True)
+        return self.add_summary(vector)
+
+    def add_summary(self, vector: Any) -> tuple[np.ndarray, int, int]:
+        """:meth:`add` of values already summarised (on this object's bins, and fixed edges where it has them)."""
+        d = as_dict(vector, self.bins)
+        self.nonfinite += int(d["nans"] + d["infs"])
+        if d["finite"]:
+            self.fit(d["min"], d["max"])
+        counts, under, over, _ = self._counts_of(vector)
+        self.underflow += under
+        self.overflow += over
         self.counts += counts
         return counts, under, over
-
-
-def _finite(values: Any) -> np.ndarray:
-    flat = np.asarray(values, dtype=np.float64).reshape(-1)
-    finite = np.isfinite(flat)
-    return flat if finite.all() else flat[finite]  # no copy in the common case

@@ -1,13 +1,12 @@
 """Hooks that dynamo traces without a break: statistics and copies taken inside a compiled model's graph.
 
 A hook that takes a lock, reads a clock or converts a tensor to a Python number breaks dynamo's
-graph. The hooks made here do none of that: they summarise a tensor with tensor ops only (count,
-finite count, NaN and Inf counts, zeros, mean, sum of squared deviations, min, max, sum of squares,
-a fixed-edge histogram) into one float64 vector (:class:`StatsSlot`), or copy a call's tensors
+graph. The hooks made here do none of that: they summarise a tensor with tensor ops only
+(:func:`fwdtrace.statistics.summarize_in_graph`, into one float64 vector: :class:`StatsSlot`), or copy a call's tensors
 (:meth:`ForwardHook.copies`), and append ``(slot id, payload)`` to a module-level list. Dynamo replays
 that append after the graph has run; :func:`drain` then hands each payload to the consumer of its
 slot, outside compiled code: a summary is merged into a :class:`~fwdtrace.instrument.stats.RunningStats`
-exactly as :meth:`RunningStats.update` would have, copies go to the live sampler or the recorder.
+as :meth:`RunningStats.update` merges its own, copies go to the live sampler or the recorder.
 The list is empty whenever a compiled graph starts (it is drained after every routed call), so the
 guard dynamo puts on it holds and no step recompiles.
 
@@ -18,7 +17,6 @@ drain at once.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -26,9 +24,10 @@ from typing import Any
 import torch
 
 from .._tree import iter_tensors, tensors_of
+from ..statistics import summarize
 from .stats import RunningStats
 
-__all__ = ["Slot", "StatsSlot", "ForwardHook", "drain", "received", "slot_key", "summarize", "merge_summary"]
+__all__ = ["Slot", "StatsSlot", "ForwardHook", "drain", "received", "slot_key"]
 
 # (slot id, payload) appended by the hooks, in graph order; drained outside compiled code.
 _SINK: list[tuple[int, Any]] = []
@@ -38,78 +37,6 @@ _SLOT2RECEIVED: dict[int, int] = {}  # payloads handed over per slot: a routed c
 _DRAINING = threading.Lock()
 _SLOT_IDS = itertools.count()
 _REUSE2SLOT: dict[Hashable, int] = {}  # what a tool's hooks are (their module and options) -> the slot id they took
-
-# Layout of a summary vector (float64): these fields, then the histogram's bins.
-_COUNT, _FINITE, _NANS, _INFS, _ZEROS, _MEAN, _M2, _MIN, _MAX, _SUMSQ, _UNDER, _OVER, _LOW, _HIGH = range(14)
-_HEAD = 14
-
-
-def summarize(tensor: torch.Tensor, bins: int, range_t: torch.Tensor) -> torch.Tensor:
-    """One float64 vector of ``tensor``'s statistics, with tensor ops only (traceable by dynamo).
-
-    ``range_t`` holds the histogram's ``(low, high)``, or NaNs while it is not fixed yet: then the
-    tensor's own finite min and max are the edges, as :class:`RunningStats` takes its first batch's.
-    """
-    x = tensor.detach().reshape(-1)
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    x = x.to(torch.float64)
-    finite = torch.isfinite(x)
-    n_finite = finite.sum().to(torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    kept = torch.where(finite, x, zero)
-    mean = kept.sum() / n_finite.clamp(min=1)
-    deviation = torch.where(finite, x - mean, zero)
-    low_b = torch.where(finite, x, math.inf).amin()
-    high_b = torch.where(finite, x, -math.inf).amax()
-    unset = torch.isnan(range_t[0])
-    same = low_b == high_b
-    low = torch.where(unset, torch.where(same, low_b - 0.5, low_b), range_t[0].to(torch.float64))
-    high = torch.where(unset, torch.where(same, high_b + 0.5, high_b), range_t[1].to(torch.float64))
-    inside = finite & (x >= low) & (x <= high)
-    # histc's bin of a value: (x - low) * bins / (high - low), truncated; the top edge goes to the last bin.
-    position = ((torch.where(inside, x, low) - low) * bins / (high - low)).to(torch.int64).clamp(0, bins - 1)
-    histogram = torch.zeros(bins, dtype=torch.float64, device=x.device).index_add_(0, position, inside.to(torch.float64))
-    head = torch.stack([
-        torch.full((), x.numel(), dtype=torch.float64, device=x.device),
-        n_finite,
-        torch.isnan(x).sum().to(torch.float64),
-        torch.isinf(x).sum().to(torch.float64),
-        (x == 0).sum().to(torch.float64),
-        mean,
-        torch.dot(deviation, deviation),
-        low_b,
-        high_b,
-        torch.dot(kept, kept),
-        (finite & (x < low)).sum().to(torch.float64),
-        (finite & (x > high)).sum().to(torch.float64),
-        low,
-        high,
-    ])
-    return torch.cat([head, histogram])
-
-
-def merge_summary(stats: RunningStats, summary: torch.Tensor, range_t: torch.Tensor) -> None:
-    """Fold one :func:`summarize` vector into ``stats`` as ``stats.update(tensor)`` would have, and fix
-    ``range_t`` to the histogram's edges once ``stats`` has them."""
-    values = summary.tolist()
-    other = RunningStats(stats.bins, stats.range, stats.keeps_histogram)
-    other.count = int(values[_COUNT])
-    other.nans, other.infs, other.zeros = int(values[_NANS]), int(values[_INFS]), int(values[_ZEROS])
-    n = other.finite = int(values[_FINITE])
-    with stats._lock:
-        if n:
-            other.mean, other._m2 = values[_MEAN], values[_M2]
-            other.min, other.max, other._sumsq = values[_MIN], values[_MAX], values[_SUMSQ]
-            if stats.keeps_histogram:
-                if stats.range is None and stats.finite == 0:
-                    stats.range = (values[_LOW], values[_HIGH])
-                    range_t.copy_(torch.tensor(stats.range, dtype=range_t.dtype))
-                other.range = stats.range
-                other.histogram = [int(v) for v in values[_HEAD:]]
-                other.underflow, other.overflow = int(values[_UNDER]), int(values[_OVER])
-        stats._merge(other)
-
 
 class Slot:
     """Where one hook's in-graph results go: a slot id baked into the compiled graph, and the consumer
@@ -145,7 +72,7 @@ class Slot:
 
 
 class StatsSlot(Slot):
-    """A slot whose payloads are :func:`summarize` vectors, merged into ``stats``.
+    """A slot whose payloads are :mod:`fwdtrace.statistics` summary vectors, merged into ``stats``.
 
     >>> import torch
     >>> from fwdtrace.instrument.stats import RunningStats
@@ -161,33 +88,26 @@ class StatsSlot(Slot):
         super().__init__(self._consume, key, reuse)
         self.stats = stats
         self._on_first = on_first  # called once, before the first summary is merged
-        low, high = stats.range if stats.range is not None else (math.nan, math.nan)
-        self.range_t = torch.tensor([low, high], dtype=torch.float64)
-        self._ranges: dict[torch.device, torch.Tensor] = {}
+        self._edges = stats.edges()  # fixed edges (a constant of the graph), or None: the statistics' own bins
 
-    def _consume(self, summary: torch.Tensor) -> None:
+    def _consume(self, payload: tuple[str, torch.Tensor]) -> None:
         on_first = self._on_first
         if on_first is not None:
             self._on_first = None
             on_first()
-        merge_summary(self.stats, summary, self.range_t)
-        for device_range in self._ranges.values():
-            device_range.copy_(self.range_t)
-
-    def range_on(self, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
-            return self.range_t
-        found = self._ranges.get(device)
-        if found is None:
-            found = self._ranges[device] = self.range_t.to(device)
-        return found
+        kind, value = payload
+        self.stats.add_summary(value if kind == "summary" else summarize(value, self.stats.bins, self._edges))
 
     def add(self, tensor: torch.Tensor) -> None:
-        """Summarise ``tensor`` (traceable) and queue it for this slot's statistics."""
-        if tensor.numel() == 0:  # RunningStats.update() adds nothing but the count of an empty tensor
-            self.put(torch.zeros(_HEAD + self.stats.bins, dtype=torch.float64))
+        """Summarise ``tensor`` (:func:`fwdtrace.statistics.summarize`) and queue it for this slot's statistics.
+        Inside a compiled graph on a CPU, a copy is queued and summarised after the graph by the CPU's route
+        (what an eager model's statistics take, several times faster than the loops a compiler makes of the
+        summary); on another device the summary is computed in the graph."""
+        t = tensor.detach()
+        if torch.compiler.is_compiling() and t.device.type == "cpu":
+            self.put(("copy", t.clone()))
         else:
-            self.put(summarize(tensor, self.stats.bins, self.range_on(tensor.device)))
+            self.put(("summary", summarize(t, self.stats.bins, self._edges)))
 
 
 def received(slot_ids: Iterable[int]) -> dict[int, int]:

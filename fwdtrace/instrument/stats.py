@@ -1,8 +1,8 @@
-"""Running statistics of tensors, mergeable across steps at a constant cost per step.
+"""Running statistics of tensors: merges of :mod:`fwdtrace.statistics` summaries, at a constant cost per step.
 
-Mean and variance use Welford's update in Chan et al.'s pairwise form, so two partial
-results merge exactly as if the data had been seen at once; the histogram has fixed
-edges (set by ``range`` or by the first batch) so histograms merge by addition.
+Mean and variance merge by Chan et al.'s pairwise update, so two partial results merge exactly
+as if the data had been seen at once; histograms on power-of-two bins merge by moving counts
+into wider bins, histograms on fixed edges by addition.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from .._tree import tensor_text
 from ..errors import FwdtraceError, describe
+from ..statistics import as_dict, place_float, rebin, summarize
 
 __all__ = ["RunningStats", "summary_text", "check_bins", "check_range"]
 
@@ -64,17 +65,23 @@ class RunningStats:
     >>> s.mean, s.std, s.histogram
     (1.5, 1.118033988749895, [1, 1, 1, 1])
 
-    Mean, std (population, ``correction=0``), min, max and the L2 norm are over the finite
-    values; ``zero_fraction`` is over all values. Values outside the histogram's range are
-    counted in ``underflow`` and ``overflow``. Without ``range`` the edges are the first
-    batch's finite min and max, fixed from then on; ``histogram=False`` keeps no histogram (one pass less).
+    Each :meth:`update` summarises the tensor with :mod:`fwdtrace.statistics` and merges that
+    summary in: mean and variance by Chan et al.'s pairwise update, so partial results merge as
+    if the data had been seen at once. Mean, std (population, ``correction=0``), min, max and the
+    L2 norm are over the finite values; ``zero_fraction`` is over all values.
+
+    The histogram follows :mod:`fwdtrace.statistics`' rule: ``bins`` power-of-two bins around
+    every finite value seen so far, which widen by whole doublings as values arrive (counts move
+    into wider bins, never split), and are binned from at most ``HISTOGRAM_SAMPLE`` values per
+    update. With ``range`` the edges are ``bins`` equal bins over it, kept; finite values outside
+    count in ``underflow`` and ``overflow``. ``histogram=False`` keeps no histogram.
     """
 
     def __init__(self, bins: int = 16, range: tuple[float, float] | None = None,  # noqa: A002
                  histogram: bool = True) -> None:
         self.bins = check_bins(bins)
-        self.keeps_histogram = histogram  # False: moments only (the live sampler bins on fwdtrace.instrument.bins.SteadyBins)
-        self.range: tuple[float, float] | None = check_range(range)
+        self.keeps_histogram = histogram
+        self.fixed: tuple[float, float] | None = check_range(range)  # edges the user set, kept
         # update() and merge() may run in several threads at once (a model run by a thread
         # pool); the state of one object changes under its lock.
         self._lock = threading.RLock()
@@ -89,8 +96,26 @@ class RunningStats:
         self.nans = 0
         self.infs = 0
         self.histogram = [0] * bins
+        self._placed: tuple[int, int] | None = None  # the power-of-two bins (exponent, start), once values came
         self.underflow = 0
         self.overflow = 0
+
+    @property
+    def range(self) -> tuple[float, float] | None:
+        """The histogram's first and last edges (None before any finite value, on a running range)."""
+        if self.fixed is not None:
+            return self.fixed
+        if self._placed is None:
+            return None
+        exponent, start = self._placed
+        return math.ldexp(start, exponent), math.ldexp(start + self.bins, exponent)
+
+    def edges(self) -> list[float] | None:
+        """The edges summaries are counted on for this object: its fixed ones, else None (their own)."""
+        if self.fixed is None:
+            return None
+        lo, hi = self.fixed
+        return [lo + (hi - lo) * i / self.bins for i in range(self.bins)] + [hi]
 
     @classmethod
     def from_summary(cls, numel: int, nan: int, inf: int, mean: float, std: float, min: float,  # noqa: A002
@@ -114,47 +139,26 @@ class RunningStats:
         if not isinstance(tensor, torch.Tensor):
             raise FwdtraceError(f"RunningStats.update() expected a torch.Tensor, got {describe(tensor)}")
         check_has_values(tensor, "RunningStats.update()")
-        with self._lock, torch.no_grad():
-            x = tensor.detach().reshape(-1)
-            if x.is_complex():
-                x = torch.view_as_real(x).reshape(-1)
-            x = x.to(torch.float64)
-            n_all = x.numel()
-            other = RunningStats(self.bins, self.range, self.keeps_histogram)
-            other.count = n_all
-            # One pass per statistic, and none of torch's slow boolean passes when the sum is
-            # finite (then no value is NaN or Inf): the live sampler summarises whole models.
-            finite = x
-            if not math.isfinite(float(x.sum())):
-                nan = torch.isnan(x)
-                inf = torch.isinf(x)
-                other.nans = int(nan.sum())
-                other.infs = int(inf.sum())
-                if other.nans or other.infs:  # boolean indexing copies
-                    finite = x[~(nan | inf)]
-            other.zeros = n_all - int(torch.count_nonzero(x))
-            n = finite.numel()
-            other.finite = n
-            if n:
-                mean = finite.mean()
-                other.mean = float(mean)
-                deviation = finite - mean
-                other._m2 = float(torch.dot(deviation, deviation))
-                low, high = torch.aminmax(finite)
-                other.min, other.max = float(low), float(high)
-                other._sumsq = float(torch.dot(finite, finite))
-                if self.keeps_histogram and self.range is None and self.finite == 0:
-                    lo, hi = other.min, other.max
-                    if lo == hi:
-                        lo, hi = lo - 0.5, hi + 0.5
-                    self.range = other.range = (lo, hi)
-                if other.range is not None:
-                    lo, hi = other.range
-                    # histc ignores values outside [lo, hi]: they are counted below.
-                    hist = torch.histc(finite, bins=self.bins, min=lo, max=hi)
-                    other.histogram = [int(v) for v in hist.tolist()]
-                    other.underflow = int((finite < lo).sum())
-                    other.overflow = int((finite > hi).sum())
+        with torch.no_grad():
+            self.add_summary(summarize(tensor, self.bins, self.edges()))
+
+    def add_summary(self, vector: Any) -> None:
+        """Merge in one :mod:`fwdtrace.statistics` summary vector counted with this object's ``bins`` (and its
+        :meth:`edges`, where fixed): what :meth:`update` does with the tensor's."""
+        d = as_dict(vector, self.bins)
+        other = RunningStats(self.bins, self.fixed, self.keeps_histogram)
+        other.count, other.nans, other.infs = int(d["count"]), int(d["nans"]), int(d["infs"])
+        other.zeros = int(d["zeros"]) if math.isfinite(d["zeros"]) else 0
+        n = other.finite = int(d["finite"])
+        if n:
+            other.mean, other._m2, other.min, other.max = d["mean"], d["std"] ** 2 * n, d["min"], d["max"]
+            other._sumsq = d["norm"] ** 2
+            if self.keeps_histogram:
+                other.histogram = [int(c) for c in d["histogram"]]
+                other.underflow, other.overflow = int(d["underflow"]), int(d["overflow"])
+                if self.fixed is None and math.isfinite(d["bin_exponent"]):
+                    other._placed = int(d["bin_exponent"]), int(d["bin_start"])
+        with self._lock:
             self._merge(other)
 
     def merge(self, other: RunningStats) -> RunningStats:
@@ -182,14 +186,15 @@ class RunningStats:
         self._lock = threading.RLock()
 
     def _merge(self, other: RunningStats) -> RunningStats:
-        if other.finite and self.finite:
-            if other.bins != self.bins or other.range != self.range:
-                raise FwdtraceError(
-                    "RunningStats.merge() expected the same histogram bins and range, got "
-                    f"{self.bins} bins on {self.range} and {other.bins} bins on {other.range}"
-                )
-        elif other.finite:
-            self.bins, self.range = other.bins, other.range
+        if other.finite and self.finite and self.keeps_histogram and other.keeps_histogram \
+                and (other.bins != self.bins or other.fixed != self.fixed):
+            raise FwdtraceError(
+                "RunningStats.merge() expected the same histogram bins and range, got "
+                f"{self.bins} bins on {self.fixed or 'a running range'} and {other.bins} bins on "
+                f"{other.fixed or 'a running range'}"
+            )
+        if other.finite and not self.finite:
+            self.bins, self.fixed = other.bins, other.fixed
             self.histogram = [0] * other.bins
         n_a, n_b = self.finite, other.finite
         n = n_a + n_b
@@ -197,10 +202,10 @@ class RunningStats:
             delta = other.mean - self.mean
             self.mean += delta * n_b / n
             self._m2 += other._m2 + delta * delta * n_a * n_b / n
+            self._merge_histogram(other)
             self.min = min(self.min, other.min)
             self.max = max(self.max, other.max)
             self._sumsq += other._sumsq
-            self.histogram = [a + b for a, b in zip(self.histogram, other.histogram, strict=True)]
             self.underflow += other.underflow
             self.overflow += other.overflow
         self.finite = n
@@ -209,6 +214,24 @@ class RunningStats:
         self.nans += other.nans
         self.infs += other.infs
         return self
+
+    def _merge_histogram(self, other: RunningStats) -> None:
+        """Add ``other``'s histogram to ours: on fixed edges by addition; on power-of-two bins, both moved onto
+        the bins that hold every finite value of both (the coarser's, or wider), then added."""
+        if self.fixed is not None or other._placed is None:
+            self.histogram = [a + b for a, b in zip(self.histogram, other.histogram, strict=True)]
+            return
+        if self._placed is None:
+            self._placed, self.histogram = other._placed, list(other.histogram)
+            return
+        placed = place_float(min(self.min, other.min), max(self.max, other.max), self.bins,
+                             least=max(self._placed[0], other._placed[0]))
+        mine = rebin(self.histogram, *self._placed, *placed)
+        theirs = rebin(other.histogram, *other._placed, *placed)
+        self.histogram = [int(a + b) for a, b in zip(mine[0], theirs[0], strict=True)]
+        self.underflow += int(mine[1] + theirs[1])
+        self.overflow += int(mine[2] + theirs[2])
+        self._placed = placed
 
     # -- results ----------------------------------------------------------------------------------
     @property
@@ -225,10 +248,12 @@ class RunningStats:
 
     @property
     def bin_edges(self) -> list[float]:
-        if self.range is None:
+        if self.fixed is not None:
+            return self.edges() or []
+        if self._placed is None:
             return []
-        lo, hi = self.range
-        return [lo + (hi - lo) * i / self.bins for i in range(self.bins + 1)]
+        exponent, start = self._placed
+        return [math.ldexp(start + i, exponent) for i in range(self.bins + 1)]
 
     def to_dict(self) -> dict[str, Any]:
         """Every statistic as plain Python numbers and lists (JSON-serialisable but for NaN)."""
@@ -269,16 +294,13 @@ def summary_text(tensor: Any, values: bool = False) -> str:
     if not isinstance(tensor, torch.Tensor):
         return "None" if tensor is None else describe(tensor)
     head = tensor_text(tensor)
-    if tensor.numel() and not tensor.is_complex() and tensor.dtype != torch.bool:
+    if tensor.numel() and not tensor.is_complex() and tensor.dtype != torch.bool and not tensor.is_meta:
         with torch.no_grad():
-            x = tensor.detach().to(torch.float64)
-            head += (
-                f" mean={float(x.mean()):.4g} std={float(x.std(correction=0)):.4g}"
-                f" min={float(x.min()):.4g} max={float(x.max()):.4g}"
-            )
-            nonfinite = int((~torch.isfinite(x)).sum())
-            if nonfinite:
-                head += f" nonfinite={nonfinite}"
+            d = as_dict(summarize(tensor))
+        head += f" mean={d['mean']:.4g} std={d['std']:.4g} min={d['min']:.4g} max={d['max']:.4g}"
+        nonfinite = int(d["nans"] + d["infs"])
+        if nonfinite:
+            head += f" nonfinite={nonfinite}"
     if values:
         head += "\n" + str(tensor.detach())
     return head

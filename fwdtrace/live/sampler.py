@@ -37,7 +37,6 @@ from typing import Any, cast
 
 import torch
 
-from .._host import to_numpy
 from .._tree import dtype_name, iter_tensors
 from ..errors import FwdtraceError, describe
 from ..instrument.attach import Attachment
@@ -90,11 +89,11 @@ class Series:
         """Add a numeric tensor; its own statistics and histogram."""
         if t.layout != torch.strided:  # a sparse gradient (Embedding(sparse=True)): the values it stands for
             t = t.to_dense()
-        values = t.detach().reshape(-1).to("cpu", torch.float64)  # once, for the moments and the bins
+        vector = self.bins.summarize(t).cpu()  # once (fwdtrace.statistics), for the moments and the bins
         sample = RunningStats(histogram=False)
-        sample.update(values)
+        sample.add_summary(vector)
         with self.lock:
-            counts, under, over = self.bins.add(to_numpy(values))
+            counts, under, over = self.bins.add(t, vector)
             edges = self.bins.edges
             self.moments.merge(sample)
         d = sample.to_dict()

@@ -628,7 +628,7 @@ class Recorder:
             tensor = tensors[0]
             if self.transform is not None:
                 tensor = self.transform(tensor)
-            payload = reduce(tensor, self.views)
+            payload = reduce(tensor, self.views, self.bins)
             which = f"{label} 0 of {len(tensors)}" if len(tensors) > 1 else label
             channel.put(stem, (stem, f"{key}  {which}  step {step}{rank}", payload, self.views))
 

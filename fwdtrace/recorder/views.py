@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..instrument.bins import DEFAULT_BINS, SteadyBins
+from ..statistics.rule import as_dict
 
 __all__ = ["VIEWS", "FRAME_SIZE", "resolve_view", "reduce", "draw_frame", "FrameCanvas"]
 
@@ -24,7 +25,6 @@ FRAME_SIZE = (640, 480)  # width, height in pixels
 
 # Caps on what crosses to a worker: a picture shows no more than this anyway.
 HEATMAP_MAX = 256  # rows and columns of a heatmap
-HISTOGRAM_MAX = 16384  # values sampled for a histogram of 60 bins
 HISTOGRAM_BINS = DEFAULT_BINS  # the live page bins the same way
 PCA_ROWS_MAX = 512  # points of a PCA scatter (the seed's PCA of every row took seconds)
 PCA_FEATURES_MAX = 1024
@@ -47,8 +47,10 @@ def _strided(n: int, cap: int) -> slice:
     return slice(None, None, max(1, -(-n // cap)))
 
 
-def reduce(tensor: Any, views: tuple[str, ...]) -> dict[str, Any]:
-    """What the views of ``tensor`` need, as numpy arrays, plus its shape and value range.
+def reduce(tensor: Any, views: tuple[str, ...], bins: int | Sequence[float] = DEFAULT_BINS) -> dict[str, Any]:
+    """What the views of ``tensor`` need, as numpy arrays, plus its shape and value range; for a histogram the
+    tensor's :mod:`fwdtrace.statistics` summary with ``bins`` bins (or on those edges), which the worker moves
+    onto the bins it keeps.
 
     Runs in the training process on a detached CPU tensor; every result is small (capped).
 
@@ -80,9 +82,11 @@ def reduce(tensor: Any, views: tuple[str, ...]) -> dict[str, Any]:
                 m = m.reshape(1, -1)
             m = m[_strided(m.shape[0], HEATMAP_MAX), _strided(m.shape[1], HEATMAP_MAX)]
             payload["heatmap"] = to_numpy(m, torch.float32).copy()
-        elif view == "histogram":
-            flat = t.reshape(-1)
-            payload["histogram"] = to_numpy(flat[_strided(flat.numel(), HISTOGRAM_MAX)], torch.float32).copy()
+        elif view == "histogram":  # its summary (fwdtrace.statistics), on the bins the worker keeps
+            from ..statistics.engine import summarize
+
+            count = bins if isinstance(bins, int) else len(bins) - 1
+            payload["histogram"] = to_numpy(summarize(t, count, None if isinstance(bins, int) else list(bins)))
         elif view == "pca":
             if t.dim() == 4:  # [N, C, H, W]: each pixel a point with C features
                 rows = t.movedim(1, -1).reshape(-1, t.shape[1])
@@ -188,24 +192,26 @@ class _Panel:
         self.ax.set_xlabel(f"column ({cols} shown)")
         self.ax.set_ylabel(f"row ({rows} shown)")
 
-    def _histogram(self, data: np.ndarray, value_range: tuple[float, float]) -> None:
-        finite = data[np.isfinite(data)]
-        if finite.size:
-            # The whole tensor's range, not only the sampled values': its extremes stay on the axis.
-            self.bins.fit(min(value_range[0], float(finite.min())), max(value_range[1], float(finite.max())))
+    def _histogram(self, vector: np.ndarray, value_range: tuple[float, float]) -> None:
+        d = as_dict(vector, self.bins.bins)
+        if d["finite"]:
+            # The whole tensor's range: its extremes stay on the axis.
+            self.bins.fit(min(value_range[0], d["min"]), max(value_range[1], d["max"]))
         if self.bins.range is None:  # nothing finite seen yet
             self.bins.fit(0.0, 1.0)
-        counts, edges = self.bins.histogram(finite), self.bins.edges
+        counts, under, over = self.bins.counts_of(vector)
+        edges = self.bins.edges
         self.artist.set_data(counts, edges)
         self.ax.set_xlim(edges[0], edges[-1])
         self.peak = max(self.peak, int(counts.max()))
         self.ax.set_ylim(0, self.peak * 1.05)
         self.ax.set_ylabel("count")
-        bad = data.size - finite.size
-        outside = finite.size - int(counts.sum())  # fixed edges only: a running range holds every value
-        text = f"{data.size} values" + (f", {bad} NaN/Inf left out" if bad else "")
-        text += f", {outside} outside the bins" if outside else ""
-        self.ax.set_title(text, fontsize=9, color="tab:red" if bad or outside else "black")
+        count, bad = int(d["count"]), int(d["nans"] + d["infs"])
+        binned = int(counts.sum()) + under + over
+        text = f"{count} values" + (f", {binned} binned" if binned < count - bad else "")
+        text += f", {bad} NaN/Inf left out" if bad else ""
+        text += f", {under + over} outside the bins" if under + over else ""  # fixed edges only
+        self.ax.set_title(text, fontsize=9, color="tab:red" if bad or under + over else "black")
 
     def _pca(self, rows: np.ndarray) -> None:
         rows = rows[np.isfinite(rows).all(axis=1)]
