@@ -232,7 +232,8 @@ def _flat_arguments(args: Any) -> dict[str, Any]:
 def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
                  atol: float) -> None:
     """One tensor of a call in both dumps, by value or by statistics, into ``row``: judged by the verdict
-    engine (:mod:`fwdtrace.precision`)."""
+    engine (:mod:`fwdtrace.precision`). A parameter (``row.parameter``) by its dtypes alone: the runs' math
+    computed none of its values."""
     shape_b = rb.shape(gb, dname)
     if row.shape != shape_b:
         row.note = f"shape {shape_b} in b"
@@ -259,7 +260,9 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
     row.nonfinite_a, row.nonfinite_b, row.only_a, row.only_b = (
         agreement.nonfinite_a, agreement.nonfinite_b, agreement.only_a, agreement.only_b)
     row.magnitude = agreement.magnitude
-    row.precision = pair_precision(ra.dtype(ga, dname), ra.math, rb.dtype(gb, dname), rb.math)
+    stored = row.parameter != ""
+    row.precision = pair_precision(ra.dtype(ga, dname), None if stored else ra.math, rb.dtype(gb, dname),
+                                   None if stored else rb.math)
     if ra.math is not None and rb.math is not None and not row.allclose:
         # without both records, no difference is put down to rounding
         row.rounding = explains(row.norm_rel, row.cosine, row.precision, rtol)
@@ -294,6 +297,12 @@ def _tensor_ref(node: Node | None, name: str) -> TensorRef | None:
     return None
 
 
+def _parameters(graph: Graph | None) -> dict[tuple[str, int, str], str]:
+    """(key, call index, ``input{i}``) -> the parameter or buffer that input of that call is."""
+    return {(str(n.key), n.call_index, f"input{i}"): ref.param for n in (graph.nodes if graph else [])
+            for i, ref in enumerate(n.inputs) if ref.param}
+
+
 def _read_not_held(rows: list[DumpRow], graph: Graph) -> tuple[list[DumpRow], dict[tuple[str, int], _NotHeld]]:
     """``rows`` with a row for each output of a call the dump does not hold that a held call takes in, read as
     that held input (placed before the first call that takes it in), and those calls by (key, call index)."""
@@ -325,7 +334,7 @@ def _read_not_held(rows: list[DumpRow], graph: Graph) -> tuple[list[DumpRow], di
             inserts.setdefault(group2first[held_as.group], []).append(replace(
                 held_as, group="", key=str(node.key), module_path=node.module_path, name=f"output{j}",
                 function=node.target if node.kind == "function" else "", call_index=node.call_index, key_b="",
-                added=None, read_as=f"{held_as.group}/{held_as.name}",
+                parameter="", added=None, read_as=f"{held_as.group}/{held_as.name}",
                 note="; ".join(n for n in (held_as.note, note) if n)))
     if not inserts:
         return rows, not_held
@@ -458,7 +467,7 @@ def _torch_layer(key: str, module_path: str) -> bool:
 def _first_divergence(rows: list[DumpRow], not_held: dict[tuple[str, int], _NotHeld]) -> Divergence | None:
     """Where the runs part, in this order: the earliest call whose inputs are finite in a run whose outputs hold
     inf or NaN where the other run's are finite (an overflow); else the earliest call in both runs whose inputs
-    agree and whose outputs do not, as the numeric ONNX check finds it (earliest to finish: a layer
+    agree and whose outputs or parameters do not, as the numeric ONNX check finds it (earliest to finish: a layer
     before the block around it); else the first whose outputs differ, else the first whose gradients differ.
     A call the dump does not hold is among them where the dump holds what it read and wrote."""
     calls = _calls(rows, not_held)
@@ -479,9 +488,14 @@ def _first_divergence(rows: list[DumpRow], not_held: dict[tuple[str, int], _NotH
                 return named(overflowed[0], "overflow", f"overflow in {side}: its inputs are finite, its outputs "
                              f"hold inf/NaN where {other}'s are finite ({counts})")
     for call in calls:
-        if call.known and call.inputs and all(r.agrees for r in call.inputs) and not all(r.agrees for r in call.outputs):
-            bad = next(r for r in call.outputs if not r.agrees)
-            return named(call.outputs[0], "values", f"its inputs agree, {bad.name} does not"
+        if not call.known or not call.inputs or not all(r.agrees for r in call.inputs if not r.parameter):
+            continue
+        # a parameter is read, not computed: where it differs, the runs part at the first call that reads it
+        bad = next((r for r in call.inputs if not r.agrees), None) or next((r for r in call.outputs if not r.agrees),
+                                                                            None)
+        if bad is not None:
+            what = f"its parameter {bad.parameter} ({bad.name})" if bad.parameter else bad.name
+            return named(call.outputs[0], "values", f"its inputs agree, {what} does not"
                          + (f" ({bad.note})" if bad.note else ""))
     for prefix in ("output", "grad_input", ""):
         found = next((r for r in rows if not r.agrees and not r.one_sided and r.name.startswith(prefix)), None)
@@ -553,6 +567,7 @@ def compare_dumps(
         report.graph = graph_a or rb.graph()
         report.without_graph = [str(r.path) for r in (ra, rb) if GRAPH_DATASET not in r.file]
         a2b = _match_calls(ra, graph_a, rb)
+        parameters = _parameters(graph_a)
         b2a = {gb: ga for ga, gb in a2b.items()}
         order_a, order_b = ra.order(), rb.order()
         in_a, in_b = set(order_a), set(order_b)
@@ -563,8 +578,10 @@ def compare_dumps(
                 attrs = reader.group_attrs(gname)
                 key = str(attrs.get("module_key", gname))
                 path = str(attrs.get("module_path", ""))
+                call_index = int(attrs.get("call_index", 0))
                 row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
-                              function=str(attrs.get("function", "")), call_index=int(attrs.get("call_index", 0)))
+                              function=str(attrs.get("function", "")), call_index=call_index,
+                              parameter=parameters.get((key, call_index, dname), "") if reader is ra else "")
                 ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
                 if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
                     row.note = "missing in b" if reader is ra else "missing in a"

@@ -50,6 +50,9 @@ class DumpRow:
     added: float | None = None
     # a difference no rounding explains but the dtype does: an argument that follows it (finfo.min), by statistics
     explained: str = ""
+    # the parameter or buffer an input is ("h.1.mlp.c_fc.weight"): stored, not computed, so judged by its dtypes alone
+    # (a float32 weight of an autocast run is no bfloat16 value)
+    parameter: str = ""
     # a call the dump does not hold (a Linear in a dump of function calls): the held tensor this output of it was
     # read as, the input of the call that took it in ("040_gelu/input0"); "" for a call the dump holds
     read_as: str = ""
