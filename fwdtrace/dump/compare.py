@@ -66,7 +66,7 @@ def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> st
     counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
     ca, cb = compared(la), compared(lb)
     if len(ca) == len(cb):
-        agreement.add(torch.tensor(ca, dtype=torch.float64), torch.tensor(cb, dtype=torch.float64))
+        agreement.add(ca, cb)
     else:
         counts.append(f"{len(da['samples'])} vs {len(db['samples'])} samples")
     if counts:
