@@ -30,7 +30,7 @@ from ..precision import (
 )
 from ..summary import as_dict, compared
 from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
-from .reader import _attr, _max_bytes, _Reader
+from .reader import _max_bytes, _Reader
 from .report import Divergence, DumpReport, DumpRow, _call_name
 
 
@@ -207,7 +207,7 @@ def _match_through_graphs(a: _GraphCalls, b: _GraphCalls, pairs: dict[str, str],
 
 def _arguments(reader: _Reader, gname: str) -> str:
     """A function call's non-tensor arguments as its dump recorded them (JSON), "" for none or a module call."""
-    return str(_attr(reader.name2group[gname].attrs.get("arguments", "")))
+    return str(reader.group_attrs(gname).get("arguments", ""))
 
 
 def _differing_arguments(text_a: str, text_b: str) -> list[tuple[str, Any, Any, str | None]]:
