@@ -200,20 +200,22 @@ class Agreement:
     magnitude: float = 0.0  # the largest finite |element| of either side
     equivalent: tuple[tuple[float, float], ...] = ()
 
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        if a.is_complex() or b.is_complex():
-            a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
-        a, b = a.to(torch.float64).reshape(-1), b.to(torch.float64).reshape(-1)
-        if a.numel() == 0:
+    def add(self, a: torch.Tensor | Any, b: torch.Tensor | Any) -> None:
+        """Gather one block of each side: tensors, or NumPy arrays (a statistics vector)."""
+        import numpy as np
+
+        # NumPy, not torch: a comparison goes block by block over many small rows, and a NumPy operation on a
+        # small array costs a fraction of a torch one (the dozen operations here cost more than reading a row)
+        a, b = _float64(a), _float64(b)
+        if a.size == 0:
             return
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
         for const_a, const_b in self.equivalent:
             same |= (a == const_a) & (b == const_b)
         if self.equivalent:
             # the constants count as equal: compare b's where a holds its own (so allclose and the norms agree)
-            a = torch.where(same, b, a)
-        self.close = self.close and bool(torch.allclose(a, b, rtol=self.rtol, atol=self.atol, equal_nan=True))
-        finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
+            a = np.where(same, b, a)
+        finite_a, finite_b = np.isfinite(a), np.isfinite(b)
         # a comparison goes block by block, many small rows: the counts of inf and NaN only where there are any
         all_finite = bool(finite_a.all()) and bool(finite_b.all())
         if not all_finite:
@@ -221,21 +223,26 @@ class Agreement:
             self.nonfinite_b += int((~finite_b).sum())
             self.only_a += int((~finite_a & finite_b).sum())
             self.only_b += int((finite_a & ~finite_b).sum())
-        self.count += a.numel()
-        diff = torch.where(same, torch.zeros_like(a), (a - b).abs())  # inf == inf and nan vs nan are no difference
-        scale = torch.maximum(a.abs(), b.abs())
-        rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
-        self.max_abs = _max(self.max_abs, float(diff.max()))
-        block_max_rel = float(rel.max())
-        self.max_rel = _max(self.max_rel, block_max_rel)
-        if not block_max_rel <= RATIOS[0]:
-            # a NaN's relative error (nan against a number) counts as over either bound
-            self.over = tuple(n + int((~(rel <= bound)).sum()) for n, bound in zip(self.over, RATIOS, strict=True))  # type: ignore[assignment]
-        self.dot += float(a @ b)
-        self.norm_a = math.hypot(self.norm_a, float(a.norm()))
-        self.norm_b = math.hypot(self.norm_b, float(b.norm()))
-        self.norm_diff = math.hypot(self.norm_diff, float(diff.norm()))
-        finite = scale if all_finite else torch.where(finite_a & finite_b, scale, torch.zeros_like(scale))
+        self.count += a.size
+        with np.errstate(all="ignore"):
+            diff = np.where(same, 0.0, np.abs(a - b))  # inf == inf and nan vs nan are no difference
+            # torch.allclose's rule (equal_nan): equal, or a finite difference within atol + rtol |b|
+            self.close = self.close and bool(
+                (same | (np.isfinite(diff) & (diff <= self.atol + self.rtol * np.abs(b)))).all())
+            scale = np.maximum(np.abs(a), np.abs(b))
+            rel = np.where(diff == 0, 0.0, diff / scale)
+            self.max_abs = _max(self.max_abs, float(diff.max()))
+            block_max_rel = float(rel.max())
+            self.max_rel = _max(self.max_rel, block_max_rel)
+            if not block_max_rel <= RATIOS[0]:
+                # a NaN's relative error (nan against a number) counts as over either bound
+                self.over = tuple(n + int((~(rel <= bound)).sum()) for n, bound in zip(self.over, RATIOS, strict=True))  # type: ignore[assignment]
+            # einsum: a single-threaded sum, where @ and linalg.norm call a BLAS that may wake threads per block
+            self.dot += float(np.einsum("i,i", a, b))
+            self.norm_a = math.hypot(self.norm_a, math.sqrt(np.einsum("i,i", a, a)))
+            self.norm_b = math.hypot(self.norm_b, math.sqrt(np.einsum("i,i", b, b)))
+            self.norm_diff = math.hypot(self.norm_diff, math.sqrt(np.einsum("i,i", diff, diff)))
+        finite = scale if all_finite else np.where(finite_a & finite_b, scale, 0.0)
         self.magnitude = max(self.magnitude, float(finite.max()))
 
     @property
@@ -261,6 +268,19 @@ class Agreement:
         if not (math.isfinite(scale) and math.isfinite(self.norm_diff)):
             return math.nan
         return self.norm_diff / scale if scale > 0 else math.inf
+
+
+def _float64(x: torch.Tensor | Any) -> Any:
+    """A tensor or array as a flat float64 NumPy array (a complex one as its real and imaginary parts)."""
+    import numpy as np
+
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        x = torch.view_as_real(x.to(torch.complex128)) if x.is_complex() else x.to(torch.float64)
+        return x.reshape(-1).numpy()
+    x = np.asarray(x)
+    return (x.astype(np.complex128).view(np.float64) if np.iscomplexobj(x) else x.astype(np.float64, copy=False)
+            ).reshape(-1)
 
 
 def _max(a: float, b: float) -> float:

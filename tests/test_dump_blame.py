@@ -50,11 +50,17 @@ def test_a_changed_linear_is_named_and_alone_outlined(tmp_path: Path, calls: str
     report, (out_a, out_b) = _runs(tmp_path, calls, values)
     # the reference, by plain hooks: layer a's outputs equal in both runs, layer b's not
     assert torch.equal(*out_a) and not torch.allclose(*out_b)
-    if calls == "all":  # the layer is a call of the dump: named itself
-        assert report.first_divergence == "b" and report.starts_inside is None
+    # named itself in both: a call of the dump, or one it does not hold, read where the add takes its output in
+    assert report.first_divergence == "b" and report.first_call == ("b.Linear", 0)
+    if calls == "all":
+        assert report.starts_inside is None
     else:  # a Linear is no call of a dump of function calls: the report says the difference starts inside it
-        assert report.first_call == ("add", 1) and report.starts_inside == ("b.Linear", 0)
+        assert report.starts_inside == ("b.Linear", 0)
         assert "starts inside b.Linear (call 0)" in report.to_text()
+        # its row is its output as the add read it; the add's other input, layer a's output, is equal
+        (row,) = [r for r in report.rows if r.key == "b.Linear"]
+        assert row.read_as.endswith("/input1") and not row.agrees
+        assert [r.allclose for r in report.rows if r.key == "a.Linear"] == [True]
     files = report.to_model_explorer(tmp_path / "me")
     nodes = json.loads(Path(files.graph).read_text())["graphs"][0]["nodes"]
     assert report.graph is not None

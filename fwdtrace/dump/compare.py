@@ -9,13 +9,14 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..errors import FwdtraceError
 from ..graph import Graph
-from ..node import Scope
+from ..node import Node, Scope, TensorRef
 from ..passes.align import align
 from ..precision import (
     PRECISIONS,
@@ -29,7 +30,7 @@ from ..precision import (
 )
 from ..statistics import as_dict, compared
 from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
-from .reader import _attr, _max_bytes, _Reader
+from .reader import _max_bytes, _Reader
 from .report import Divergence, DumpReport, DumpRow, _call_name
 
 
@@ -65,7 +66,7 @@ def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> st
     counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
     ca, cb = compared(la), compared(lb)
     if len(ca) == len(cb):
-        agreement.add(torch.tensor(ca, dtype=torch.float64), torch.tensor(cb, dtype=torch.float64))
+        agreement.add(ca, cb)
     else:
         counts.append(f"{len(da['samples'])} vs {len(db['samples'])} samples")
     if counts:
@@ -206,7 +207,7 @@ def _match_through_graphs(a: _GraphCalls, b: _GraphCalls, pairs: dict[str, str],
 
 def _arguments(reader: _Reader, gname: str) -> str:
     """A function call's non-tensor arguments as its dump recorded them (JSON), "" for none or a module call."""
-    return str(_attr(reader.name2group[gname].attrs.get("arguments", "")))
+    return str(reader.group_attrs(gname).get("arguments", ""))
 
 
 def _differing_arguments(text_a: str, text_b: str) -> list[tuple[str, Any, Any, str | None]]:
@@ -231,7 +232,8 @@ def _flat_arguments(args: Any) -> dict[str, Any]:
 def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
                  atol: float) -> None:
     """One tensor of a call in both dumps, by value or by statistics, into ``row``: judged by the verdict
-    engine (:mod:`fwdtrace.precision`)."""
+    engine (:mod:`fwdtrace.precision`). A parameter (``row.parameter``) by its dtypes alone: the runs' math
+    computed none of its values."""
     shape_b = rb.shape(gb, dname)
     if row.shape != shape_b:
         row.note = f"shape {shape_b} in b"
@@ -258,7 +260,9 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
     row.nonfinite_a, row.nonfinite_b, row.only_a, row.only_b = (
         agreement.nonfinite_a, agreement.nonfinite_b, agreement.only_a, agreement.only_b)
     row.magnitude = agreement.magnitude
-    row.precision = pair_precision(ra.dtype(ga, dname), ra.math, rb.dtype(gb, dname), rb.math)
+    stored = row.parameter != ""
+    row.precision = pair_precision(ra.dtype(ga, dname), None if stored else ra.math, rb.dtype(gb, dname),
+                                   None if stored else rb.math)
     if ra.math is not None and rb.math is not None and not row.allclose:
         # without both records, no difference is put down to rounding
         row.rounding = explains(row.norm_rel, row.cosine, row.precision, rtol)
@@ -271,23 +275,133 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
             row.explained = "a constant that follows the dtype"
 
 
-class _Call:
-    """A call's rows in both runs (compared in both), in the order run a wrote them."""
+@dataclass
+class _NotHeld:
+    """A call of the run's graph the dump does not hold whose outputs it does hold, as the inputs of the calls that
+    take them in (a ``Linear`` in a dump of function calls), with the calls not held before it whose outputs only it
+    reads (the ``LayerNorm`` before that ``Linear``): judged as one call, from the held tensors they read to its
+    outputs, so a difference that starts inside it is found there, not at the next call the dump holds."""
 
-    def __init__(self, group: str, start: int) -> None:
+    node: Node
+    before: list[Node]  # in the order they ran
+    inputs: list[DumpRow] | None  # the held tensors they read; None where one is not held (the model's input)
+    reduction: int  # the longest last dimension of a floating tensor any of them reads
+
+
+def _tensor_ref(node: Node | None, name: str) -> TensorRef | None:
+    """The graph's tensor a call's dumped ``input{i}`` or ``output{i}`` is."""
+    for prefix, refs in (("input", node.inputs if node else []), ("output", node.outputs if node else [])):
+        index = name[len(prefix):]
+        if name.startswith(prefix) and index.isdigit():
+            return refs[int(index)] if int(index) < len(refs) else None
+    return None
+
+
+def _parameters(graph: Graph | None) -> dict[tuple[str, int, str], str]:
+    """(key, call index, ``input{i}``) -> the parameter or buffer that input of that call is."""
+    return {(str(n.key), n.call_index, f"input{i}"): ref.param for n in (graph.nodes if graph else [])
+            for i, ref in enumerate(n.inputs) if ref.param}
+
+
+def _read_not_held(rows: list[DumpRow], graph: Graph) -> tuple[list[DumpRow], dict[tuple[str, int], _NotHeld]]:
+    """``rows`` with a row for each output of a call the dump does not hold that a held call takes in, read as
+    that held input (placed before the first call that takes it in), and those calls by (key, call index)."""
+    calls = [n for n in graph.nodes if n.kind in ("module", "function")]
+    call2node = {(str(n.key), n.call_index): n for n in calls}
+    held = {(r.key, r.call_index) for r in rows}
+    writer = {ref.obj_id: n for n in calls for ref in n.outputs}  # the call that wrote each tensor
+    obj2row: dict[int, DumpRow] = {}  # a tensor the dump holds: the first row that holds it
+    group2first: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        group2first.setdefault(row.group, i)
+        ref = _tensor_ref(call2node.get((row.key, row.call_index)), row.name)
+        if ref is not None and not row.one_sided:
+            obj2row.setdefault(ref.obj_id, row)
+    not_held: dict[tuple[str, int], _NotHeld] = {}
+    inserts: dict[int, list[DumpRow]] = {}
+    for node in calls:
+        outputs = [(j, obj2row[ref.obj_id]) for j, ref in enumerate(node.outputs) if ref.obj_id in obj2row]
+        if (str(node.key), node.call_index) in held or not outputs:
+            continue
+        region, inputs = _not_held_before(node, obj2row, writer, held)
+        reduction = max((ref.shape[-1] for n in region for ref in n.inputs if ref.shape and ref.dtype in PRECISIONS),
+                        default=1)
+        not_held[str(node.key), node.call_index] = _NotHeld(node, region[:-1], inputs, reduction)
+        after = ", ".join(f"{n.key} (call {n.call_index})" for n in region[:-1])
+        for j, held_as in outputs:
+            note = f"a call the dump does not hold: read as {held_as.group}/{held_as.name}" + (
+                f", after {after}, not held either" if after else "")
+            inserts.setdefault(group2first[held_as.group], []).append(replace(
+                held_as, group="", key=str(node.key), module_path=node.module_path, name=f"output{j}",
+                function=node.target if node.kind == "function" else "", call_index=node.call_index, key_b="",
+                parameter="", added=None, read_as=f"{held_as.group}/{held_as.name}",
+                note="; ".join(n for n in (held_as.note, note) if n)))
+    if not inserts:
+        return rows, not_held
+    out: list[DumpRow] = []
+    for i, row in enumerate(rows):
+        out += inserts.get(i, [])
+        out.append(row)
+    return out, not_held
+
+
+_NOT_HELD_CALLS = 8  # calls not held in a row past which what they read is too far from what the dump holds
+
+
+def _not_held_before(node: Node, obj2row: dict[int, DumpRow], writer: dict[int, Node],
+                     held: set[tuple[str, int]]) -> tuple[list[Node], list[DumpRow] | None]:
+    """``node`` and the calls not held before it whose outputs the dump holds nowhere, in the order they ran, and the
+    held tensors they read: None where one is held nowhere and written by no call (the model's input), or where
+    more than ``_NOT_HELD_CALLS`` calls lie between (a dump of a few selected calls), whose roundings would add to a
+    bound that explains anything."""
+    region: dict[int, Node] = {}
+    read: dict[int, DumpRow] = {}  # obj_id -> its row
+    known = True
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.id in region:
+            continue
+        region[n.id] = n
+        for ref in n.inputs:
+            source = writer.get(ref.obj_id)
+            if ref.obj_id in obj2row:
+                read.setdefault(ref.obj_id, obj2row[ref.obj_id])
+            elif source is not None and (str(source.key), source.call_index) not in held \
+                    and len(region) < _NOT_HELD_CALLS:
+                stack.append(source)
+            elif ref.param is None:
+                known = False
+    return sorted(region.values(), key=lambda n: n.id), list(read.values()) if known else None
+
+
+class _Call:
+    """A call's rows in both runs (compared in both), in the order run a wrote them; for a call the dump does not
+    hold, the held rows of what it read and its outputs as they were read."""
+
+    def __init__(self, group: str, start: int, not_held: _NotHeld | None = None) -> None:
         self.group, self.start, self.finish = group, start, -1
-        self.inputs: list[DumpRow] = []
+        self.not_held = not_held
+        self.inputs: list[DumpRow] = list(not_held.inputs or []) if not_held is not None else []
         self.outputs: list[DumpRow] = []
         self.inside = 0  # calls recorded inside it (a module's call around its layers')
 
+    @property
+    def known(self) -> bool:
+        """Whether the dump holds all it read (a call not held may read the model's input, which it does not)."""
+        return self.not_held is None or self.not_held.inputs is not None
 
-def _calls(rows: list[DumpRow]) -> list[_Call]:
+
+def _calls(rows: list[DumpRow], not_held: dict[tuple[str, int], _NotHeld]) -> list[_Call]:
     """The calls compared in both runs, in the order they finished (a layer before the block around it)."""
-    calls: dict[str, _Call] = {}
+    calls: dict[tuple[str, str, int], _Call] = {}
     for i, row in enumerate(rows):
         if row.one_sided:
             continue
-        call = calls.setdefault(row.group, _Call(row.group, i))
+        call = calls.get((row.group, row.key, row.call_index))
+        if call is None:
+            region = not_held.get((row.key, row.call_index)) if row.read_as else None
+            call = calls[row.group, row.key, row.call_index] = _Call(row.group, i, region)
         if row.name.startswith("input"):
             call.inputs.append(row)
         elif row.name.startswith("output"):
@@ -297,7 +411,7 @@ def _calls(rows: list[DumpRow]) -> list[_Call]:
     finished = [c for c in calls.values() if c.finish >= 0]
     starts = sorted(c.start for c in calls.values())
     for c in finished:
-        c.inside = bisect.bisect_left(starts, c.finish) - bisect.bisect_right(starts, c.start)
+        c.inside = max(bisect.bisect_left(starts, c.finish) - bisect.bisect_right(starts, c.start), 0)
     return sorted(finished, key=lambda c: c.finish)
 
 
@@ -306,25 +420,36 @@ def _judge_added_error(calls: list[_Call]) -> None:
     above what the call's own rounding adds (:func:`fwdtrace.precision.added_bound`: its dtype, its reduction
     length, the calls inside it) diverges all the same. A bfloat16 run's 8% blanket would hide a 3% bug.
     An exponential (softmax over sharp logits) and a module's call that may hold one amplify both their
-    inputs' error and their own rounding by their inputs' magnitude (:func:`fwdtrace.precision.condition`)."""
+    inputs' error and their own rounding by their inputs' magnitude (:func:`fwdtrace.precision.condition`).
+    A call the dump does not hold is judged with the calls not held before it, whose roundings add."""
     for call in calls:
-        if not call.inputs or not all(r.agrees and r.norm_rel is not None for r in call.inputs):
+        if not call.known or not call.inputs or not all(r.agrees and r.norm_rel is not None for r in call.inputs):
             continue
-        floating = [r for r in call.inputs if r.precision in PRECISIONS]
-        reduction = max((r.shape[-1] for r in floating if r.shape), default=1)
         errors = [r.norm_rel or 0.0 for r in call.inputs]
-        first = call.inputs[0]
-        name = first.function or first.key  # a module's key ends with its class: "h.0.attn.Softmax"
-        amplified = condition(name, max((r.magnitude or 0.0) for r in call.inputs),
-                              container=call.inside > 0 or (not first.function and not _torch_layer(first)))
+        magnitude = max((r.magnitude or 0.0) for r in call.inputs)
+        if call.not_held is None:
+            floating = [r for r in call.inputs if r.precision in PRECISIONS]
+            reduction = max((r.shape[-1] for r in floating if r.shape), default=1)
+            first = call.inputs[0]
+            # a module's key ends with its class: "h.0.attn.Softmax"
+            parts = [(first.function or first.key, call.inside > 0 or (
+                not first.function and not _torch_layer(first.key, first.module_path)))]
+            count = 1 + call.inside
+        else:
+            nodes = [*call.not_held.before, call.not_held.node]
+            reduction = call.not_held.reduction
+            parts = [(n.target if n.kind == "function" else str(n.key),
+                      n.kind != "function" and not _torch_layer(str(n.key), n.module_path)) for n in nodes]
+            count = len(nodes)
+        amplified = max(condition(name, magnitude, container=container) for name, container in parts)
         for row in call.outputs:
             if row.allclose or row.rounding is None or row.norm_rel is None or row.precision not in PRECISIONS:
                 continue
             row.added = added_error(row.norm_rel, errors, amplified)
             # an exponential's own rounding is amplified as its inputs' error is (softmax rounds its logits)
-            bound = added_bound(row.precision, reduction, 1 + call.inside) * amplified
+            bound = added_bound(row.precision, reduction, count) * amplified
             if not row.added <= bound:
-                what = "the calls inside it" if call.inside else "one call"
+                what = "the calls inside it" if call.inside else "one call" if count == 1 else f"{count} calls"
                 row.note = "; ".join(n for n in (row.note, (
                     f"adds {row.added:.3g} of norm-relative error to its inputs' {max(errors):.3g}: "
                     f"{row.added / bound:.1f}x what {PRECISIONS[row.precision].label} rounding in {what} explains "
@@ -332,25 +457,28 @@ def _judge_added_error(calls: list[_Call]) -> None:
                 row.rounding = None
 
 
-def _torch_layer(row: DumpRow) -> bool:
+def _torch_layer(key: str, module_path: str) -> bool:
     """Whether a module call is of one of torch's own leaf layers (its key's class is torch.nn's): the dump
     holds all it computes. A model's own module may compute more than the calls it records."""
-    class_name = row.key.rsplit(".", 1)[-1]
-    return isinstance(getattr(torch.nn, class_name, None), type) and bool(row.module_path)
+    class_name = key.rsplit(".", 1)[-1]
+    return isinstance(getattr(torch.nn, class_name, None), type) and bool(module_path)
 
 
-def _first_divergence(rows: list[DumpRow]) -> Divergence | None:
+def _first_divergence(rows: list[DumpRow], not_held: dict[tuple[str, int], _NotHeld]) -> Divergence | None:
     """Where the runs part, in this order: the earliest call whose inputs are finite in a run whose outputs hold
     inf or NaN where the other run's are finite (an overflow); else the earliest call in both runs whose inputs
-    agree and whose outputs do not, as the numeric ONNX check finds it (earliest to finish: a layer before the
-    block around it); else the first whose outputs differ, else the first whose gradients differ."""
-    calls = _calls(rows)
+    agree and whose outputs or parameters do not, as the numeric ONNX check finds it (earliest to finish: a layer
+    before the block around it); else the first whose outputs differ, else the first whose gradients differ.
+    A call the dump does not hold is among them where the dump holds what it read and wrote."""
+    calls = _calls(rows, not_held)
     _judge_added_error(calls)
 
     def named(row: DumpRow, kind: str, reason: str) -> Divergence:
         return Divergence(_call_name(row), row.key, row.call_index, row.group, kind, reason)
 
     for call in calls:
+        if not call.known:
+            continue
         for side, other in (("a", "b"), ("b", "a")):
             if any(getattr(r, f"nonfinite_{side}") for r in call.inputs):
                 continue
@@ -360,9 +488,14 @@ def _first_divergence(rows: list[DumpRow]) -> Divergence | None:
                 return named(overflowed[0], "overflow", f"overflow in {side}: its inputs are finite, its outputs "
                              f"hold inf/NaN where {other}'s are finite ({counts})")
     for call in calls:
-        if call.inputs and all(r.agrees for r in call.inputs) and not all(r.agrees for r in call.outputs):
-            bad = next(r for r in call.outputs if not r.agrees)
-            return named(call.outputs[0], "values", f"its inputs agree, {bad.name} does not"
+        if not call.known or not call.inputs or not all(r.agrees for r in call.inputs if not r.parameter):
+            continue
+        # a parameter is read, not computed: where it differs, the runs part at the first call that reads it
+        bad = next((r for r in call.inputs if not r.agrees), None) or next((r for r in call.outputs if not r.agrees),
+                                                                            None)
+        if bad is not None:
+            what = f"its parameter {bad.parameter} ({bad.name})" if bad.parameter else bad.name
+            return named(call.outputs[0], "values", f"its inputs agree, {what} does not"
                          + (f" ({bad.note})" if bad.note else ""))
     for prefix in ("output", "grad_input", ""):
         found = next((r for r in rows if not r.agrees and not r.one_sided and r.name.startswith(prefix)), None)
@@ -434,6 +567,7 @@ def compare_dumps(
         report.graph = graph_a or rb.graph()
         report.without_graph = [str(r.path) for r in (ra, rb) if GRAPH_DATASET not in r.file]
         a2b = _match_calls(ra, graph_a, rb)
+        parameters = _parameters(graph_a)
         b2a = {gb: ga for ga, gb in a2b.items()}
         order_a, order_b = ra.order(), rb.order()
         in_a, in_b = set(order_a), set(order_b)
@@ -444,8 +578,10 @@ def compare_dumps(
                 attrs = reader.group_attrs(gname)
                 key = str(attrs.get("module_key", gname))
                 path = str(attrs.get("module_path", ""))
+                call_index = int(attrs.get("call_index", 0))
                 row = DumpRow(gname, key, path, dname, reader.shape(gname, dname), None, None, None, False,
-                              function=str(attrs.get("function", "")), call_index=int(attrs.get("call_index", 0)))
+                              function=str(attrs.get("function", "")), call_index=call_index,
+                              parameter=parameters.get((key, call_index, dname), "") if reader is ra else "")
                 ga, gb = (gname, a2b.get(gname)) if reader is ra else (b2a.get(gname), gname)
                 if ga is None or gb is None or (ga, dname) not in in_a or (gb, dname) not in in_b:
                     row.note = "missing in b" if reader is ra else "missing in a"
@@ -456,34 +592,12 @@ def compare_dumps(
                     key_b = str(rb.group_attrs(gb).get("module_key", gb))
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
-    report.divergence = _first_divergence(report.rows)
-    report.first_divergence = report.divergence.name if report.divergence is not None else None
-    _place_first_divergence(report, graph_a)
+    not_held: dict[tuple[str, int], _NotHeld] = {}
+    if graph_a is not None:
+        report.rows, not_held = _read_not_held(report.rows, graph_a)
+    d = report.divergence = _first_divergence(report.rows, not_held)
+    report.first_divergence = d.name if d is not None else None
+    if d is not None and (d.key, d.call_index) in not_held:
+        report.starts_inside = (d.key, d.call_index)
     return report
 
-
-def _place_first_divergence(report: DumpReport, graph: Graph | None) -> None:
-    """Where the first divergence's call has differing inputs that are the output of a call the dump does not
-    hold (a ``Linear`` in a dump of function calls), that call: the difference starts inside it."""
-    d = report.divergence
-    if d is None or graph is None:
-        return
-    call2node = {(n.key, n.call_index): n for n in graph.nodes if n.kind in ("module", "function")}
-    node = call2node.get((d.key, d.call_index))
-    if node is None:
-        return
-    held = {(r.key, r.call_index) for r in report.rows}
-    differing = set()
-    for r in report.rows:
-        if r.group == d.group and r.name.startswith("input") and r.name[5:].isdigit() and not r.agrees:
-            i = int(r.name[5:])
-            if i < len(node.inputs):
-                differing.add(node.inputs[i].obj_id)
-    id2node = {n.id: n for n in graph.nodes}
-    for edge in graph.edges:
-        src = id2node.get(edge.src)
-        if edge.dst != node.id or edge.obj_id not in differing or src is None:
-            continue
-        if src.kind in ("module", "function") and (src.key, src.call_index) not in held:
-            report.starts_inside = (str(src.key), src.call_index)
-            return

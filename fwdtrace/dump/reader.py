@@ -127,8 +127,9 @@ class _Reader:
                     ds = group[dname]
                     self._dataset(ds, f"'{name}/{dname}'")
                     self._datasets[name, dname] = ds
-                typed = _bad_call_attrs({k: _attr(group.attrs[k]) for k in (*_STR_ATTRS, "call_index")
-                                         if k in group.attrs})
+                # read once, here: group_attrs() serves them from now on
+                attrs = self._group_attrs[name] = {k: _attr(v) for k, v in group.attrs.items()}
+                typed = _bad_call_attrs({k: attrs[k] for k in (*_STR_ATTRS, "call_index") if k in attrs})
                 if typed is not None:
                     raise self.error(f"where the call {name!r} {typed}")
                 self.groups.append((name, group))

@@ -50,6 +50,12 @@ class DumpRow:
     added: float | None = None
     # a difference no rounding explains but the dtype does: an argument that follows it (finfo.min), by statistics
     explained: str = ""
+    # the parameter or buffer an input is ("h.1.mlp.c_fc.weight"): stored, not computed, so judged by its dtypes alone
+    # (a float32 weight of an autocast run is no bfloat16 value)
+    parameter: str = ""
+    # a call the dump does not hold (a Linear in a dump of function calls): the held tensor this output of it was
+    # read as, the input of the call that took it in ("040_gelu/input0"); "" for a call the dump holds
+    read_as: str = ""
 
     @property
     def agrees(self) -> bool:
@@ -69,7 +75,7 @@ class Divergence:
     name: str  # as first_divergence names it: a module by its path, a function call by its key
     key: str
     call_index: int
-    group: str  # the call's group in dump a
+    group: str  # the call's group in dump a, "" for a call the dump does not hold (DumpRow.read_as)
     kind: str
     reason: str
 
@@ -93,8 +99,8 @@ class DumpReport:
     graph: Graph | None = field(default=None, repr=False)
     # the dumps that hold no graph (of module calls only): calls were matched by key and call order only
     without_graph: list[str] = field(default_factory=list)
-    # (key, call index) of the call, not held by the dump (a Linear in a dump of function calls), whose output
-    # first_call's differing inputs are: the difference starts inside it
+    # (key, call index) of the call first_divergence names where the dump does not hold it (a Linear in a dump of
+    # function calls): the difference starts inside it, its tensors read where the held calls around it take them
     starts_inside: tuple[str, int] | None = None
 
     @property
@@ -236,7 +242,7 @@ class DumpReport:
             nonfinite = f"inf/NaN {r.nonfinite_a} in a, {r.nonfinite_b} in b" if r.nonfinite_a or r.nonfinite_b else ""
             notes = "; ".join(n for n in (r.note, nonfinite) if n)
             body.append((
-                str(i), r.group, r.key + (f" (b: {r.key_b})" if r.key_b else ""), r.name, "x".join(map(str, r.shape)) or "scalar", _num(r.cosine),
+                str(i), r.group or "(not held)", r.key + (f" (b: {r.key_b})" if r.key_b else ""), r.name, "x".join(map(str, r.shape)) or "scalar", _num(r.cosine),
                 _num(r.max_abs), _num(r.max_rel), _num(r.norm_rel), _num(r.one_thousandth), _num(r.five_thousandths),
                 verdict + (f" ({notes})" if notes else ""),
             ))
@@ -270,7 +276,7 @@ class DumpReport:
             why = f" (call {d.call_index} of {d.key}: {d.reason})" if d is not None else ""
             if self.starts_inside is not None:
                 why += (f"; the difference starts inside {self.starts_inside[0]} (call {self.starts_inside[1]}), "
-                        "a call the dump does not hold, whose output it reads")
+                        "a call the dump does not hold: its outputs are read where the calls after it take them in")
             lines.append(f"{bad} of {len(self.rows)} tensors differ{within}; first divergence: {self.first_divergence}{why}")
         return "\n".join(lines)
 
