@@ -44,6 +44,7 @@ from .export import (
     _large,
     _quiet_exporter_logs,
     _write_onnx,
+    build_lazy_layers,
 )
 
 if TYPE_CHECKING:
@@ -374,6 +375,7 @@ def to_onnx(
     if not tensors_of((args, kwargs)):
         raise FwdtraceError("to_onnx() expected at least one tensor among the model's inputs, got none")
     _import_onnx()
+    build_lazy_layers(model, args, kwargs, "to_onnx()")
     token = _symbolic_calls.set({})
     try:
         with quiet("to_onnx()", verbose):
