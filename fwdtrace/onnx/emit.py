@@ -369,7 +369,8 @@ def to_onnx(
     inputs of the same shapes and dtypes. Sizes that depend on the values (the boxes a
     detector keeps, ``x[x > 0]``, NMS) are declared unknown, and the ops on them follow
     the values; but a size the model computed from them in Python (a ``view``'s shape,
-    ``topk``'s k) stays the example's. Inputs are named after ``forward``'s parameters
+    ``topk``'s k) stays the example's. Lazy layers not built yet are built first by one
+    call on the example, as :func:`fwdtrace.export_onnx` builds them. Inputs are named after ``forward``'s parameters
     (keyword inputs by their keywords); non-tensor inputs (``use_cache=True``) are fixed
     to their values. Outputs are the tensors of what the model returns, flattened from
     tuples, dicts, dataclasses, ``ModelOutput`` s and caches, named by their paths

@@ -88,7 +88,9 @@ def export_onnx(
     key and value tensors included (where the TorchScript exporter cannot export the cache,
     as on Mamba's, the export leaves it out and a :class:`~fwdtrace.errors.FwdtraceWarning`
     says so). When the exporter fails, the error names it, quotes its first line and
-    suggests the other exporter.
+    suggests the other exporter. A model whose lazy layers are not built yet (``nn.LazyLinear``
+    before its first call) is called once on the example first, in eval mode and without
+    gradients, to build them: the file holds the weights they are built with.
 
     What torch's exporters and onnxscript warn and print while they run is not shown: a
     warning in fwdtrace's words says what matters (a TorchScript trace that read values
