@@ -2406,3 +2406,41 @@ def test_two_writes_through_a_view_are_each_put_back(exporter: str) -> None:
     _replace_uses(p.graph, back.output[0], back.input[0])
     assert _differs(p, model, (x,))
     assert not fwdtrace.check_onnx(model, x, onnx=p).ok
+
+
+class _SizedByTheMask(torch.nn.Embedding):
+    """A positional embedding with a forward of its own that reads the mask for its length only."""
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(torch.arange(mask.shape[1], device=mask.device))
+
+
+class _PositionsFromTheMask(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.positions, self.head = torch.nn.Embedding(50, 8), _SizedByTheMask(16, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) + self.positions(mask))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_call_after_an_unopened_layer_that_reads_an_input_for_its_shape_pairs_on_a_graph_alone(
+        exporter: str, tmp_path) -> None:
+    # the positions are constants in the file (TorchScript drops the mask input, dynamo keeps it unread):
+    # the add after the layer reads the embedding and a constant, and the graph alone cannot say the layer
+    # reads more than the mask's shape
+    torch.manual_seed(0)
+    model = _PositionsFromTheMask().eval()
+    ids, mask = torch.randint(0, 50, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    path = str(tmp_path / "m.onnx")
+    proto = fwdtrace.export_onnx(model, ids, mask, exporter=exporter, path=path)
+    read = [t for t, name in ((ids, "ids"), (mask, "mask")) if name in {i.name for i in proto.graph.input}]
+    with torch.no_grad():
+        assert_runs_like_torch(proto, model(ids, mask), *read)
+        opened = fwdtrace.check_onnx(model, ids, mask, onnx=path)  # the reference: the layer opened, the same file
+        alone = fwdtrace.compare_onnx(fwdtrace.trace(model, ids, mask), path)
+    assert opened.status == "ok", opened.text
+    assert alone.status == "incomplete" and not alone.missing and not alone.extra and not alone.rewired, alone.text
+    assert alone.not_opened == ["positions (_SizedByTheMask)"]
+    assert any(label.startswith("add = ") for label, _ in alone.matched), alone.text

@@ -307,6 +307,30 @@ def test_attention_gives_a_fully_masked_query_row_zeros_as_eager(dtype: torch.dt
     assert report.ok, report.text
 
 
+class _GroupedQueryAttention(nn.Module):
+    def __init__(self, mask: bool) -> None:
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril() if self.mask else None
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_grouped_query_attention_shares_each_key_and_value_head_as_eager(mask: bool) -> None:
+    # 4 query heads over 2 key and value heads (transformers' Mistral and Llama without a mask): eager's CPU
+    # kernel pairs query heads 0-1 with key head 0 and 2-3 with key head 1
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    model = _GroupedQueryAttention(mask)
+    with torch.no_grad():
+        want = model(q, k, v)
+        proto = fwdtrace.to_onnx(model, q, k, v)
+    assert torch.allclose(want, model(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))  # eager's pairing
+    assert_matches(proto, {"q": q, "k": k, "v": v}, {"output": want})
+
+
 # -- transformers models from small configs -------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf():

@@ -569,3 +569,42 @@ class _Refuses(torch.nn.Module):
         if torch.onnx.is_in_onnx_export():
             raise ValueError("refuses to be exported")
         return x * 2
+
+
+class _Lazy(torch.nn.Module):
+    """Layers that take their sizes from their first input (``nn.Lazy*``): no weight exists before the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.LazyConv2d(4, 3, padding=1)
+        self.norm = torch.nn.LazyBatchNorm2d()
+        self.fc = torch.nn.LazyLinear(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize(("exporter", "isolate"), [("dynamo", False), ("torchscript", False), ("torchscript", True),
+                                                  ("fwdtrace", False)])
+def test_a_lazily_built_model_is_exported_before_its_first_call(exporter: str, isolate: bool, tmp_path) -> None:
+    # the layers are built by a call of the example inputs before the export (TorchScript's exporter and to_onnx
+    # read the weights first); the file holds the weights they were built with, and the model keeps them
+    torch.manual_seed(0)
+    model, x = _Lazy().eval(), torch.randn(2, 3, 8, 8)
+    path = tmp_path / "m.onnx"
+    if exporter == "fwdtrace":
+        proto = fwdtrace.to_onnx(model, x, path=path)
+    else:
+        proto = fwdtrace.export_onnx(model, x, exporter=exporter, path=path, isolate=isolate)
+    assert type(model.fc) is torch.nn.Linear
+    with torch.no_grad():
+        assert_runs_like_torch(proto, model(x), x)  # the reference: eager, on the weights the build drew
+        assert_runs_like_torch(onnx.load(str(path)), model(x), x)
+
+
+def test_a_lazily_built_model_that_cannot_run_its_example_is_an_error_naming_the_build() -> None:
+    model = _Lazy().train()
+    with pytest.raises(FwdtraceError, match=r"^export_onnx\(\) could not build _Lazy's lazy layers: its first call "
+                                            r"on float32\[2, 3\] raised "):
+        fwdtrace.export_onnx(model, torch.randn(2, 3), exporter="torchscript")
+    assert all(m.training for m in model.modules())  # the build's call in eval mode, the modes put back

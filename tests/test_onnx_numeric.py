@@ -18,6 +18,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import zoo
+from corpus import CellLoop
 
 import fwdtrace
 from fwdtrace import FwdtraceError
@@ -1130,26 +1131,11 @@ def test_a_std_computed_otherwise_in_the_file_still_diverges() -> None:
     assert report.status == "diverges" and not report.ok, str(report)[:3000]
 
 
-class _CellLoop(torch.nn.Module):
-    """torch's LSTMCell example: a cell stepped over the sequence from a given state, each step's h stacked."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cell = torch.nn.LSTMCell(10, 20)
-
-    def forward(self, x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor) -> torch.Tensor:
-        output = []
-        for step in x:
-            hx, cx = self.cell(step, (hx, cx))
-            output.append(hx)
-        return torch.stack(output, dim=0)
-
-
 def test_a_loop_of_lstm_cells_under_dynamo_is_no_false_divergence() -> None:
     # A guard: a looped LSTMCell was reported diverging on a peer suite while its outputs agreed to 7.5e-9;
     # batch 1 and 3, hidden 16, 20 and 64, 5 to 12 steps, with and without a state, train and eval all check ok here
     torch.manual_seed(0)
-    model, args = _CellLoop().eval(), (torch.randn(6, 3, 10), torch.randn(3, 20), torch.randn(3, 20))
+    model, args = CellLoop().eval(), (torch.randn(6, 3, 10), torch.randn(3, 20), torch.randn(3, 20))
     proto = fwdtrace.export_onnx(model, *args, exporter="dynamo")
     report = fwdtrace.check_onnx(model, *args, onnx=proto, numeric=True)
     feeds = {i.name: t.numpy() for i, t in zip(proto.graph.input, args, strict=True)}

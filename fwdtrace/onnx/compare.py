@@ -526,6 +526,10 @@ class _Matcher:
                                         "and its readers taken as its, unchecked (fwdtrace.onnx_equivalent declares "
                                         "a rule; numeric=True compares the values after it)"))
             extra = [oid for oid in extra if oid not in oids]
+        for tn in [n for n in lone_t if n.id in self.trace_succ and set(self.trace_succ[n.id]) <= set(self.unopened)]:
+            # read by layers not opened alone, perhaps for its shape (TorchScript then drops it from the file)
+            self.elided.append((tn.id, "read only by layers not opened, perhaps for its shape"))
+            lone_t.remove(tn)
         reordered = self._reordered()
         rewired = self._rewired() + [("order", gid, gid) for gid in reordered]
         outputs_fed: dict[int, list[str]] = {}
@@ -789,6 +793,13 @@ class _Matcher:
             strict = can_fold or simpler is not None
             skipped = 0 if strict else _UNOPENED_SKIPPED if through_unopened else MAX_SKIPPED
             found = self._find(tn, eq, reqs, max_skipped=skipped, anchored=simpler is None) if eq.patterns else None
+            if found is None and through_unopened and eq.patterns:
+                # what a layer not opened passed on it may have read for its shape alone (a positional
+                # embedding sized by the mask: a constant in the file), so the call may stand on the rest
+                known = list(dict.fromkeys(self.tensor_groups[r.obj_id] for r in data_in if r.obj_id in self.tensor_groups
+                                           and r.obj_id not in self.unopened_values - self.ruleless_values))
+                if known and len(known) < len(reqs):
+                    found = self._find(tn, eq, known, max_skipped=skipped, anchored=simpler is None)
             if found is not None:
                 key, region = found
                 self._new_group(tn.id, region, key)

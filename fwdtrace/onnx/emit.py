@@ -44,6 +44,7 @@ from .export import (
     _large,
     _quiet_exporter_logs,
     _write_onnx,
+    build_lazy_layers,
 )
 
 if TYPE_CHECKING:
@@ -122,38 +123,58 @@ def _default_opset() -> int:
     return int(_exporter().constants.TORCHLIB_OPSET)
 
 
-# Attention over a query row whose every key is masked (a left-padded decoder's pad positions under
-# the causal mask) is zeros in eager torch (its CPU kernel, and _safe_softmax on the math path);
-# torchlib's Softmax over a row of -inf is NaN. The ATen ops eager tracing records for
-# F.scaled_dot_product_attention with a mask (a bool mask arrives as 0 and -inf):
-_MASKED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu",)
+# Attention as eager torch computes it, where torchlib's differs. A query row whose every key is
+# masked (a left-padded decoder's pad positions under the causal mask) is zeros in eager torch (its
+# CPU kernel, and _safe_softmax on the math path); torchlib's Softmax over a row of -inf is NaN. And
+# the CPU kernel takes fewer key and value heads than query heads (grouped-query attention:
+# enable_gqa, transformers' Mistral and Llama without a mask), each shared by a group of query
+# heads, where torchlib's MatMul needs as many. The ATen ops eager tracing records for
+# F.scaled_dot_product_attention (a bool mask arrives as 0 and -inf):
+_EAGER_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu",)
 
 
 def _guard_masked_rows(registry: Any) -> None:
-    """Make torchlib's attention give zeros on a fully masked query row, as eager does."""
+    """Make torchlib's attention compute what eager's does: grouped key and value heads, fully masked rows."""
     ex = _exporter()
-    for name in _MASKED_ATTENTION:
+    for name in _EAGER_ATTENTION:
         target = getattr(torch.ops.aten, name).default
         decomps = registry.get_decomps(target)
         if decomps:
             registry._register(target, ex.registration.OnnxDecompMeta(
-                onnx_function=functools.partial(_emit_guarded_attention, decomps[0].onnx_function),
+                onnx_function=functools.partial(_emit_eager_attention, decomps[0].onnx_function),
                 fx_target=target, signature=None, is_custom=True, skip_signature_inference=True))
 
 
-def _emit_guarded_attention(attention: Any, *args: Any, **kwargs: Any) -> Any:
-    """torchlib's ``attention``, its output zero where the mask leaves a query row no key."""
-    out = attention(*args, **kwargs)
-    mask = kwargs.get("attn_mask")  # keyword-only in the op's schema
-    if mask is None:
-        return out
+def _emit_eager_attention(attention: Any, *args: Any, **kwargs: Any) -> Any:
+    """torchlib's ``attention`` on each query head's key and value head, its output zero where the mask
+    leaves a query row no key."""
     from onnxscript import ir
 
     op = _opset()
+    query, key, value, *rest_args = args
+    heads, groups = query.shape[-3] if query.shape else None, key.shape[-3] if key.shape else None
+    if isinstance(heads, int) and isinstance(groups, int) and heads != groups:
+        key, value = (_repeat_heads(op, t, heads // groups) for t in (key, value))
+    out = attention(query, key, value, *rest_args, **kwargs)
+    mask = kwargs.get("attn_mask")  # keyword-only in the op's schema
+    if mask is None:
+        return out
     result, *rest = out
     # the mask is added to the scores: a row whose largest entry is -inf attends to nothing
     no_key = op.Equal(op.ReduceMax(mask, [-1], keepdims=1), op.Constant(value=ir.tensor(float("-inf"), dtype=mask.dtype)))
-    return (op.Where(no_key, op.Constant(value=ir.tensor(0.0, dtype=args[0].dtype)), result), *rest)
+    return (op.Where(no_key, op.Constant(value=ir.tensor(0.0, dtype=query.dtype)), result), *rest)
+
+
+def _repeat_heads(op: Any, t: Any, times: int) -> Any:
+    """``t`` (batch..., heads, length, dim) with each head repeated ``times`` in place: ``repeat_interleave`` on heads."""
+    from onnxscript import ir
+
+    *batch, heads, length, dim = (int(d) for d in t.shape)
+    ints = lambda v: op.Constant(value=ir.tensor(v, dtype=ir.DataType.INT64))  # noqa: E731
+    grouped = op.Expand(op.Unsqueeze(t, ints([-3])), ints([*batch, heads, times, length, dim]))
+    out = op.Reshape(grouped, ints([*batch, heads * times, length, dim]))
+    out.shape, out.type = ir.Shape([*batch, heads * times, length, dim]), t.type  # torchlib's attention reads them
+    return out
 
 
 # -- what torchlib does not cover: symbolics the user registers -----------------------------------
@@ -348,7 +369,8 @@ def to_onnx(
     inputs of the same shapes and dtypes. Sizes that depend on the values (the boxes a
     detector keeps, ``x[x > 0]``, NMS) are declared unknown, and the ops on them follow
     the values; but a size the model computed from them in Python (a ``view``'s shape,
-    ``topk``'s k) stays the example's. Inputs are named after ``forward``'s parameters
+    ``topk``'s k) stays the example's. Lazy layers not built yet are built first by one
+    call on the example, as :func:`fwdtrace.export_onnx` builds them. Inputs are named after ``forward``'s parameters
     (keyword inputs by their keywords); non-tensor inputs (``use_cache=True``) are fixed
     to their values. Outputs are the tensors of what the model returns, flattened from
     tuples, dicts, dataclasses, ``ModelOutput`` s and caches, named by their paths
@@ -374,6 +396,7 @@ def to_onnx(
     if not tensors_of((args, kwargs)):
         raise FwdtraceError("to_onnx() expected at least one tensor among the model's inputs, got none")
     _import_onnx()
+    build_lazy_layers(model, args, kwargs, "to_onnx()")
     token = _symbolic_calls.set({})
     try:
         with quiet("to_onnx()", verbose):

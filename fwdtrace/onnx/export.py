@@ -25,7 +25,7 @@ import torch
 
 from .._files import AtomicFile
 from .._tree import tensors_of
-from ..errors import FwdtraceError, FwdtraceWarning, describe
+from ..errors import FwdtraceError, FwdtraceWarning, describe, one_line, shapes_text
 from ..graph import Graph
 from ..node import Scope, TensorRef
 from ._quiet import quiet, user_stacklevel
@@ -88,7 +88,9 @@ def export_onnx(
     key and value tensors included (where the TorchScript exporter cannot export the cache,
     as on Mamba's, the export leaves it out and a :class:`~fwdtrace.errors.FwdtraceWarning`
     says so). When the exporter fails, the error names it, quotes its first line and
-    suggests the other exporter.
+    suggests the other exporter. A model whose lazy layers are not built yet (``nn.LazyLinear``
+    before its first call) is called once on the example first, in eval mode and without
+    gradients, to build them: the file holds the weights they are built with.
 
     What torch's exporters and onnxscript warn and print while they run is not shown: a
     warning in fwdtrace's words says what matters (a TorchScript trace that read values
@@ -136,6 +138,7 @@ def _export(
     if exporter not in EXPORTERS:
         raise FwdtraceError(f"export_onnx() expected exporter 'dynamo' or 'torchscript', got {exporter!r}")
     _import_onnx()  # its error before any work
+    build_lazy_layers(model, args, kwargs, caller)
     if isolate:
         return _export_in_child(model, args, kwargs, exporter, opset_version, path, weights, verbose, caller)
     if not _large(model):
@@ -244,6 +247,29 @@ def _exporting_child(writer: Any, model: torch.nn.Module, args: tuple, kwargs: d
     said = [str(w.message) for w in caught if issubclass(w.category, FwdtraceWarning)]
     writer.send((outcome, text, said))
     writer.close()
+
+
+def build_lazy_layers(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], caller: str) -> None:
+    """Build the lazy layers (``nn.LazyLinear``...) of a model not called yet, by one call on the example inputs.
+
+    Until its first call such a layer's weights have no shape: the TorchScript exporter and
+    to_onnx read the weights before they run the model, and the model's size is unknown. The call
+    is the user's own first call, but in eval mode (a norm in training would move its statistics)
+    and without gradients; what it builds stays, as after a plain call.
+    """
+    if not any(torch.nn.parameter.is_lazy(t) for t in [*model.parameters(), *model.buffers()]):
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model.eval()
+            model(*args, **kwargs)
+    except Exception as e:
+        raise FwdtraceError(f"{caller} could not build {type(model).__name__}'s lazy layers: its first call on "
+                            f"{shapes_text(tensors_of((args, kwargs)))} raised {one_line(e)}") from e
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _large(model: torch.nn.Module) -> bool:
