@@ -20,7 +20,9 @@ On the device (under 5 minutes on one GPU), against the CPU or plain torch as re
 - ``recorder``: ``Recorder.track`` on the device model writes its files;
 - ``autocast``: a trace under autocast shows the low-precision edges, and a dump keeps them with
   its math record saying autocast;
-- ``compiled``: ``model.compile()`` (a counting backend: no C++ compiler needed) probed as eager.
+- ``compiled``: ``model.compile()`` (a counting backend: no C++ compiler needed) probed as eager;
+- ``statistics``: the statistics engine on the device gives the CPU's summaries, with no
+  synchronisation per tensor (CUDA's sync debug mode), and a statistics dump's cost against a plain step.
 
 Each row is pass or FAIL with what was measured; the script exits 1 if any failed. With
 ``--device cpu`` every path runs on the CPU at tiny sizes: it proves the script, not the GPU,
@@ -296,8 +298,57 @@ def check_compiled(device: torch.device, smoke: bool) -> Row:
                                          f"mean {means[1]:.6g} against eager {means[0]:.6g}")
 
 
+def check_statistics(device: torch.device, smoke: bool, folder: Path) -> Row:
+    """The statistics engine on the device: the CPU's summary (counts, extremes, bins exactly, moments to the
+    tensor's rounding), no synchronisation per tensor, and a statistics dump's cost against a plain step."""
+    from fwdtrace.statistics import as_dict, summarize
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(300_000, generator=g), torch.tensor([1.0, float("nan"), float("inf"), 0.0, -2.0]),
+               (torch.randn(5000, generator=g) * 1e3).half(), torch.randn(70_000, generator=g).bfloat16(),
+               torch.randn(4000, generator=g) * 1e-3 + 1]
+    same = True
+    for t in tensors:
+        cpu, dev = as_dict(summarize(t)), as_dict(summarize(t.to(device)).cpu())
+        exact = ("count", "finite", "nans", "infs", "zeros", "min", "max", "histogram", "bin_edges", "samples")
+        close = all(abs(cpu[k] - dev[k]) <= 1e-5 * (abs(cpu[k]) + cpu["std"]) for k in ("mean", "std", "norm")
+                    if cpu["finite"])
+        same = same and close and all(str(cpu[k]) == str(dev[k]) for k in exact)
+    details = [f"{len(tensors)} tensors: {'the CPU summaries' if same else 'NOT the CPU summaries'}"]
+    synced = "not checked (no CUDA)"
+    if device.type == "cuda":
+        moved = [t.to(device) for t in tensors]
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            vectors = [summarize(t) for t in moved]
+            synced = "no synchronisation"
+        except RuntimeError as e:
+            synced, same = f"SYNCHRONISED: {e}", False
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        del vectors
+    details.append(synced)
+    model = transformer().to(device).train()
+    x = torch.randn(8, 64, 32, device=device) if not smoke else torch.randn(2, 8, 32, device=device)
+
+    def plain() -> None:
+        model(x).square().mean().backward()
+
+    def dumped() -> None:
+        with fwdtrace.Dumper(folder / "stats", values="statistics", overwrite=True) as dumper:
+            dumper.register(model)
+            model(x).square().mean().backward()
+
+    repeats = 3 if smoke else 10
+    base, cost = _median_time(plain, device, repeats), _median_time(dumped, device, repeats)
+    details.append(f"statistics dump of a step {cost * 1e3:.3g} ms against a plain step {base * 1e3:.3g} ms "
+                   f"({cost / base:.2g}x)")
+    return "statistics engine on the device", same, "; ".join(details)
+
+
 CHECKS = [check_trace, check_overhead, check_probe, check_dump, check_analyze, check_numeric, check_to_onnx,
-          check_live, check_recorder, check_autocast, check_compiled]
+          check_live, check_recorder, check_autocast, check_compiled, check_statistics]
 
 
 def run(device: torch.device, smoke: bool, only: list[str] | None = None) -> list[Row]:

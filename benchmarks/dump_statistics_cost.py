@@ -1,25 +1,27 @@
-"""What a statistics dump of every call, every step, costs a training step, and how much file it writes.
+"""What a statistics dump of every step costs a training step, against a dump of the full tensors and the floor.
 
-    python benchmarks/dump_statistics_cost.py [--pairs 12] [--steps 5] [--threads 1] [--width 128] [--dir DIR]
+    python benchmarks/dump_statistics_cost.py [--model gpt2|encoder] [--calls modules,all] [--pairs 6] [--steps 3]
 
-The live-cost model (``live_cost.py``'s encoder: d=128, 4 layers, batch 8 x 64 tokens, 1 torch
-thread): training steps (forward, backward, SGD). Each row registers a ``Dumper`` on every step
-(``dumper.register(model, step=i)``) and closes its files at the end of each segment, so the
-files' writing and closing are inside the segment's clock. Rows: ``values="statistics"``,
-``background=True`` with ``calls="all"`` (every module and torch function call: the step's forward
-runs inside a trace), then ``calls="modules"``. The rows are timed in ``--pairs`` pairs of
-``--steps``-step segments, the plain model then the dumped one or the reverse, so each pair's ratio
-sees the same machine load on both sides; reported are the median ratios (wall time, and CPU
-time of the whole process: the training thread and the writer threads). "reductions" is the
-training thread's CPU inside the statistics' reductions (``fwdtrace.summary.summarize``), per
-step, against a plain step's CPU; "per step" is the size of one step's file. ``--width`` changes
-the encoder's width (the step's arithmetic grows with its square, the values summarised with it).
-``--without-reductions`` stores one small tensor's statistics for every tensor: what the trace, the hooks and
-the file cost without the reductions. Target: the ``calls="all"`` row under 5% of a plain step, a few KB per step.
+Models: ``gpt2``, transformers' GPT-2 with 4 layers of width 256 (batch 4 x 64 tokens), and ``encoder``,
+the live-service benchmark's encoder (d=128, 4 layers, batch 8 x 64); 1 torch thread. Training steps
+(forward, backward, SGD); each dumped row registers a ``Dumper`` on every step (``dumper.register(model,
+step=i)``) and closes its files at the end of each segment, so writing and closing are inside the clock.
 
-Last, the floor: the tensors one ``calls="all"`` step summarises (copies of them), each read once by
-``torch.sum`` in its own dtype, against a plain step (medians of ``--pairs`` alternating repeats): what
-any statistics computed from every value cost at the least, by torch's fastest pass on this machine.
+Rows, for each ``calls``:
+
+- ``statistics``: ``Dumper(values="statistics")``, every call's tensors summarised by ``fwdtrace.statistics``;
+- ``tensors``: ``Dumper(values="tensors")`` of the same calls: the bar a statistics dump must stay under;
+- ``without the reductions``: the statistics dump with each tensor's summary replaced by a stored one: what
+  the hooks, the trace (``calls="all"``) and the file cost;
+- ``no-op hooks`` (``calls="modules"``): a forward hook on every module that puts a no-op hook on each
+  output tensor's gradient: what attaching to every call and gradient costs at the least.
+
+Each row is timed in ``--pairs`` pairs of ``--steps``-step segments, the plain model then the dumped one or
+the reverse, so each pair's ratio sees the same machine load on both sides; reported are the medians of the
+pair ratios (wall time). Last, the floor: the tensors one step summarises (copies of them), each read once by
+``torch.sum`` in its own dtype, against a plain step: what any statistic computed from every value costs at
+the least. The targets: a statistics dump at most a tensor dump; ``calls="modules"`` within the no-op hooks
+plus 3 floors, ``calls="all"`` within its row without the reductions plus 3 floors.
 """
 
 from __future__ import annotations
@@ -29,142 +31,182 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import live_cost
 import torch
-from bench_models import TransformerEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's fwdtrace
 import fwdtrace  # noqa: E402
 import fwdtrace.dump  # noqa: E402
 
 
-def train(model: torch.nn.Module, x: torch.Tensor, dumper: fwdtrace.Dumper | None, first: int, n: int) -> None:
-    """``n`` of live_cost.py's training steps, each dumped by ``dumper`` when given; its files closed after."""
-    if dumper is None:
-        live_cost.train(model, x, n)
-        return
-
-    def next_step(i: int) -> None:
-        if i + 1 < n:
-            dumper.register(model, step=first + i + 1)
-
-    dumper.register(model, step=first)
-    live_cost.train(model, x, n, after=next_step)
-    dumper.remove()
-
-
-class Reductions:
-    """The training thread's CPU time inside ``summarize``, wrapped where the dumper calls it; with ``skip``, one
-    small tensor's vector for every tensor (what the dump costs besides its reductions)."""
-
-    def __init__(self, skip: bool = False) -> None:
-        self.seconds = 0.0
-        self.calls = 0
-        self.original = fwdtrace.dump.record.summarize
-        self.skipped = self.original(torch.arange(8.0)) if skip else None
-        fwdtrace.dump.record.summarize = self  # type: ignore[assignment]
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        start = time.thread_time()
-        try:
-            return self.original(t) if self.skipped is None else self.skipped.clone()
-        finally:
-            self.seconds += time.thread_time() - start
-            self.calls += 1
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=5, help="training steps per segment")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
-    parser.add_argument("--width", type=int, default=128, help="the encoder's width d (live_cost.py's: 128)")
-    parser.add_argument("--dir", default=None, help="where to write the dumps (default: a temporary folder)")
-    parser.add_argument("--without-reductions", action="store_true",
-                        help="store one small tensor's statistics for every tensor: what the rest of the dump costs")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def make(name: str) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """The model and one training step of it."""
     torch.manual_seed(0)
-    model, x = TransformerEncoder(d=args.width, layers=4, heads=8), torch.randn(8, 64, args.width)
-    reductions = Reductions(skip=args.without_reductions)
-    rows: list[tuple[str, dict[str, Any]]] = [
-        ('statistics, calls="all", background=True', {"calls": "all"}),
-        ('statistics, calls="modules", background=True', {"calls": "modules"}),
-    ]
-    print(("WITHOUT the reductions (every tensor stored as one small tensor's statistics); " if args.without_reductions
-           else "") + f"encoder d={args.width} x 4 layers, batch 8 x 64, {args.threads} torch thread(s); {args.pairs} pairs of "
-          f"{args.steps}-step segments per row; medians of the pair ratios")
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        train(model, x, None, 0, 3)  # warm-up
-        for label, options in rows:
-            dumper = fwdtrace.Dumper(Path(tmp) / options["calls"], values="statistics", background=True,
-                                     overwrite=True, **options)
-            train(model, x, dumper, 0, 1)  # warm-up: imports, the first file
-            wall: list[float] = []
-            cpu: list[float] = []
-            plain_cpu: list[float] = []
-            reduction_seconds = 0.0
-            reduction_calls = 0
-            for pair in range(args.pairs):
-                times = {}
-                for dumped in ((False, True) if pair % 2 == 0 else (True, False)):
-                    before = reductions.seconds, reductions.calls
-                    start_wall, start_cpu = time.perf_counter(), time.process_time()
-                    train(model, x, dumper if dumped else None, pair * args.steps, args.steps)
-                    times[dumped] = (time.perf_counter() - start_wall, time.process_time() - start_cpu)
-                    if dumped:
-                        reduction_seconds += reductions.seconds - before[0]
-                        reduction_calls += reductions.calls - before[1]
-                wall.append(times[True][0] / times[False][0])
-                cpu.append(times[True][1] / times[False][1])
-                plain_cpu.append(times[False][1] / args.steps)
-            sizes = [p.stat().st_size for p in dumper.paths]
-            steps = args.pairs * args.steps
-            per_step = reduction_seconds / steps
-            print(f"  {label}: wall {statistics.median(wall) - 1:+.1%}, CPU {statistics.median(cpu) - 1:+.1%} "
-                  f"of a plain step ({statistics.median(plain_cpu) * 1e3:.1f} ms CPU); reductions "
-                  f"{per_step * 1e3:.1f} ms ({per_step / statistics.median(plain_cpu):.1%}, "
-                  f"{reduction_calls / steps:.0f} tensors summarised per step); "
-                  f"{statistics.median(sizes) / 1e3:.0f} KB per step")
-        if not args.without_reductions:
-            floor(model, x, tmp, args.pairs)
+    if name == "gpt2":
+        import transformers
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        transformers.logging.set_verbosity_error()
+        config = GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=1000, n_positions=128,
+                            attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+        model: torch.nn.Module = GPT2LMHeadModel(config)
+        ids = torch.randint(0, 1000, (4, 64))
+
+        def forward() -> torch.Tensor:
+            return model(input_ids=ids, labels=ids).loss
+    else:
+        from bench_models import TransformerEncoder
+
+        model = TransformerEncoder(d=128, layers=4, heads=8)
+        x = torch.randn(8, 64, 128)
+
+        def forward() -> torch.Tensor:
+            return model(x).pow(2).mean()
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        forward().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, step
 
 
-def floor(model: torch.nn.Module, x: torch.Tensor, directory: str, repeats: int) -> None:
-    """Print one read pass over a ``calls="all"`` step's summarised tensors against a plain step."""
+class NoOpHooks:
+    """A forward hook on every module that puts a no-op hook on each output tensor's gradient."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.handles: list[Any] = []
+
+    def register(self, model: torch.nn.Module, step: int = 0) -> None:
+        if self.handles:
+            return
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            for t in (output if isinstance(output, tuple) else (output,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g: None)
+
+        self.handles = [m.register_forward_hook(hook) for m in model.modules()]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class Skipped:
+    """The dump's summaries replaced by one stored vector: what the rest of a statistics dump costs."""
+
+    def __init__(self) -> None:
+        self.original = fwdtrace.dump.record.summarize
+        self.vector = self.original(torch.arange(8.0))
+
+    def __enter__(self) -> None:
+        fwdtrace.dump.record.summarize = lambda t: self.vector.clone()  # type: ignore[assignment]
+
+    def __exit__(self, *exc: object) -> None:
+        fwdtrace.dump.record.summarize = self.original  # type: ignore[assignment]
+
+
+def segment(model: torch.nn.Module, step: Callable[[], None], tool: Any, first: int, n: int) -> float:
+    """Seconds for ``n`` steps, each registered with ``tool`` (None: plain); its files closed after."""
+    start = time.perf_counter()
+    for i in range(n):
+        if tool is not None:
+            tool.register(model, step=first + i)
+        step()
+    if tool is not None:
+        tool.remove()
+    elapsed = time.perf_counter() - start
+    for path in getattr(tool, "paths", None) or []:  # a tensor dump's files are GBs: off the disk (tmpfs: memory)
+        path.unlink(missing_ok=True)
+    return elapsed
+
+
+def ratio(model: torch.nn.Module, step: Callable[[], None], tool: Any, pairs: int, steps: int) -> tuple[float, float]:
+    """The median ratio of a segment with ``tool`` to one without, and the median plain step in seconds."""
+    segment(model, step, tool, 0, 1)  # warm-up: imports, the first file
+    ratios, plain = [], []
+    for pair in range(pairs):
+        times = {}
+        for tooled in ((False, True) if pair % 2 == 0 else (True, False)):
+            times[tooled] = segment(model, step, tool if tooled else None, pair * steps, steps)
+        ratios.append(times[True] / times[False])
+        plain.append(times[False] / steps)
+    return statistics.median(ratios), statistics.median(plain)
+
+
+def floor(model: torch.nn.Module, step: Callable[[], None], calls: str, folder: Path, repeats: int) -> float:
+    """One ``torch.sum`` over every tensor a ``calls`` statistics dump summarises, as a share of a plain step."""
     taken: list[torch.Tensor] = []
     original = fwdtrace.dump.record.summarize
 
     def take(t: torch.Tensor) -> torch.Tensor:
-        taken.append(t.detach().clone())
+        taken.append(t.detach().clone().reshape(-1))
         return original(t)
 
     fwdtrace.dump.record.summarize = take  # type: ignore[assignment]
     try:
-        train(model, x, fwdtrace.Dumper(Path(directory) / "floor", values="statistics", calls="all", overwrite=True),
-              0, 1)
+        segment(model, step, fwdtrace.Dumper(folder / "floor", values="statistics", calls=calls, overwrite=True), 0, 1)
     finally:
-        fwdtrace.dump.record.summarize = original
-    flat = [t.reshape(-1) for t in taken]
-    step: list[float] = []
-    passes: list[float] = []
+        fwdtrace.dump.record.summarize = original  # type: ignore[assignment]
+    shares = []
     for _ in range(repeats):
+        plain = segment(model, step, None, 0, 1)
         start = time.perf_counter()
-        live_cost.train(model, x, 1)
-        step.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for t in flat:
+        for t in taken:
             t.sum()
-        passes.append(time.perf_counter() - start)
-    values = sum(t.numel() for t in flat)
-    nbytes = sum(t.numel() * t.element_size() for t in flat)
-    print(f"  floor: one torch.sum pass over the {len(flat)} tensors a step summarises ({values / 1e6:.1f} M values, "
-          f"{nbytes / 1e6:.0f} MB) takes {statistics.median(passes) * 1e3:.2f} ms, "
-          f"{statistics.median(passes) / statistics.median(step):.1%} of a plain step "
-          f"({statistics.median(step) * 1e3:.1f} ms)")
+        shares.append((time.perf_counter() - start) / plain)
+    values = sum(t.numel() for t in taken)
+    print(f"    floor: one torch.sum over the {len(taken)} tensors a step summarises ({values / 1e6:.1f} M values) "
+          f"costs {statistics.median(shares):.3f} of a plain step")
+    return statistics.median(shares)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2", choices=("gpt2", "encoder"))
+    parser.add_argument("--calls", default="modules,all")
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per segment")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, step = make(args.model)
+    for _ in range(3):
+        step()
+    print(f"{args.model}, {args.threads} torch thread(s); {args.pairs} pairs of {args.steps}-step segments per row; "
+          "medians of the pair ratios (a dumped step against a plain one)")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for calls in args.calls.split(","):
+            print(f'  calls="{calls}":')
+            rows: dict[str, float] = {}
+
+            def dumper(values: str, calls: str = calls) -> fwdtrace.Dumper:
+                return fwdtrace.Dumper(folder / f"{calls}-{values}", values=values, calls=calls, overwrite=True)
+
+            rows["statistics"], plain = ratio(model, step, dumper("statistics"), args.pairs, args.steps)
+            rows["tensors"], _ = ratio(model, step, dumper("tensors"), args.pairs, args.steps)
+            with Skipped():
+                rows["without the reductions"], _ = ratio(model, step, dumper("statistics"), args.pairs, args.steps)
+            if calls == "modules":
+                rows["no-op hooks"], _ = ratio(model, step, NoOpHooks(model), args.pairs, args.steps)
+            for name, value in rows.items():
+                print(f"    {name}: {value:.2f}x a plain step ({plain * 1e3:.1f} ms)")
+            share = floor(model, step, calls, folder, args.pairs)
+            base = rows["no-op hooks"] if calls == "modules" else rows["without the reductions"]
+            bound = base + 3 * share
+            print(f"    target: statistics <= tensors ({rows['statistics']:.2f}x against {rows['tensors']:.2f}x: "
+                  f"{'met' if rows['statistics'] <= rows['tensors'] else 'not met'}); statistics <= "
+                  f"{'no-op hooks' if calls == 'modules' else 'without the reductions'} + 3 floors = {bound:.2f}x "
+                  f"({'met' if rows['statistics'] <= bound else 'not met'})")
 
 
 if __name__ == "__main__":

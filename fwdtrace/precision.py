@@ -275,9 +275,11 @@ def _float64(x: torch.Tensor | Any) -> Any:
     import numpy as np
 
     if isinstance(x, torch.Tensor):
-        x = x.detach().cpu()
+        from ._host import host, to_numpy
+
+        x = host(x)  # cast on the host, after the copy
         x = torch.view_as_real(x.to(torch.complex128)) if x.is_complex() else x.to(torch.float64)
-        return x.reshape(-1).numpy()
+        return to_numpy(x.reshape(-1))
     x = np.asarray(x)
     return (x.astype(np.complex128).view(np.float64) if np.iscomplexobj(x) else x.astype(np.float64, copy=False)
             ).reshape(-1)

@@ -34,7 +34,8 @@ def power_of_two_bins(low: float, high: float, bins: int) -> tuple[int, int]:
         return math.floor(x / Fraction(2) ** e)
 
     magnitude = max(abs(lo), abs(hi), Fraction(1))
-    finest = next(e for e in range(-1100, 1100) if Fraction(2) ** e > magnitude) - 40  # 2**-40 of the magnitude
+    largest = max(abs(lo), abs(hi))  # bins at least 2**-40 of it (of 1 where every value is 0)
+    finest = (next(e for e in range(-1100, 1100) if Fraction(2) ** e > largest) if largest else 0) - 40
     if lo == hi:
         per_bin = magnitude * Fraction(1, 1024) / bins
         exponent = next(e for e in range(-1074, 1100) if Fraction(2) ** e >= per_bin)

@@ -31,7 +31,7 @@ def test_the_smoke_run_writes_a_passing_table(tmp_path: Path) -> None:
 
 def test_every_check_is_listed_in_the_docstring() -> None:
     script = _script()
-    assert len(script.CHECKS) == 11 and script.__doc__.count("\n- ``") == len(script.CHECKS)
+    assert len(script.CHECKS) == 12 and script.__doc__.count("\n- ``") == len(script.CHECKS)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the script would run on it")

@@ -359,7 +359,8 @@ class _Recording:
             try:
                 if isinstance(t, tuple):  # summarised inside the compiled graph: (vector, shape, dtype)
                     summary, shape, dtype = t
-                    self.packed.add(call.name, name, to_numpy(summary), list(shape), dtype)
+                    self.packed.add(call.name, name, HostCopy(summary) if summary.is_cuda else to_numpy(summary),
+                                    list(shape), dtype)
                 else:
                     self.packed.add(call.name, name, self._summary(t), list(t.shape), dtype_name(t.dtype))
             except Exception as e:
@@ -421,8 +422,8 @@ class _Recording:
         """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per tensor and
         version (a layer's output is the next layer's input, one gradient two calls'), one host copy each.
 
-        A CUDA tensor's vector is copied without waiting when a writer thread takes it (it waits for the
-        copy); else the copy is made here.
+        A CUDA tensor's vector is copied without waiting when the step's packed matrix or a writer thread takes
+        it (the matrix's writing, or the thread, waits for the copy); else the copy is made here.
         """
         try:
             version: int | None = t._version
@@ -432,8 +433,10 @@ class _Recording:
         if found is not None and found[0]() is t and found[1] == version:
             return found[2]
         vector = summarize(t)
-        values: np.ndarray | HostCopy = HostCopy(vector) if vector.is_cuda and self.writer is not None \
-            else to_numpy(vector)
+        # a CUDA vector's copy starts now and is waited for when the step's matrix is written (packed) or by the
+        # writer thread: no synchronisation per tensor
+        on_its_way = vector.is_cuda and (self.writer is not None or self.packed is not None)
+        values: np.ndarray | HostCopy = HostCopy(vector) if on_its_way else to_numpy(vector)
         if version is not None:
             self.summaries[id(t)] = (weakref.ref(t), version, values)
         return values

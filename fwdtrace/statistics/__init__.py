@@ -1,5 +1,7 @@
 """One engine for every statistic fwdtrace stores: a tensor's summary as one small vector.
 
+>>> import torch
+>>> from fwdtrace.statistics import as_dict, summarize
 >>> d = as_dict(summarize(torch.tensor([1.0, 2.0, float("nan"), 0.0])))
 >>> d["count"], d["nans"], d["zeros"], d["mean"], d["histogram"][d["histogram"].index(1.0)]
 (4.0, 1.0, 1.0, 1.0, 1.0)

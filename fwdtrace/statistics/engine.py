@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from .._host import to_numpy
 from .rule import (
     _COUNT,
     _EMPTY,
@@ -27,6 +28,7 @@ from .rule import (
     _NANS,
     _NORM,
     _OVER,
+    _SCALES,
     _STD,
     _WEYL,
     _ZEROS,
@@ -81,7 +83,7 @@ def place(low: torch.Tensor, high: torch.Tensor, bins: int, least: torch.Tensor 
     exp2 = exp2 + shift + halves.to(exp2.dtype)
     # a range: from a rounding below the least that fits; a single value: 2**ceil(log2(width per bin))
     exponent = torch.where(high > low, exp2 - 2.0, exp2 - (mantissa == 0.5).to(torch.float64))
-    floor = torch.frexp(magnitude)[1].to(torch.float64) - _FINEST
+    floor = torch.frexp(torch.maximum(low.abs(), high.abs()))[1].to(torch.float64) - _FINEST
     if least is not None:
         floor = torch.maximum(floor, least.to(torch.float64))
     exponent = torch.maximum(exponent.to(torch.float64), floor).clamp(_MIN_EXPONENT, _MAX_EXPONENT)
@@ -92,8 +94,10 @@ def place(low: torch.Tensor, high: torch.Tensor, bins: int, least: torch.Tensor 
 
 
 def _floor_scaled(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
-    """``floor(x / 2**exponent)`` exactly (a negative value rounding to -0.0 is in bin -1)."""
-    scaled = torch.ldexp(x, -exponent)
+    """``floor(x / 2**exponent)`` exactly (a negative value rounding to -0.0 is in bin -1). Scaled in two steps:
+    torch's ``ldexp`` multiplies by ``2**k``, itself past float64 beyond ``k = 1023``."""
+    half = torch.floor(-exponent / 2)
+    scaled = torch.ldexp(torch.ldexp(x, half), -exponent - half)
     return torch.where((scaled == 0) & (x < 0), -1.0, torch.floor(scaled))
 
 
@@ -149,6 +153,7 @@ def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequ
     passes (:func:`_moments`) per block of :data:`BLOCK` values, read with one conversion to Python numbers, then
     its histogram from its sampled values in NumPy.
 
+    >>> from fwdtrace.statistics import as_dict
     >>> m = summarize_all([torch.arange(4.0), torch.ones(3)])
     >>> m.shape, as_dict(m[0])["max"], as_dict(m[1])["std"]
     (torch.Size([2, 38]), 3.0, 0.0)
@@ -160,7 +165,7 @@ def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequ
         flat = _flat(t)
         heads.append(_head(flat))
         g = flat.index_select(0, _gather_index(flat.numel()))
-        gathered.append((g if g.dtype in (torch.float32, torch.float64) else g.to(_work_dtype(g.dtype))).numpy())
+        gathered.append(to_numpy(g, g.dtype if g.dtype in (torch.float32, torch.float64) else _work_dtype(g.dtype)))
         counts.append(flat.numel())
     return _assemble(heads, gathered, counts, bins, edges)
 
@@ -249,13 +254,14 @@ def _assemble(heads: list[list[float]], gathered: list[np.ndarray], counts: list
             exponent, start = place_float(head[_MIN], head[_MAX], bins)
             # values * 2**-exponent is exact (in the values' own dtype: only the exponent changes), its floor the
             # bin's number. Every value lies in [min, max], inside the bins (but for one bin across 0). Scaled down
-            # (bins wider than 1) a tiny negative value may round to -0.0, in bin -1: checked then.
-            if exponent > 0 or bins == 1:
+            # (bins wider than 1) a tiny negative value may round to -0.0, in bin -1, and a scale past the dtype's
+            # range is no number: the general route then.
+            if not 0 <= -exponent <= (126 if values.dtype == np.float32 else 1000) or bins == 1:
                 index = _floor_float_array(values.astype(np.float64), exponent) - start
                 under, over = int((index < 0).sum()), int((index >= bins).sum())
                 index = index[(index >= 0) & (index < bins)]
-            else:
-                index = np.floor(np.ldexp(values, -exponent)).astype(np.intp) - start
+            else:  # a power of two at least 1, in the values' dtype: the product is exact
+                index = np.floor(values * values.dtype.type(_SCALES[-exponent])).astype(np.intp) - start
         else:
             index = np.zeros(0, dtype=np.intp)
         out[i, _EXP:_OVER + 1] = exponent, start, under, over
@@ -279,7 +285,7 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int, b
         inside = (wanted >= offset) & (wanted < offset + n)  # in the order the whole tensor's are gathered
         gathered[inside] = flat.index_select(0, wanted[inside] - offset).to(torch.float64)
         offset += n
-    return _assemble([_merge_heads(heads)], [gathered.numpy()], [count], bins, None)[0]
+    return _assemble([_merge_heads(heads)], [to_numpy(gathered)], [count], bins, None)[0]
 
 
 def _head(flat: torch.Tensor) -> list[float]:
@@ -323,6 +329,7 @@ def summarize_in_graph(flat: torch.Tensor, bins: int = BINS, edges: Sequence[flo
 
     The same numbers as the CPU's route, its sums in float64 (float32 on a device without it).
 
+    >>> from fwdtrace.statistics import as_dict
     >>> v = summarize_in_graph(torch.tensor([1.0, 2.0, float("inf"), 3.0]))
     >>> as_dict(v)["mean"], as_dict(v)["infs"], sum(as_dict(v)["histogram"])
     (2.0, 1.0, 3.0)
@@ -389,6 +396,7 @@ def summarize_in_graph(flat: torch.Tensor, bins: int = BINS, edges: Sequence[flo
 def summarize(t: torch.Tensor, bins: int = BINS, edges: Sequence[float] | None = None) -> torch.Tensor:
     """The summary vector of ``t`` (see the module's docstring), on ``t``'s device.
 
+    >>> from fwdtrace.statistics import as_dict
     >>> v = summarize(torch.tensor([1.0, 2.0, float("nan"), 3.0]))
     >>> as_dict(v)["mean"], as_dict(v)["nans"], as_dict(v)["samples"][:2]
     (2.0, 1.0, [1.0, 2.0])

@@ -108,14 +108,26 @@ def place_float(low: float, high: float, bins: int, least: int | None = None) ->
         mantissa, shift = math.frexp(mantissa / bins)
         exp2 += shift + halves
     exponent = exp2 - 2 if high > low else exp2 - (mantissa == 0.5)
-    floor = max(_MIN_EXPONENT, math.frexp(magnitude)[1] - _FINEST, least if least is not None else _MIN_EXPONENT)
+    floor = max(_MIN_EXPONENT, math.frexp(max(abs(low), abs(high)))[1] - _FINEST,
+                least if least is not None else _MIN_EXPONENT)
     exponent = min(max(exponent, floor), _MAX_EXPONENT)
+    # floor(x / 2**e) by a multiplication, exact where the scale is a normal float of at least 1 (a value scaled
+    # up stays within 2**(_FINEST + 1) and never rounds to -0.0); else by _floor_float
+    floor_at = _floor_fast if -1000 < exponent <= 0 else _floor_float
     for _ in range(4):
-        if _floor_float(high, exponent) - _floor_float(low, exponent) <= bins - 1:
+        if floor_at(high, exponent) - floor_at(low, exponent) <= bins - 1:
             break
         exponent = min(exponent + 1, _MAX_EXPONENT)
-    lo_bin, hi_bin = _floor_float(low, exponent), _floor_float(high, exponent)
+        floor_at = _floor_fast if -1000 < exponent <= 0 else _floor_float
+    lo_bin, hi_bin = floor_at(low, exponent), floor_at(high, exponent)
     return exponent, lo_bin - max(bins - 1 - (hi_bin - lo_bin), 0) // 2
+
+
+def _floor_fast(x: float, exponent: int) -> int:
+    return math.floor(x * _SCALES[-exponent])
+
+
+_SCALES = [2.0**k for k in range(1001)]  # 2**-exponent for the exponents _floor_fast takes
 
 
 def _floor_float_array(values: np.ndarray, exponent: int) -> np.ndarray:
