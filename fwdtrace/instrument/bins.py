@@ -182,8 +182,7 @@ class SteadyBins:
 
         Returns what ``values`` alone added: ``(counts, underflow, overflow)`` on the edges now in use.
         """
-        vector = self.summarize(values) if vector is None else vector
-        d = as_dict(vector, self.bins)
+        vector = d = as_dict(self.summarize(values) if vector is None else vector, self.bins)  # read once
         if d["finite"]:
             self.fit(d["min"], d["max"])
         if not self._counts_of(vector)[3]:  # its bins wider than ours: counted again, on ours
@@ -196,7 +195,7 @@ class SteadyBins:
         self.nonfinite += int(d["nans"] + d["infs"])
         if d["finite"]:
             self.fit(d["min"], d["max"])
-        counts, under, over, _ = self._counts_of(vector)
+        counts, under, over, _ = self._counts_of(d)
         self.underflow += under
         self.overflow += over
         self.counts += counts

@@ -11,6 +11,7 @@ import math
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._tree import tensor_text
@@ -226,7 +227,8 @@ class RunningStats:
             return
         placed = place_float(min(self.min, other.min), max(self.max, other.max), self.bins,
                              least=max(self._placed[0], other._placed[0]))
-        mine = rebin(self.histogram, *self._placed, *placed)
+        same = (np.asarray(self.histogram, dtype=np.float64), 0.0, 0.0)  # bins already the merged ones: as they are
+        mine = same if placed == self._placed else rebin(self.histogram, *self._placed, *placed)
         theirs = rebin(other.histogram, *other._placed, *placed)
         self.histogram = [int(a + b) for a, b in zip(mine[0], theirs[0], strict=True)]
         self.underflow += int(mine[1] + theirs[1])

@@ -47,6 +47,7 @@ from ..instrument.ingraph import Slot
 from ..instrument.keys import key2module, select_keys
 from ..instrument.params import PARAMETER_KINDS, module_parameters, parameter_value
 from ..instrument.stats import RunningStats
+from ..statistics.rule import as_dict
 from .scalars import ScalarLog
 
 __all__ = ["Sampler", "SamplerClosed", "KindRefused", "Arm", "Series", "KINDS", "ROLES"]
@@ -89,7 +90,7 @@ class Series:
         """Add a numeric tensor; its own statistics and histogram."""
         if t.layout != torch.strided:  # a sparse gradient (Embedding(sparse=True)): the values it stands for
             t = t.to_dense()
-        vector = self.bins.summarize(t).cpu()  # once (fwdtrace.statistics), for the moments and the bins
+        vector = as_dict(self.bins.summarize(t), self.bins.bins)  # once (fwdtrace.statistics): moments and bins
         sample = RunningStats(histogram=False)
         sample.add_summary(vector)
         with self.lock:

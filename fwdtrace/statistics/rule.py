@@ -76,6 +76,16 @@ def rebin(counts: Sequence[float] | np.ndarray, exponent: int, start: int, to_ex
     counts = np.asarray(counts, dtype=np.float64)
     bins = counts.size
     shift = round(exponent) - round(to_exponent)
+    if shift == 0 and abs(start - to_start) < bins:  # the same width: a shift by whole bins
+        offset = round(start) - round(to_start)
+        out = np.zeros(bins, dtype=np.float64)
+        out[max(offset, 0):bins + min(offset, 0)] = counts[max(-offset, 0):bins - max(offset, 0)]
+        return out, float(counts[:max(-offset, 0)].sum()), float(counts[bins - max(offset, 0):].sum())
+    if -60 < shift <= 0 and abs(start) < 2**60 and abs(to_start) < 2**60:  # in int64, at once (the common case)
+        index = ((round(start) + np.arange(bins, dtype=np.int64)) >> -shift) - round(to_start)
+        inside = (index >= 0) & (index < bins)
+        out = np.bincount(index[inside], weights=counts[inside], minlength=bins)[:bins].astype(np.float64)
+        return out, float(counts[index < 0].sum()), float(counts[index >= bins].sum())
     out = np.zeros(bins, dtype=np.float64)
     under = over = 0.0
     for j, c in enumerate(counts.tolist()):
@@ -151,8 +161,11 @@ def as_dict(vector: Any, bins: int | None = None) -> dict[str, Any]:
     Python numbers; ``bins``: the vector's histogram bins, where not :data:`BINS`.
 
     The samples are those present (a tensor of fewer than :data:`SAMPLES` values has fewer); ``bin_edges`` is
-    empty where the vector's bins were given edges or the tensor had no finite value.
+    empty where the vector's bins were given edges or the tensor had no finite value. A dict (a vector read
+    already) is returned as it is.
     """
+    if isinstance(vector, dict):  # read already
+        return vector
     values = [float(v) for v in (vector.tolist() if hasattr(vector, "tolist") else vector)]
     bins = BINS if bins is None else bins
     out: dict[str, Any] = dict(zip(FIELDS, values, strict=False))
@@ -160,7 +173,13 @@ def as_dict(vector: Any, bins: int | None = None) -> dict[str, Any]:
     count = int(out["count"]) if math.isfinite(out["count"]) else 0
     out["samples"] = values[_HEAD + bins:_HEAD + bins + min(SAMPLES, count)]
     e, s = out["bin_exponent"], out["bin_start"]
-    out["bin_edges"] = [_edge(s + i, int(e)) for i in range(bins + 1)] if math.isfinite(e) else []
+    if not math.isfinite(e):
+        out["bin_edges"] = []
+    elif -1000 < e < 1000 and abs(s) + bins < 2**52:  # exact as float64 products: in one pass
+        scale = math.ldexp(1.0, int(e))
+        out["bin_edges"] = [(s + i) * scale for i in range(bins + 1)]
+    else:
+        out["bin_edges"] = [_edge(s + i, int(e)) for i in range(bins + 1)]
     return out
 
 
