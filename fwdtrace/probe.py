@@ -682,8 +682,10 @@ class Probe:
         (1.3333, 0.3333333333333333)
 
         ``of`` is ``input``, ``output``, ``grad_input`` or ``grad_output``; every tensor of
-        every call merges into one :class:`~fwdtrace.instrument.stats.RunningStats` per key, at a cost
-        per call proportional to the tensors' size and independent of the steps before.
+        every call is summarised by :mod:`fwdtrace.statistics` and merged into one
+        :class:`~fwdtrace.instrument.stats.RunningStats` per key, at a cost per call proportional to the
+        tensors' size and independent of the steps before. The histogram has ``bins`` power-of-two bins
+        that widen as values arrive, or ``bins`` equal bins over ``range`` (values outside counted apart).
         """
         if of not in _KINDS:
             raise FwdtraceError(f"running_stats() expected of= one of {', '.join(_KINDS)}, got {of!r}")
