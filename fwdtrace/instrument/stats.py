@@ -147,10 +147,12 @@ class RunningStats:
         """Merge in one :mod:`fwdtrace.statistics` summary vector counted with this object's ``bins`` (and its
         :meth:`edges`, where fixed): what :meth:`update` does with the tensor's."""
         d = as_dict(vector, self.bins)
-        other = RunningStats(self.bins, self.fixed, self.keeps_histogram)
+        other = RunningStats.__new__(RunningStats)  # what _merge reads, no more (no lock: never shared)
+        other.bins, other.fixed, other.keeps_histogram = self.bins, self.fixed, self.keeps_histogram
         other.count, other.nans, other.infs = int(d["count"]), int(d["nans"]), int(d["infs"])
         other.zeros = int(d["zeros"]) if math.isfinite(d["zeros"]) else 0
         n = other.finite = int(d["finite"])
+        other.histogram, other._placed, other.underflow, other.overflow = [0] * self.bins, None, 0, 0
         if n:
             other.mean, other._m2, other.min, other.max = d["mean"], d["std"] ** 2 * n, d["min"], d["max"]
             other._sumsq = d["norm"] ** 2
@@ -159,6 +161,9 @@ class RunningStats:
                 other.underflow, other.overflow = int(d["underflow"]), int(d["overflow"])
                 if self.fixed is None and math.isfinite(d["bin_exponent"]):
                     other._placed = int(d["bin_exponent"]), int(d["bin_start"])
+        else:
+            other.mean = other._m2 = other._sumsq = 0.0
+            other.min, other.max = math.inf, -math.inf
         with self._lock:
             self._merge(other)
 
@@ -225,8 +230,11 @@ class RunningStats:
         if self._placed is None:
             self._placed, self.histogram = other._placed, list(other.histogram)
             return
-        placed = place_float(min(self.min, other.min), max(self.max, other.max), self.bins,
-                             least=max(self._placed[0], other._placed[0]))
+        if self.min <= other.min and other.max <= self.max and other._placed[0] <= self._placed[0]:
+            placed = self._placed  # the values' range and the narrowest width as they were: the bins too
+        else:
+            placed = place_float(min(self.min, other.min), max(self.max, other.max), self.bins,
+                                 least=max(self._placed[0], other._placed[0]))
         same = (np.asarray(self.histogram, dtype=np.float64), 0.0, 0.0)  # bins already the merged ones: as they are
         mine = same if placed == self._placed else rebin(self.histogram, *self._placed, *placed)
         theirs = rebin(other.histogram, *other._placed, *placed)
