@@ -44,6 +44,9 @@ from .rule import (
 )
 
 _TINY = {torch.float32: 2.0**-100, torch.float64: 2.0**-960}  # sums of squares below: some squares lost bits
+
+
+# -- where the values are read -----------------------------------------------------------------------------
 def _histogram_positions_on(count: int, device: torch.device) -> torch.Tensor:
     """:func:`histogram_positions` made by tensor ops on ``device`` (traceable: the same IEEE operations)."""
     if count <= HISTOGRAM_SAMPLE:
@@ -404,6 +407,3 @@ def summarize(t: torch.Tensor, bins: int = BINS, edges: Sequence[float] | None =
     if t.device.type != "cpu" or torch.compiler.is_compiling():
         return summarize_in_graph(_flat(t), bins, edges)
     return summarize_all([t], bins, edges)[0]
-
-
-# -- reading a vector --------------------------------------------------------------------------------------
