@@ -207,6 +207,35 @@ def _unpacked(packed: Path, path: Path) -> Path:
     return path
 
 
+def test_a_version_4_statistics_dump_reads_in_todays_layout(tmp_path: Path) -> None:
+    """Before format 5 a vector held 9 fields and a histogram over [min, max]: read as today's vector, the fields
+    it lacks (zeros, the bins' placement) NaN, and compared with a dump of today by the fields both hold."""
+    import shutil
+
+    import h5py
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(11))
+    today = _dump(tmp_path, "today", _model(), "statistics", x)
+    old = shutil.copy(today, tmp_path / "v4.hdf5")
+    fields = fwdtrace.statistics.FIELDS
+    v4_fields = ("count", "finite", "nans", "infs", "mean", "std", "min", "max", "norm")
+    with h5py.File(old, "r+") as f:
+        matrix = f["statistics"][()]
+        rows = [[row[fields.index(name)] for name in v4_fields] + [0.0] * 16 + list(row[-8:]) for row in matrix]
+        del f["statistics"]
+        f.create_dataset("statistics", data=rows)
+        f.attrs["fwdtrace_dump"] = 4
+    groups_old = fwdtrace.read_dump(old, show=False)["groups"]
+    groups_new = fwdtrace.read_dump(today, show=False)["groups"]
+    for gname, group in groups_new.items():
+        for dname, entry in group["datasets"].items():
+            got, want = groups_old[gname]["datasets"][dname]["statistics"], entry["statistics"]
+            assert [got[k] for k in v4_fields] == [want[k] for k in v4_fields], (gname, dname)
+            assert math.isnan(got["zeros"]) and got["bin_edges"] == [] and got["samples"] == want["samples"]
+    report = fwdtrace.compare_dumps(old, today)
+    assert report.equal and len(report.rows) == sum(len(g["datasets"]) for g in groups_new.values())
+
+
 def test_a_statistics_dump_is_one_matrix_and_one_index_read_as_calls_and_tensors(tmp_path: Path) -> None:
     """HDF5 holds two datasets, whatever the number of calls; read back, the calls, their attributes and tensors
     are a full dump's, and the layout of one dataset per tensor still reads the same."""
