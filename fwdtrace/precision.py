@@ -291,10 +291,13 @@ class _Blocks:
         import numpy as np
 
         self.width = a.shape[1]
-        finite_a, finite_b = np.isfinite(a), np.isfinite(b)
-        all_finite = bool(finite_a.all()) and bool(finite_b.all())
         with np.errstate(all="ignore"):
-            if all_finite and not equivalent:
+            # einsum: a single-threaded sum, where @ and linalg.norm call a BLAS that may wake threads per block
+            squares_a, squares_b = np.einsum("ij,ij->i", a, a), np.einsum("ij,ij->i", b, b)
+            # finite sums of squares: every element finite, known without a pass of its own (one past float64's
+            # range takes the general way, which gives the same for finite elements)
+            all_finite = not equivalent and bool(np.isfinite(squares_a).all()) and bool(np.isfinite(squares_b).all())
+            if all_finite:
                 # finite values are the same where they are equal: |a - b| is 0 there already
                 diff = np.abs(a - b)
                 same = None
@@ -305,15 +308,17 @@ class _Blocks:
                 if equivalent:
                     # the constants count as equal: compare b's where a holds its own (so allclose and the norms agree)
                     a = np.where(same, b, a)
-                    finite_a = np.isfinite(a)
-                    all_finite = bool(finite_a.all()) and bool(finite_b.all())
+                    squares_a = np.einsum("ij,ij->i", a, a)
+                finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+                all_finite = bool(finite_a.all()) and bool(finite_b.all())
                 diff = np.where(same, 0.0, np.abs(a - b))  # inf == inf and nan vs nan are no difference
             self.nonfinite = None if all_finite else (
                 (~finite_a).sum(1), (~finite_b).sum(1), (~finite_a & finite_b).sum(1), (finite_a & ~finite_b).sum(1))
             # torch.allclose's rule (equal_nan): equal, or a finite difference within atol + rtol |b|
-            within = diff <= atol + rtol * np.abs(b)
+            magnitude_b = np.abs(b)
+            within = diff <= atol + rtol * magnitude_b
             self.close = (within if same is None else same | (np.isfinite(diff) & within)).all(1)
-            scale = np.maximum(np.abs(a), np.abs(b))
+            scale = np.maximum(np.abs(a), magnitude_b)
             rel = np.where(diff == 0, 0.0, diff / scale)
             max_rel = rel.max(1)
             self.over = None
@@ -321,9 +326,8 @@ class _Blocks:
                 # a NaN's relative error (nan against a number) counts as over either bound
                 self.over = tuple((~(rel <= bound)).sum(1) for bound in RATIOS)
             finite = scale if all_finite else np.where(finite_a & finite_b, scale, 0.0)
-            # einsum: a single-threaded sum, where @ and linalg.norm call a BLAS that may wake threads per block
-            self.sums = (diff.max(1), max_rel, np.einsum("ij,ij->i", a, b), np.einsum("ij,ij->i", a, a),
-                         np.einsum("ij,ij->i", b, b), np.einsum("ij,ij->i", diff, diff), finite.max(1))
+            self.sums = (diff.max(1), max_rel, np.einsum("ij,ij->i", a, b), squares_a, squares_b,
+                         np.einsum("ij,ij->i", diff, diff), finite.max(1))
 
 
 def _float64(x: torch.Tensor | Any) -> Any:

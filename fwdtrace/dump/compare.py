@@ -276,7 +276,8 @@ class _RowCompared:
 
 
 def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
-                 atol: float, by_matrix: list[_RowCompared] | None = None) -> None:
+                 atol: float, precisions: dict[tuple[str, str, bool], str],
+                 by_matrix: list[_RowCompared] | None = None) -> None:
     """One tensor of a call in both dumps, by value or by statistics, into ``row``: judged by the verdict
     engine (:mod:`fwdtrace.precision`). A parameter (``row.parameter``) by its dtypes alone: the runs' math
     computed none of its values. With ``by_matrix``, a row of two packed statistics dumps is put there instead,
@@ -304,10 +305,11 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
         # block by block: memory stays bounded whatever the tensors' size
         for block_a, block_b in zip(ra.blocks(ga, dname, numpy=True), rb.blocks(gb, dname, numpy=True), strict=True):
             agreement.add(block_a, block_b)
-    _judge_row(compared, ra, rb, rtol)
+    _judge_row(compared, ra, rb, rtol, precisions)
 
 
-def _compare_by_matrix(rows: list[_RowCompared], ra: _Reader, rb: _Reader, rtol: float) -> None:
+def _compare_by_matrix(rows: list[_RowCompared], ra: _Reader, rb: _Reader, rtol: float,
+                       precisions: dict[tuple[str, str, bool], str]) -> None:
     """The rows of two packed statistics dumps, compared in one pass over their matrices and judged."""
     matrix_a, matrix_b = ra.statistics_matrix(), rb.statistics_matrix()
     assert matrix_a is not None and matrix_b is not None
@@ -315,12 +317,14 @@ def _compare_by_matrix(rows: list[_RowCompared], ra: _Reader, rb: _Reader, rtol:
                                 matrix_b[[rb.packed_row(r.gb, r.dname) for r in rows]])
     for compared, note in zip(rows, notes, strict=True):
         compared.row.note = note
-        _judge_row(compared, ra, rb, rtol)
+        _judge_row(compared, ra, rb, rtol, precisions)
 
 
-def _judge_row(compared: _RowCompared, ra: _Reader, rb: _Reader, rtol: float) -> None:
+def _judge_row(compared: _RowCompared, ra: _Reader, rb: _Reader, rtol: float,
+               precisions: dict[tuple[str, str, bool], str]) -> None:
     """A row's verdict from its gathered agreement (:mod:`fwdtrace.precision`): its numbers, the arithmetic it is
-    judged in, what rounding explains, and the arguments its calls were given differently."""
+    judged in, what rounding explains, and the arguments its calls were given differently. ``precisions``: the
+    arithmetic of each pair of dtypes (and whether the value is stored) between these two dumps, found so far."""
     row, agreement, differing = compared.row, compared.agreement, compared.differing
     row.cosine, row.max_abs, row.max_rel, row.allclose = (
         agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
@@ -330,8 +334,9 @@ def _judge_row(compared: _RowCompared, ra: _Reader, rb: _Reader, rtol: float) ->
         agreement.nonfinite_a, agreement.nonfinite_b, agreement.only_a, agreement.only_b)
     row.magnitude = agreement.magnitude
     stored = row.parameter != ""
-    row.precision = pair_precision(ra.dtype(compared.ga, compared.dname), None if stored else ra.math,
-                                   rb.dtype(compared.gb, compared.dname), None if stored else rb.math)
+    pair = (ra.dtype(compared.ga, compared.dname), rb.dtype(compared.gb, compared.dname), stored)
+    row.precision = precisions.get(pair) or precisions.setdefault(pair, pair_precision(
+        pair[0], None if stored else ra.math, pair[1], None if stored else rb.math))
     if ra.math is not None and rb.math is not None and not row.allclose:
         # without both records, no difference is put down to rounding
         row.rounding = explains(row.norm_rel, row.cosine, row.precision, rtol)
@@ -641,6 +646,7 @@ def compare_dumps(
         order_a, order_b = ra.order(), rb.order()
         # two packed statistics dumps: their rows compared in one pass over the two matrices, after the walk
         by_matrix: list[_RowCompared] | None = [] if ra.packs_statistics and rb.packs_statistics else None
+        precisions: dict[tuple[str, str, bool], str] = {}  # a dump's rows share a few dtypes: each pair's once
         in_a, in_b = set(order_a), set(order_b)
         for reader, order in ((ra, order_a), (rb, order_b)):
             for gname, dname in order:
@@ -658,13 +664,13 @@ def compare_dumps(
                     row.note = "missing in b" if reader is ra else "missing in a"
                     row.one_sided = ga is None or gb is None
                 else:
-                    _compare_row(row, ra, ga, rb, gb, dname, rtol, atol, by_matrix)
+                    _compare_row(row, ra, ga, rb, gb, dname, rtol, atol, precisions, by_matrix)
                 if reader is ra and gb is not None:
                     key_b = str(rb.group_attrs(gb).get("module_key", gb))
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
         if by_matrix:
-            _compare_by_matrix(by_matrix, ra, rb, rtol)
+            _compare_by_matrix(by_matrix, ra, rb, rtol, precisions)
     not_held: dict[tuple[str, int], _NotHeld] = {}
     if graph_a is not None:
         report.rows, not_held = _read_not_held(report.rows, graph_a)

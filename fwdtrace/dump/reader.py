@@ -428,7 +428,14 @@ class _Reader:
         import numpy as np
 
         try:
-            arr = np.asarray(ds[index])
+            if index == () and hasattr(ds, "id") and ds.dtype.kind in "biufc":
+                # a whole dataset of numbers, read by its id: h5py's ds[()] sets up a reader for each dataset
+                # object on its first read, which costs several times what reading a small tensor does
+                arr = np.empty(ds.shape, dtype=ds.dtype)
+                if arr.size:
+                    ds.id.read(self.h5py.h5s.ALL, self.h5py.h5s.ALL, arr)
+            else:
+                arr = np.asarray(ds[index])
         except Exception as e:
             raise self.damaged(e) from e
         name = self._marked_dtype(ds, where)
