@@ -9,7 +9,9 @@ model with those values added as extra graph outputs (the standard technique; a 
 external weights are read by onnxruntime from the file's folder, not loaded twice). Each
 pair is compared: max absolute error, max relative error (to the eager tensor's largest
 magnitude, so values near zero do not blow it up), and whether it is within the tolerance
-of the lower-precision dtype of the two.
+of the lower-precision dtype of the two; the norm-relative error, cosine and one- and
+five-in-a-thousand ratios come from the verdict engine :func:`fwdtrace.compare_dumps` uses
+(:class:`fwdtrace.precision.Agreement`), as does the max absolute error.
 
 The first divergence is the earliest call, in execution order, out of tolerance while every
 matched call feeding it agrees: where the file starts computing something else.
@@ -101,6 +103,10 @@ class ValueRow:
     cosine: float = 1.0
     precision: str = ""
     rounding: str | None = None
+    # the largest over the batches of the share of elements whose relative error (to the larger magnitude of the
+    # two) exceeds one and five thousandths: msprobe's ratios, as compare_dumps reports them (one Agreement)
+    one_thousandth: float = 0.0
+    five_thousandths: float = 0.0
     # the trace node's: "module", "function", "output" for the model's outputs; for a structural
     # mismatch (NumericResult.mismatches) "missing", "extra", "rewired" or "undecided" (no rule knows it)
     kind: str = "module"
@@ -121,7 +127,8 @@ class ValueRow:
             "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
             "kind": self.kind, "norm_rel": _finite_or_str(self.norm_rel), "cosine": _finite_or_str(self.cosine),
             "precision": self.precision, "rounding": self.rounding, "shape_differs": self.shape_differs,
-            "follows_ties": self.follows_ties,
+            "follows_ties": self.follows_ties, "one_thousandth": _finite_or_str(self.one_thousandth),
+            "five_thousandths": _finite_or_str(self.five_thousandths),
         }
 
 
@@ -1182,19 +1189,23 @@ def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dic
         row.ok = row.ok and differ == 0
         return
     g = got.astype(np.float64)
-    same = (g == want) | (np.isnan(g) & np.isnan(want))  # equal infinities and NaNs agree
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.where(same, 0.0, np.abs(g - want))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    max_abs = float(diff.max()) if diff.size else 0.0
+    # the numbers from the verdict engine the dump comparison uses (fwdtrace.precision): one pass gives the max
+    # abs error (equal infinities and NaNs agree), the norm-relative error, the cosine and msprobe's ratios,
+    # computed the same way in both
+    whole = Agreement()
+    whole.add(g, want)
+    max_abs = math.inf if math.isnan(whole.max_abs) else whole.max_abs  # NaN against a number: no bound holds
+    # relative to the eager value's largest magnitude (not elementwise, as the engine's max_rel): values near
+    # zero do not blow it up, and the tolerance below is of that scale
     finite = np.abs(want[np.isfinite(want)])
     scale = float(finite.max()) if finite.size else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     rtol, atol = tols.get(row.dtype, _EXACT)
-    whole = Agreement()
-    whole.add(torch.from_numpy(g), torch.from_numpy(want))
     row.norm_rel = max(row.norm_rel, whole.norm_rel, key=_sortable)
     row.cosine = min(row.cosine, whole.cosine, key=lambda c: -math.inf if math.isnan(c) else c)
+    one_thousandth, five_thousandths = whole.ratios
+    row.one_thousandth = max(row.one_thousandth, one_thousandth, key=_sortable)
+    row.five_thousandths = max(row.five_thousandths, five_thousandths, key=_sortable)
     row.precision = value_precision(row.dtype, record)
     row.max_abs = max(row.max_abs, max_abs)
     row.max_rel = max(row.max_rel, max_rel, key=_sortable)
