@@ -96,12 +96,14 @@ class _Reader:
         check_dataset(self.h5py, ds, where, self.error)
 
     def _plain_datasets(self, gname: str, group: Any) -> list[tuple[str, Any]] | None:
-        """The call's datasets, each checked (:func:`fwdtrace._hdf5.check_dataset`), where all its members are hard
-        links to datasets; None where one is not (the checks one by one then name it).
+        """The call's datasets, each checked as :func:`fwdtrace._hdf5.check_dataset` checks one, where all its
+        members are hard links to datasets whose data lies in this file; None where one is not (the checks one by
+        one then name it).
 
         A dump of many small calls is read at disk speed only when each of its objects costs little: its links'
-        kinds come from one listing per group, not one lookup per name, and each dataset is opened by its id, not
-        through h5py's ``group[name]`` (which makes a ``File`` object for every lookup)."""
+        kinds come from one listing per group, not one lookup per name, and each dataset is opened by its id and
+        read through it (:class:`_PlainDataset`), not through h5py's ``group[name]`` (which makes a ``File``
+        object for every lookup) and ``Dataset`` (property lists and a reader made for each object)."""
         h5py = self.h5py
         hard = _hard_links(h5py, group)
         out = []
@@ -112,9 +114,13 @@ class _Reader:
             oid = h5py.h5o.open(group.id, raw)
             if not isinstance(oid, h5py.h5d.DatasetID):
                 return None
-            ds = h5py.Dataset(oid, readonly=True)
-            self._dataset(ds, f"'{gname}/{dname}'")
-            out.append((dname, ds))
+            plist = oid.get_create_plist()
+            layout = plist.get_layout()
+            shape = oid.shape
+            if layout == h5py.h5d.VIRTUAL or plist.get_external_count() > 0 or shape is None:
+                return None
+            chunks = plist.get_chunk() if layout == h5py.h5d.CHUNKED else None
+            out.append((dname, _PlainDataset(h5py, oid, oid.dtype, shape, chunks)))
         return out
 
     def _check(self) -> None:
@@ -428,10 +434,11 @@ class _Reader:
         import numpy as np
 
         try:
-            if index == () and hasattr(ds, "id") and ds.dtype.kind in "biufc":
+            dtype = ds.dtype if index == () and hasattr(ds, "id") else None  # h5py makes it anew when asked
+            if dtype is not None and dtype.kind in "biufc":
                 # a whole dataset of numbers, read by its id: h5py's ds[()] sets up a reader for each dataset
                 # object on its first read, which costs several times what reading a small tensor does
-                arr = np.empty(ds.shape, dtype=ds.dtype)
+                arr = np.empty(ds.shape, dtype=dtype)
                 if arr.size:
                     ds.id.read(self.h5py.h5s.ALL, self.h5py.h5s.ALL, arr)
             else:
@@ -477,6 +484,30 @@ class _Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()
+
+
+class _PlainDataset:
+    """A call's dataset checked plain (a hard link, its data in this file), by its id: its dtype, shape and chunks
+    read once, its whole data read through the id; h5py's ``Dataset`` is made only where a slice or an attribute
+    is asked for."""
+
+    __slots__ = ("_h5py", "id", "dtype", "shape", "chunks", "_dataset")
+
+    def __init__(self, h5py: Any, oid: Any, dtype: Any, shape: tuple[int, ...], chunks: tuple[int, ...] | None) -> None:
+        self._h5py, self.id, self.dtype, self.shape, self.chunks = h5py, oid, dtype, shape, chunks
+        self._dataset: Any = None
+
+    def _full(self) -> Any:
+        if self._dataset is None:
+            self._dataset = self._h5py.Dataset(self.id, readonly=True)
+        return self._dataset
+
+    @property
+    def attrs(self) -> Any:
+        return self._full().attrs
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._full()[index]
 
 
 def _hard_links(h5py: Any, group: Any) -> set[str]:
