@@ -33,7 +33,7 @@ from .._host import to_numpy
 from .._tree import iter_tensors
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
-from ..precision import Agreement, math_record, rounding_explains, value_precision
+from ..precision import Agreement, least_precise, math_record, rounding_explains, value_precision
 from ..tracer import Tracer, _named_inputs
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ _AFTER_RANDOM = "after the random draw "  # a row's note when a value computed f
 _INSIDE = "compared at "  # a row's note when its value is found inside its ONNX ops, not where they end
 # rows placed where a difference starts and measured by the values after them
 _PLACED_KINDS = (*_MISMATCH_KINDS, "random")
-# lower precision first: the tolerance of a pair is that of its least precise side
+# the floating dtypes a value may have (a pair's tolerance is that of its least precise side: least_precise)
 _PRECISION = ("bfloat16", "float16", "float32", "float64")
 _ORT2DTYPE = {
     "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
@@ -1146,12 +1146,10 @@ def _to_numpy(t: torch.Tensor, ort_dtype: str) -> np.ndarray:
 
 
 def _pair_dtype(eager: torch.Tensor, onnx_value: np.ndarray, floor: str | None) -> str:
-    names = [str(eager.dtype).removeprefix("torch."), "bfloat16" if onnx_value.dtype.name == "bfloat16"
-             else onnx_value.dtype.name, *([floor] if floor else [])]
-    for p in _PRECISION:
-        if p in names:
-            return p
-    return names[0]
+    """The dtype a pair is judged in: the least precise of the two sides' (and ``floor``'s), as the verdict engine
+    orders them (:func:`fwdtrace.precision.least_precise`); the eager side's where none is floating."""
+    return least_precise([str(eager.dtype).removeprefix("torch."), "bfloat16" if onnx_value.dtype.name == "bfloat16"
+                          else onnx_value.dtype.name, *([floor] if floor else [])])
 
 
 def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dict[str, tuple[float, float]],
