@@ -273,15 +273,20 @@ class NumericResult:
         if shown:
             width = max(len(r.call) for r in shown)
             owidth = max(len(r.onnx_value) for r in shown)
+            # the verdict engine's columns after the check's own, as compare_dumps's table shows them
             lines.append(f"  {'call'.ljust(width)}  {'ONNX value'.ljust(owidth)}  {'dtype':8}  {'max abs':>9}  "
-                         f"{'max rel':>9}  ")
+                         f"{'max rel':>9}  {'norm rel':>9}  {'cosine':>9}  {'>1e-3':>9}  {'>5e-3':>9}  ")
             for r in shown:
                 flag = ("" if r.ok else f"  within {r.rounding} rounding" if r.rounding
                         else f"  {r.note}" if r.follows_ties
                         else "  DIVERGES" + (" (first)" if r is first else "") + (
                             f": {r.note}" if r.shape_differs else ""))
+                # "-" where the engine judged nothing: booleans, a value of another count along an axis
+                engine = [_num(r.norm_rel), f"{r.cosine:.6g}", f"{r.one_thousandth:.3g}", f"{r.five_thousandths:.3g}"
+                          ] if r.precision else ["-"] * 4
                 lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
-                             f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}{flag}")
+                             f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}  " + "  ".join(f"{e:>9}" for e in engine)
+                             + flag)
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
