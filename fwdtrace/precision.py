@@ -21,7 +21,8 @@ each in ``precision`` and accumulates in float32 adds a few unit roundoffs
 :func:`math_record` says how this process computes now (device, dtypes, autocast, the TF32
 switches, deterministic algorithms, torch version); dumps store it, and
 :func:`value_precision` reads a value's math from it. :class:`Agreement` gathers the
-statistics block by block (a dump's tensors are read in blocks), and
+statistics block by block (a dump's tensors are read in blocks), or for every row of two matrices
+at once by the same code (:meth:`Agreement.add_rows`: a statistics dump's vectors), and
 :func:`rounding_explains` gives the verdict: both :func:`fwdtrace.compare_dumps` and
 :func:`fwdtrace.check_onnx`'s numeric check use them.
 """
