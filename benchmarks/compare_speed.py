@@ -16,7 +16,10 @@ after the first read, for both). Each setting of ``--threads`` (``default``: tor
 per core) is what the caller has set with ``torch.set_num_threads`` when it calls
 ``compare_dumps``. ``--load N`` runs N busy processes (one spinning Python loop each) while
 timing, as other jobs load a shared machine. Target: compare_dumps within 1.5x of the plain
-reading at every setting.
+reading at every setting. The plain reading's BLAS (NumPy's OpenBLAS: its dot product and norms)
+runs on one thread, set before NumPy loads: compare_dumps computes on one thread (einsum, and
+torch on one intra-op thread), and on a busy machine a BLAS pool's woken threads wait for cores,
+which would time the machine's load, not the reading.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import torch
-from bench_models import ResNet50, TransformerEncoder
+os.environ["OPENBLAS_NUM_THREADS"] = "1"  # before NumPy loads OpenBLAS: read once, when it starts its pool
 
-import fwdtrace
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_models import ResNet50, TransformerEncoder  # noqa: E402
+
+import fwdtrace  # noqa: E402
 
 
 def _dump(directory: Path, model: torch.nn.Module, x: torch.Tensor, **options: str) -> Path:

@@ -21,7 +21,8 @@ each in ``precision`` and accumulates in float32 adds a few unit roundoffs
 :func:`math_record` says how this process computes now (device, dtypes, autocast, the TF32
 switches, deterministic algorithms, torch version); dumps store it, and
 :func:`value_precision` reads a value's math from it. :class:`Agreement` gathers the
-statistics block by block (a dump's tensors are read in blocks), and
+statistics block by block (a dump's tensors are read in blocks), or for every row of two matrices
+at once by the same code (:meth:`Agreement.add_rows`: a statistics dump's vectors), and
 :func:`rounding_explains` gives the verdict: both :func:`fwdtrace.compare_dumps` and
 :func:`fwdtrace.check_onnx`'s numeric check use them.
 """
@@ -202,48 +203,54 @@ class Agreement:
 
     def add(self, a: torch.Tensor | Any, b: torch.Tensor | Any) -> None:
         """Gather one block of each side: tensors, or NumPy arrays (a statistics vector)."""
-        import numpy as np
-
         # NumPy, not torch: a comparison goes block by block over many small rows, and a NumPy operation on a
         # small array costs a fraction of a torch one (the dozen operations here cost more than reading a row)
         a, b = _float64(a), _float64(b)
         if a.size == 0:
             return
-        same = (a == b) | (np.isnan(a) & np.isnan(b))
-        for const_a, const_b in self.equivalent:
-            same |= (a == const_a) & (b == const_b)
-        if self.equivalent:
-            # the constants count as equal: compare b's where a holds its own (so allclose and the norms agree)
-            a = np.where(same, b, a)
-        finite_a, finite_b = np.isfinite(a), np.isfinite(b)
-        # a comparison goes block by block, many small rows: the counts of inf and NaN only where there are any
-        all_finite = bool(finite_a.all()) and bool(finite_b.all())
-        if not all_finite:
-            self.nonfinite_a += int((~finite_a).sum())
-            self.nonfinite_b += int((~finite_b).sum())
-            self.only_a += int((~finite_a & finite_b).sum())
-            self.only_b += int((finite_a & ~finite_b).sum())
-        self.count += a.size
-        with np.errstate(all="ignore"):
-            diff = np.where(same, 0.0, np.abs(a - b))  # inf == inf and nan vs nan are no difference
-            # torch.allclose's rule (equal_nan): equal, or a finite difference within atol + rtol |b|
-            self.close = self.close and bool(
-                (same | (np.isfinite(diff) & (diff <= self.atol + self.rtol * np.abs(b)))).all())
-            scale = np.maximum(np.abs(a), np.abs(b))
-            rel = np.where(diff == 0, 0.0, diff / scale)
-            self.max_abs = _max(self.max_abs, float(diff.max()))
-            block_max_rel = float(rel.max())
-            self.max_rel = _max(self.max_rel, block_max_rel)
-            if not block_max_rel <= RATIOS[0]:
-                # a NaN's relative error (nan against a number) counts as over either bound
-                self.over = tuple(n + int((~(rel <= bound)).sum()) for n, bound in zip(self.over, RATIOS, strict=True))  # type: ignore[assignment]
-            # einsum: a single-threaded sum, where @ and linalg.norm call a BLAS that may wake threads per block
-            self.dot += float(np.einsum("i,i", a, b))
-            self.norm_a = math.hypot(self.norm_a, math.sqrt(np.einsum("i,i", a, a)))
-            self.norm_b = math.hypot(self.norm_b, math.sqrt(np.einsum("i,i", b, b)))
-            self.norm_diff = math.hypot(self.norm_diff, math.sqrt(np.einsum("i,i", diff, diff)))
-        finite = scale if all_finite else np.where(finite_a & finite_b, scale, 0.0)
-        self.magnitude = max(self.magnitude, float(finite.max()))
+        self.merge(_Blocks(a[None], b[None], self.rtol, self.atol, self.equivalent), 0)
+
+    @staticmethod
+    def add_rows(agreements: list[Agreement], a: Any, b: Any) -> None:
+        """Gather row ``i`` of ``a`` against row ``i`` of ``b`` (two float64 arrays of one 2-D shape) into
+        ``agreements[i]``, for every row in one pass: what ``agreements[i].add(a[i], b[i])`` does. The agreements
+        share one ``rtol``, ``atol`` and ``equivalent``.
+
+        >>> import numpy as np
+        >>> rows = [Agreement(), Agreement()]
+        >>> Agreement.add_rows(rows, np.array([[1.0, 2.0], [1.0, 2.0]]), np.array([[1.0, 2.0], [1.0, 3.0]]))
+        >>> [g.close for g in rows]
+        [True, False]
+        """
+        if not agreements or not a.shape[1]:
+            return
+        first = agreements[0]
+        if any((g.rtol, g.atol, g.equivalent) != (first.rtol, first.atol, first.equivalent) for g in agreements):
+            raise ValueError("Agreement.add_rows() expected agreements of one rtol, atol and equivalent")
+        blocks = _Blocks(a, b, first.rtol, first.atol, first.equivalent)
+        for i, agreement in enumerate(agreements):
+            agreement.merge(blocks, i)
+
+    def merge(self, blocks: _Blocks, i: int) -> None:
+        """Gather row ``i`` of ``blocks`` (one block of each side)."""
+        self.close = self.close and bool(blocks.close[i])
+        self.count += blocks.width
+        if blocks.nonfinite is not None:
+            nonfinite_a, nonfinite_b, only_a, only_b = (int(n[i]) for n in blocks.nonfinite)
+            self.nonfinite_a += nonfinite_a
+            self.nonfinite_b += nonfinite_b
+            self.only_a += only_a
+            self.only_b += only_b
+        max_abs, max_rel, dot, squares_a, squares_b, squares_diff, magnitude = (float(x[i]) for x in blocks.sums)
+        self.max_abs = _max(self.max_abs, max_abs)
+        self.max_rel = _max(self.max_rel, max_rel)
+        if blocks.over is not None:
+            self.over = tuple(n + int(m[i]) for n, m in zip(self.over, blocks.over, strict=True))  # type: ignore[assignment]
+        self.dot += dot
+        self.norm_a = math.hypot(self.norm_a, math.sqrt(squares_a))
+        self.norm_b = math.hypot(self.norm_b, math.sqrt(squares_b))
+        self.norm_diff = math.hypot(self.norm_diff, math.sqrt(squares_diff))
+        self.magnitude = max(self.magnitude, magnitude)
 
     @property
     def cosine(self) -> float:
@@ -268,6 +275,60 @@ class Agreement:
         if not (math.isfinite(scale) and math.isfinite(self.norm_diff)):
             return math.nan
         return self.norm_diff / scale if scale > 0 else math.inf
+
+
+class _Blocks:
+    """One block of each side per row (``a[i]`` against ``b[i]``, 2-D float64 arrays of one shape), reduced row by
+    row to what :class:`Agreement` gathers: one pass of NumPy over all the rows, so comparing a statistics dump's
+    hundreds of vectors costs a few operations, not a few per vector.
+
+    ``close`` per row; ``sums``, each an array over the rows: max abs and relative error, the dot product, the
+    three sums of squares and the largest finite magnitude; ``over`` (the counts over :data:`RATIOS`) and
+    ``nonfinite`` (each side's inf and NaN, and those where the other side is finite) the same, or None where all
+    are zero.
+    """
+
+    def __init__(self, a: Any, b: Any, rtol: float, atol: float, equivalent: tuple[tuple[float, float], ...]) -> None:
+        import numpy as np
+
+        self.width = a.shape[1]
+        with np.errstate(all="ignore"):
+            # einsum: a single-threaded sum, where @ and linalg.norm call a BLAS that may wake threads per block
+            squares_a, squares_b = np.einsum("ij,ij->i", a, a), np.einsum("ij,ij->i", b, b)
+            # finite sums of squares: every element finite, known without a pass of its own (one past float64's
+            # range takes the general way, which gives the same for finite elements)
+            all_finite = not equivalent and bool(np.isfinite(squares_a).all()) and bool(np.isfinite(squares_b).all())
+            if all_finite:
+                # finite values are the same where they are equal: |a - b| is 0 there already
+                diff = np.abs(a - b)
+                same = None
+            else:
+                same = (a == b) | (np.isnan(a) & np.isnan(b))
+                for const_a, const_b in equivalent:
+                    same |= (a == const_a) & (b == const_b)
+                if equivalent:
+                    # the constants count as equal: compare b's where a holds its own (so allclose and the norms agree)
+                    a = np.where(same, b, a)
+                    squares_a = np.einsum("ij,ij->i", a, a)
+                finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+                all_finite = bool(finite_a.all()) and bool(finite_b.all())
+                diff = np.where(same, 0.0, np.abs(a - b))  # inf == inf and nan vs nan are no difference
+            self.nonfinite = None if all_finite else (
+                (~finite_a).sum(1), (~finite_b).sum(1), (~finite_a & finite_b).sum(1), (finite_a & ~finite_b).sum(1))
+            # torch.allclose's rule (equal_nan): equal, or a finite difference within atol + rtol |b|
+            magnitude_b = np.abs(b)
+            within = diff <= atol + rtol * magnitude_b
+            self.close = (within if same is None else same | (np.isfinite(diff) & within)).all(1)
+            scale = np.maximum(np.abs(a), magnitude_b)
+            rel = np.where(diff == 0, 0.0, diff / scale)
+            max_rel = rel.max(1)
+            self.over = None
+            if not (max_rel <= RATIOS[0]).all():
+                # a NaN's relative error (nan against a number) counts as over either bound
+                self.over = tuple((~(rel <= bound)).sum(1) for bound in RATIOS)
+            finite = scale if all_finite else np.where(finite_a & finite_b, scale, 0.0)
+            self.sums = (diff.max(1), max_rel, np.einsum("ij,ij->i", a, b), squares_a, squares_b,
+                         np.einsum("ij,ij->i", diff, diff), finite.max(1))
 
 
 def _float64(x: torch.Tensor | Any) -> Any:

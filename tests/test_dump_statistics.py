@@ -421,3 +421,15 @@ def test_damaged_packed_statistics_dumps_open_or_fail_with_one_error_naming_them
                                             r"file, over 256 times as many: a crafted file"):
         fwdtrace.read_dump(bomb, show=False)
     assert outcomes.count("refused") >= 1  # a flip in the file's structure is refused, by name
+
+
+def test_two_packed_statistics_dumps_are_judged_in_one_pass_as_row_by_row(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """compare_dumps compares two packed statistics dumps' matrices at once; every row as the row-by-row way has it."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    a = _dump(tmp_path, "a", _model(), "statistics", x)
+    nudged = _dump(tmp_path, "nudged", _model(1.001), "statistics", x)
+    at_once = fwdtrace.compare_dumps(a, nudged)
+    monkeypatch.setattr(dump.reader._Reader, "packs_statistics", property(lambda self: False))
+    row_by_row = fwdtrace.compare_dumps(a, nudged)
+    assert [repr(r) for r in at_once.rows] == [repr(r) for r in row_by_row.rows]
+    assert at_once.first_divergence == row_by_row.first_divergence == "2"

@@ -227,3 +227,31 @@ def test_dump_diff_exits_0_when_rounding_explains_every_difference(dumps: dict[s
     old.write_bytes(dumps["bf16"].read_bytes())
     _drop_math(old)
     assert main(["dump-diff", str(dumps["cpu"]), str(old)]) == 1
+
+
+# blocks whose verdicts take each way through the engine: equal, rounding noise, a NaN or an inf on one side or
+# both, equal infinities, a constant that follows the dtype, a sum of squares past float64's range
+_BLOCKS = [
+    ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], ()),
+    ([1.0, 2.0, 3.0], [1.0, 2.0000001, 3.0], ()),
+    ([1.0, float("nan"), 3.0], [1.0, 2.0, 3.0], ()),
+    ([1.0, float("nan"), 3.0], [1.0, float("nan"), 3.0], ()),
+    ([float("inf"), 2.0, 3.0], [float("inf"), 2.0, 3.5], ()),
+    ([float("-inf"), 2.0, 3.0], [5.0, 2.0, 3.0], ()),
+    ([-3.4028234663852886e38, 2.0, 3.0], [-65504.0, 2.0, 3.003], ((-3.4028234663852886e38, -65504.0),)),
+    ([1e200, 2.0, 3.0], [1.1e200, 2.0, 3.0], ()),
+]
+
+
+@pytest.mark.parametrize("a, b, equivalent", _BLOCKS)
+def test_rows_gathered_at_once_agree_with_each_row_gathered_alone(a: list[float], b: list[float],
+                                                                  equivalent: tuple) -> None:
+    """Agreement.add_rows (a statistics dump's matrix in one pass) gives what add gives for each row."""
+    import numpy as np
+
+    others = [(x, y, e) for x, y, e in _BLOCKS if e == equivalent]
+    rows = [precision.Agreement(1e-5, 1e-8, equivalent=equivalent) for _ in others]
+    precision.Agreement.add_rows(rows, np.array([x for x, _, _ in others]), np.array([y for _, y, _ in others]))
+    alone = precision.Agreement(1e-5, 1e-8, equivalent=equivalent)
+    alone.add(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+    assert repr(rows[[(x, y) for x, y, _ in others].index((a, b))]) == repr(alone)

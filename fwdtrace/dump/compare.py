@@ -28,7 +28,7 @@ from ..precision import (
     follows_dtype,
     pair_precision,
 )
-from ..statistics import as_dict, compared
+from ..statistics import BINS, COMPARED, FIELDS, SAMPLES
 from .layout import GRAPH_DATASET, MAX_TENSOR_BYTES
 from .reader import _max_bytes, _Reader
 from .report import Divergence, DumpReport, DumpRow, _call_name
@@ -59,25 +59,59 @@ def _tolerance(value: Any, name: str) -> float:
 
 
 def _by_statistics(agreement: Agreement, a: torch.Tensor, b: torch.Tensor) -> str:
-    """Compare two statistics vectors into ``agreement``: their counts exactly, their moments, extremes, norm
-    and samples by value (the histograms, whose edges move with min and max, are not compared)."""
-    la, lb = a.tolist(), b.tolist()  # the numbers once: a tensor's per-number reads cost more than the comparison
-    da, db = as_dict(la), as_dict(lb)
-    counts = [f"{name} {da[name]:g} vs {db[name]:g}" for name in ("count", "nans", "infs") if da[name] != db[name]]
-    ca, cb = compared(la), compared(lb)
-    if len(ca) == len(cb):
-        agreement.add(ca, cb)
-    else:
-        counts.append(f"{len(da['samples'])} vs {len(db['samples'])} samples")
-    if counts:
-        agreement.close = False
-    # by statistics, which elements are inf or NaN is not known: the counts say where one side has more
-    nonfinite_a, nonfinite_b = int(da["nans"] + da["infs"]), int(db["nans"] + db["infs"])
-    agreement.nonfinite_a, agreement.nonfinite_b = nonfinite_a, nonfinite_b
-    agreement.only_a, agreement.only_b = max(nonfinite_a - nonfinite_b, 0), max(nonfinite_b - nonfinite_a, 0)
-    extremes = [abs(d[name]) for d in (da, db) for name in ("min", "max") if math.isfinite(d[name])]
-    agreement.magnitude = max(extremes, default=0.0)
-    return "by statistics" + "".join(f"; {c}" for c in counts)
+    """Compare two statistics vectors into ``agreement``, as :func:`_by_statistics_rows` compares one row."""
+    import numpy as np
+
+    return _by_statistics_rows([agreement], np.array([a.tolist()], dtype=np.float64),
+                               np.array([b.tolist()], dtype=np.float64))[0]
+
+
+_AT = {name: i for i, name in enumerate(FIELDS)}
+_COMPARED_AT = [_AT[name] for name in COMPARED]
+
+
+def _by_statistics_rows(agreements: list[Agreement], a: Any, b: Any) -> list[str]:
+    """Compare row ``i`` of ``a`` with row ``i`` of ``b`` (statistics vectors, float64, one row per tensor) into
+    ``agreements[i]``: their counts exactly, their moments, extremes, norm and samples by value (the histograms,
+    whose edges move with min and max, are not compared), each row as :func:`fwdtrace.statistics.compared` reads
+    it; each row's note returned. A statistics dump's matrix is compared in one pass, not row by row: rows whose
+    samples and agreements' settings match are gathered together (:meth:`Agreement.add_rows`)."""
+    import numpy as np
+
+    heads_a, heads_b = a[:, :len(FIELDS)].tolist(), b[:, :len(FIELDS)].tolist()
+    first_sample = len(FIELDS) + BINS
+    # which columns hold the samples, sliced as as_dict slices them (a count not finite: none)
+    samples: list[tuple[range, range]] = []
+    together: dict[tuple, list[int]] = {}
+    for i, (head_a, head_b) in enumerate(zip(heads_a, heads_b, strict=True)):
+        ranges = tuple(range(width)[first_sample:first_sample + min(SAMPLES, int(c) if math.isfinite(c) else 0)]
+                       for c, width in ((head_a[_AT["count"]], a.shape[1]), (head_b[_AT["count"]], b.shape[1])))
+        samples.append(ranges)  # type: ignore[arg-type]
+        if len(ranges[0]) == len(ranges[1]):
+            g = agreements[i]
+            together.setdefault((ranges[0].start, ranges[0].stop, ranges[1].start, ranges[1].stop,
+                                 g.rtol, g.atol, g.equivalent), []).append(i)
+    for (start_a, stop_a, start_b, stop_b, *_), rows in together.items():
+        Agreement.add_rows([agreements[i] for i in rows], a[np.ix_(rows, _COMPARED_AT + list(range(start_a, stop_a)))],
+                           b[np.ix_(rows, _COMPARED_AT + list(range(start_b, stop_b)))])
+    notes = []
+    for agreement, head_a, head_b, (samples_a, samples_b) in zip(agreements, heads_a, heads_b, samples, strict=True):
+        counts = [f"{name} {head_a[_AT[name]]:g} vs {head_b[_AT[name]]:g}" for name in ("count", "nans", "infs")
+                  if head_a[_AT[name]] != head_b[_AT[name]]]
+        if len(samples_a) != len(samples_b):
+            counts.append(f"{len(samples_a)} vs {len(samples_b)} samples")
+        if counts:
+            agreement.close = False
+        # by statistics, which elements are inf or NaN is not known: the counts say where one side has more
+        nonfinite_a = int(head_a[_AT["nans"]] + head_a[_AT["infs"]])
+        nonfinite_b = int(head_b[_AT["nans"]] + head_b[_AT["infs"]])
+        agreement.nonfinite_a, agreement.nonfinite_b = nonfinite_a, nonfinite_b
+        agreement.only_a, agreement.only_b = max(nonfinite_a - nonfinite_b, 0), max(nonfinite_b - nonfinite_a, 0)
+        extremes = [abs(head[_AT[name]]) for head in (head_a, head_b) for name in ("min", "max")
+                    if math.isfinite(head[_AT[name]])]
+        agreement.magnitude = max(extremes, default=0.0)
+        notes.append("by statistics" + "".join(f"; {c}" for c in counts))
+    return notes
 
 
 def _match_calls(ra: _Reader, graph_a: Graph | None, rb: _Reader) -> dict[str, str]:
@@ -229,11 +263,25 @@ def _flat_arguments(args: Any) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class _RowCompared:
+    """A row whose tensors are being compared: its agreement gathered, then judged (:func:`_judge_row`)."""
+
+    row: DumpRow
+    agreement: Agreement
+    ga: str
+    gb: str
+    dname: str
+    differing: list[tuple[str, Any, Any, str | None]]
+
+
 def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname: str, rtol: float,
-                 atol: float) -> None:
+                 atol: float, precisions: dict[tuple[str, str, bool], str],
+                 by_matrix: list[_RowCompared] | None = None) -> None:
     """One tensor of a call in both dumps, by value or by statistics, into ``row``: judged by the verdict
     engine (:mod:`fwdtrace.precision`). A parameter (``row.parameter``) by its dtypes alone: the runs' math
-    computed none of its values."""
+    computed none of its values. With ``by_matrix``, a row of two packed statistics dumps is put there instead,
+    to be compared with the others in one pass (:func:`_compare_by_matrix`)."""
     shape_b = rb.shape(gb, dname)
     if row.shape != shape_b:
         row.note = f"shape {shape_b} in b"
@@ -247,12 +295,37 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
             # a fill value that follows the dtype (finfo.min) counts as equal where each run holds its own
             agreement.equivalent = tuple((float(va), float(vb)) for _, va, vb, follows in differing
                                          if follows and not isinstance(va, str))
+    compared = _RowCompared(row, agreement, ga, gb, dname, differing)
+    if by_matrix is not None:
+        by_matrix.append(compared)
+        return
     if ra.statistics or rb.statistics:
         row.note = _by_statistics(agreement, ra.summary(ga, dname), rb.summary(gb, dname))
     else:
         # block by block: memory stays bounded whatever the tensors' size
-        for block_a, block_b in zip(ra.blocks(ga, dname), rb.blocks(gb, dname), strict=True):
+        for block_a, block_b in zip(ra.blocks(ga, dname, numpy=True), rb.blocks(gb, dname, numpy=True), strict=True):
             agreement.add(block_a, block_b)
+    _judge_row(compared, ra, rb, rtol, precisions)
+
+
+def _compare_by_matrix(rows: list[_RowCompared], ra: _Reader, rb: _Reader, rtol: float,
+                       precisions: dict[tuple[str, str, bool], str]) -> None:
+    """The rows of two packed statistics dumps, compared in one pass over their matrices and judged."""
+    matrix_a, matrix_b = ra.statistics_matrix(), rb.statistics_matrix()
+    assert matrix_a is not None and matrix_b is not None
+    notes = _by_statistics_rows([r.agreement for r in rows], matrix_a[[ra.packed_row(r.ga, r.dname) for r in rows]],
+                                matrix_b[[rb.packed_row(r.gb, r.dname) for r in rows]])
+    for compared, note in zip(rows, notes, strict=True):
+        compared.row.note = note
+        _judge_row(compared, ra, rb, rtol, precisions)
+
+
+def _judge_row(compared: _RowCompared, ra: _Reader, rb: _Reader, rtol: float,
+               precisions: dict[tuple[str, str, bool], str]) -> None:
+    """A row's verdict from its gathered agreement (:mod:`fwdtrace.precision`): its numbers, the arithmetic it is
+    judged in, what rounding explains, and the arguments its calls were given differently. ``precisions``: the
+    arithmetic of each pair of dtypes (and whether the value is stored) between these two dumps, found so far."""
+    row, agreement, differing = compared.row, compared.agreement, compared.differing
     row.cosine, row.max_abs, row.max_rel, row.allclose = (
         agreement.cosine, agreement.max_abs, agreement.max_rel, agreement.close)
     row.norm_rel = agreement.norm_rel
@@ -261,8 +334,9 @@ def _compare_row(row: DumpRow, ra: _Reader, ga: str, rb: _Reader, gb: str, dname
         agreement.nonfinite_a, agreement.nonfinite_b, agreement.only_a, agreement.only_b)
     row.magnitude = agreement.magnitude
     stored = row.parameter != ""
-    row.precision = pair_precision(ra.dtype(ga, dname), None if stored else ra.math, rb.dtype(gb, dname),
-                                   None if stored else rb.math)
+    pair = (ra.dtype(compared.ga, compared.dname), rb.dtype(compared.gb, compared.dname), stored)
+    row.precision = precisions.get(pair) or precisions.setdefault(pair, pair_precision(
+        pair[0], None if stored else ra.math, pair[1], None if stored else rb.math))
     if ra.math is not None and rb.math is not None and not row.allclose:
         # without both records, no difference is put down to rounding
         row.rounding = explains(row.norm_rel, row.cosine, row.precision, rtol)
@@ -570,6 +644,9 @@ def compare_dumps(
         parameters = _parameters(graph_a)
         b2a = {gb: ga for ga, gb in a2b.items()}
         order_a, order_b = ra.order(), rb.order()
+        # two packed statistics dumps: their rows compared in one pass over the two matrices, after the walk
+        by_matrix: list[_RowCompared] | None = [] if ra.packs_statistics and rb.packs_statistics else None
+        precisions: dict[tuple[str, str, bool], str] = {}  # a dump's rows share a few dtypes: each pair's once
         in_a, in_b = set(order_a), set(order_b)
         for reader, order in ((ra, order_a), (rb, order_b)):
             for gname, dname in order:
@@ -587,11 +664,13 @@ def compare_dumps(
                     row.note = "missing in b" if reader is ra else "missing in a"
                     row.one_sided = ga is None or gb is None
                 else:
-                    _compare_row(row, ra, ga, rb, gb, dname, rtol, atol)
+                    _compare_row(row, ra, ga, rb, gb, dname, rtol, atol, precisions, by_matrix)
                 if reader is ra and gb is not None:
                     key_b = str(rb.group_attrs(gb).get("module_key", gb))
                     row.key_b = key_b if key_b != key and (path or row.function) else ""  # a root's key: its class
                 report.rows.append(row)
+        if by_matrix:
+            _compare_by_matrix(by_matrix, ra, rb, rtol, precisions)
     not_held: dict[tuple[str, int], _NotHeld] = {}
     if graph_a is not None:
         report.rows, not_held = _read_not_held(report.rows, graph_a)

@@ -95,6 +95,34 @@ class _Reader:
     def _dataset(self, ds: Any, where: str) -> None:
         check_dataset(self.h5py, ds, where, self.error)
 
+    def _plain_datasets(self, gname: str, group: Any) -> list[tuple[str, Any]] | None:
+        """The call's datasets, each checked as :func:`fwdtrace._hdf5.check_dataset` checks one, where all its
+        members are hard links to datasets whose data lies in this file; None where one is not (the checks one by
+        one then name it).
+
+        A dump of many small calls is read at disk speed only when each of its objects costs little: its links'
+        kinds come from one listing per group, not one lookup per name, and each dataset is opened by its id and
+        read through it (:class:`_PlainDataset`), not through h5py's ``group[name]`` (which makes a ``File``
+        object for every lookup) and ``Dataset`` (property lists and a reader made for each object)."""
+        h5py = self.h5py
+        hard = _hard_links(h5py, group)
+        out = []
+        for raw in group.id:
+            dname = raw.decode() if isinstance(raw, bytes) and raw.isascii() else None
+            if dname is None or dname not in hard:
+                return None
+            oid = h5py.h5o.open(group.id, raw)
+            if not isinstance(oid, h5py.h5d.DatasetID):
+                return None
+            plist = oid.get_create_plist()
+            layout = plist.get_layout()
+            shape = oid.shape
+            if layout == h5py.h5d.VIRTUAL or plist.get_external_count() > 0 or shape is None:
+                return None
+            chunks = plist.get_chunk() if layout == h5py.h5d.CHUNKED else None
+            out.append((dname, _PlainDataset(h5py, oid, oid.dtype, shape, chunks)))
+        return out
+
     def _check(self) -> None:
         f = self.file
         try:
@@ -113,8 +141,10 @@ class _Reader:
             self._dtypes: dict[tuple[str, str], str] = {}
             self._marked: dict[str, str] = {}  # where -> the torch dtype a dataset is marked with ("" for none)
             self._checked_ok: set[tuple[str, str]] = set()
+            hard = _hard_links(self.h5py, f)
             for name in names:
-                self._link(f, name, repr(name))
+                if name not in hard:
+                    self._link(f, name, repr(name))
                 if name in (ORDER_DATASET, GRAPH_DATASET, STATISTICS_DATASET, STATISTICS_INDEX):
                     self._dataset(f[name], repr(name))
                 if not _GROUP_RE.match(name):
@@ -122,10 +152,15 @@ class _Reader:
                 group = f[name]
                 if not isinstance(group, self.h5py.Group):
                     raise self.error(f"where {name!r} is a {type(group).__name__}, not a group")
-                for dname in group:
-                    self._link(group, dname, f"'{name}/{dname}'")
-                    ds = group[dname]
-                    self._dataset(ds, f"'{name}/{dname}'")
+                datasets = self._plain_datasets(name, group)
+                if datasets is None:  # something other than datasets linked plainly: the checks one by one say what
+                    datasets = []
+                    for dname in group:
+                        self._link(group, dname, f"'{name}/{dname}'")
+                        ds = group[dname]
+                        self._dataset(ds, f"'{name}/{dname}'")
+                        datasets.append((dname, ds))
+                for dname, ds in datasets:
                     self._datasets[name, dname] = ds
                 # read once, here: group_attrs() serves them from now on
                 attrs = self._group_attrs[name] = {k: _attr(v) for k, v in group.attrs.items()}
@@ -296,11 +331,7 @@ class _Reader:
         block by block from a full one."""
         tensor = self.dataset(gname, dname)
         if isinstance(tensor, _PackedTensor):
-            if self.matrix is None:  # read once, on the first vector asked for
-                where = repr(STATISTICS_DATASET)
-                matrix = self._inflating(self._checked(self.file[STATISTICS_DATASET], where), where)
-                self.matrix = self.read(matrix, where).to(torch.float64)
-            return _upgraded(self.matrix[tensor.row, :_vector_width(self.version)], self.version)
+            return _upgraded(self._packed_matrix()[tensor.row, :_vector_width(self.version)], self.version)
         if self.statistics:
             vector = self.load(gname, dname).to(torch.float64).reshape(-1)
             if vector.numel() < _vector_width(self.version) - SAMPLES:
@@ -308,6 +339,31 @@ class _Reader:
             return _upgraded(vector, self.version)
         count = math.prod(self.shape(gname, dname)) * (2 if self.dtype(gname, dname).startswith("complex") else 1)
         return summarize_blocks(lambda: self.blocks(gname, dname), count)
+
+    def _packed_matrix(self) -> torch.Tensor:
+        """A packed statistics dump's matrix, float64, read once (on the first vector asked for)."""
+        if self.matrix is None:
+            where = repr(STATISTICS_DATASET)
+            matrix = self._inflating(self._checked(self.file[STATISTICS_DATASET], where), where)
+            self.matrix = self.read(matrix, where).to(torch.float64)
+        return self.matrix
+
+    def statistics_matrix(self) -> Any:
+        """A packed statistics dump's vectors in today's layout, a row each (see :meth:`packed_row`), as one
+        float64 NumPy array; None for any other dump (one of tensors, or of a vector per dataset), or one written
+        before today's layout (each of its vectors is read through :meth:`summary`)."""
+        if not self.packs_statistics:
+            return None
+        return self._packed_matrix()[:, :_vector_width(self.version)].numpy()
+
+    @property
+    def packs_statistics(self) -> bool:
+        """Whether :meth:`statistics_matrix` holds the dump's vectors (without reading it)."""
+        return self.packed is not None and self.version >= 5
+
+    def packed_row(self, gname: str, dname: str) -> int:
+        """The row of :meth:`statistics_matrix` that holds ``gname/dname``'s vector."""
+        return int(self.dataset(gname, dname).row)
 
     @property
     def math(self) -> dict[str, Any] | None:
@@ -325,9 +381,10 @@ class _Reader:
     def _checked(self, ds: Any, where: str) -> Any:
         import numpy as np
 
-        if ds.dtype.kind not in "biufc":
-            raise self.error(f"where {where} holds {ds.dtype}, not numbers")
-        nbytes = int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize
+        dtype, shape = ds.dtype, ds.shape  # h5py makes each anew when asked
+        if dtype.kind not in "biufc":
+            raise self.error(f"where {where} holds {dtype}, not numbers")
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
         if nbytes > self.max_bytes:
             raise self.error(f"where {where} holds {nbytes} bytes, over the cap of {self.max_bytes} (max_bytes=)")
         if not nbytes:
@@ -341,11 +398,11 @@ class _Reader:
             # Chunked, maybe compressed: a chunk never written reads as fill values, from nothing
             # (a few kB of file declaring GiBs), so every chunk of the grid must be in the file.
             # fwdtrace writes contiguous datasets; this is a file from elsewhere (h5repack, crafted).
-            chunk_bytes = int(np.prod(ds.chunks, dtype=object)) * ds.dtype.itemsize
+            chunk_bytes = int(np.prod(ds.chunks, dtype=object)) * dtype.itemsize
             if chunk_bytes > MAX_CHUNK_BYTES:
                 raise self.error(f"where {where} has chunks of {chunk_bytes} bytes, over the {MAX_CHUNK_BYTES} read at once")
             grid = 1
-            for size, chunk in zip(ds.shape, ds.chunks, strict=True):
+            for size, chunk in zip(shape, ds.chunks, strict=True):
                 grid *= -(-size // chunk)
             written = ds.id.get_num_chunks()
         except FwdtraceError:
@@ -370,16 +427,28 @@ class _Reader:
                              f"{_INFLATE_RATIO} times as many: a crafted file")
         return ds
 
-    def read(self, ds: Any, where: str, index: tuple = ()) -> torch.Tensor:
-        """``ds[index]`` as a tensor, in the dtype the dump recorded (bfloat16 from its bits)."""
+    def read(self, ds: Any, where: str, index: tuple = (), numpy: bool = False) -> Any:
+        """``ds[index]`` as a tensor, in the dtype the dump recorded (bfloat16 from its bits); with ``numpy``, as
+        the NumPy array h5py read where the dump recorded no other dtype (a comparison's blocks: no copy into
+        torch and back)."""
         import numpy as np
 
         try:
-            arr = np.asarray(ds[index])
+            dtype = ds.dtype if index == () and hasattr(ds, "id") else None  # h5py makes it anew when asked
+            if dtype is not None and dtype.kind in "biufc":
+                # a whole dataset of numbers, read by its id: h5py's ds[()] sets up a reader for each dataset
+                # object on its first read, which costs several times what reading a small tensor does
+                arr = np.empty(ds.shape, dtype=dtype)
+                if arr.size:
+                    ds.id.read(self.h5py.h5s.ALL, self.h5py.h5s.ALL, arr)
+            else:
+                arr = np.asarray(ds[index])
         except Exception as e:
             raise self.damaged(e) from e
-        t = torch.from_numpy(arr.copy()) if arr.ndim else torch.tensor(arr)
         name = self._marked_dtype(ds, where)
+        if numpy and name not in _STR2DTYPE:
+            return arr
+        t = torch.from_numpy(arr.copy()) if arr.ndim else torch.tensor(arr)
         dtype = _STR2DTYPE.get(name)
         if dtype is None:
             return t
@@ -399,21 +468,58 @@ class _Reader:
     def load(self, gname: str, dname: str) -> torch.Tensor:
         return self.read(self.checked(gname, dname), f"'{gname}/{dname}'")
 
-    def blocks(self, gname: str, dname: str) -> Iterator[torch.Tensor]:
-        """The tensor in pieces of at most ``COMPARE_BLOCK_ELEMENTS`` elements, in C order, flattened."""
+    def blocks(self, gname: str, dname: str, numpy: bool = False) -> Iterator[Any]:
+        """The tensor in pieces of at most ``COMPARE_BLOCK_ELEMENTS`` elements, in C order, flattened (with
+        ``numpy``, NumPy arrays where :meth:`read` gives them)."""
         ds = self.checked(gname, dname)
         shape = tuple(ds.shape)
         if math.prod(shape) <= COMPARE_BLOCK_ELEMENTS:  # one block: read whole, h5py's fast path (a slice is not)
-            yield self.read(ds, f"'{gname}/{dname}'").reshape(-1)
+            yield self.read(ds, f"'{gname}/{dname}'", numpy=numpy).reshape(-1)
             return
         for index in _blocks(shape, COMPARE_BLOCK_ELEMENTS):
-            yield self.read(ds, f"'{gname}/{dname}'", index).reshape(-1)
+            yield self.read(ds, f"'{gname}/{dname}'", index, numpy=numpy).reshape(-1)
 
     def __enter__(self) -> _Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()
+
+
+class _PlainDataset:
+    """A call's dataset checked plain (a hard link, its data in this file), by its id: its dtype, shape and chunks
+    read once, its whole data read through the id; h5py's ``Dataset`` is made only where a slice or an attribute
+    is asked for."""
+
+    __slots__ = ("_h5py", "id", "dtype", "shape", "chunks", "_dataset")
+
+    def __init__(self, h5py: Any, oid: Any, dtype: Any, shape: tuple[int, ...], chunks: tuple[int, ...] | None) -> None:
+        self._h5py, self.id, self.dtype, self.shape, self.chunks = h5py, oid, dtype, shape, chunks
+        self._dataset: Any = None
+
+    def _full(self) -> Any:
+        if self._dataset is None:
+            self._dataset = self._h5py.Dataset(self.id, readonly=True)
+        return self._dataset
+
+    @property
+    def attrs(self) -> Any:
+        return self._full().attrs
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._full()[index]
+
+
+def _hard_links(h5py: Any, group: Any) -> set[str]:
+    """The names in ``group`` that are hard links (objects inside this file), from one listing of its links."""
+    names: set[str] = set()
+
+    def visit(raw: bytes, info: Any) -> None:
+        if info.type == h5py.h5l.TYPE_HARD and raw.isascii():
+            names.add(raw.decode())
+
+    group.id.links.iterate(visit, info=True)
+    return names
 
 
 def _attr(value: Any) -> Any:

@@ -9,7 +9,9 @@ model with those values added as extra graph outputs (the standard technique; a 
 external weights are read by onnxruntime from the file's folder, not loaded twice). Each
 pair is compared: max absolute error, max relative error (to the eager tensor's largest
 magnitude, so values near zero do not blow it up), and whether it is within the tolerance
-of the lower-precision dtype of the two.
+of the lower-precision dtype of the two; the norm-relative error, cosine and one- and
+five-in-a-thousand ratios come from the verdict engine :func:`fwdtrace.compare_dumps` uses
+(:class:`fwdtrace.precision.Agreement`), as does the max absolute error.
 
 The first divergence is the earliest call, in execution order, out of tolerance while every
 matched call feeding it agrees: where the file starts computing something else.
@@ -31,7 +33,7 @@ from .._host import to_numpy
 from .._tree import iter_tensors
 from ..errors import FwdtraceError, describe
 from ..graph import Graph
-from ..precision import Agreement, math_record, rounding_explains, value_precision
+from ..precision import Agreement, least_precise, math_record, rounding_explains, value_precision
 from ..tracer import Tracer, _named_inputs
 
 if TYPE_CHECKING:
@@ -56,7 +58,7 @@ _AFTER_RANDOM = "after the random draw "  # a row's note when a value computed f
 _INSIDE = "compared at "  # a row's note when its value is found inside its ONNX ops, not where they end
 # rows placed where a difference starts and measured by the values after them
 _PLACED_KINDS = (*_MISMATCH_KINDS, "random")
-# lower precision first: the tolerance of a pair is that of its least precise side
+# the floating dtypes a value may have (a pair's tolerance is that of its least precise side: least_precise)
 _PRECISION = ("bfloat16", "float16", "float32", "float64")
 _ORT2DTYPE = {
     "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
@@ -101,6 +103,10 @@ class ValueRow:
     cosine: float = 1.0
     precision: str = ""
     rounding: str | None = None
+    # the largest over the batches of the share of elements whose relative error (to the larger magnitude of the
+    # two) exceeds one and five thousandths: msprobe's ratios, as compare_dumps reports them (one Agreement)
+    one_thousandth: float = 0.0
+    five_thousandths: float = 0.0
     # the trace node's: "module", "function", "output" for the model's outputs; for a structural
     # mismatch (NumericResult.mismatches) "missing", "extra", "rewired" or "undecided" (no rule knows it)
     kind: str = "module"
@@ -121,7 +127,8 @@ class ValueRow:
             "inputs_rel": None if self.inputs_rel is None else _finite_or_str(self.inputs_rel), "note": self.note,
             "kind": self.kind, "norm_rel": _finite_or_str(self.norm_rel), "cosine": _finite_or_str(self.cosine),
             "precision": self.precision, "rounding": self.rounding, "shape_differs": self.shape_differs,
-            "follows_ties": self.follows_ties,
+            "follows_ties": self.follows_ties, "one_thousandth": _finite_or_str(self.one_thousandth),
+            "five_thousandths": _finite_or_str(self.five_thousandths),
         }
 
 
@@ -266,15 +273,20 @@ class NumericResult:
         if shown:
             width = max(len(r.call) for r in shown)
             owidth = max(len(r.onnx_value) for r in shown)
+            # the verdict engine's columns after the check's own, as compare_dumps's table shows them
             lines.append(f"  {'call'.ljust(width)}  {'ONNX value'.ljust(owidth)}  {'dtype':8}  {'max abs':>9}  "
-                         f"{'max rel':>9}  ")
+                         f"{'max rel':>9}  {'norm rel':>9}  {'cosine':>9}  {'>1e-3':>9}  {'>5e-3':>9}  ")
             for r in shown:
                 flag = ("" if r.ok else f"  within {r.rounding} rounding" if r.rounding
                         else f"  {r.note}" if r.follows_ties
                         else "  DIVERGES" + (" (first)" if r is first else "") + (
                             f": {r.note}" if r.shape_differs else ""))
+                # "-" where the engine judged nothing: booleans, a value of another count along an axis
+                engine = [_num(r.norm_rel), f"{r.cosine:.6g}", f"{r.one_thousandth:.3g}", f"{r.five_thousandths:.3g}"
+                          ] if r.precision else ["-"] * 4
                 lines.append(f"  {r.call.ljust(width)}  {r.onnx_value.ljust(owidth)}  {r.dtype:8}  "
-                             f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}{flag}")
+                             f"{_num(r.max_abs):>9}  {_num(r.max_rel):>9}  " + "  ".join(f"{e:>9}" for e in engine)
+                             + flag)
         if skipped:
             lines.append(f"  not compared: {', '.join(f'{r.call} ({r.note})' for r in skipped[:4])}"
                          + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
@@ -1139,12 +1151,10 @@ def _to_numpy(t: torch.Tensor, ort_dtype: str) -> np.ndarray:
 
 
 def _pair_dtype(eager: torch.Tensor, onnx_value: np.ndarray, floor: str | None) -> str:
-    names = [str(eager.dtype).removeprefix("torch."), "bfloat16" if onnx_value.dtype.name == "bfloat16"
-             else onnx_value.dtype.name, *([floor] if floor else [])]
-    for p in _PRECISION:
-        if p in names:
-            return p
-    return names[0]
+    """The dtype a pair is judged in: the least precise of the two sides' (and ``floor``'s), as the verdict engine
+    orders them (:func:`fwdtrace.precision.least_precise`); the eager side's where none is floating."""
+    return least_precise([str(eager.dtype).removeprefix("torch."), "bfloat16" if onnx_value.dtype.name == "bfloat16"
+                          else onnx_value.dtype.name, *([floor] if floor else [])])
 
 
 def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dict[str, tuple[float, float]],
@@ -1182,19 +1192,23 @@ def _compare_into(row: ValueRow, eager: torch.Tensor, onnx_value: Any, tols: dic
         row.ok = row.ok and differ == 0
         return
     g = got.astype(np.float64)
-    same = (g == want) | (np.isnan(g) & np.isnan(want))  # equal infinities and NaNs agree
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.where(same, 0.0, np.abs(g - want))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    max_abs = float(diff.max()) if diff.size else 0.0
+    # the numbers from the verdict engine the dump comparison uses (fwdtrace.precision): one pass gives the max
+    # abs error (equal infinities and NaNs agree), the norm-relative error, the cosine and msprobe's ratios,
+    # computed the same way in both
+    whole = Agreement()
+    whole.add(g, want)
+    max_abs = math.inf if math.isnan(whole.max_abs) else whole.max_abs  # NaN against a number: no bound holds
+    # relative to the eager value's largest magnitude (not elementwise, as the engine's max_rel): values near
+    # zero do not blow it up, and the tolerance below is of that scale
     finite = np.abs(want[np.isfinite(want)])
     scale = float(finite.max()) if finite.size else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     rtol, atol = tols.get(row.dtype, _EXACT)
-    whole = Agreement()
-    whole.add(torch.from_numpy(g), torch.from_numpy(want))
     row.norm_rel = max(row.norm_rel, whole.norm_rel, key=_sortable)
     row.cosine = min(row.cosine, whole.cosine, key=lambda c: -math.inf if math.isnan(c) else c)
+    one_thousandth, five_thousandths = whole.ratios
+    row.one_thousandth = max(row.one_thousandth, one_thousandth, key=_sortable)
+    row.five_thousandths = max(row.five_thousandths, five_thousandths, key=_sortable)
     row.precision = value_precision(row.dtype, record)
     row.max_abs = max(row.max_abs, max_abs)
     row.max_rel = max(row.max_rel, max_rel, key=_sortable)
