@@ -354,7 +354,7 @@ class _Reader:
         before today's layout (each of its vectors is read through :meth:`summary`)."""
         if not self.packs_statistics:
             return None
-        return self._packed_matrix()[:, :_vector_width(self.version)].numpy()
+        return to_numpy(self._packed_matrix()[:, :_vector_width(self.version)])
 
     @property
     def packs_statistics(self) -> bool:
