@@ -125,7 +125,7 @@ def add_running_stats(writer: SummaryWriter, stats: Any, step: int, of: str | No
             raise FwdtraceError(f"add_running_stats() expected a RunningStats for {key!r}, got {describe(s)}")
         with s._lock:  # a consistent view while hooks in other threads may update it
             numbers = s.to_dict()
-            finite, sum_squares = s.finite, s.l2 ** 2
+            finite, sum_squares = s.finite, s.l2 * s.l2
         _add(writer, f"{key}/{name}", step, numbers, finite, sum_squares)
 
 

@@ -36,6 +36,9 @@ def power_of_two_bins(low: float, high: float, bins: int) -> tuple[int, int]:
     magnitude = max(abs(lo), abs(hi), Fraction(1))
     largest = max(abs(lo), abs(hi))  # bins at least 2**-40 of it (of 1 where every value is 0)
     finest = (next(e for e in range(-1100, 1100) if Fraction(2) ** e > largest) if largest else 0) - 40
+    if bins == 1 and lo < 0 <= hi:  # no single bin holds both signs: the one that holds the negative end
+        exponent = min(max(next(e for e in range(-1100, 1100) if Fraction(2) ** e > largest), finest), 1023)
+        return exponent, floor_at(lo, exponent)
     if lo == hi:
         per_bin = magnitude * Fraction(1, 1024) / bins
         exponent = next(e for e in range(-1074, 1100) if Fraction(2) ** e >= per_bin)
@@ -62,7 +65,7 @@ def reference(t: torch.Tensor, bins: int = 16) -> dict:
     sampled finite values on the rule's bins, the evenly spaced samples."""
     x = t.detach().reshape(-1)
     if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
+        x = torch.view_as_real(x.resolve_conj()).reshape(-1)
     x = x.to(torch.float64)
     ok = torch.isfinite(x)
     finite = x[ok]

@@ -57,6 +57,11 @@ EDGE_CASES = {
     "sum past float64": torch.tensor([1.5e308, 1.5e308, -1.0], dtype=torch.float64),
     "complex": torch.randn(50, dtype=torch.complex64, generator=_gen(8)),
     "one value": torch.tensor([-2.5]),
+    "conjugated complex": torch.randn(50, dtype=torch.complex64, generator=_gen(17)).conj(),
+    "int64 past 2**53": torch.tensor([2**53 + 1, 2**53 + 3, -5], dtype=torch.int64),
+    "float64 spread past 2**1000": torch.tensor([1e300, 1e-30, 0.0, -1e-300], dtype=torch.float64),
+    "a block of one value": torch.full((BLOCK,), 1.1),
+    "float16 a block": (torch.rand(BLOCK, generator=_gen(18)) * 100).half(),
 }
 
 
@@ -94,7 +99,7 @@ def test_power_of_two_bins_are_the_least_that_hold_the_values_centred() -> None:
         a = rng.choice([1e-30, 1e-3, 1.0, 1e3, 1e30]) * rng.uniform(-1, 1)
         ranges.append((a, a + abs(rng.gauss(0, rng.choice([1e-6, 1.0, 1e6])))))
     for low, high in ranges:
-        for bins in (2, 3, 16, 60):
+        for bins in (1, 2, 3, 16, 60):
             want = power_of_two_bins(low, high, bins)
             assert place_float(low, high, bins) == want, (low, high, bins)
             e, s = place(torch.tensor(low, dtype=torch.float64), torch.tensor(high, dtype=torch.float64), bins)
@@ -111,6 +116,35 @@ def test_a_histogram_from_the_sampled_values_estimates_the_whole_within_its_erro
         share, want = np.array(d["histogram"]) / HISTOGRAM_SAMPLE, exact.numpy() / t.numel()
         error = np.sqrt(want * (1 - want) / HISTOGRAM_SAMPLE)
         assert (np.abs(share - want) <= 4 * error + 1e-12).all(), (share, want)
+
+
+def test_one_bin_holds_values_either_side_of_a_power_of_two() -> None:
+    """With a single bin the narrowest power-of-two bin that holds both ends may be many doublings wider."""
+    for low, high in ((7.84, 8.08), (-70784.0, -70656.0), (1023.9, 1024.1), (1e-30, 3e-30)):
+        d = as_dict(summarize(torch.tensor([low, high], dtype=torch.float64), bins=1), 1)
+        assert d["histogram"] == [2.0] and d["underflow"] == d["overflow"] == 0, d
+        assert d["bin_edges"][0] <= low and high < d["bin_edges"][1]
+        stats = RunningStats(bins=1)
+        stats.update(torch.tensor([low, high], dtype=torch.float64))
+        assert stats.histogram == [2] and stats.underflow == stats.overflow == 0
+
+
+def test_merges_of_values_past_float64s_squares_do_not_raise() -> None:
+    """Norms past 1e154: their squares are past float64, so merges add norms by hypot and never raise."""
+    t = torch.tensor([1e200, -1e200, 3e200, 5.0], dtype=torch.float64)
+    stats = RunningStats()
+    stats.update(t[:2])
+    stats.update(t[2:])
+    norm = math.hypot(*t.tolist())  # torch's own vector_norm squares unscaled: inf here
+    assert stats.l2 == pytest.approx(norm, rel=1e-12)
+    blocks = as_dict(statistics.summarize_blocks(lambda: iter((t[:2], t[2:])), 4))
+    assert blocks["norm"] == pytest.approx(norm, rel=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")  # torch deprecates making them, not reading them
+def test_a_quantized_tensor_is_summarised_by_its_values() -> None:
+    q = torch.quantize_per_tensor(torch.randn(100, generator=_gen(19)), 0.05, 0, torch.qint8)
+    assert_summary(as_dict(summarize(q)), q.dequantize())
 
 
 def test_the_sampled_positions_follow_no_channel_layout() -> None:

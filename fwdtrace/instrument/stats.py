@@ -92,7 +92,7 @@ class RunningStats:
         self._m2 = 0.0  # sum of squared deviations from the mean
         self.min = math.inf
         self.max = -math.inf
-        self._sumsq = 0.0
+        self._l2 = 0.0  # merged by hypot: no square of a large norm overflows
         self.zeros = 0
         self.nans = 0
         self.infs = 0
@@ -154,15 +154,16 @@ class RunningStats:
         n = other.finite = int(d["finite"])
         other.histogram, other._placed, other.underflow, other.overflow = [0] * self.bins, None, 0, 0
         if n:
-            other.mean, other._m2, other.min, other.max = d["mean"], d["std"] ** 2 * n, d["min"], d["max"]
-            other._sumsq = d["norm"] ** 2
+            # products, not powers: past float64 they are inf where ** raises
+            other.mean, other._m2, other.min, other.max = d["mean"], d["std"] * d["std"] * n, d["min"], d["max"]
+            other._l2 = d["norm"]
             if self.keeps_histogram:
                 other.histogram = [int(c) for c in d["histogram"]]
                 other.underflow, other.overflow = int(d["underflow"]), int(d["overflow"])
                 if self.fixed is None and math.isfinite(d["bin_exponent"]):
                     other._placed = int(d["bin_exponent"]), int(d["bin_start"])
         else:
-            other.mean = other._m2 = other._sumsq = 0.0
+            other.mean = other._m2 = other._l2 = 0.0
             other.min, other.max = math.inf, -math.inf
         with self._lock:
             self._merge(other)
@@ -188,6 +189,8 @@ class RunningStats:
         return {k: v for k, v in self.__dict__.items() if k != "_lock"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_sumsq" in state:  # pickled before the norm was kept as a norm
+            state["_l2"] = math.sqrt(state.pop("_sumsq"))
         self.__dict__.update(state)
         self._lock = threading.RLock()
 
@@ -211,7 +214,7 @@ class RunningStats:
             self._merge_histogram(other)
             self.min = min(self.min, other.min)
             self.max = max(self.max, other.max)
-            self._sumsq += other._sumsq
+            self._l2 = math.hypot(self._l2, other._l2)
             self.underflow += other.underflow
             self.overflow += other.overflow
         self.finite = n
@@ -250,7 +253,7 @@ class RunningStats:
 
     @property
     def l2(self) -> float:
-        return math.sqrt(self._sumsq)
+        return self._l2
 
     @property
     def zero_fraction(self) -> float:

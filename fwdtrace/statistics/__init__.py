@@ -9,25 +9,27 @@
 Probe statistics (:class:`~fwdtrace.instrument.stats.RunningStats`), statistics dumps, the live
 page's and the recorder's histograms (:class:`~fwdtrace.instrument.bins.SteadyBins`) and the
 hooks inside compiled graphs all summarise a tensor here, so the same tensor gives the same
-numbers in every tool. Running statistics are merges of these summaries (:func:`merge`).
+numbers in every tool. Running statistics are merges of these summaries (see
+:class:`~fwdtrace.instrument.stats.RunningStats`).
 
 **The vector.** The :data:`FIELDS`: count, finite, NaN, Inf and zero counts, then mean, std
 (population, ``correction=0``), min, max and L2 norm of the finite values (NaN with none), then
 the histogram's placement (``bin_exponent``, ``bin_start``: bin ``i`` is
 ``[(start + i) * 2**exponent, (start + i + 1) * 2**exponent)``) and the sampled values it left
-outside (``underflow``, ``overflow``); then ``bins`` histogram counts; then up to :data:`SAMPLES`
+outside (``underflow``, ``overflow``: on given edges, or one bin across zero); then ``bins`` histogram counts; then up to :data:`SAMPLES`
 values at evenly spaced flat positions (:func:`sample_positions`).
 
-**Exactness.** Counts, min and max are exact. Sums run in float32 for float32, float16 and
-bfloat16 tensors (torch's cascaded sum, a float32 dot product per block of :data:`BLOCK` values)
-and in float64 otherwise, and add up in float64: mean, std and norm are exact to about the
-tensor's own float32 rounding. Squares past float32's range (values above about 1.8e19) and
-sums that overflow are taken again in float64; NaN and Inf are counted and left out of every
-moment.
+**Exactness.** Counts are exact, and so are min and max as float64 holds them (an integer past
+2**53 is rounded to float64). Sums run in float32 for float32, float16 and bfloat16 tensors
+(torch's cascaded sum; the squares as the norms of rows of 1,024 values) and in float64
+otherwise, and add up in float64: mean, std and norm are exact to about the tensor's own
+rounding. Squares past float32's range (values above about 1.8e19) and sums that overflow are
+taken again in float64; NaN and Inf are counted and left out of every moment.
 
 **The histogram rule: power-of-two bins.** A histogram's bins have a width that is a power of
 two and edges that are multiples of it: the narrowest such width whose ``bins`` bins hold every
-finite value, placed to centre the values (:func:`place`). Two histograms on this rule merge
+finite value, the occupied bins centred (:func:`place`; a single bin cannot hold both signs:
+it holds the negative end). Two histograms on this rule merge
 exactly: a wider bin is a whole number of narrower ones, so counts are moved, never split
 (:func:`rebin`). Edges given by a user (``edges=``) are kept as given, with what falls outside
 counted as underflow and overflow.

@@ -90,8 +90,14 @@ def place(low: torch.Tensor, high: torch.Tensor, bins: int, least: torch.Tensor 
     if least is not None:
         floor = torch.maximum(floor, least.to(torch.float64))
     exponent = torch.maximum(exponent.to(torch.float64), floor).clamp(_MIN_EXPONENT, _MAX_EXPONENT)
-    for _ in range(4):  # the least that fits is at most 3 above (span rounded; 2 bins need 2 doublings)
+    # the least that fits is at most 3 above (span rounded; 2 bins need 2 doublings); one bin, any side of a power
+    # of two, up to the values' own magnitude: _FINEST + 1 above
+    for _ in range(4 if bins > 1 else _FINEST + 2):
         exponent = torch.where(_fits(low, high, exponent, bins), exponent, (exponent + 1).clamp(max=_MAX_EXPONENT))
+    if bins == 1:  # no single bin holds both signs: the one that holds the negative end
+        across = (low < 0) & (high >= 0)
+        exponent = torch.where(across, torch.maximum(torch.frexp(torch.maximum(low.abs(), high.abs()))[1]
+                                                     .to(torch.float64), floor).clamp(max=_MAX_EXPONENT), exponent)
     lo_bin, hi_bin = _floor_scaled(low, exponent), _floor_scaled(high, exponent)
     return exponent, lo_bin - torch.floor((bins - 1 - (hi_bin - lo_bin)).clamp(min=0) / 2)
 
@@ -125,9 +131,11 @@ def _buffer(dtype: torch.dtype, which: int) -> torch.Tensor:
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in flat C order (a complex tensor's as real and imaginary parts), detached."""
     t = t.detach()
+    if t.is_quantized:
+        t = t.dequantize()
     if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.reshape(-1)
+        t = torch.view_as_real(t.resolve_conj())
+    return t.resolve_neg().reshape(-1)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -143,11 +151,28 @@ def _blocks_of(flat: torch.Tensor) -> Iterable[torch.Tensor]:
 
 
 def _moments(x: torch.Tensor) -> list[torch.Tensor]:
-    """Sum, sum of squares, min, max and the count of non-zero values of a block, as 0-d tensors (one pass each;
-    the count as the signs' dot product with themselves, exact below 2**24: torch's own ``count_nonzero``
-    branches per value, 10x slower)."""
+    """Sum, sum of squares (two parts: :func:`_squares`), min, max and the count of non-zero values of a block, as
+    0-d tensors (one pass each; the count as the signs' dot product with themselves, exact below 2**24: torch's
+    own ``count_nonzero`` branches per value, 10x slower)."""
     sign = torch.sign(x, out=_buffer(x.dtype, 1)[: x.numel()])
-    return [x.sum(), torch.dot(x, x), x.amin(), x.amax(), torch.dot(sign, sign)]
+    return [x.sum(), *_squares(x), x.amin(), x.amax(), torch.dot(sign, sign)]
+
+
+_ROW = 1024  # values per row whose norm is one of a block's sums of squares
+_NONE = torch.zeros((), dtype=torch.float64)
+
+
+def _squares(x: torch.Tensor) -> list[torch.Tensor]:
+    """Two 0-d tensors that add up to the sum of ``x``'s squares: in float32, the norms of its rows of
+    :data:`_ROW` values (each a cascaded sum: a dot product over the block adds up in order, 10x the error at
+    2**18 values), squared and added in float64, and the rest's dot product; in float64 one dot product."""
+    n = x.numel()
+    if x.dtype == torch.float64 or n < 2 * _ROW:
+        return [torch.dot(x, x), _NONE]
+    body = n - n % _ROW
+    rows = torch.linalg.vector_norm(x[:body].view(-1, _ROW), dim=1).double()
+    tail = x[body:]
+    return [torch.dot(rows, rows), torch.dot(tail, tail)]
 
 
 def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequence[float] | None = None
@@ -179,9 +204,9 @@ def _head_of(flat: torch.Tensor, got: list[float]) -> list[float]:
     n = flat.numel()
     if not n:
         return list(_EMPTY)
-    total, sumsq = math.fsum(got[0::5]), math.fsum(got[1::5])
-    low, high = min(got[2::5]), max(got[3::5])
-    nonzero = sum(got[4::5])
+    total, sumsq = math.fsum(got[0::6]), math.fsum(got[1::6]) + math.fsum(got[2::6])
+    low, high = min(got[3::6]), max(got[4::6])
+    nonzero = sum(got[5::6])
     # a NaN, an Inf or a sum past the dtype's range; or squares that fell below its normal range
     if not all(map(math.isfinite, (total, sumsq, low, high))) or (sumsq < _TINY[_work_dtype(flat.dtype)] and nonzero):
         return _careful_head(flat)
@@ -200,7 +225,7 @@ def _deviations(flat: torch.Tensor, mean: float) -> tuple[float, float]:
     total, count, shift = 0.0, 0, 0.0
     for x in _blocks_of(flat):
         deviation = torch.sub(x, near, out=_buffer(x.dtype, 1)[: x.numel()])
-        total += float(torch.dot(deviation, deviation))
+        total += sum(float(part) for part in _squares(deviation))
         shift += float(deviation.sum())
         count += x.numel()
     if not count:
@@ -301,9 +326,10 @@ def _head(flat: torch.Tensor) -> list[float]:
 
 
 def _merge_heads(heads: list[list[float]]) -> list[float]:
-    """The head of the concatenation of tensors with these heads (Chan's pairwise update)."""
+    """The head of the concatenation of tensors with these heads (Chan's pairwise update; norms by ``hypot``, and
+    products rather than powers, so that nothing past float64's range raises)."""
     out = [0.0, 0.0, 0.0, 0.0, 0.0, math.nan, math.nan, math.nan, math.nan, math.nan]
-    m2 = sumsq = 0.0
+    m2 = norm = 0.0
     for h in heads:
         n_a, n_b = out[_FINITE], h[_FINITE]
         out[_COUNT] += h[_COUNT]
@@ -312,16 +338,16 @@ def _merge_heads(heads: list[list[float]]) -> list[float]:
         out[_ZEROS] += h[_ZEROS]
         if n_b:
             if not n_a:
-                out[_MEAN], m2, out[_MIN], out[_MAX], sumsq = h[_MEAN], h[_STD] ** 2 * n_b, h[_MIN], h[_MAX], h[_NORM] ** 2
+                out[_MEAN], m2, out[_MIN], out[_MAX], norm = h[_MEAN], h[_STD] * h[_STD] * n_b, h[_MIN], h[_MAX], h[_NORM]
             else:
                 delta = h[_MEAN] - out[_MEAN]
                 out[_MEAN] += delta * n_b / (n_a + n_b)
-                m2 += h[_STD] ** 2 * n_b + delta * delta * n_a * n_b / (n_a + n_b)
+                m2 += h[_STD] * h[_STD] * n_b + delta * delta * n_a * n_b / (n_a + n_b)
                 out[_MIN], out[_MAX] = min(out[_MIN], h[_MIN]), max(out[_MAX], h[_MAX])
-                sumsq += h[_NORM] ** 2
+                norm = math.hypot(norm, h[_NORM])
             out[_FINITE] = n_a + n_b
     if out[_FINITE]:
-        out[_STD], out[_NORM] = math.sqrt(m2 / out[_FINITE]), math.sqrt(sumsq)
+        out[_STD], out[_NORM] = math.sqrt(m2 / out[_FINITE]), norm
     return out
 
 
@@ -359,7 +385,7 @@ def summarize_in_graph(flat: torch.Tensor, bins: int = BINS, edges: Sequence[flo
     one_pass = sumsq - total * mean
     deviation = torch.where(ok, kept - mean, 0)
     m2 = torch.where(one_pass >= sumsq / 8, one_pass, (deviation * deviation).sum())
-    zeros = finite - kept.sign().abs().sum().to(dtype)
+    zeros = finite - torch.where(ok, x, 0).sign().abs().sum().to(dtype)  # before scaling: tiny values stay nonzero
     half = torch.floor(-shift / 2)  # unscaled in two steps: 2**1024 itself is past float64
 
     def unscaled(v: torch.Tensor) -> torch.Tensor:

@@ -123,8 +123,13 @@ def place_float(low: float, high: float, bins: int, least: int | None = None) ->
     exponent = min(max(exponent, floor), _MAX_EXPONENT)
     # floor(x / 2**e) by a multiplication, exact where the scale is a normal float of at least 1 (a value scaled
     # up stays within 2**(_FINEST + 1) and never rounds to -0.0); else by _floor_float
+    if bins == 1 and low < 0 <= high:  # no single bin holds both signs: the one that holds the negative end
+        exponent = min(max(math.frexp(max(abs(low), abs(high)))[1], exponent), _MAX_EXPONENT)
+        return exponent, _floor_float(low, exponent)
     floor_at = _floor_fast if -1000 < exponent <= 0 else _floor_float
-    for _ in range(4):
+    # the least that fits is at most 3 above (span rounded; 2 bins need 2 doublings); one bin, any side of a
+    # power of two, up to the values' own magnitude: _FINEST + 1 above the least exponent tried
+    for _ in range(4 if bins > 1 else _FINEST + 2):
         if floor_at(high, exponent) - floor_at(low, exponent) <= bins - 1:
             break
         exponent = min(exponent + 1, _MAX_EXPONENT)
