@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from process_groups import world_of_one
 from torch import nn
 
 import fwdtrace
@@ -267,16 +268,10 @@ def test_ctrl_c_anywhere_in_a_trace_through_accelerates_hooks_leaves_nothing_pat
 def test_ctrl_c_anywhere_in_a_trace_through_fsdp2s_unshard_leaves_nothing_patched() -> None:
     """FSDP2 (world size 1, gloo): a trace draws each unit's unshard by patching FSDP's methods; a Ctrl-C at any
     line of fwdtrace's code leaves nothing patched or running, and FSDP's own hooks as they were."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    with world_of_one():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-    made, excepthook = not dist.is_initialized(), sys.excepthook  # torch's prefixes '[rank0]:' and stays
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
         model = _model()
         mesh = init_device_mesh("cpu", (1,))
         fully_shard(model[0], mesh=mesh)
@@ -292,10 +287,7 @@ def test_ctrl_c_anywhere_in_a_trace_through_fsdp2s_unshard_leaves_nothing_patche
         assert _every_line(trace, nn.Module(), most=40) > 0
         # (a forward cut short leaves FSDP's own state as any Ctrl-C in its forward would: not compared)
         assert {(name, h): dict(getattr(m, h)) for name, m in model.named_modules() for h in HOOKS} == hooks
-    finally:
-        if made:
-            dist.destroy_process_group()
-        sys.excepthook = excepthook
+
 
 # -- SIGKILL mid-write -------------------------------------------------------------------------------------
 # A background dump in a forked process, SIGKILLed once the step has run `moment` hooks (its writer busy with the

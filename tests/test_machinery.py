@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import gc
 import re
-import sys
 
 import pytest
 import torch
+from process_groups import world_of_one
 from torch import nn
 
 import fwdtrace
@@ -125,16 +125,8 @@ def test_dumps_probes_and_analysis_of_an_offloaded_model_equal_the_plain_models(
 # -- FSDP2 ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def process_group():
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    made, excepthook = not dist.is_initialized(), sys.excepthook  # torch's prefixes '[rank0]:' and stays
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if made:
-        dist.destroy_process_group()
-    sys.excepthook = excepthook
+    with world_of_one():
+        yield
 
 
 def sharded(model: nn.Module, units: list[str]) -> nn.Module:
