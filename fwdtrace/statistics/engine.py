@@ -57,9 +57,18 @@ def _histogram_positions_on(count: int, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=512)
 def _gather_index(count: int) -> torch.Tensor:
-    """The CPU index of a tensor's sampled values, then its histogram's positions."""
+    """The CPU index of a tensor's sampled values, then its histogram's positions (the array shared with torch)."""
     return torch.from_numpy(np.concatenate([np.asarray(sample_positions(count), dtype=np.int64),
                                             histogram_positions(count)]))
+
+
+def _gathered(flat: torch.Tensor) -> np.ndarray:
+    """``flat``'s sampled values, then its histogram's, as a float32 or float64 array."""
+    index = _gather_index(flat.numel())
+    if flat.dtype in (torch.float32, torch.float64):
+        return flat.numpy().take(index.numpy())
+    g = flat.index_select(0, index)
+    return to_numpy(g, _work_dtype(g.dtype))
 
 
 # -- the histogram rule ------------------------------------------------------------------------------------
@@ -150,29 +159,49 @@ def _blocks_of(flat: torch.Tensor) -> Iterable[torch.Tensor]:
         yield block if block.dtype == work else _buffer(work, 0)[: block.numel()].copy_(block)
 
 
-def _moments(x: torch.Tensor) -> list[torch.Tensor]:
-    """Sum, sum of squares (two parts: :func:`_squares`), min, max and the count of non-zero values of a block, as
-    0-d tensors (one pass each; the count as the signs' dot product with themselves, exact below 2**24: torch's
-    own ``count_nonzero`` branches per value, 10x slower)."""
-    sign = torch.sign(x, out=_buffer(x.dtype, 1)[: x.numel()])
-    return [x.sum(), *_squares(x), x.amin(), x.amax(), torch.dot(sign, sign)]
+_SMALL = 8192  # float32 blocks up to this size: NumPy's reductions, whose calls cost less than torch's
+
+
+def _moments(x: torch.Tensor) -> list[float]:
+    """Sum, sum of squares, min, max and the count of non-zero values of a block of float32 or float64 values, as
+    Python numbers: one pass each, in as few calls as the numbers need (at a layer's size each call's own cost is
+    most of a pass). A small float32 block is widened to float64 and reduced by NumPy; else the sum and squares
+    by torch (cascaded sums, the squares by :func:`_squares`), min and max by NumPy (no conversion of the
+    result), the zeros as NumPy's count of ``x == 0`` (torch's ``count_nonzero`` branches per value, 6x slower).
+    """
+    values = x.numpy()
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as torch gives it (then the careful route)
+        if x.dtype == torch.float32 and x.numel() <= _SMALL:
+            wide = values.astype(np.float64)
+            return [float(wide.sum()), float(np.dot(wide, wide)), float(values.min()), float(values.max()),
+                    float(np.count_nonzero(values))]
+        zeros = np.count_nonzero(np.equal(values, 0, out=_flags(values.size)))
+        return [float(x.sum()), _squares(x), float(values.min()), float(values.max()), float(values.size - zeros)]
 
 
 _ROW = 1024  # values per row whose norm is one of a block's sums of squares
-_NONE = torch.zeros((), dtype=torch.float64)
 
 
-def _squares(x: torch.Tensor) -> list[torch.Tensor]:
-    """Two 0-d tensors that add up to the sum of ``x``'s squares: in float32, the norms of its rows of
-    :data:`_ROW` values (each a cascaded sum: a dot product over the block adds up in order, 10x the error at
-    2**18 values), squared and added in float64, and the rest's dot product; in float64 one dot product."""
+def _squares(x: torch.Tensor) -> float:
+    """The sum of ``x``'s squares: in float32, the squares (in float64) of the norms of its rows of :data:`_ROW`
+    values (each a cascaded sum: a dot product over the block adds up in order, 10x the error at 2**18 values)
+    and of the rest; in float64 the whole's squared norm."""
     n = x.numel()
     if x.dtype == torch.float64 or n < 2 * _ROW:
-        return [torch.dot(x, x), _NONE]
+        norm = float(torch.linalg.vector_norm(x))
+        return norm * norm
     body = n - n % _ROW
-    rows = torch.linalg.vector_norm(x[:body].view(-1, _ROW), dim=1).double()
-    tail = x[body:]
-    return [torch.dot(rows, rows), torch.dot(tail, tail)]
+    rows = torch.linalg.vector_norm(x[:body].view(-1, _ROW), dim=1).numpy().astype(np.float64)
+    rest = float(torch.linalg.vector_norm(x[body:])) if body < n else 0.0
+    return float(np.dot(rows, rows)) + rest * rest
+
+
+def _flags(n: int) -> np.ndarray:
+    """A reused boolean array of ``n`` values, per thread."""
+    found = getattr(_WORKSPACE, "flags", None)
+    if found is None:
+        found = _WORKSPACE.flags = np.empty(BLOCK, dtype=bool)
+    return found[:n]
 
 
 def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequence[float] | None = None
@@ -192,8 +221,7 @@ def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequ
     for t in tensors:
         flat = _flat(t)
         heads.append(_head(flat))
-        g = flat.index_select(0, _gather_index(flat.numel()))
-        gathered.append(to_numpy(g, g.dtype if g.dtype in (torch.float32, torch.float64) else _work_dtype(g.dtype)))
+        gathered.append(_gathered(flat))
         counts.append(flat.numel())
     return _assemble(heads, gathered, counts, bins, edges)
 
@@ -204,9 +232,9 @@ def _head_of(flat: torch.Tensor, got: list[float]) -> list[float]:
     n = flat.numel()
     if not n:
         return list(_EMPTY)
-    total, sumsq = math.fsum(got[0::6]), math.fsum(got[1::6]) + math.fsum(got[2::6])
-    low, high = min(got[3::6]), max(got[4::6])
-    nonzero = sum(got[5::6])
+    total, sumsq = math.fsum(got[0::5]), math.fsum(got[1::5])
+    low, high = min(got[2::5]), max(got[3::5])
+    nonzero = sum(got[4::5])
     # a NaN, an Inf or a sum past the dtype's range; or squares that fell below its normal range
     if not all(map(math.isfinite, (total, sumsq, low, high))) or (sumsq < _TINY[_work_dtype(flat.dtype)] and nonzero):
         return _careful_head(flat)
@@ -225,7 +253,7 @@ def _deviations(flat: torch.Tensor, mean: float) -> tuple[float, float]:
     total, count, shift = 0.0, 0, 0.0
     for x in _blocks_of(flat):
         deviation = torch.sub(x, near, out=_buffer(x.dtype, 1)[: x.numel()])
-        total += sum(float(part) for part in _squares(deviation))
+        total += _squares(deviation)
         shift += float(deviation.sum())
         count += x.numel()
     if not count:
@@ -265,10 +293,10 @@ def _assemble(heads: list[list[float]], gathered: list[np.ndarray], counts: list
     torch's cost per call would be most of the work."""
     fixed = None if edges is None else np.asarray(edges, dtype=np.float64)
     out = np.full((len(heads), width(bins)), np.nan)
-    for i, (head, values, count) in enumerate(zip(heads, gathered, counts, strict=True)):
+    for row, head, values, count in zip(out, heads, gathered, counts, strict=True):
         k = min(SAMPLES, count)
-        out[i, :_NORM + 1] = head
-        out[i, _HEAD + bins:_HEAD + bins + k] = values[:k]
+        row[:_NORM + 1] = head
+        row[_HEAD + bins:_HEAD + bins + k] = values[:k]
         values = values[k:]
         if head[_FINITE] != head[_COUNT]:
             values = values[np.isfinite(values)]
@@ -285,15 +313,16 @@ def _assemble(heads: list[list[float]], gathered: list[np.ndarray], counts: list
             # (bins wider than 1) a tiny negative value may round to -0.0, in bin -1, and a scale past the dtype's
             # range is no number: the general route then.
             if not 0 <= -exponent <= (126 if values.dtype == np.float32 else 1000) or bins == 1:
-                index = _floor_float_array(values.astype(np.float64), exponent) - start
+                index = (_floor_float_array(values.astype(np.float64), exponent) - start).astype(np.intp)
                 under, over = int((index < 0).sum()), int((index >= bins).sum())
                 index = index[(index >= 0) & (index < bins)]
             else:  # a power of two at least 1, in the values' dtype: the product is exact
-                index = np.floor(values * values.dtype.type(_SCALES[-exponent])).astype(np.intp) - start
+                index = np.floor(values * values.dtype.type(_SCALES[-exponent])).astype(np.intp)
+                index -= start
         else:
             index = np.zeros(0, dtype=np.intp)
-        out[i, _EXP:_OVER + 1] = exponent, start, under, over
-        out[i, _HEAD:_HEAD + bins] = np.bincount(index.astype(np.intp), minlength=bins)
+        row[_EXP:_OVER + 1] = exponent, start, under, over
+        row[_HEAD:_HEAD + bins] = np.bincount(index, minlength=bins)
     return torch.from_numpy(out)
 
 
@@ -317,12 +346,13 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int, b
 
 
 def _head(flat: torch.Tensor) -> list[float]:
-    """:func:`_head_of` one tensor: its blocks' moments read with one conversion to Python numbers."""
+    """:func:`_head_of` one tensor, from its blocks' moments."""
     n = flat.numel()
+    if not n:
+        return _head_of(flat, [])
     if n <= BLOCK and flat.dtype in (torch.float32, torch.float64):  # one block, in its own dtype: no copy
-        return _head_of(flat, torch.stack(_moments(flat)).tolist() if n else [])
-    parts = [p for x in _blocks_of(flat) for p in _moments(x)] if n else []
-    return _head_of(flat, torch.stack(parts).tolist() if parts else [])
+        return _head_of(flat, _moments(flat))
+    return _head_of(flat, [p for x in _blocks_of(flat) for p in _moments(x)])
 
 
 def _merge_heads(heads: list[list[float]]) -> list[float]:
@@ -430,6 +460,7 @@ def summarize(t: torch.Tensor, bins: int = BINS, edges: Sequence[float] | None =
     >>> as_dict(v)["mean"], as_dict(v)["nans"], as_dict(v)["samples"][:2]
     (2.0, 1.0, [1.0, 2.0])
     """
-    if t.device.type != "cpu" or torch.compiler.is_compiling():
+    if not t.is_cpu or torch.compiler.is_compiling():
         return summarize_in_graph(_flat(t), bins, edges)
-    return summarize_all([t], bins, edges)[0]
+    flat = _flat(t)
+    return _assemble([_head(flat)], [_gathered(flat)], [flat.numel()], bins, edges)[0]
