@@ -137,6 +137,59 @@ def test_a_tensor_two_calls_share_is_summarised_once_and_again_after_an_in_place
         assert_summary(stats[group, dname], ref, what=(group, dname))
 
 
+class _Views(nn.Module):
+    """Views, a residual sum whose gradient autograd accumulates from two paths, and an in-place write through a
+    view: the tensors a dump sees share memory in every way a statistics cache could get wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h + self.b(h)  # h feeds two paths: its gradient is summed
+        heads = h.view(3, 2, 4).transpose(0, 1)  # a view, then a strided one of the same memory
+        flat = heads.reshape(6, 4)  # a copy (not contiguous before)
+        y = self.c(flat.view(3, 8))
+        y.view(-1)[::2].mul_(2.0)  # written through a view: every tensor on y's memory changes
+        return (y * h).tanh()
+
+
+def test_tensors_on_the_same_memory_are_summarised_once_and_each_equals_torchs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view, a ``detach()`` and the tensor objects each gradient hook is handed hold their base's values: the
+    dump summarises them once, and again after an in-place write. Every statistic of every call and gradient of
+    a function-level dump equals torch's statistics of the tensor dump's copy of the same tensor."""
+    torch.manual_seed(5)
+    model, x = _Views(), torch.randn(3, 8, requires_grad=True)
+    reductions: list[int] = []
+    summarize_ = dump.record.summarize
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        reductions.append(t.numel())
+        return summarize_(t)
+
+    paths = {}
+    for values in ("tensors", "statistics"):
+        with monkeypatch.context() as m:
+            m.setattr(dump.record, "summarize", counted)
+            with fwdtrace.Dumper(tmp_path / values, values=values, calls="all") as dumper:
+                dumper.register(model)
+                model(x).sum().backward()
+        paths[values] = dumper.paths[0]
+    tensors = fwdtrace.read_dump(paths["tensors"], show=False, values=True)["groups"]
+    summaries = fwdtrace.read_dump(paths["statistics"], show=False)["groups"]
+    assert list(summaries) == list(tensors)
+    checked = 0
+    for gname, group in tensors.items():
+        for dname, entry in group["datasets"].items():
+            assert_summary(summaries[gname]["datasets"][dname]["statistics"], entry["value"], what=(gname, dname))
+            checked += 1
+    grads = [d for g in tensors.values() for d in g["datasets"] if d.startswith("grad_")]
+    assert grads and checked > 40
+    assert len(reductions) < checked * 2 // 3  # views, detached gradients and next calls' inputs: summarised once
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int32])
 def test_a_tensor_over_several_cpu_blocks_has_torchs_statistics(dtype: torch.dtype) -> None:
     """Summarised block by block in a reused workspace: NaN and Inf in both blocks, the extremes in the second."""

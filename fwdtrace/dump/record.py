@@ -227,8 +227,9 @@ class _Recording:
         self.missing: list[str] = []
         self.eager_why: list[str] = []  # why its compiled parts ran eagerly instead (the graph route)
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
-        # id() of a tensor summarised in this step -> (a weak reference to it, its version, its statistics)
-        self.summaries: dict[int, tuple[weakref.ref[torch.Tensor], int, np.ndarray | HostCopy]] = {}
+        # the values a tensor summarised in this step holds (_values_key) -> (a weak reference to their storage, its
+        # version, their statistics)
+        self.summaries: dict[tuple[Any, ...], tuple[weakref.ref[Any], int, np.ndarray | HostCopy]] = {}
         self.packed = _Packed() if self.statistics else None
         try:
             self._register(model, grads)
@@ -419,26 +420,26 @@ class _Recording:
         return ds
 
     def _summary(self, t: torch.Tensor) -> np.ndarray | HostCopy:
-        """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per tensor and
-        version (a layer's output is the next layer's input, one gradient two calls'), one host copy each.
+        """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per value (a layer's
+        output is the next layer's input; one gradient is two calls', each hook handed its own tensor object; a
+        ``view`` holds its base's values), one host copy each.
 
         A CUDA tensor's vector is copied without waiting when the step's packed matrix or a writer thread takes
         it (the matrix's writing, or the thread, waits for the copy); else the copy is made here.
         """
-        try:
-            version: int | None = t._version
-        except RuntimeError:  # an inference tensor keeps no version counter: summarised at every use
-            version = None
-        found = self.summaries.get(id(t)) if version is not None else None
-        if found is not None and found[0]() is t and found[1] == version:
-            return found[2]
+        known = _values_key(t)
+        if known is not None:
+            key, storage, version = known
+            found = self.summaries.get(key)
+            if found is not None and found[0]() is storage and found[1] == version:
+                return found[2]
         vector = summarize(t)
         # a CUDA vector's copy starts now and is waited for when the step's matrix is written (packed) or by the
         # writer thread: no synchronisation per tensor
         on_its_way = vector.is_cuda and (self.writer is not None or self.packed is not None)
         values: np.ndarray | HostCopy = HostCopy(vector) if on_its_way else to_numpy(vector)
-        if version is not None:
-            self.summaries[id(t)] = (weakref.ref(t), version, values)
+        if known is not None:
+            self.summaries[key] = (weakref.ref(storage), version, values)
         return values
 
     def _file_op(self, op: Callable[[], None], nbytes: int, where: str) -> bool:
@@ -1027,3 +1028,20 @@ class Dumper:
 
 
 _DUMPER_CODE = (Dumper.__enter__.__code__, Dumper.__exit__.__code__)
+
+
+def _values_key(t: torch.Tensor) -> tuple[tuple[Any, ...], Any, int] | None:
+    """``(key, storage, version)``: the key is equal for two tensors that read the same memory in the same flat
+    order (a tensor, its ``detach()``, a contiguous ``view`` or ``reshape`` of it); they hold the same values while
+    that storage is alive (checked by identity: PyTorch keeps one Python object per storage) and its version
+    counter, which views and ``detach()`` share, has not moved. None where there is no such proof: an inference
+    tensor (no version counter), a quantized or sparse one, a tensor subclass without storage."""
+    if t.is_quantized or t.layout != torch.strided:
+        return None
+    try:
+        version = t._version
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    layout: tuple[Any, ...] = (t.numel(),) if t.is_contiguous() else (tuple(t.shape), t.stride())
+    return (t.data_ptr(), t.dtype, t.is_conj(), t.is_neg(), *layout), storage, version
