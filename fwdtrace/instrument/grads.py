@@ -29,6 +29,7 @@ its hook is removed once it has fired, or when the call's autograd graph is free
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -46,13 +47,6 @@ Grads = list[torch.Tensor | None]
 _MAX_PENDING = 8  # forwards that raised never reach the forward hook: older pending calls are dropped
 
 
-def _will_run(node: Any) -> bool:
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:  # a leaf's node under autograd.grad(): torch cannot say, and it gets no hook call
-        return False
-
-
 class GradCall:
     """The gradients of one call: ``on_grads(grad_input, grad_output)`` once per backward.
 
@@ -67,7 +61,8 @@ class GradCall:
 
     ``inputs`` may hold None (a non-tensor argument): it keeps its place, with a None
     gradient, as does a tensor that needs none or gets none in this backward. ``on_grads`` runs
-    when every hooked tensor the engine will reach has its gradient. ``replace(index,
+    once every hooked tensor has its gradient, or when the backward ends (those that got none in it are
+    None). ``replace(index,
     grad_input, grad_output)`` (optional) is called in the hook of input ``index`` and returns
     its new gradient or None. ``on_error(exc)`` (optional) gets what a hook raised instead of the backward.
     """
@@ -78,7 +73,6 @@ class GradCall:
         self.on_grads, self.replace, self.on_error = on_grads, replace, on_error
         self.n_inputs = len(inputs)
         self.slots: list[int] = []  # position (inputs first, then outputs) of each hooked tensor
-        self.nodes: list[Any] = []
         self.leaf_handles: list[Any] = []
         self.lock = threading.Lock()
         self.grads: dict[int, tuple[Grads, set[int]]] = {}  # per backward pass (graph task): grads, indices arrived
@@ -100,22 +94,24 @@ class GradCall:
             self.leaf_handles.pop().remove()
 
     def _hook(self, tensors: list[torch.Tensor | None], first: int) -> None:
-        # The node a tensor's gradient arrives at is taken now: an in-place op later gives the
-        # tensor a new node, but a hook registered before stays with the old one.
+        # A hook registered on a non-leaf tensor stays with the node its gradient arrives at now: an in-place op
+        # later gives the tensor a new node. Only the graph holds the call (through these hooks), and the call
+        # holds no node: the graph, its hooks and the call go together once nothing else holds the graph (a
+        # node kept here would make a cycle through C++ that Python's collector cannot break, leaking every
+        # step's calls and their graphs).
         ref = weakref.ref(self)
         for position, t in enumerate(tensors, first):
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
                 continue
             self.slots.append(position)
-            self.nodes.append(torch.autograd.graph.get_gradient_edge(t).node)
             if t.grad_fn is None:  # a leaf: the hook lives on the tensor, not on the graph
-                hook = _weak_hook(ref, len(self.nodes) - 1)
+                hook = _weak_hook(ref, len(self.slots) - 1)
                 self.leaf_handles.append(t.register_hook(hook))
                 # Nothing else keeps this call alive but its non-leaf hooks (the graph): once
                 # the graph is freed no backward can come, and the leaf's hook goes with it.
                 weakref.finalize(self, self.leaf_handles[-1].remove)
             else:
-                t.register_hook(self._on_grad(len(self.nodes) - 1))
+                t.register_hook(self._on_grad(len(self.slots) - 1))
 
     def _on_grad(self, index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
         def on_grad(grad: torch.Tensor) -> torch.Tensor | None:
@@ -137,20 +133,24 @@ class GradCall:
         with self.lock:
             if task in self.done:
                 return None
+            first = task not in self.grads
             grads, arrived = self.grads.setdefault(task, ([None] * (self.n_inputs + self.n_outputs), set()))
             position = self.slots[index]
             # None arrives where autograd has an undefined gradient (torch's BackwardHook passes them on)
             grads[position] = None if grad is None else grad.detach()
             arrived.add(index)
-            # Some tensors get no gradient in this backward (an unused output, inputs= given):
-            # wait only for those whose node the engine will run.
-            complete = len(arrived) >= sum(map(_will_run, self.nodes))
+            complete = len(arrived) == len(self.slots)
             if complete:
                 del self.grads[task]
                 self.done.add(task)
             replacing = self.replace is not None and position < self.n_inputs
             if replacing:
                 self.replaced.add(task)
+        if first and not complete:
+            # Some tensors get no gradient in this backward (an unused output, inputs= given): what arrived is
+            # reported when the backward ends, unless the rest arrives first.
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_finish, ref=weakref.ref(self),
+                                                                                       task=task))
         new = None
         if replacing:
             assert self.replace is not None
@@ -158,12 +158,34 @@ class GradCall:
             if new is not None:
                 grads[position] = new.detach()
         if complete:
-            while self.leaf_handles:
-                self.leaf_handles.pop().remove()
-            if task not in self.replaced:
-                self.on_grads(grads[:self.n_inputs], grads[self.n_inputs:])
-            self.replaced.discard(task)
+            self._report(task, grads)
         return new
+
+    def _report(self, task: int, grads: Grads) -> None:
+        while self.leaf_handles:
+            self.leaf_handles.pop().remove()
+        if task not in self.replaced:
+            self.on_grads(grads[:self.n_inputs], grads[self.n_inputs:])
+        self.replaced.discard(task)
+
+
+def _finish(ref: weakref.ref[GradCall], task: int) -> None:
+    """At the end of backward ``task``: report a call whose hooked tensors did not all get a gradient in it."""
+    call = ref()
+    if call is None or not call.active:
+        return
+    with call.lock:
+        pending = call.grads.pop(task, None)
+        if pending is None:
+            return
+        call.done.add(task)
+    try:
+        call._report(task, pending[0])
+    except Exception as e:
+        if call.on_error is None:
+            raise
+        call.cancel()
+        call.on_error(e)
 
 
 def _weak_hook(ref: weakref.ref[GradCall], index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
