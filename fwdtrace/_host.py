@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
     import numpy as np
 
-__all__ = ["HostCopy", "host", "to_numpy"]
+__all__ = ["HostCopy", "host", "shared_array", "to_numpy"]
 
 # dtypes NumPy has no type for: widened to float32, which holds each of their values exactly
 _NUMPY_LACKS = {torch.bfloat16, *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
@@ -41,6 +41,12 @@ def to_numpy(t: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     return t.resolve_conj().resolve_neg().contiguous().numpy()
+
+
+def shared_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a NumPy array, no copy: for one detached, unconjugated tensor of a dtype NumPy
+    has, read where each call's cost counts (:func:`to_numpy` checks and converts first)."""
+    return t.numpy()
 
 
 class HostCopy:

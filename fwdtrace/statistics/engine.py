@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from .._host import to_numpy
+from .._host import shared_array, to_numpy
 from .rule import (
     _COUNT,
     _EMPTY,
@@ -66,7 +66,7 @@ def _gathered(flat: torch.Tensor) -> np.ndarray:
     """``flat``'s sampled values, then its histogram's, as a float32 or float64 array."""
     index = _gather_index(flat.numel())
     if flat.dtype in (torch.float32, torch.float64):
-        return flat.numpy().take(index.numpy())
+        return shared_array(flat).take(shared_array(index))
     g = flat.index_select(0, index)
     return to_numpy(g, _work_dtype(g.dtype))
 
@@ -169,7 +169,7 @@ def _moments(x: torch.Tensor) -> list[float]:
     by torch (cascaded sums, the squares by :func:`_squares`), min and max by NumPy (no conversion of the
     result), the zeros as NumPy's count of ``x == 0`` (torch's ``count_nonzero`` branches per value, 6x slower).
     """
-    values = x.numpy()
+    values = shared_array(x)
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, as torch gives it (then the careful route)
         if x.dtype == torch.float32 and x.numel() <= _SMALL:
             wide = values.astype(np.float64)
@@ -185,15 +185,15 @@ _ROW = 1024  # values per row whose norm is one of a block's sums of squares
 def _squares(x: torch.Tensor) -> float:
     """The sum of ``x``'s squares: in float32, the squares (in float64) of the norms of its rows of :data:`_ROW`
     values (each a cascaded sum: a dot product over the block adds up in order, 10x the error at 2**18 values)
-    and of the rest; in float64 the whole's squared norm."""
+    and of the rest; in float64 (or a short float32 block) one dot product."""
     n = x.numel()
     if x.dtype == torch.float64 or n < 2 * _ROW:
-        norm = float(torch.linalg.vector_norm(x))
-        return norm * norm
+        return float(torch.dot(x, x))
     body = n - n % _ROW
-    rows = torch.linalg.vector_norm(x[:body].view(-1, _ROW), dim=1).numpy().astype(np.float64)
-    rest = float(torch.linalg.vector_norm(x[body:])) if body < n else 0.0
-    return float(np.dot(rows, rows)) + rest * rest
+    rows = shared_array(torch.linalg.vector_norm(x[:body].view(-1, _ROW), dim=1)).astype(np.float64)
+    tail = x[body:]
+    rest = float(torch.dot(tail, tail)) if body < n else 0.0
+    return float(np.dot(rows, rows)) + rest
 
 
 def _flags(n: int) -> np.ndarray:
