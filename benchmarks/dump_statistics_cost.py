@@ -18,10 +18,10 @@ Rows, for each ``calls``:
 
 Each row is timed in ``--pairs`` pairs of ``--steps``-step segments, the plain model then the dumped one or
 the reverse, so each pair's ratio sees the same machine load on both sides; reported are the medians of the
-pair ratios (wall time). Last, the floor: every tensor one step stores statistics of (copies of them; a tensor
-several datasets hold, which the dump summarises once, counted for each), each read once by ``torch.sum`` in
-its own dtype, against a plain step: what statistics computed from every value of each dataset cost at the
-least. The targets: a statistics dump at most a tensor dump; ``calls="modules"`` within the no-op hooks
+pair ratios (wall time). Last, the floor: the values one step stores statistics of, each distinct tensor once
+(copies of those the dump summarises: a layer's output that is the next layer's input, a gradient two calls
+hold, a view are one tensor for several datasets), each read once by ``torch.sum`` in its own dtype, against a
+plain step: what any statistic computed from every value costs at the least. The targets: a statistics dump at most a tensor dump; ``calls="modules"`` within the no-op hooks
 plus 3 floors, ``calls="all"`` within its row without the reductions plus 3 floors.
 """
 
@@ -144,20 +144,28 @@ def ratio(model: torch.nn.Module, step: Callable[[], None], tool: Any, pairs: in
 
 
 def floor(model: torch.nn.Module, step: Callable[[], None], calls: str, folder: Path, repeats: int) -> float:
-    """One ``torch.sum`` over every tensor a ``calls`` statistics dump stores the statistics of (each dataset's,
-    tensors it summarises once for several datasets counted each time), as a share of a plain step."""
+    """One ``torch.sum`` over every value a ``calls`` statistics dump stores the statistics of, each distinct
+    tensor once (those the dump summarises: several datasets may hold one), as a share of a plain step."""
     taken: list[torch.Tensor] = []
-    original = fwdtrace.dump.record._Recording._summary
+    datasets = 0
+    summarize, summary = fwdtrace.dump.record.summarize, fwdtrace.dump.record._Recording._summary
 
-    def take(self: Any, t: torch.Tensor) -> Any:
+    def take(t: torch.Tensor) -> torch.Tensor:
         taken.append(t.detach().clone().reshape(-1))
-        return original(self, t)
+        return summarize(t)
 
-    fwdtrace.dump.record._Recording._summary = take  # type: ignore[method-assign]
+    def counted(self: Any, t: torch.Tensor) -> Any:
+        nonlocal datasets
+        datasets += 1
+        return summary(self, t)
+
+    fwdtrace.dump.record.summarize = take  # type: ignore[assignment]
+    fwdtrace.dump.record._Recording._summary = counted  # type: ignore[method-assign]
     try:
         segment(model, step, fwdtrace.Dumper(folder / "floor", values="statistics", calls=calls, overwrite=True), 0, 1)
     finally:
-        fwdtrace.dump.record._Recording._summary = original  # type: ignore[method-assign]
+        fwdtrace.dump.record.summarize = summarize  # type: ignore[assignment]
+        fwdtrace.dump.record._Recording._summary = summary  # type: ignore[method-assign]
     shares = []
     for _ in range(repeats):
         plain = segment(model, step, None, 0, 1)
@@ -166,7 +174,8 @@ def floor(model: torch.nn.Module, step: Callable[[], None], calls: str, folder: 
             t.sum()
         shares.append((time.perf_counter() - start) / plain)
     values = sum(t.numel() for t in taken)
-    print(f"    floor: one torch.sum over the {len(taken)} tensors a step stores statistics of ({values / 1e6:.1f} M values) "
+    print(f"    floor: one torch.sum over the {len(taken)} distinct tensors of a step's {datasets} datasets "
+          f"({values / 1e6:.1f} M values) "
           f"costs {statistics.median(shares):.3f} of a plain step")
     return statistics.median(shares)
 
