@@ -61,10 +61,9 @@ class GradCall:
 
     ``inputs`` may hold None (a non-tensor argument): it keeps its place, with a None
     gradient, as does a tensor that needs none or gets none in this backward. ``on_grads`` runs
-    once every hooked tensor has its gradient, or when the backward ends (those that got none in it are
-    None). ``replace(index,
-    grad_input, grad_output)`` (optional) is called in the hook of input ``index`` and returns
-    its new gradient or None. ``on_error(exc)`` (optional) gets what a hook raised instead of the backward.
+    once every hooked tensor has its gradient, or when the backward ends (those that got none in
+    it are None). ``replace(index, grad_input, grad_output)`` (optional) is called in the hook of
+    input ``index`` and returns its new gradient or None. ``on_error(exc)`` (optional) gets what a hook raised instead of the backward.
     """
 
     def __init__(self, inputs: Sequence[torch.Tensor | None], on_grads: Callable[[Grads, Grads], Any],

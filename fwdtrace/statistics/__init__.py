@@ -22,8 +22,8 @@ values at evenly spaced flat positions (:func:`sample_positions`).
 **Exactness.** Counts are exact, and so are min and max as float64 holds them (an integer past
 2**53 is rounded to float64). Sums run in float32 for float32, float16 and bfloat16 tensors
 (torch's cascaded sum; the squares as the norms of rows of 1,024 values) and in float64
-otherwise (and for float32 tensors of up to 8,192 values), and add up in float64: mean, std and norm are exact to about the tensor's own
-rounding. Squares past float32's range (values above about 1.8e19) and sums that overflow are
+otherwise (and for float32 tensors of up to 8,192 values), and add up in float64: mean, std
+and norm are exact to about the tensor's own rounding. Squares past float32's range (values above about 1.8e19) and sums that overflow are
 taken again in float64; NaN and Inf are counted and left out of every moment.
 
 **The histogram rule: power-of-two bins.** A histogram's bins have a width that is a power of
