@@ -105,14 +105,14 @@ class Skipped:
     """The dump's summaries replaced by one stored vector: what the rest of a statistics dump costs."""
 
     def __init__(self) -> None:
-        self.original = fwdtrace.dump.record.summarize
-        self.vector = self.original(torch.arange(8.0))
+        self.original = fwdtrace.dump.record.summarize_later
+        self.vector = fwdtrace.dump.record.summarize(torch.arange(8.0))
 
     def __enter__(self) -> None:
-        fwdtrace.dump.record.summarize = lambda t: self.vector.clone()  # type: ignore[assignment]
+        fwdtrace.dump.record.summarize_later = lambda t: self.vector.clone()  # type: ignore[assignment]
 
     def __exit__(self, *exc: object) -> None:
-        fwdtrace.dump.record.summarize = self.original  # type: ignore[assignment]
+        fwdtrace.dump.record.summarize_later = self.original  # type: ignore[assignment]
 
 
 def segment(model: torch.nn.Module, step: Callable[[], None], tool: Any, first: int, n: int) -> float:
@@ -148,9 +148,9 @@ def floor(model: torch.nn.Module, step: Callable[[], None], calls: str, folder: 
     tensor once (those the dump summarises: several datasets may hold one), as a share of a plain step."""
     taken: list[torch.Tensor] = []
     datasets = 0
-    summarize, summary = fwdtrace.dump.record.summarize, fwdtrace.dump.record._Recording._summary
+    summarize, summary = fwdtrace.dump.record.summarize_later, fwdtrace.dump.record._Recording._summary
 
-    def take(t: torch.Tensor) -> torch.Tensor:
+    def take(t: torch.Tensor) -> Any:
         taken.append(t.detach().clone().reshape(-1))
         return summarize(t)
 
@@ -159,12 +159,12 @@ def floor(model: torch.nn.Module, step: Callable[[], None], calls: str, folder: 
         datasets += 1
         return summary(self, t)
 
-    fwdtrace.dump.record.summarize = take  # type: ignore[assignment]
+    fwdtrace.dump.record.summarize_later = take  # type: ignore[assignment]
     fwdtrace.dump.record._Recording._summary = counted  # type: ignore[method-assign]
     try:
         segment(model, step, fwdtrace.Dumper(folder / "floor", values="statistics", calls=calls, overwrite=True), 0, 1)
     finally:
-        fwdtrace.dump.record.summarize = summarize  # type: ignore[assignment]
+        fwdtrace.dump.record.summarize_later = summarize  # type: ignore[assignment]
         fwdtrace.dump.record._Recording._summary = summary  # type: ignore[method-assign]
     shares = []
     for _ in range(repeats):

@@ -116,13 +116,13 @@ def test_a_tensor_two_calls_share_is_summarised_once_and_again_after_an_in_place
     with torch.no_grad():
         hidden = model[0](x)
     reductions: list[int] = []
-    summarize_ = dump.record.summarize
+    summarize_ = dump.record.summarize_later
 
-    def counted(t: torch.Tensor) -> torch.Tensor:
+    def counted(t: torch.Tensor) -> object:
         reductions.append(t.numel())
         return summarize_(t)
 
-    monkeypatch.setattr(dump.record, "summarize", counted)
+    monkeypatch.setattr(dump.record, "summarize_later", counted)
     with fwdtrace.Dumper(tmp_path, values="statistics") as dumper:
         dumper.register(model, grads=False)
         model(x)
@@ -155,24 +155,27 @@ class _Views(nn.Module):
         return (y * h).tanh()
 
 
+@pytest.mark.parametrize("batch", [3, 256])
 def test_tensors_on_the_same_memory_are_summarised_once_and_each_equals_torchs(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
     """A view, a ``detach()`` and the tensor objects each gradient hook is handed hold their base's values: the
     dump summarises them once, and again after an in-place write. Every statistic of every call and gradient of
-    a function-level dump equals torch's statistics of the tensor dump's copy of the same tensor."""
+    a function-level dump equals torch's statistics of the tensor dump's copy of the same tensor, with the
+    histograms binned every 3 summaries during the step or all at its end."""
+    monkeypatch.setattr(dump.packed._Packed, "BATCH", batch)
     torch.manual_seed(5)
     model, x = _Views(), torch.randn(3, 8, requires_grad=True)
     reductions: list[int] = []
-    summarize_ = dump.record.summarize
+    summarize_ = dump.record.summarize_later
 
-    def counted(t: torch.Tensor) -> torch.Tensor:
+    def counted(t: torch.Tensor) -> object:
         reductions.append(t.numel())
         return summarize_(t)
 
     paths = {}
     for values in ("tensors", "statistics"):
         with monkeypatch.context() as m:
-            m.setattr(dump.record, "summarize", counted)
+            m.setattr(dump.record, "summarize_later", counted)
             with fwdtrace.Dumper(tmp_path / values, values=values, calls="all") as dumper:
                 dumper.register(model)
                 model(x).sum().backward()

@@ -12,6 +12,8 @@ from ..statistics import BINS, FIELDS, SAMPLES
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
     import numpy as np
 
+    from ..statistics.engine import Pending
+
 from .layout import _DATASET_RE, _GROUP_RE, STATISTICS_DATASET, STATISTICS_INDEX, _create_text
 
 
@@ -21,22 +23,47 @@ class _Packed:
 
     WIDTH = len(FIELDS) + BINS + SAMPLES
 
+    BATCH = 256  # CPU summaries whose histograms are binned together (each holds its 4,104 gathered values)
+
     def __init__(self) -> None:
         self.calls: dict[str, dict[str, Any]] = {}  # group name -> its attributes, in call order
         self.rows: list[tuple[str, str, list[int], str]] = []  # (group, tensor name, shape, dtype), in write order
-        self.vectors: list[np.ndarray | HostCopy] = []
+        self.vectors: list[np.ndarray | HostCopy | Pending] = []
+        self.pending: dict[int, Pending] = {}  # id() -> a CPU summary not binned yet (rows may share one)
 
-    def add(self, group: str, name: str, vector: np.ndarray | HostCopy, shape: list[int], dtype: str) -> None:
+    def add(self, group: str, name: str, vector: np.ndarray | HostCopy | Pending, shape: list[int],
+            dtype: str) -> None:
+        """One row. A CPU summary's histogram is binned with the next ones' (:func:`fwdtrace.statistics.engine.finish`):
+        in batches, where the values taken are still in the cache, rather than between two layers' work."""
+        from ..statistics.engine import Pending
+
         self.rows.append((group, name, shape, dtype))
         self.vectors.append(vector)
+        if isinstance(vector, Pending) and vector.vector is None:
+            self.pending[id(vector)] = vector
+            if len(self.pending) >= self.BATCH:
+                self._finish()
+
+    def _finish(self) -> None:
+        from ..statistics.engine import finish
+
+        if self.pending:
+            finish(list(self.pending.values()))
+            self.pending.clear()
 
     def write(self, file: Any) -> None:
         import numpy as np
 
+        from ..statistics.engine import Pending
+
+        self._finish()
         # a tensor of fewer than SAMPLES values has fewer samples: the rest of its row is NaN
         matrix = np.full((len(self.vectors), self.WIDTH), np.nan)
         for row, vector in zip(matrix, self.vectors, strict=True):
             values = vector.array() if isinstance(vector, HostCopy) else vector
+            if isinstance(values, Pending):
+                assert values.vector is not None  # binned by _finish
+                values = values.vector
             row[:values.size] = values
         # float64, shuffled and deflated: the counts and the histograms compress well, the rest a little
         options = {"shuffle": True, "compression": "gzip"} if len(matrix) else {}

@@ -42,6 +42,7 @@ from ..patching import (
 )
 from ..precision import math_record
 from ..statistics import summarize
+from ..statistics.engine import Pending, finish, summarize_later
 from ..tracer import Tracer, active_tracer
 
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
@@ -229,7 +230,7 @@ class _Recording:
         self.graph: Graph | None = None  # the step's trace, when function calls are recorded
         # the values a tensor summarised in this step holds (_values_key) -> (a weak reference to their storage, its
         # version, their statistics)
-        self.summaries: dict[tuple[Any, ...], tuple[weakref.ref[Any], int, np.ndarray | HostCopy]] = {}
+        self.summaries: dict[tuple[Any, ...], tuple[weakref.ref[Any], int, np.ndarray | HostCopy | Pending]] = {}
         self.packed = _Packed() if self.statistics else None
         try:
             self._register(model, grads)
@@ -377,7 +378,9 @@ class _Recording:
                     data = to_numpy(summary)
                     attrs = {"tensor_shape": shape, "tensor_dtype": dtype}
                 else:
-                    data = self._summary(t)
+                    summary = self._summary(t)
+                    assert not isinstance(summary, Pending)  # finished at once where no packed step bins it
+                    data = summary
                     attrs = {"tensor_shape": list(t.shape), "tensor_dtype": dtype_name(t.dtype)}
             else:
                 t = host(t)
@@ -419,7 +422,7 @@ class _Recording:
             self.disk.write_at(offset, np.ascontiguousarray(arr))
         return ds
 
-    def _summary(self, t: torch.Tensor) -> np.ndarray | HostCopy:
+    def _summary(self, t: torch.Tensor) -> np.ndarray | HostCopy | Pending:
         """``t``'s statistics vector on its way to the host: computed on ``t``'s device once per value (a layer's
         output is the next layer's input; one gradient is two calls', each hook handed its own tensor object; a
         ``view`` holds its base's values), one host copy each.
@@ -433,11 +436,15 @@ class _Recording:
             found = self.summaries.get(key)
             if found is not None and found[0]() is storage and found[1] == version:
                 return found[2]
-        vector = summarize(t)
-        # a CUDA vector's copy starts now and is waited for when the step's matrix is written (packed) or by the
-        # writer thread: no synchronisation per tensor
-        on_its_way = vector.is_cuda and (self.writer is not None or self.packed is not None)
-        values: np.ndarray | HostCopy = HostCopy(vector) if on_its_way else to_numpy(vector)
+        vector = summarize_later(t)
+        values: np.ndarray | HostCopy | Pending
+        if isinstance(vector, Pending):  # a CPU tensor's: its histogram binned with the step's others
+            values = vector if self.packed is not None else finish([vector])[0]
+        else:
+            # a CUDA vector's copy starts now and is waited for when the step's matrix is written (packed) or by
+            # the writer thread: no synchronisation per tensor
+            on_its_way = vector.is_cuda and (self.writer is not None or self.packed is not None)
+            values = HostCopy(vector) if on_its_way else to_numpy(vector)
         if known is not None:
             self.summaries[key] = (weakref.ref(storage), version, values)
         return values

@@ -289,8 +289,14 @@ def _careful_head(flat: torch.Tensor) -> list[float]:
 def _assemble(heads: list[list[float]], gathered: list[np.ndarray], counts: list[int], bins: int,
               edges: Sequence[float] | None) -> torch.Tensor:
     """The summary matrix from each tensor's head and its gathered values (its samples, then its histogram's, in
-    float32 or float64), in NumPy: a few operations per tensor on at most :data:`HISTOGRAM_SAMPLE` values, where
-    torch's cost per call would be most of the work."""
+    float32 or float64), as a tensor: :func:`_matrix`'s."""
+    return torch.from_numpy(_matrix(heads, gathered, counts, bins, edges))
+
+
+def _matrix(heads: list[list[float]], gathered: list[np.ndarray], counts: list[int], bins: int,
+            edges: Sequence[float] | None) -> np.ndarray:
+    """The summary matrix from each tensor's head and its gathered values, in NumPy: a few operations per tensor
+    on at most :data:`HISTOGRAM_SAMPLE` values, where torch's cost per call would be most of the work."""
     fixed = None if edges is None else np.asarray(edges, dtype=np.float64)
     out = np.full((len(heads), width(bins)), np.nan)
     for row, head, values, count in zip(out, heads, gathered, counts, strict=True):
@@ -323,7 +329,7 @@ def _assemble(heads: list[list[float]], gathered: list[np.ndarray], counts: list
             index = np.zeros(0, dtype=np.intp)
         row[_EXP:_OVER + 1] = exponent, start, under, over
         row[_HEAD:_HEAD + bins] = np.bincount(index, minlength=bins)
-    return torch.from_numpy(out)
+    return out
 
 
 def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int, bins: int = BINS) -> torch.Tensor:
@@ -464,3 +470,43 @@ def summarize(t: torch.Tensor, bins: int = BINS, edges: Sequence[float] | None =
         return summarize_in_graph(_flat(t), bins, edges)
     flat = _flat(t)
     return _assemble([_head(flat)], [_gathered(flat)], [flat.numel()], bins, edges)[0]
+
+
+class Pending:
+    """A CPU tensor's summary but for its histogram, which :func:`finish` bins with other tensors': its moments
+    and extremes (read from the values at once, before a later in-place write) and its gathered values; then
+    its ``vector``."""
+
+    __slots__ = ("count", "gathered", "head", "vector")
+
+    def __init__(self, head: list[float], gathered: np.ndarray, count: int) -> None:
+        self.head, self.gathered, self.count = head, gathered, count
+        self.vector: np.ndarray | None = None
+
+
+def summarize_later(t: torch.Tensor) -> Pending | torch.Tensor:
+    """:func:`summarize`'s vector of ``t`` (:data:`BINS` bins), or on a CPU outside a compiled graph a
+    :class:`Pending` whose histogram :func:`finish` bins with others': binned together at the end of a dump's
+    step, where the values already taken are still in the cache, rather than between two layers' work.
+
+    >>> p = summarize_later(torch.arange(5.0))
+    >>> torch.allclose(torch.from_numpy(finish([p])[0]), summarize(torch.arange(5.0)), rtol=0, atol=0, equal_nan=True)
+    True
+    """
+    if not t.is_cpu or torch.compiler.is_compiling():
+        return summarize_in_graph(_flat(t))
+    flat = _flat(t)
+    return Pending(_head(flat), _gathered(flat), flat.numel())
+
+
+def finish(pending: Sequence[Pending]) -> np.ndarray:
+    """The summary vectors of :func:`summarize_later`'s ``pending`` summaries, as the rows of a float64 matrix;
+    each summary's ``vector`` its row (its gathered values dropped)."""
+    matrix = _matrix([p.head for p in pending], [p.gathered for p in pending], [p.count for p in pending], BINS, None)
+    for p, row in zip(pending, matrix, strict=True):
+        p.vector, p.gathered = row, _NO_VALUES
+    return matrix
+
+
+_NO_VALUES = np.zeros(0)
+
