@@ -1218,3 +1218,71 @@ def test_outputs_of_a_file_with_more_outputs_are_paired_where_they_can_be_told_a
     assert len(report.numeric.unpaired_outputs) == len(names) - len(eager)
     assert "2 outputs of the model paired with none of the file's" in report.numeric.lead()
     assert report.ok, str(report)[:3000]
+
+
+class _Levels(torch.nn.Module):
+    """Mask R-CNN's RoI level mapper on boxes from a layer: ``floor(4 + log2(sqrt(area) / 224 + eps))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.box = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.box(x)
+        area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+        return torch.floor(4 + torch.log2(torch.sqrt(area) / 224 + 1e-6))
+
+
+def _levels() -> tuple[_Levels, torch.Tensor, onnx.ModelProto]:
+    """The mapper (its layer the identity), 64 boxes of up to 300 px of which 4 are under 0.06 px wide, its file."""
+    torch.manual_seed(0)
+    model = _Levels().eval()
+    with torch.no_grad():
+        model.box.weight.copy_(torch.eye(4))
+        model.box.bias.zero_()
+    x1, y1, w, h = torch.rand(64) * 200, torch.rand(64) * 200, torch.rand(64) * 300 + 1, torch.rand(64) * 300 + 1
+    w[:4] = h[:4] = torch.tensor([0.0548, 0.05, 0.03, 0.04])  # the first just over a level's bound: 224 / 2 ** 12
+    x = torch.stack([x1, y1, x1 + w, y1 + h], 1)
+    return model, x, fwdtrace.export_onnx(model, x, exporter="torchscript")
+
+
+def test_a_difference_small_boxes_lay_bare_is_placed_where_their_widths_part_not_at_the_log2() -> None:
+    model, x, proto = _levels()
+    honest = fwdtrace.check_onnx(model, x, onnx=proto, numeric=True)
+    assert honest.first_divergence is None and honest.ok, str(honest)  # the honest file: no false alarm
+    # every x2 4e-3 px less in the file: boxes of some hundred px agree within float32's tolerance, the
+    # widths of the four small ones differ by 7-13% of their own size
+    (gemm,) = [n for n in proto.graph.node if n.op_type == "Gemm"]
+    (bias,) = [onnx.numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == gemm.input[2]]
+    tampered = _with_initializer(proto, gemm.input[2], bias - np.array([0, 0, 4e-3, 0], np.float32))
+    (sub,) = [n for n in tampered.graph.node if n.op_type == "Sub"][:1]
+    (log,) = [n for n in tampered.graph.node if n.op_type == "Log"]
+    (log2,) = [n for n in tampered.graph.node if n.op_type == "Div" and n.input[0] == log.output[0]]
+    # reference: onnxruntime's values against eager torch's, computed here
+    widths, before, after, levels = _run_ort(tampered, {tampered.graph.input[0].name: x.numpy()},
+                                             [sub.output[0], log.input[0], log2.output[0], tampered.graph.output[0].name])
+    with torch.no_grad():
+        b = model.box(x)
+        want_widths = (b[:, 2] - b[:, 0]).numpy()
+        want_log2 = torch.log2(torch.sqrt((b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])) / 224 + 1e-6).numpy()
+    assert np.abs(widths - want_widths).max() <= 1e-4 * np.abs(want_widths).max()  # within tolerance as a whole
+    rel = np.abs(widths - want_widths) / np.abs(want_widths)
+    assert (rel[:4] > 0.05).all() and (rel[4:] < 5e-3).all()  # far off on the small boxes alone
+    assert np.abs(after - want_log2).max() > 1e-3 * np.abs(want_log2).max()  # log2 out of tolerance...
+    exact = torch.log2(torch.from_numpy(before)).numpy()  # ...and exact on its onnxruntime input
+    assert np.abs(after - exact).max() <= 1e-5 * np.abs(exact).max()
+    with torch.no_grad():
+        assert np.flatnonzero(levels != model(x).numpy()).tolist() == [0]  # the box over a bound gets another level
+
+    report = fwdtrace.check_onnx(model, x, onnx=tampered, numeric=True)
+    assert report.numeric is not None and report.status == "diverges"
+    first = report.first_divergence
+    assert first is not None and first.target == "torch.Tensor.sub" and first.onnx_value == sub.output[0], str(report)
+    assert first.ok and first.max_rel < 1e-4 and first.inputs_rel is not None and first.inputs_rel < 1e-4
+    assert first.parts.startswith("4 of 64 elements off by up to 1.3e-01 of their own magnitude, where log2 = ")
+    (log2_row,) = [r for r in report.numeric.rows if r.target == "torch.log2"]
+    assert not log2_row.ok and not log2_row.parts and log2_row.max_rel > 1e-3
+    # the calls between the widths and the log2 carry the same elements: none is named
+    assert [r.call for r in report.numeric.rows if r.parts] == [first.call]
+    assert str(report).splitlines()[0].startswith("first divergence: sub = torch.Tensor.sub, 4 of 64 elements off by")
+    assert report.to_dict()["numeric"]["first_divergence"]["parts"] == first.parts

@@ -117,6 +117,10 @@ class ValueRow:
     # out of tolerance after a ranking's order of near-ties (its note names which): the same values
     # at other positions, not where the file computes something else
     follows_ties: bool = False
+    # within tolerance as a whole, but where the values start to part: some elements off, relative to their own
+    # magnitude, far beyond rounding, and they are the elements on which the first call out of tolerance after it
+    # is off (the box widths whose small boxes a log2 then sets apart); what and where, in words
+    parts: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,7 +132,7 @@ class ValueRow:
             "kind": self.kind, "norm_rel": _finite_or_str(self.norm_rel), "cosine": _finite_or_str(self.cosine),
             "precision": self.precision, "rounding": self.rounding, "shape_differs": self.shape_differs,
             "follows_ties": self.follows_ties, "one_thousandth": _finite_or_str(self.one_thousandth),
-            "five_thousandths": _finite_or_str(self.five_thousandths),
+            "five_thousandths": _finite_or_str(self.five_thousandths), "parts": self.parts,
         }
 
 
@@ -169,7 +173,7 @@ class NumericResult:
     def divergent(self) -> list[ValueRow]:
         """Rows out of tolerance beyond what rounding explains, and structural mismatches whose downstream values differ."""
         return [r for r in self.rows + self.mismatches + self.random
-                if r.compared and not r.ok and not r.rounding and not r.follows_ties]
+                if r.compared and (r.parts or not r.ok and not r.rounding and not r.follows_ties)]
 
     @property
     def rounded(self) -> list[ValueRow]:
@@ -182,6 +186,9 @@ class NumericResult:
 
         A structural mismatch whose downstream values differ counts at its place in the
         trace, before the calls it feeds: a call the export dropped is where it went wrong.
+        A call within tolerance as a whole whose values part elementwise, on the elements the
+        call out of tolerance after it is off on (``parts``), counts at its own place: the
+        difference starts there, not where a tolerance is first crossed.
         """
         bad = self.divergent
         if not bad:
@@ -237,7 +244,7 @@ class NumericResult:
             return (f"first divergence: {first.module_path or '<root>'}, {first.note}: max rel err "
                     f"{_num(first.max_rel)} ({first.dtype}), {inputs}{batches}{self._drawn()}")
         where = first.module_path if first.kind == "module" and first.module_path else first.call
-        err = first.note if first.shape_differs else f"max rel err {_num(first.max_rel)}"
+        err = first.note if first.shape_differs else first.parts or f"max rel err {_num(first.max_rel)}"
         return f"first divergence: {where}, {err} ({first.dtype}), {inputs}{batches}{self._drawn()}"
 
     def _drawn(self) -> str:
@@ -277,7 +284,8 @@ class NumericResult:
             lines.append(f"  {'call'.ljust(width)}  {'ONNX value'.ljust(owidth)}  {'dtype':8}  {'max abs':>9}  "
                          f"{'max rel':>9}  {'norm rel':>9}  {'cosine':>9}  {'>1e-3':>9}  {'>5e-3':>9}  ")
             for r in shown:
-                flag = ("" if r.ok else f"  within {r.rounding} rounding" if r.rounding
+                flag = (f"  DIVERGES{' (first)' if r is first else ''}: {r.parts}" if r.parts
+                        else "" if r.ok else f"  within {r.rounding} rounding" if r.rounding
                         else f"  {r.note}" if r.follows_ties
                         else "  DIVERGES" + (" (first)" if r is first else "") + (
                             f": {r.note}" if r.shape_differs else ""))
@@ -580,6 +588,7 @@ def compare_values(
     numeric.math = math_record(model if isinstance(model, torch.nn.Module) else None, args)
     out_rows: list[ValueRow] = []
     out_pairs: list[tuple[Node, str]] = []  # (trace output node, the file's output it is compared with)
+    kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ONNX value -> (eager, onnx) of the first batch, if small
     for b, (bargs, bkwargs) in enumerate(batches):
         tracer = _ValueTracer(wanted, through, through_functions, ranking)
         with torch.no_grad(), tracer:
@@ -620,6 +629,8 @@ def compare_values(
                     _compare_into(other_row, eager[i], values[other], tols, record=numeric.math)
             if b == 0 and row.compared:
                 numeric.eager[name] = to_numpy(eager[i], torch.float32 if eager[i].is_floating_point() else None)
+                if eager[i].is_floating_point() and 0 < eager[i].numel() <= _KEPT:
+                    kept[name] = (to_numpy(eager[i], torch.float64), np.asarray(values[name], dtype=np.float64))
         # the model's outputs, paired by position (an export that leaves a cache out has fewer), or, where the
         # file flattens them otherwise (TorchScript's cache layers with a state more), by what can be told apart
         eager_outs = [t for _, t in iter_tensors(out, "output", caches=True)]
@@ -683,7 +694,73 @@ def compare_values(
     _follow_ties(numeric.rows, result.reqs)
     numeric.mismatches = _judge_mismatches(trace, og, result, rows, out_by_node, readers)
     numeric.region_inputs = {gid: _region_inputs(og, result.groups[gid].onodes) for gid in rows}
+    _place_parting(numeric, rows, result.reqs, kept)
     return numeric
+
+
+# the values kept to tell where elements start to part (the first batch's, eager and onnxruntime's, float64): a
+# value of up to this many elements (a detector's boxes, scores and levels, not a backbone's feature maps)
+_KEPT = 1 << 18
+# an element parts when its error, relative to its own magnitude, is this many times the dtype's rtol (float32:
+# 1e-3, some 16,000 units in the last place): no rounding of a few ops gives that, only an error carried from
+# elsewhere and laid bare, as a small box's width is by the subtraction of two coordinates of some hundred pixels
+_FAR = 10.0
+
+
+def _place_parting(numeric: NumericResult, rows: dict[int, ValueRow], reqs: dict[int, list[frozenset[int]]],
+                   kept: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Where the values of the first divergence start to part, if before it: mark that row's ``parts``.
+
+    The first divergence is the first call out of tolerance whose inputs agree as a whole. A call
+    such as ``log2`` or a division turns an error that is small next to its input's largest element,
+    but large next to the element's own magnitude, into a large one: it is then exact on its
+    onnxruntime input, and the difference starts upstream. From the first divergence, on the
+    elements it is out of tolerance on, this walks back through the calls feeding it that hold as
+    many elements alike (elementwise: a width, an area, its square root): while such a call,
+    within tolerance as a whole, is off on most of those elements by more than :data:`_FAR` times
+    its rtol relative to each element's own magnitude, the difference was already there. The
+    earliest such call is where the values start to part. Only values of the first batch small
+    enough to keep (:data:`_KEPT`) are walked; nothing here makes a value diverge that did not.
+    """
+    first = numeric.first_divergence
+    if first is None or first.kind not in ("module", "function") or first.shape_differs or first.parts \
+            or not _within_inputs(first, numeric) or first.onnx_value not in kept:
+        return
+    want, got = kept[first.onnx_value]
+    rtol, atol = numeric.tolerances.get(first.dtype, _EXACT)
+    finite = np.abs(want[np.isfinite(want)])
+    scale = float(finite.max()) if finite.size else 0.0
+    with np.errstate(all="ignore"):
+        on = np.abs(got - want) > atol + rtol * scale  # the elements the first divergence is out of tolerance on
+        on = on | (np.isnan(got) != np.isnan(want))
+    if not on.any():
+        return
+    shape = tuple(d for d in want.shape if d != 1)
+    at, off, far = first, on.reshape(-1), 0.0
+    while True:
+        best: tuple[float, ValueRow, np.ndarray, float] | None = None
+        for req in reqs.get(at.order, []):
+            for gid in req:
+                row = rows.get(gid)
+                if row is None or row is at or not row.compared or not row.ok or row.onnx_value not in kept:
+                    continue
+                e, o = kept[row.onnx_value]
+                if tuple(d for d in e.shape if d != 1) != shape or row.dtype not in _PRECISION:
+                    continue
+                with np.errstate(all="ignore"):
+                    rel = np.abs(o - e).reshape(-1) / np.maximum(np.abs(o), np.abs(e)).reshape(-1)
+                parted = np.nan_to_num(rel, nan=0.0) > _FAR * numeric.tolerances.get(row.dtype, _EXACT)[0]
+                share = float(parted[off].mean())
+                if share >= 0.5 and (best is None or share > best[0]):
+                    best = (share, row, off & parted, float(np.nan_to_num(rel[off & parted], nan=0.0).max()))
+        if best is None:
+            break
+        _, at, off, far = best
+    if at is first:
+        return
+    at.parts = (f"{int(off.sum())} of {off.size} elements off by up to {_num(far)} of their own magnitude, where "
+                f"{first.call} is out of tolerance after it (max rel err {_num(first.max_rel)}); max rel err "
+                f"{_num(at.max_rel)} as a whole")
 
 
 # ops whose integer output says which of the values they read come first, or are kept: op -> the
