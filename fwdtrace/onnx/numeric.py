@@ -630,7 +630,9 @@ def compare_values(
             if b == 0 and row.compared:
                 numeric.eager[name] = to_numpy(eager[i], torch.float32 if eager[i].is_floating_point() else None)
                 if eager[i].is_floating_point() and 0 < eager[i].numel() <= _KEPT:
-                    kept[name] = (to_numpy(eager[i], torch.float64), np.asarray(values[name], dtype=np.float64))
+                    # the copies there are (float32 holds a float16 or bfloat16 value exactly; float64 its own)
+                    kept[name] = (to_numpy(eager[i]) if eager[i].dtype == torch.float64 else numeric.eager[name],
+                                  values[name])
         # the model's outputs, paired by position (an export that leaves a cache out has fewer), or, where the
         # file flattens them otherwise (TorchScript's cache layers with a state more), by what can be told apart
         eager_outs = [t for _, t in iter_tensors(out, "output", caches=True)]
@@ -698,13 +700,19 @@ def compare_values(
     return numeric
 
 
-# the values kept to tell where elements start to part (the first batch's, eager and onnxruntime's, float64): a
-# value of up to this many elements (a detector's boxes, scores and levels, not a backbone's feature maps)
+# the values kept to tell where elements start to part (the first batch's, eager and onnxruntime's, as the check
+# holds them already): a value of up to this many elements (a detector's boxes, scores and levels, not a
+# backbone's feature maps)
 _KEPT = 1 << 18
 # an element parts when its error, relative to its own magnitude, is this many times the dtype's rtol (float32:
 # 1e-3, some 16,000 units in the last place): no rounding of a few ops gives that, only an error carried from
 # elsewhere and laid bare, as a small box's width is by the subtraction of two coordinates of some hundred pixels
 _FAR = 10.0
+
+
+def _wide(pair: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """An eager value and its onnxruntime one in float64, where the errors between them are taken."""
+    return np.asarray(pair[0], dtype=np.float64), np.asarray(pair[1], dtype=np.float64)
 
 
 def _place_parting(numeric: NumericResult, rows: dict[int, ValueRow], reqs: dict[int, list[frozenset[int]]],
@@ -726,7 +734,7 @@ def _place_parting(numeric: NumericResult, rows: dict[int, ValueRow], reqs: dict
     if first is None or first.kind not in ("module", "function") or first.shape_differs or first.parts \
             or not _within_inputs(first, numeric) or first.onnx_value not in kept:
         return
-    want, got = kept[first.onnx_value]
+    want, got = _wide(kept[first.onnx_value])
     rtol, atol = numeric.tolerances.get(first.dtype, _EXACT)
     finite = np.abs(want[np.isfinite(want)])
     scale = float(finite.max()) if finite.size else 0.0
@@ -744,7 +752,7 @@ def _place_parting(numeric: NumericResult, rows: dict[int, ValueRow], reqs: dict
                 row = rows.get(gid)
                 if row is None or row is at or not row.compared or not row.ok or row.onnx_value not in kept:
                     continue
-                e, o = kept[row.onnx_value]
+                e, o = _wide(kept[row.onnx_value])
                 if tuple(d for d in e.shape if d != 1) != shape or row.dtype not in _PRECISION:
                     continue
                 with np.errstate(all="ignore"):
