@@ -1146,6 +1146,35 @@ def test_a_loop_of_lstm_cells_under_dynamo_is_no_false_divergence() -> None:
     assert all(r.ok for r in report.numeric.rows if r.compared)
 
 
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_each_step_of_a_looped_lstm_cell_is_compared_on_its_h_and_c(exporter: str) -> None:
+    """An LSTMCell returns h and c where the file's region ends at h's Mul: each output is paired with the
+    region's value the calls reading it read (c: the next step; h: the next step and the stack), so every step
+    is compared on both; the last step's c, which nothing reads, is said not compared."""
+    torch.manual_seed(0)
+    model, args = CellLoop().eval(), (torch.randn(6, 3, 10), torch.randn(3, 20), torch.randn(3, 20))
+    proto = fwdtrace.export_onnx(model, *args, exporter=exporter)
+    report = fwdtrace.check_onnx(model, *args, onnx=proto, numeric=True)
+    assert report.ok and report.numeric is not None, str(report)[:3000]
+    cells = [r for r in report.numeric.rows if r.target == "LSTMCell"]
+    assert len(cells) == 6 and all(r.compared and r.ok for r in cells), str(report)[:3000]
+    names = [r.onnx_value.split(", ") for r in cells]
+    assert [len(n) for n in names] == [2] * 5 + [1]
+    assert "output 1 not compared" in cells[-1].note
+    # reference: each step's h and c by a plain hook, against onnxruntime's values of the names paired with them
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    handle = model.cell.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad():
+        model(*args)
+    handle.remove()
+    feeds = {i.name: t.numpy() for i, t in zip(proto.graph.input, args, strict=True)}
+    got = _run_ort(proto, feeds, [n for step in names for n in step])
+    want = [t for step, (h, c) in enumerate(seen) for t in ((h, c) if step < 5 else (h,))]
+    assert len(got) == len(want) == 11
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-6)
+
+
 class _SetUpOnFirstCall(torch.nn.Module):
     """Builds a scale buffer and its head from the first input's width on its first call, as a fresh R-CNN sets up."""
 

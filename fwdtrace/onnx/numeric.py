@@ -548,8 +548,14 @@ def compare_values(
         elif len(t_outs) == 1 and names:
             chosen = [(0, _carrier(og, readers, group.key, 0, t_outs[0].shape))]
         else:
-            row.compared, row.note = False, f"{len(t_outs)} outputs against {len(names)} ONNX values"
-            continue
+            chosen = _carriers_by_readers(trace, og, readers, result, gid, last, t_outs)
+            if not chosen:
+                row.compared, row.note = False, f"{len(t_outs)} outputs against {len(names)} ONNX values"
+                continue
+            left = [str(i) for i in range(len(t_outs)) if i not in {i for i, _ in chosen}]
+            if left:
+                row.note = (f"output{'s' if len(left) > 1 else ''} {', '.join(left)} not compared: read by no later "
+                            "call, or by calls that read no one value of the file's region alone")
         row.onnx_value = ", ".join(n for _, n in chosen)
         pairs.extend((gid, last.id, i, n) for i, n in chosen)
         if len(chosen) == 1 and len(t_outs) == 1 and last.id in feeds_missing:
@@ -1131,6 +1137,51 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
                 nxt.append((c, 0))
         frontier = nxt
     return unsure or str(names[index])
+
+
+def _carriers_by_readers(trace: Graph, og: Graph, readers: dict[int, list[int]], result: Any, gid: int,
+                         last: Node, t_outs: list[Any]) -> list[tuple[int, str]]:
+    """The ONNX values holding the outputs of a call with more outputs than its key node has (an ``LSTMCell``'s
+    ``h`` and ``c``, of which the file's region ends at ``h``'s ``Mul``): for each output, the values of the
+    call's region shaped like it that the ONNX nodes of every call reading that output read; a value one
+    output alone can be is that output's, and no longer another's. An output no later call reads, or left
+    with several values or none, is not paired."""
+    group = result.groups[gid]
+    group_of = {t: g for g, grp in result.groups.items() if g >= 0 for t in grp.trace_ids}
+    region_of = {o: g for g, grp in result.groups.items() for o in grp.onodes}
+
+    def reached(obj_id: int) -> set[int]:
+        """The calls whose ONNX nodes read a value, through wiring no call holds (an Unsqueeze before a Concat)."""
+        calls: set[int] = set()
+        frontier = list(readers.get(obj_id, ()))
+        for _ in range(4):
+            following = []
+            for r in frontier:
+                if r in region_of:
+                    calls.add(region_of[r])
+                elif og.nodes[r].meta.get("wiring"):
+                    following += [c for v in og.nodes[r].outputs for c in readers.get(v.obj_id, ())]
+            frontier = following
+        return calls
+
+    values = [(str(og.nodes[o].meta.get("output_names", [])[k]), tuple(v.shape), reached(v.obj_id))
+              for o in group.onodes for k, v in enumerate(og.nodes[o].outputs)]
+    candidates: list[set[str]] = []
+    for out in t_outs:
+        reading = {group_of.get(e.dst) for e in trace.edges if e.src == last.id and e.obj_id == out.obj_id}
+        reading -= {None, gid}
+        candidates.append({name for name, shape, calls in values
+                           if shape == tuple(out.shape) and reading and reading <= calls})
+    chosen: dict[int, str] = {}
+    while True:
+        fixed = {i: next(iter(c)) for i, c in enumerate(candidates) if len(c) == 1 and i not in chosen}
+        if not fixed:
+            break
+        chosen.update(fixed)
+        for i, c in enumerate(candidates):
+            if i not in chosen:
+                c -= set(fixed.values())
+    return sorted(chosen.items()) if len(set(chosen.values())) == len(chosen) else []
 
 
 # ONNX ops that only move or select values: the ops a view-only call (Tensor.unfold) is emitted as
