@@ -204,6 +204,24 @@ def _flags(n: int) -> np.ndarray:
     return found[:n]
 
 
+class Pending:
+    """A CPU tensor's summary but for its histogram, which :func:`finish` bins with other tensors': its moments
+    and extremes (read from the values at once, before a later in-place write) and its gathered values; then
+    its ``vector``."""
+
+    __slots__ = ("count", "gathered", "head", "vector")
+
+    def __init__(self, head: list[float], gathered: np.ndarray, count: int) -> None:
+        self.head, self.gathered, self.count = head, gathered, count
+        self.vector: np.ndarray | None = None
+
+
+def _pending(t: torch.Tensor) -> Pending:
+    """A CPU tensor's :class:`Pending` summary: its blocks' moments and its gathered values."""
+    flat = _flat(t)
+    return Pending(_head(flat), _gathered(flat), flat.numel())
+
+
 def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequence[float] | None = None
                   ) -> torch.Tensor:
     """The summary vectors of CPU ``tensors`` as the rows of one float64 matrix: each tensor's moments in five
@@ -215,15 +233,7 @@ def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequ
     >>> m.shape, as_dict(m[0])["max"], as_dict(m[1])["std"]
     (torch.Size([2, 38]), 3.0, 0.0)
     """
-    heads: list[list[float]] = []
-    gathered: list[np.ndarray] = []
-    counts: list[int] = []
-    for t in tensors:
-        flat = _flat(t)
-        heads.append(_head(flat))
-        gathered.append(_gathered(flat))
-        counts.append(flat.numel())
-    return _assemble(heads, gathered, counts, bins, edges)
+    return torch.from_numpy(_matrix([_pending(t) for t in tensors], bins, edges))
 
 
 def _head_of(flat: torch.Tensor, got: list[float]) -> list[float]:
@@ -286,21 +296,15 @@ def _careful_head(flat: torch.Tensor) -> list[float]:
     return [n, finite, nans, infs, zeros, mean / scale, math.sqrt(m2 / finite) / scale, low, high, norm]
 
 
-def _assemble(heads: list[list[float]], gathered: list[np.ndarray], counts: list[int], bins: int,
-              edges: Sequence[float] | None) -> torch.Tensor:
-    """The summary matrix from each tensor's head and its gathered values (its samples, then its histogram's, in
-    float32 or float64), as a tensor: :func:`_matrix`'s."""
-    return torch.from_numpy(_matrix(heads, gathered, counts, bins, edges))
-
-
-def _matrix(heads: list[list[float]], gathered: list[np.ndarray], counts: list[int], bins: int,
-            edges: Sequence[float] | None) -> np.ndarray:
-    """The summary matrix from each tensor's head and its gathered values, in NumPy: a few operations per tensor
-    on at most :data:`HISTOGRAM_SAMPLE` values, where torch's cost per call would be most of the work."""
+def _matrix(pending: Sequence[Pending], bins: int, edges: Sequence[float] | None) -> np.ndarray:
+    """The summary matrix of tensors each known by its head and its gathered values (its samples, then its
+    histogram's, in float32 or float64), in NumPy: a few operations per tensor on at most
+    :data:`HISTOGRAM_SAMPLE` values, where torch's cost per call would be most of the work."""
     fixed = None if edges is None else np.asarray(edges, dtype=np.float64)
-    out = np.full((len(heads), width(bins)), np.nan)
-    for row, head, values, count in zip(out, heads, gathered, counts, strict=True):
-        k = min(SAMPLES, count)
+    out = np.full((len(pending), width(bins)), np.nan)
+    for row, p in zip(out, pending, strict=True):
+        head, values = p.head, p.gathered
+        k = min(SAMPLES, p.count)
         row[:_NORM + 1] = head
         row[_HEAD + bins:_HEAD + bins + k] = values[:k]
         values = values[k:]
@@ -348,7 +352,7 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int, b
         inside = (wanted >= offset) & (wanted < offset + n)  # in the order the whole tensor's are gathered
         gathered[inside] = flat.index_select(0, wanted[inside] - offset).to(torch.float64)
         offset += n
-    return _assemble([_merge_heads(heads)], [to_numpy(gathered)], [count], bins, None)[0]
+    return torch.from_numpy(_matrix([Pending(_merge_heads(heads), to_numpy(gathered), count)], bins, None)[0])
 
 
 def _head(flat: torch.Tensor) -> list[float]:
@@ -468,20 +472,7 @@ def summarize(t: torch.Tensor, bins: int = BINS, edges: Sequence[float] | None =
     """
     if not t.is_cpu or torch.compiler.is_compiling():
         return summarize_in_graph(_flat(t), bins, edges)
-    flat = _flat(t)
-    return _assemble([_head(flat)], [_gathered(flat)], [flat.numel()], bins, edges)[0]
-
-
-class Pending:
-    """A CPU tensor's summary but for its histogram, which :func:`finish` bins with other tensors': its moments
-    and extremes (read from the values at once, before a later in-place write) and its gathered values; then
-    its ``vector``."""
-
-    __slots__ = ("count", "gathered", "head", "vector")
-
-    def __init__(self, head: list[float], gathered: np.ndarray, count: int) -> None:
-        self.head, self.gathered, self.count = head, gathered, count
-        self.vector: np.ndarray | None = None
+    return torch.from_numpy(_matrix([_pending(t)], bins, edges)[0])
 
 
 def summarize_later(t: torch.Tensor) -> Pending | torch.Tensor:
@@ -495,14 +486,13 @@ def summarize_later(t: torch.Tensor) -> Pending | torch.Tensor:
     """
     if not t.is_cpu or torch.compiler.is_compiling():
         return summarize_in_graph(_flat(t))
-    flat = _flat(t)
-    return Pending(_head(flat), _gathered(flat), flat.numel())
+    return _pending(t)
 
 
 def finish(pending: Sequence[Pending]) -> np.ndarray:
     """The summary vectors of :func:`summarize_later`'s ``pending`` summaries, as the rows of a float64 matrix;
     each summary's ``vector`` its row (its gathered values dropped)."""
-    matrix = _matrix([p.head for p in pending], [p.gathered for p in pending], [p.count for p in pending], BINS, None)
+    matrix = _matrix(pending, BINS, None)
     for p, row in zip(pending, matrix, strict=True):
         p.vector, p.gathered = row, _NO_VALUES
     return matrix
