@@ -42,7 +42,7 @@ from ..patching import (
 )
 from ..precision import math_record
 from ..statistics import summarize
-from ..statistics.engine import Pending, finish, summarize_later
+from ..statistics.engine import Pending, summarize_later
 from ..tracer import Tracer, active_tracer
 
 if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
@@ -369,34 +369,21 @@ class _Recording:
                 raise self._fail(e, where) from e
             self.order.append(where)
             return
-        try:
+        try:  # a tensor dump's (a statistics dump's step is packed, above)
             attrs: dict[str, Any] = {}
-            data: np.ndarray | HostCopy
-            if self.statistics:
-                if isinstance(t, tuple):  # summarised inside the compiled graph: (vector, shape, dtype)
-                    summary, shape, dtype = t
-                    data = to_numpy(summary)
-                    attrs = {"tensor_shape": shape, "tensor_dtype": dtype}
-                else:
-                    summary = self._summary(t)
-                    assert not isinstance(summary, Pending)  # finished at once where no packed step bins it
-                    data = summary
-                    attrs = {"tensor_shape": list(t.shape), "tensor_dtype": dtype_name(t.dtype)}
-            else:
-                t = host(t)
-                store_as = _BITS_AS.get(t.dtype)
-                data = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
-                if store_as is not None:
-                    # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
-                    attrs = {"torch_dtype": dtype_name(t.dtype)}
-                if self.writer is not None:
-                    data = data.copy()  # a CPU tensor's array shares its memory: the model may write into it before the thread
+            t = host(t)
+            store_as = _BITS_AS.get(t.dtype)
+            data = to_numpy(t.contiguous().view(store_as)) if store_as is not None else to_numpy(t)
+            if store_as is not None:
+                # Lossless: the raw bits; read_dump/compare_dumps view them back as this dtype.
+                attrs = {"torch_dtype": dtype_name(t.dtype)}
+            if self.writer is not None:
+                data = data.copy()  # a CPU tensor's array shares its memory: the model may write into it before the thread
         except Exception as e:
             raise self._fail(e, where) from e
 
         def create() -> None:
-            arr = data.array() if isinstance(data, HostCopy) else data
-            dataset = self._create_dataset(call.group, name, arr)
+            dataset = self._create_dataset(call.group, name, data)
             if attrs:
                 dataset.attrs.update(attrs)
 
@@ -427,8 +414,8 @@ class _Recording:
         output is the next layer's input; one gradient is two calls', each hook handed its own tensor object; a
         ``view`` holds its base's values), one host copy each.
 
-        A CUDA tensor's vector is copied without waiting when the step's packed matrix or a writer thread takes
-        it (the matrix's writing, or the thread, waits for the copy); else the copy is made here.
+        A CUDA tensor's vector is copied without waiting (the step's packed matrix, written at its end or by a
+        writer thread, waits for the copy).
         """
         known = _values_key(t)
         if known is not None:
@@ -439,12 +426,9 @@ class _Recording:
         vector = summarize_later(t)
         values: np.ndarray | HostCopy | Pending
         if isinstance(vector, Pending):  # a CPU tensor's: its histogram binned with the step's others
-            values = vector if self.packed is not None else finish([vector])[0]
-        else:
-            # a CUDA vector's copy starts now and is waited for when the step's matrix is written (packed) or by
-            # the writer thread: no synchronisation per tensor
-            on_its_way = vector.is_cuda and (self.writer is not None or self.packed is not None)
-            values = HostCopy(vector) if on_its_way else to_numpy(vector)
+            values = vector
+        else:  # a CUDA vector's copy starts now, waited for when the step's matrix is written: no sync per tensor
+            values = HostCopy(vector) if vector.is_cuda else to_numpy(vector)
         if known is not None:
             self.summaries[key] = (weakref.ref(storage), version, values)
         return values
