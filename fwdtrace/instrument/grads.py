@@ -114,16 +114,20 @@ class GradCall:
 
     def _on_grad(self, index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
         def on_grad(grad: torch.Tensor) -> torch.Tensor | None:
-            try:
-                return self._arrived(index, grad)
-            except Exception as e:
-                if self.on_error is None:
-                    raise
-                self.cancel()
-                self.on_error(e)
-                return None
+            return self._guarded(self._arrived, index, grad)
 
         return on_grad
+
+    def _guarded(self, run: Callable[..., torch.Tensor | None], *args: Any) -> torch.Tensor | None:
+        """``run(*args)``, what it raises going to ``on_error`` (the call then reports nothing more) where given."""
+        try:
+            return run(*args)
+        except Exception as e:
+            if self.on_error is None:
+                raise
+            self.cancel()
+            self.on_error(e)
+            return None
 
     def _arrived(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         if not self.active:
@@ -178,13 +182,7 @@ def _finish(ref: weakref.ref[GradCall], task: int) -> None:
         if pending is None:
             return
         call.done.add(task)
-    try:
-        call._report(task, pending[0])
-    except Exception as e:
-        if call.on_error is None:
-            raise
-        call.cancel()
-        call.on_error(e)
+    call._guarded(call._report, task, pending[0])
 
 
 def _weak_hook(ref: weakref.ref[GradCall], index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
