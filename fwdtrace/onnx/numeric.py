@@ -520,6 +520,7 @@ def compare_values(
     inner: dict[int, dict[str, ValueRow]] = {}
     missing = set(result.missing)  # only there: a region that reads as missing the call after it
     feeds_missing = {e.src for e in trace.edges if e.dst in missing}
+    calls_of: _CallsOf | None = None  # made for the first call with more outputs than its ONNX key node
     for gid in sorted(result.groups):
         group = result.groups[gid]
         if gid < 0 or group.key is None or trace.nodes[gid].kind not in ("module", "function"):
@@ -548,7 +549,8 @@ def compare_values(
         elif len(t_outs) == 1 and names:
             chosen = [(0, _carrier(og, readers, group.key, 0, t_outs[0].shape))]
         else:
-            chosen = _carriers_by_readers(trace, og, readers, result, gid, last, t_outs)
+            calls_of = calls_of or _CallsOf(trace, og, result, readers)
+            chosen = _carriers_by_readers(calls_of, group, gid, last, t_outs)
             if not chosen:
                 row.compared, row.note = False, f"{len(t_outs)} outputs against {len(names)} ONNX values"
                 continue
@@ -1139,37 +1141,46 @@ def _carrier(og: Graph, readers: dict[int, list[int]], key: int, index: int, sha
     return unsure or str(names[index])
 
 
-def _carriers_by_readers(trace: Graph, og: Graph, readers: dict[int, list[int]], result: Any, gid: int,
-                         last: Node, t_outs: list[Any]) -> list[tuple[int, str]]:
+class _CallsOf:
+    """Which calls read what, on both sides, for :func:`_carriers_by_readers`: made once per check."""
+
+    def __init__(self, trace: Graph, og: Graph, result: Any, readers: dict[int, list[int]]) -> None:
+        self.og, self.readers = og, readers
+        group_of = {t: g for g, grp in result.groups.items() if g >= 0 for t in grp.trace_ids}
+        self.trace_readers: dict[tuple[int, int], set[int]] = {}  # (trace node, tensor) -> the calls reading it
+        for e in trace.edges:
+            if e.dst in group_of:
+                self.trace_readers.setdefault((e.src, e.obj_id), set()).add(group_of[e.dst])
+        self.region_of = {o: g for g, grp in result.groups.items() for o in grp.onodes}
+
+    def reaching(self, obj_id: int) -> set[int]:
+        """The calls whose ONNX nodes read a value, through wiring no call holds (an Unsqueeze before a Concat)."""
+        calls: set[int] = set()
+        frontier = list(self.readers.get(obj_id, ()))
+        for _ in range(4):
+            following = []
+            for r in frontier:
+                if r in self.region_of:
+                    calls.add(self.region_of[r])
+                elif self.og.nodes[r].meta.get("wiring"):
+                    following += [c for v in self.og.nodes[r].outputs for c in self.readers.get(v.obj_id, ())]
+            frontier = following
+        return calls
+
+
+def _carriers_by_readers(calls_of: _CallsOf, group: Any, gid: int, last: Node, t_outs: list[Any]
+                         ) -> list[tuple[int, str]]:
     """The ONNX values holding the outputs of a call with more outputs than its key node has (an ``LSTMCell``'s
     ``h`` and ``c``, of which the file's region ends at ``h``'s ``Mul``): for each output, the values of the
     call's region shaped like it that the ONNX nodes of every call reading that output read; a value one
     output alone can be is that output's, and no longer another's. An output no later call reads, or left
     with several values or none, is not paired."""
-    group = result.groups[gid]
-    group_of = {t: g for g, grp in result.groups.items() if g >= 0 for t in grp.trace_ids}
-    region_of = {o: g for g, grp in result.groups.items() for o in grp.onodes}
-
-    def reached(obj_id: int) -> set[int]:
-        """The calls whose ONNX nodes read a value, through wiring no call holds (an Unsqueeze before a Concat)."""
-        calls: set[int] = set()
-        frontier = list(readers.get(obj_id, ()))
-        for _ in range(4):
-            following = []
-            for r in frontier:
-                if r in region_of:
-                    calls.add(region_of[r])
-                elif og.nodes[r].meta.get("wiring"):
-                    following += [c for v in og.nodes[r].outputs for c in readers.get(v.obj_id, ())]
-            frontier = following
-        return calls
-
-    values = [(str(og.nodes[o].meta.get("output_names", [])[k]), tuple(v.shape), reached(v.obj_id))
+    og = calls_of.og
+    values = [(str(og.nodes[o].meta.get("output_names", [])[k]), tuple(v.shape), calls_of.reaching(v.obj_id))
               for o in group.onodes for k, v in enumerate(og.nodes[o].outputs)]
     candidates: list[set[str]] = []
     for out in t_outs:
-        reading = {group_of.get(e.dst) for e in trace.edges if e.src == last.id and e.obj_id == out.obj_id}
-        reading -= {None, gid}
+        reading = calls_of.trace_readers.get((last.id, out.obj_id), set()) - {gid}
         candidates.append({name for name, shape, calls in values
                            if shape == tuple(out.shape) and reading and reading <= calls})
     chosen: dict[int, str] = {}
