@@ -844,3 +844,49 @@ def test_a_dumpers_repr_shows_its_folder_and_settings(tmp_path: Path) -> None:
         assert repr(dumper).endswith(", 0 written, 1 open)")
         model(torch.ones(1, 2)).sum().backward()
     assert repr(dumper).endswith(f", {len(dumper.paths)} written, 0 open)") and len(dumper.paths) == 1
+
+
+def test_a_dump_of_every_step_holds_one_file_open_and_each_step_is_whole(tmp_path: Path) -> None:
+    # A training loop that registers every step: each step's file is closed, named and complete once the next
+    # register() finds it over, not held open (one descriptor, the step's memory) until the loop ends.
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fds = Path(f"/proc/{os.getpid()}/fd")
+    opened, outputs = [], []
+    with fwdtrace.Dumper(tmp_path, values="statistics") as dumper:
+        for step in range(40):
+            dumper.register(model, step=step)
+            assert len(dumper.paths) == step and repr(dumper).endswith(f", {step} written, 1 open)")
+            opened.append(len(list(fds.iterdir())) if fds.exists() else 0)
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            out = model(x)
+            outputs.append(out.detach().clone())
+            out.square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [p.name for p in dumper.paths] == [f"0-epoch_{s}-step_dump.hdf5" for s in range(40)]
+    assert max(opened) == opened[0]  # no descriptor more per step
+    for step in (0, 17, 39):
+        tree = fwdtrace.read_dump(dumper.paths[step], show=False)
+        assert tree["status"] == "complete"
+        (group,) = [g for g in tree["groups"].values() if g["attrs"]["module_path"] == ""]
+        stats = group["datasets"]["output0"]["statistics"]
+        assert stats["mean"] == pytest.approx(outputs[step].mean().item(), rel=1e-6)
+        assert stats["max"] == outputs[step].max().item()
+
+
+def test_a_step_whose_backward_runs_after_the_next_register_keeps_its_gradients(tmp_path: Path) -> None:
+    # Two steps' forwards before either backward (micro-batches): the first stays open until its backward ran.
+    model = _mlp()
+    x = torch.randn(5, 4)
+    with fwdtrace.Dumper(tmp_path) as dumper:
+        dumper.register(model, step=0)
+        first = model(x).sum()
+        dumper.register(model, step=1)
+        second = model(x * 2).sum()
+        assert len(dumper.paths) == 0
+        first.backward()
+        second.backward()
+    for path in dumper.paths:
+        tree = fwdtrace.read_dump(path, show=False)
+        assert tree["status"] == "complete" and tree["attrs"]["backward_finished"]

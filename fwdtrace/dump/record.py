@@ -645,6 +645,12 @@ class _Recording:
 
         return write
 
+    @property
+    def over(self) -> bool:
+        """Whether nothing more will be written: the forward finished and its backward too (where one is expected),
+        or the dump was dropped."""
+        return self.closed or self.forward_done and not (self.backward_expected and not self.backward_done)
+
     def _status(self, exc: BaseException | None) -> tuple[bool, str]:
         """Whether the step is complete, and if not, why."""
         raised = f"; the step raised {one_line(exc)}" if exc is not None else ""
@@ -829,8 +835,10 @@ class Dumper:
     ['0-epoch_3-step_dump.hdf5']
 
     The next forward after :meth:`register` and its backward are dumped; later
-    forwards are not. Leaving the ``with`` block (or :meth:`remove`) takes the hooks off,
-    closes the files and gives them their names; until then a dump has a temporary name.
+    forwards are not. The next :meth:`register` closes the files of the steps that are over
+    (their forward and backward ran) and gives them their names, so a dump of every step
+    holds one file open; leaving the ``with`` block (or :meth:`remove`) takes the hooks off
+    and closes the rest. Until it is closed a dump has a temporary name.
     A dump records whether its step completed: a forward that raised, a backward that did
     not run, an exception leaving the ``with`` block. An existing file is an error unless
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
@@ -944,6 +952,8 @@ class Dumper:
         step = _non_negative_int(step, "step")
         if not isinstance(grads, bool):
             raise FwdtraceError(f"Dumper.register() expected grads as a bool, got {describe(grads)}")
+        # the steps over are closed first: a dump of every step holds one file open, not every step's so far
+        self._close(None, [r for r in self._recordings if r.over])
         if isinstance(self.steps, int) and step % self.steps or isinstance(self.steps, frozenset) and step not in self.steps:
             return
         if isinstance(self.ranks, frozenset) and _rank() not in self.ranks:
@@ -987,22 +997,26 @@ class Dumper:
         """Remove the hooks, close and name the files, and return the paths written (by this dumper, so far)."""
         return self._close(None)
 
-    def _close(self, exc: BaseException | None) -> list[Path]:
+    def _close(self, exc: BaseException | None, recordings: list[_Recording] | None = None) -> list[Path]:
+        """Close ``recordings`` (all the open ones by default), in the order registered."""
         first_error: FwdtraceError | None = None
+        closing = list(self._recordings) if recordings is None else recordings
         try:
-            while self._recordings:
+            while closing:
                 try:
-                    path = self._recordings[0].close(exc)
+                    path = closing[0].close(exc)
                 except FwdtraceError as e:  # close the others all the same
                     first_error = first_error or e
                     path = None
-                self._recordings.pop(0)
+                self._recordings.remove(closing.pop(0))
                 if path is not None:
                     self._written.append(path)
         except BaseException:  # Ctrl-C while closing: the dumps not closed yet are dropped, nothing left running
             with critical():
-                while self._recordings:
-                    self._recordings.pop().abandon()
+                while closing:
+                    recording = closing.pop()
+                    self._recordings.remove(recording)
+                    recording.abandon()
             raise
         if first_error is not None:
             raise first_error
