@@ -27,17 +27,21 @@ class _Packed:
 
     def __init__(self) -> None:
         self.calls: dict[str, dict[str, Any]] = {}  # group name -> its attributes, in call order
-        self.rows: list[tuple[str, str, list[int], str]] = []  # (group, tensor name, shape, dtype), in write order
+        # (group, tensor name, dtype) and the shapes, in write order: flat tuples of str or int, which Python's
+        # collector stops tracking at its next pass (a step's thousands add nothing towards a full collection)
+        self.rows: list[tuple[str, str, str]] = []
+        self.shapes: list[tuple[int, ...]] = []
         self.vectors: list[np.ndarray | HostCopy | Pending] = []
         self.pending: dict[int, Pending] = {}  # id() -> a CPU summary not binned yet (rows may share one)
 
-    def add(self, group: str, name: str, vector: np.ndarray | HostCopy | Pending, shape: list[int],
+    def add(self, group: str, name: str, vector: np.ndarray | HostCopy | Pending, shape: tuple[int, ...],
             dtype: str) -> None:
         """One row. A CPU summary's histogram is binned with the next ones' (:func:`fwdtrace.statistics.engine.finish`):
         in batches, where the values taken are still in the cache, rather than between two layers' work."""
         from ..statistics.engine import Pending
 
-        self.rows.append((group, name, shape, dtype))
+        self.rows.append((group, name, dtype))
+        self.shapes.append(shape)
         self.vectors.append(vector)
         if isinstance(vector, Pending) and vector.vector is None:
             self.pending[id(vector)] = vector
@@ -68,7 +72,8 @@ class _Packed:
         # float64, shuffled and deflated: the counts and the histograms compress well, the rest a little
         options = {"shuffle": True, "compression": "gzip"} if len(matrix) else {}
         file.create_dataset(STATISTICS_DATASET, data=matrix, **options)
-        index = {"calls": [[name, attrs] for name, attrs in self.calls.items()], "rows": [list(r) for r in self.rows]}
+        rows = [[group, name, list(shape), dtype] for (group, name, dtype), shape in zip(self.rows, self.shapes, strict=True)]
+        index = {"calls": [[name, attrs] for name, attrs in self.calls.items()], "rows": rows}
         _create_text(file, STATISTICS_INDEX, json.dumps(index, separators=(",", ":")))
 
 

@@ -66,57 +66,60 @@ class GradCall:
     input ``index`` and returns its new gradient or None. ``on_error(exc)`` (optional) gets what a hook raised instead of the backward.
     """
 
+    # Slots, and containers made when first needed: a dump makes a call per layer and per function each step, and
+    # every object alive through the step adds to what Python's collector counts towards a full collection.
+    __slots__ = ("__weakref__", "_pending", "active", "done", "leaf_handles", "n_inputs", "n_outputs", "on_error",
+                 "on_grads", "replace", "replaced", "slots")
+
     def __init__(self, inputs: Sequence[torch.Tensor | None], on_grads: Callable[[Grads, Grads], Any],
                  replace: Callable[[int, Grads, Grads], torch.Tensor | None] | None = None,
                  on_error: Callable[[BaseException], Any] | None = None) -> None:
         self.on_grads, self.replace, self.on_error = on_grads, replace, on_error
         self.n_inputs = len(inputs)
         self.slots: list[int] = []  # position (inputs first, then outputs) of each hooked tensor
-        self.leaf_handles: list[Any] = []
-        self.lock = threading.Lock()
-        self.grads: dict[int, tuple[Grads, set[int]]] = {}  # per backward pass (graph task): grads, indices arrived
-        self.done: set[int] = set()
-        self.replaced: set[int] = set()  # backward passes where replace() ran (it called the user's hook)
+        self.leaf_handles: list[Any] | None = None
+        # per backward pass (graph task) still arriving: its grads and the indices arrived
+        self._pending: dict[int, tuple[Grads, set[int]]] | None = None
+        self.done: set[int] | None = None  # backward passes reported
+        self.replaced: set[int] | None = None  # backward passes where replace() ran (it called the user's hook)
         self.active = True
         self.n_outputs = 0
-        self._hook(list(inputs), 0)
+        self._hook(inputs, 0)
 
     def hook_outputs(self, outputs: Sequence[torch.Tensor | None]) -> None:
         """Hook the call's outputs (after the module ran: ``tensors_of(result)``)."""
         self.n_outputs = len(outputs)
-        self._hook(list(outputs), self.n_inputs)
+        self._hook(outputs, self.n_inputs)
 
     def cancel(self) -> None:
         """Report nothing more; take off the hooks left on leaves."""
         self.active = False
+        self._unhook_leaves()
+
+    def _unhook_leaves(self) -> None:
         while self.leaf_handles:
             self.leaf_handles.pop().remove()
 
-    def _hook(self, tensors: list[torch.Tensor | None], first: int) -> None:
+    def _hook(self, tensors: Sequence[torch.Tensor | None], first: int) -> None:
         # A hook registered on a non-leaf tensor stays with the node its gradient arrives at now: an in-place op
         # later gives the tensor a new node. Only the graph holds the call (through these hooks), and the call
         # holds no node: the graph, its hooks and the call go together once nothing else holds the graph (a
         # node kept here would make a cycle through C++ that Python's collector cannot break, leaking every
         # step's calls and their graphs).
-        ref = weakref.ref(self)
         for position, t in enumerate(tensors, first):
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
                 continue
             self.slots.append(position)
             if t.grad_fn is None:  # a leaf: the hook lives on the tensor, not on the graph
-                hook = _weak_hook(ref, len(self.slots) - 1)
-                self.leaf_handles.append(t.register_hook(hook))
+                if self.leaf_handles is None:
+                    self.leaf_handles = []
+                self.leaf_handles.append(t.register_hook(functools.partial(_leaf_grad, weakref.ref(self),
+                                                                           len(self.slots) - 1)))
                 # Nothing else keeps this call alive but its non-leaf hooks (the graph): once
                 # the graph is freed no backward can come, and the leaf's hook goes with it.
                 weakref.finalize(self, self.leaf_handles[-1].remove)
             else:
-                t.register_hook(self._on_grad(len(self.slots) - 1))
-
-    def _on_grad(self, index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
-        def on_grad(grad: torch.Tensor) -> torch.Tensor | None:
-            return self._guarded(self._arrived, index, grad)
-
-        return on_grad
+                t.register_hook(functools.partial(_on_grad, self, len(self.slots) - 1))
 
     def _guarded(self, run: Callable[..., torch.Tensor | None], *args: Any) -> torch.Tensor | None:
         """``run(*args)``, what it raises going to ``on_error`` (the call then reports nothing more) where given."""
@@ -133,21 +136,24 @@ class GradCall:
         if not self.active:
             return None
         task = torch._C._current_graph_task_id()
-        with self.lock:
-            if task in self.done:
+        with _LOCK:
+            if self.done is not None and task in self.done:
                 return None
-            first = task not in self.grads
-            grads, arrived = self.grads.setdefault(task, ([None] * (self.n_inputs + self.n_outputs), set()))
+            if self._pending is None:
+                self._pending = {}
+            first = task not in self._pending
+            grads, arrived = self._pending.setdefault(task, ([None] * (self.n_inputs + self.n_outputs), set()))
             position = self.slots[index]
             # None arrives where autograd has an undefined gradient (torch's BackwardHook passes them on)
             grads[position] = None if grad is None else grad.detach()
             arrived.add(index)
             complete = len(arrived) == len(self.slots)
             if complete:
-                del self.grads[task]
-                self.done.add(task)
+                self._mark_done(task)
             replacing = self.replace is not None and position < self.n_inputs
             if replacing:
+                if self.replaced is None:
+                    self.replaced = set()
                 self.replaced.add(task)
         if first and not complete:
             # Some tensors get no gradient in this backward (an unused output, inputs= given): what arrived is
@@ -164,12 +170,34 @@ class GradCall:
             self._report(task, grads)
         return new
 
+    def _mark_done(self, task: int) -> tuple[Grads, set[int]] | None:
+        """Backward pass ``task`` reported (under the lock): its pending grads taken off, if any."""
+        pending = None if self._pending is None else self._pending.pop(task, None)
+        if self.done is None:
+            self.done = set()
+        self.done.add(task)
+        return pending
+
     def _report(self, task: int, grads: Grads) -> None:
-        while self.leaf_handles:
-            self.leaf_handles.pop().remove()
-        if task not in self.replaced:
+        self._unhook_leaves()
+        if self.replaced is None or task not in self.replaced:
             self.on_grads(grads[:self.n_inputs], grads[self.n_inputs:])
-        self.replaced.discard(task)
+        if self.replaced is not None:
+            self.replaced.discard(task)
+
+
+_LOCK = threading.Lock()  # the gradients of one call may arrive on several threads (one per device's backward)
+
+
+def _on_grad(call: GradCall, index: int, grad: torch.Tensor) -> torch.Tensor | None:
+    """A non-leaf tensor's hook: its gradient arrived (the graph holds the call through it)."""
+    return call._guarded(call._arrived, index, grad)
+
+
+def _leaf_grad(ref: weakref.ref[GradCall], index: int, grad: torch.Tensor) -> torch.Tensor | None:
+    """A leaf's hook, which outlives the graph on the tensor: it holds the call weakly."""
+    call = ref()
+    return None if call is None else _on_grad(call, index, grad)
 
 
 def _finish(ref: weakref.ref[GradCall], task: int) -> None:
@@ -177,20 +205,12 @@ def _finish(ref: weakref.ref[GradCall], task: int) -> None:
     call = ref()
     if call is None or not call.active:
         return
-    with call.lock:
-        pending = call.grads.pop(task, None)
-        if pending is None:
+    with _LOCK:
+        if call._pending is None or task not in call._pending:
             return
-        call.done.add(task)
+        pending = call._mark_done(task)
+    assert pending is not None
     call._guarded(call._report, task, pending[0])
-
-
-def _weak_hook(ref: weakref.ref[GradCall], index: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    def hook(grad: torch.Tensor) -> torch.Tensor | None:
-        call = ref()
-        return None if call is None else call._on_grad(index)(grad)
-
-    return hook
 
 
 class GradHandle:

@@ -211,8 +211,9 @@ class Pending:
 
     __slots__ = ("count", "gathered", "head", "vector")
 
-    def __init__(self, head: list[float], gathered: np.ndarray, count: int) -> None:
-        self.head, self.gathered, self.count = head, gathered, count
+    def __init__(self, head: Sequence[float], gathered: np.ndarray, count: int) -> None:
+        # a tuple of floats, which Python's collector stops tracking (a dump holds a step's summaries)
+        self.head, self.gathered, self.count = tuple(head), gathered, count
         self.vector: np.ndarray | None = None
 
 
