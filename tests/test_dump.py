@@ -890,3 +890,24 @@ def test_a_step_whose_backward_runs_after_the_next_register_keeps_its_gradients(
     for path in dumper.paths:
         tree = fwdtrace.read_dump(path, show=False)
         assert tree["status"] == "complete" and tree["attrs"]["backward_finished"]
+
+
+def test_a_folder_removed_mid_run_is_named_and_the_dump_goes_on_once_it_is_back(tmp_path: Path) -> None:
+    import shutil
+
+    model = _mlp()
+    folder = tmp_path / "run"
+    dumper = fwdtrace.Dumper(folder, values="statistics")
+    dumper.register(model, step=0)
+    model(torch.randn(5, 4)).sum().backward()
+    shutil.rmtree(folder)
+    with pytest.raises(FwdtraceError, match=r"Dumper.register\(\) could not write .*0-epoch_0-step_dump.hdf5.*No such file"):
+        dumper.register(model, step=1)  # the finished step's file cannot be named
+    with pytest.raises(FwdtraceError, match=r"Dumper.register\(\) could not create a file in .*run.*No such file"):
+        dumper.register(model, step=1)
+    assert repr(dumper).endswith("0 written, 0 open)")
+    folder.mkdir()
+    dumper.register(model, step=2)
+    model(torch.randn(5, 4)).sum().backward()
+    (path,) = dumper.remove()
+    assert fwdtrace.read_dump(path, show=False)["status"] == "complete"

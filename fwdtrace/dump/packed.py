@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from .._host import HostCopy
 from ..statistics import BINS, FIELDS, SAMPLES
+from ..statistics.engine import Pending, finish
 
-if TYPE_CHECKING:  # NumPy is torch's to import: ``import fwdtrace`` needs only torch
+if TYPE_CHECKING:
     import numpy as np
-
-    from ..statistics.engine import Pending
 
 from .layout import _DATASET_RE, _GROUP_RE, STATISTICS_DATASET, STATISTICS_INDEX, _create_text
 
@@ -38,8 +37,6 @@ class _Packed:
             dtype: str) -> None:
         """One row. A CPU summary's histogram is binned with the next ones' (:func:`fwdtrace.statistics.engine.finish`):
         in batches, where the values taken are still in the cache, rather than between two layers' work."""
-        from ..statistics.engine import Pending
-
         self.rows.append((group, name, dtype))
         self.shapes.append(shape)
         self.vectors.append(vector)
@@ -49,16 +46,12 @@ class _Packed:
                 self._finish()
 
     def _finish(self) -> None:
-        from ..statistics.engine import finish
-
         if self.pending:
             finish(list(self.pending.values()))
             self.pending.clear()
 
     def write(self, file: Any) -> None:
         import numpy as np
-
-        from ..statistics.engine import Pending
 
         self._finish()
         # a tensor of fewer than SAMPLES values has fewer samples: the rest of its row is NaN

@@ -923,6 +923,7 @@ class Dumper:
         self.overwrite = overwrite
         self._recordings: list[_Recording] = []
         self._written: list[Path] = []
+        self._writable = False  # the directory was checked
         self._guard: InterruptGuard | None = None
 
     def __repr__(self) -> str:
@@ -965,7 +966,9 @@ class Dumper:
             rank = torch.distributed.get_rank()
         suffix = f"_rank{rank}" if rank is not None else ""
         path = self.directory / f"{epoch}-epoch_{step}-step{suffix}_dump.hdf5"
-        self._check_writable()
+        if not self._writable:  # once: a directory that goes later is named by the file's creation below
+            self._check_writable()
+            self._writable = True
         if any(r.path == path for r in self._recordings):
             raise FwdtraceError(f"Dumper.register() expected a new epoch/step, got {path.name} which is still open")
         try:

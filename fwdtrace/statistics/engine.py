@@ -62,12 +62,17 @@ def _gather_index(count: int) -> torch.Tensor:
                                             histogram_positions(count)]))
 
 
+@functools.lru_cache(maxsize=512)
+def _gather_array(count: int) -> np.ndarray:
+    """:func:`_gather_index` as a NumPy array."""
+    return shared_array(_gather_index(count))
+
+
 def _gathered(flat: torch.Tensor) -> np.ndarray:
     """``flat``'s sampled values, then its histogram's, as a float32 or float64 array."""
-    index = _gather_index(flat.numel())
-    if flat.dtype in (torch.float32, torch.float64):
-        return shared_array(flat).take(shared_array(index))
-    g = flat.index_select(0, index)
+    if flat.dtype in _NUMPY_WORK:
+        return shared_array(flat).take(_gather_array(flat.numel()))
+    g = flat.index_select(0, _gather_index(flat.numel()))
     return to_numpy(g, _work_dtype(g.dtype))
 
 
@@ -137,13 +142,18 @@ def _buffer(dtype: torch.dtype, which: int) -> torch.Tensor:
     return found
 
 
+_NUMPY_WORK = frozenset({torch.float32, torch.float64})  # read by NumPy where they lie, in their own dtype
+_REAL = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool})
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in flat C order (a complex tensor's as real and imaginary parts), detached."""
     t = t.detach()
-    if t.is_quantized:
-        t = t.dequantize()
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())
+    if t.dtype not in _REAL:  # the usual dtypes need neither check (each call counts, at a layer's size)
+        if t.is_quantized:
+            t = t.dequantize()
+        if t.is_complex():
+            t = torch.view_as_real(t.resolve_conj())
     return t.resolve_neg().reshape(-1)
 
 
@@ -162,14 +172,16 @@ def _blocks_of(flat: torch.Tensor) -> Iterable[torch.Tensor]:
 _SMALL = 8192  # float32 blocks up to this size: NumPy's reductions, whose calls cost less than torch's
 
 
-def _moments(x: torch.Tensor) -> list[float]:
+def _moments(x: torch.Tensor, values: np.ndarray | None = None) -> list[float]:
     """Sum, sum of squares, min, max and the count of non-zero values of a block of float32 or float64 values, as
     Python numbers: one pass each, in as few calls as the numbers need (at a layer's size each call's own cost is
     most of a pass). A small float32 block is widened to float64 and reduced by NumPy; else the sum and squares
     by torch (cascaded sums, the squares by :func:`_squares`), min and max by NumPy (no conversion of the
     result), the zeros as NumPy's count of ``x == 0`` (torch's ``count_nonzero`` branches per value, 6x slower).
+    ``values``: ``x``'s memory as an array, where the caller has it.
     """
-    values = shared_array(x)
+    if values is None:
+        values = shared_array(x)
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, as torch gives it (then the careful route)
         if x.dtype == torch.float32 and x.numel() <= _SMALL:
             wide = values.astype(np.float64)
@@ -220,7 +232,11 @@ class Pending:
 def _pending(t: torch.Tensor) -> Pending:
     """A CPU tensor's :class:`Pending` summary: its blocks' moments and its gathered values."""
     flat = _flat(t)
-    return Pending(_head(flat), _gathered(flat), flat.numel())
+    n = flat.numel()
+    if 0 < n <= BLOCK and flat.dtype in _NUMPY_WORK:  # one block read where it lies: its array made once
+        values = shared_array(flat)
+        return Pending(_head_of(flat, _moments(flat, values)), values.take(_gather_array(n)), n)
+    return Pending(_head(flat), _gathered(flat), n)
 
 
 def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequence[float] | None = None
@@ -243,9 +259,12 @@ def _head_of(flat: torch.Tensor, got: list[float]) -> list[float]:
     n = flat.numel()
     if not n:
         return list(_EMPTY)
-    total, sumsq = math.fsum(got[0::5]), math.fsum(got[1::5])
-    low, high = min(got[2::5]), max(got[3::5])
-    nonzero = sum(got[4::5])
+    if len(got) == 5:  # one block
+        total, sumsq, low, high, nonzero = got
+    else:
+        total, sumsq = math.fsum(got[0::5]), math.fsum(got[1::5])
+        low, high = min(got[2::5]), max(got[3::5])
+        nonzero = sum(got[4::5])
     # a NaN, an Inf or a sum past the dtype's range; or squares that fell below its normal range
     if not all(map(math.isfinite, (total, sumsq, low, high))) or (sumsq < _TINY[_work_dtype(flat.dtype)] and nonzero):
         return _careful_head(flat)
@@ -361,7 +380,7 @@ def _head(flat: torch.Tensor) -> list[float]:
     n = flat.numel()
     if not n:
         return _head_of(flat, [])
-    if n <= BLOCK and flat.dtype in (torch.float32, torch.float64):  # one block, in its own dtype: no copy
+    if n <= BLOCK and flat.dtype in _NUMPY_WORK:  # one block, in its own dtype: no copy
         return _head_of(flat, _moments(flat))
     return _head_of(flat, [p for x in _blocks_of(flat) for p in _moments(x)])
 
