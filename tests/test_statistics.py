@@ -39,6 +39,8 @@ EDGE_CASES = {
     "denormals": torch.tensor([1e-45, -1e-45, 0.0, 3e-44]),
     "tiny squares": torch.randn(1000, generator=_gen(2)) * 1e-25,
     "squares past float32": torch.tensor([3e38, -3e38, 1e20, 0.0, 2.0]),
+    "attention scores masked by float32's least": torch.randn(4, 64, 64, generator=_gen(19)).masked_fill(
+        torch.ones(64, 64, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min),
     "float16 extremes": torch.tensor([65504.0, -65504.0, 6e-8, 0.0, 1.0], dtype=torch.float16),
     "float16 overflowed": (torch.randn(5000, generator=_gen(3)) * 60000).half(),
     "bfloat16": torch.randn(70000, generator=_gen(4)).bfloat16(),
