@@ -188,24 +188,29 @@ def _moments(x: torch.Tensor, values: np.ndarray | None = None) -> list[float]:
             return [float(wide.sum()), float(np.dot(wide, wide)), float(values.min()), float(values.max()),
                     float(np.count_nonzero(values))]
         zeros = np.count_nonzero(np.equal(values, 0, out=_flags(values.size)))
-        return [float(x.sum()), _squares(x), float(values.min()), float(values.max()), float(values.size - zeros)]
+        return [float(x.sum()), _squares(x, values), float(values.min()), float(values.max()), float(values.size - zeros)]
 
 
 _ROW = 1024  # values per row whose norm is one of a block's sums of squares
 
 
-def _squares(x: torch.Tensor) -> float:
-    """The sum of ``x``'s squares: in float32, the squares (in float64) of the norms of its rows of :data:`_ROW`
-    values (each a cascaded sum: a dot product over the block adds up in order, 10x the error at 2**18 values)
-    and of the rest; in float64 (or a short float32 block) one dot product."""
+def _squares(x: torch.Tensor, values: np.ndarray | None = None) -> float:
+    """The sum of ``x``'s squares: in float32, the sums (in float64) of the dot products of its rows of
+    :data:`_ROW` values with themselves (a dot product over the whole block adds up in order, 10x the error at
+    2**18 values), and of the rest; in float64 (or a short float32 block) one dot product. ``values``: ``x``'s
+    memory as an array, where the caller has it."""
     n = x.numel()
     if x.dtype == torch.float64 or n < 2 * _ROW:
         return float(torch.dot(x, x))
+    if values is None:
+        values = shared_array(x)
     body = n - n % _ROW
-    rows = shared_array(torch.linalg.vector_norm(x[:body].view(-1, _ROW), dim=1)).astype(np.float64)
-    tail = x[body:]
-    rest = float(torch.dot(tail, tail)) if body < n else 0.0
-    return float(np.dot(rows, rows)) + rest
+    rows = values[:body].reshape(-1, _ROW)
+    total = float(np.einsum("ij,ij->i", rows, rows).sum(dtype=np.float64))
+    if body < n:
+        tail = values[body:]
+        total += float(np.dot(tail, tail))
+    return total
 
 
 def _flags(n: int) -> np.ndarray:
