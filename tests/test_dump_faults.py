@@ -229,8 +229,17 @@ def test_ctrl_c_anywhere_in_register_and_remove_leaves_nothing_running_or_hooked
         model(x).sum().backward()
         return dumper.remove, dumper.remove
 
+    def register_next() -> Prepared:
+        # the next step's register() closes and names the finished step's file first, then hooks the model
+        dumper = fwdtrace.Dumper(tmp_path, calls=calls, background=background)
+        dumper.register(model, step=next(steps))
+        model(x).sum().backward()
+        step = next(steps)
+        return lambda: dumper.register(model, step=step), dumper.remove
+
     assert _every_line(register, model, tmp_path) > 0
     assert _every_line(remove, model, tmp_path) > 0
+    assert _every_line(register_next, model, tmp_path) > 0
     # what was written reads back: whole dumps complete, none cut short named complete
     for path in tmp_path.iterdir():
         status = fwdtrace.read_dump(path, show=False)["status"]
