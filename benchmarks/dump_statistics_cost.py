@@ -5,7 +5,8 @@
 Models: ``gpt2``, transformers' GPT-2 with 4 layers of width 256 (batch 4 x 64 tokens), and ``encoder``,
 the live-service benchmark's encoder (d=128, 4 layers, batch 8 x 64); 1 torch thread. Training steps
 (forward, backward, SGD); each dumped row registers a ``Dumper`` on every step (``dumper.register(model,
-step=i)``) and closes its files at the end of each segment, so writing and closing are inside the clock.
+step=i)``, which also closes the step before's file) and the last file is closed at the end of each segment, so
+writing and closing are inside the clock.
 
 Rows, for each ``calls``:
 
