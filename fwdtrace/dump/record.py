@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import json
 import operator
 import os
@@ -88,6 +87,12 @@ class _Call:
     group: Any = None
     grads: GradCall | None = None  # its gradients' hooks, from the forward pre-hook on
     ends_scope: bool = False  # the selection's scope ends with this call
+    recording: Any = None  # the recording its gradients are written to (the call is its GradCall's on_grads)
+    is_root: bool = False
+
+    def __call__(self, grad_input: list[torch.Tensor | None], grad_output: list[torch.Tensor | None]) -> None:
+        """Its gradients arrived (the call itself is the callback: no object more per call through the step)."""
+        self.recording._write_grads(self, self.is_root, grad_input, grad_output)
 
 
 @dataclass
@@ -631,9 +636,10 @@ class _Recording:
 
         return hook
 
-    def _grad_writer(self, call: _Call, is_root: bool) -> Any:
-        # a partial, not a closure: fewer objects alive through the step per call (see GradCall)
-        return functools.partial(_Recording._write_grads, self, call, is_root)
+    def _grad_writer(self, call: _Call, is_root: bool) -> _Call:
+        # the call itself, not a closure: fewer objects alive through the step per call (see GradCall)
+        call.recording, call.is_root = self, is_root
+        return call
 
     def _write_grads(self, call: _Call, is_root: bool, grad_input: list[torch.Tensor | None],
                      grad_output: list[torch.Tensor | None]) -> None:

@@ -76,11 +76,11 @@ class GradCall:
                  on_error: Callable[[BaseException], Any] | None = None) -> None:
         self.on_grads, self.replace, self.on_error = on_grads, replace, on_error
         self.n_inputs = len(inputs)
-        self.slots: list[int] = []  # position (inputs first, then outputs) of each hooked tensor
+        self.slots: tuple[int, ...] = ()  # position (inputs first, then outputs) of each hooked tensor
         self.leaf_handles: list[Any] | None = None
-        # per backward pass (graph task) still arriving: its grads and the indices arrived
-        self._pending: dict[int, tuple[Grads, set[int]]] | None = None
-        self.done: set[int] | None = None  # backward passes reported
+        # per backward pass (graph task) still arriving: its grads and the indices arrived (bits of an int)
+        self._pending: dict[int, list[Any]] | None = None
+        self.done: tuple[int, ...] = ()  # backward passes reported (a tuple of ints: untracked by the collector)
         self.replaced: set[int] | None = None  # backward passes where replace() ran (it called the user's hook)
         self.active = True
         self.n_outputs = 0
@@ -109,7 +109,7 @@ class GradCall:
         for position, t in enumerate(tensors, first):
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
                 continue
-            self.slots.append(position)
+            self.slots += (position,)
             if t.grad_fn is None:  # a leaf: the hook lives on the tensor, not on the graph
                 if self.leaf_handles is None:
                     self.leaf_handles = []
@@ -137,17 +137,18 @@ class GradCall:
             return None
         task = torch._C._current_graph_task_id()
         with _LOCK:
-            if self.done is not None and task in self.done:
+            if task in self.done:
                 return None
             if self._pending is None:
                 self._pending = {}
             first = task not in self._pending
-            grads, arrived = self._pending.setdefault(task, ([None] * (self.n_inputs + self.n_outputs), set()))
+            entry = self._pending.setdefault(task, [[None] * (self.n_inputs + self.n_outputs), 0])
+            grads = entry[0]
             position = self.slots[index]
             # None arrives where autograd has an undefined gradient (torch's BackwardHook passes them on)
             grads[position] = None if grad is None else grad.detach()
-            arrived.add(index)
-            complete = len(arrived) == len(self.slots)
+            entry[1] |= 1 << index
+            complete = entry[1].bit_count() == len(self.slots)
             if complete:
                 self._mark_done(task)
             replacing = self.replace is not None and position < self.n_inputs
@@ -170,12 +171,12 @@ class GradCall:
             self._report(task, grads)
         return new
 
-    def _mark_done(self, task: int) -> tuple[Grads, set[int]] | None:
-        """Backward pass ``task`` reported (under the lock): its pending grads taken off, if any."""
+    def _mark_done(self, task: int) -> list[Any] | None:
+        """Backward pass ``task`` reported (under the lock): its pending ``[grads, arrived]`` taken off, if any."""
         pending = None if self._pending is None else self._pending.pop(task, None)
-        if self.done is None:
-            self.done = set()
-        self.done.add(task)
+        if not self._pending:
+            self._pending = None
+        self.done += (task,)
         return pending
 
     def _report(self, task: int, grads: Grads) -> None:
