@@ -482,6 +482,46 @@ def test_a_dump_killed_mid_write_is_named_as_such(tmp_path: Path) -> None:
         _dump_diff(str(partial), str(partial))
 
 
+def _killed_run(directory: str, ready: Any) -> None:
+    """A training loop dumping the statistics of every step, killed in its seventh step's forward."""
+    torch.set_num_threads(1)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def stall(module: nn.Module, inputs: tuple) -> None:
+        if step == 6:
+            ready.set()
+            time.sleep(120)
+
+    model[-1].register_forward_pre_hook(stall)
+    with fwdtrace.Dumper(directory, values="statistics") as dumper:
+        for step in range(10):
+            dumper.register(model, step=step)
+            model(torch.randn(5, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_a_run_killed_mid_step_keeps_every_step_before_it_whole(tmp_path: Path) -> None:
+    # Each step's file is closed and named at the next register(): a kill loses the step being written, not the run.
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_killed_run, args=(str(tmp_path), ready))
+    child.start()
+    try:
+        assert ready.wait(120), "the child never reached its stall"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.join(30)
+    assert child.exitcode == -signal.SIGKILL
+    names = sorted(os.listdir(tmp_path))
+    assert names[:6] == [f"0-epoch_{s}-step_dump.hdf5" for s in range(6)]
+    assert len(names) == 7 and names[6].startswith("0-epoch_6-step_dump.hdf5.partial-")
+    for name in names[:6]:
+        tree = fwdtrace.read_dump(tmp_path / name, show=False)
+        assert tree["status"] == "complete" and tree["attrs"]["backward_finished"], name
+
+
 # -- two-sided comparison ---------------------------------------------------------------------------
 class _Twice(nn.Module):
     def __init__(self, repeats: int) -> None:
