@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,28 @@ def test_a_full_queue_drops_and_counts_or_waits(tmp_path: Path) -> None:
     path, status = _run(tmp_path, "wait", hold, background=True, queue_bytes=1, when_full="wait")
     timer.join()
     assert status == "complete" and len(_tensors(path)) == total
+
+
+def test_the_next_register_leaves_a_step_its_writer_still_writes_and_closes_it_once_written(tmp_path: Path) -> None:
+    # A background step's writes overlap the next steps' compute: register() does not wait for them.
+    model, x = _model(), torch.randn(3, 4)
+    hold = threading.Event()
+    with fwdtrace.Dumper(tmp_path, background=True) as dumper:
+        dumper.register(model, step=0)
+        dumper._recordings[0].writer.put(lambda: hold.wait(20), 0, "held")  # the writer busy until hold is set
+        model(x).sum().backward()
+        dumper.register(model, step=1)  # step 0 is over but not written: left open, not waited for
+        assert not hold.is_set() and len(dumper.paths) == 0 and repr(dumper).endswith("0 written, 2 open)")
+        model(x).sum().backward()
+        hold.set()
+        deadline = time.monotonic() + 20
+        while not all(r.writer.idle for r in dumper._recordings) and time.monotonic() < deadline:
+            time.sleep(0.01)  # both writers drain
+        dumper.register(model, step=2)
+        assert [p.name for p in dumper.paths] == [f"0-epoch_{s}-step_dump.hdf5" for s in (0, 1)]
+        model(x).sum().backward()
+    assert [fwdtrace.read_dump(p, show=False)["status"] for p in dumper.paths] == ["complete"] * 3
+    assert _tensors(dumper.paths[0]).keys() == _tensors(dumper.paths[2]).keys()
 
 
 def test_a_write_that_fails_on_the_writer_thread_is_raised_on_the_training_thread(tmp_path: Path) -> None:

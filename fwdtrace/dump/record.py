@@ -656,8 +656,12 @@ class _Recording:
     @property
     def over(self) -> bool:
         """Whether nothing more will be written: the forward finished and its backward too (where one is expected),
-        or the dump was dropped."""
-        return self.closed or self.forward_done and not (self.backward_expected and not self.backward_done)
+        or the dump was dropped; and a writer thread has written everything queued (closing would wait for it:
+        the next steps' compute overlaps it instead)."""
+        if self.closed:
+            return True
+        done = self.forward_done and not (self.backward_expected and not self.backward_done)
+        return done and (self.writer is None or self.writer.idle)
 
     def _status(self, exc: BaseException | None) -> tuple[bool, str]:
         """Whether the step is complete, and if not, why."""
@@ -844,9 +848,10 @@ class Dumper:
 
     The next forward after :meth:`register` and its backward are dumped; later
     forwards are not. The next :meth:`register` closes the files of the steps that are over
-    (their forward and backward ran) and gives them their names, so a dump of every step
-    holds one file open; leaving the ``with`` block (or :meth:`remove`) takes the hooks off
-    and closes the rest. Until it is closed a dump has a temporary name.
+    (their forward and backward ran, and with ``background=True`` their writes are done) and
+    gives them their names, so a dump of every step holds one file open; leaving the ``with``
+    block (or :meth:`remove`) takes the hooks off and closes the rest. Until it is closed a
+    dump has a temporary name.
     A dump records whether its step completed: a forward that raised, a backward that did
     not run, an exception leaving the ``with`` block. An existing file is an error unless
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`

@@ -41,6 +41,12 @@ class _Writer:
             self.cond.notify_all()
         return True
 
+    @property
+    def idle(self) -> bool:
+        """Whether every operation queued so far has run."""
+        with self.cond:
+            return not self.queue
+
     def _run(self) -> None:
         while True:
             with self.cond:
