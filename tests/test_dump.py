@@ -951,3 +951,48 @@ def test_a_folder_removed_mid_run_is_named_and_the_dump_goes_on_once_it_is_back(
     model(torch.randn(5, 4)).sum().backward()
     (path,) = dumper.remove()
     assert fwdtrace.read_dump(path, show=False)["status"] == "complete"
+
+
+@pytest.mark.parametrize("values", ["tensors", "statistics"])
+def test_a_second_backward_through_the_step_is_not_dumped_again(tmp_path: Path, values: str) -> None:
+    # A gradient penalty or a second loss: the step's graph is run backward twice (retain_graph=True). The dump
+    # holds the first backward's gradients; it wrote every call's twice before (a tensor dump failed on the
+    # second, a statistics dump's index named each gradient twice and did not read back).
+    model = _mlp()
+    x = torch.randn(5, 4)
+    with fwdtrace.Dumper(tmp_path, values=values) as dumper:
+        dumper.register(model, step=0)
+        out = model(x)
+        seen = []
+        out.register_hook(lambda g: seen.append(g.clone()))
+        out.square().sum().backward(retain_graph=True)
+        (3 * out).sum().backward()
+        dumper.register(model, step=1)  # the finished step is closed here
+        assert len(dumper.paths) == 1
+    tree = fwdtrace.read_dump(dumper.paths[0], show=False, values=values == "tensors")
+    assert tree["status"] == "complete"
+    (root,) = [g for g in tree["groups"].values() if g["attrs"]["module_path"] == ""]
+    entry = root["datasets"]["grad_output0"]
+    if values == "tensors":
+        assert torch.equal(entry["value"], seen[0])
+    else:
+        assert entry["statistics"]["mean"] == pytest.approx(seen[0].mean().item(), rel=1e-6)
+
+
+def test_a_backward_that_raises_midway_is_not_a_finished_backward(tmp_path: Path) -> None:
+    # The root's inputs need no gradient: its output's gradient is the first to arrive, before the layers'. A
+    # backward that raises after it (a hook, an out-of-memory error) leaves the step incomplete, not complete.
+    model = _mlp()
+
+    def boom(grad: torch.Tensor) -> None:
+        raise RuntimeError("out of memory (a stand-in)")
+
+    with fwdtrace.Dumper(tmp_path) as dumper:
+        dumper.register(model, step=0)
+        out = model(torch.randn(5, 4))
+        model[0].weight.register_hook(boom)
+        with pytest.raises(RuntimeError, match="a stand-in"):
+            out.sum().backward()
+    tree = fwdtrace.read_dump(dumper.paths[0], show=False)
+    assert tree["status"].startswith("incomplete: ") and "the backward did not run" in tree["status"]
+    assert not tree["attrs"]["backward_finished"]

@@ -89,6 +89,7 @@ class _Call:
     ends_scope: bool = False  # the selection's scope ends with this call
     recording: Any = None  # the recording its gradients are written to (the call is its GradCall's on_grads)
     is_root: bool = False
+    grads_written: bool = False  # by the first backward through the call (a second, retain_graph, is not dumped)
 
     def __call__(self, grad_input: list[torch.Tensor | None], grad_output: list[torch.Tensor | None]) -> None:
         """Its gradients arrived (the call itself is the callback: no object more per call through the step)."""
@@ -643,25 +644,38 @@ class _Recording:
 
     def _write_grads(self, call: _Call, is_root: bool, grad_input: list[torch.Tensor | None],
                      grad_output: list[torch.Tensor | None]) -> None:
-        if self.closed:
+        # The step's backward is the first through each call: a second through the same graph (retain_graph=True,
+        # a second loss) would write the call's gradients twice
+        if self.closed or call.grads_written:
             return
+        call.grads_written = True
         for prefix, grads in (("grad_output", grad_output), ("grad_input", grad_input)) if call.recorded else ():
             for index, g in enumerate(grads):
                 if g is not None:
                     self._write(call, f"{prefix}{index}", g)
         if is_root:
             self.root_calls_in_backward -= 1
-            self.backward_done = self.root_calls_in_backward == 0
+            if self.root_calls_in_backward == 0:
+                # done when this backward ends (the root's gradients may come first: inputs that need none), and
+                # not if it raises before then
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+                except RuntimeError:  # not inside a backward
+                    self._backward_ended()
+
+    def _backward_ended(self) -> None:
+        self.backward_done = True
 
     @property
-    def over(self) -> bool:
+    def finished(self) -> bool:
         """Whether nothing more will be written: the forward finished and its backward too (where one is expected),
-        or the dump was dropped; and a writer thread has written everything queued (closing would wait for it:
-        the next steps' compute overlaps it instead)."""
-        if self.closed:
-            return True
-        done = self.forward_done and not (self.backward_expected and not self.backward_done)
-        return done and (self.writer is None or self.writer.idle)
+        or the dump was dropped."""
+        return self.closed or self.forward_done and not (self.backward_expected and not self.backward_done)
+
+    @property
+    def writing(self) -> bool:
+        """Whether a writer thread still has this dump's operations queued (closing would wait for them)."""
+        return self.writer is not None and not self.writer.idle
 
     def _status(self, exc: BaseException | None) -> tuple[bool, str]:
         """Whether the step is complete, and if not, why."""
@@ -847,11 +861,12 @@ class Dumper:
     ['0-epoch_3-step_dump.hdf5']
 
     The next forward after :meth:`register` and its backward are dumped; later
-    forwards are not. The next :meth:`register` closes the files of the steps that are over
-    (their forward and backward ran, and with ``background=True`` their writes are done) and
-    gives them their names, so a dump of every step holds one file open; leaving the ``with``
-    block (or :meth:`remove`) takes the hooks off and closes the rest. Until it is closed a
-    dump has a temporary name.
+    forwards are not; nor is a second backward through the step's graph (``retain_graph=True``).
+    The next :meth:`register` first closes the files of the steps that are over (their forward
+    and backward ran) and gives them their names, raising what failed in them; a dump of every
+    step holds one file open (two while ``background=True``'s writer finishes the step before,
+    beside the next). Leaving the ``with`` block (or :meth:`remove`) takes the hooks off and
+    closes the rest. Until it is closed a dump has a temporary name.
     A dump records whether its step completed: a forward that raised, a backward that did
     not run, an exception leaving the ``with`` block. An existing file is an error unless
     ``overwrite=True``. A write that fails (a full disk) raises :class:`FwdtraceError`
@@ -951,7 +966,8 @@ class Dumper:
         return list(self._written)
 
     def register(self, model: torch.nn.Module, epoch: int = 0, step: int = 0, grads: bool = True) -> None:
-        """Hook ``model`` so its next forward and backward are written to this step's file.
+        """Hook ``model`` so its next forward and backward are written to this step's file, after closing the files
+        of the steps before that are over (raising what failed in them).
 
         ``epoch`` and ``step`` are non-negative ints (they name the file).
         Gradients come from tensor hooks on each call's inputs and outputs
@@ -966,8 +982,10 @@ class Dumper:
         step = _non_negative_int(step, "step")
         if not isinstance(grads, bool):
             raise FwdtraceError(f"Dumper.register() expected grads as a bool, got {describe(grads)}")
-        # the steps over are closed first: a dump of every step holds one file open, not every step's so far
-        self._close(None, [r for r in self._recordings if r.over])
+        # the steps finished are closed first: a dump of every step holds one file open, not every step's so far;
+        # the last one's background writes may go on beside the next step (closing would wait for them)
+        finished = [r for r in self._recordings if r.finished]
+        self._close(None, finished[:-1] + [r for r in finished[-1:] if not r.writing])
         if isinstance(self.steps, int) and step % self.steps or isinstance(self.steps, frozenset) and step not in self.steps:
             return
         if isinstance(self.ranks, frozenset) and _rank() not in self.ranks:

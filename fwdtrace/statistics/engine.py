@@ -176,7 +176,7 @@ def _moments(x: torch.Tensor, values: np.ndarray | None = None) -> list[float]:
     """Sum, sum of squares, min, max and the count of non-zero values of a block of float32 or float64 values, as
     Python numbers: one pass each, in as few calls as the numbers need (at a layer's size each call's own cost is
     most of a pass). A small float32 block is widened to float64 and reduced by NumPy; else the sum and squares
-    by torch (cascaded sums, the squares by :func:`_squares`), min and max by NumPy (no conversion of the
+    by torch's cascaded sum and :func:`_squares` (NumPy), min and max by NumPy (no conversion of the
     result), the zeros as NumPy's count of ``x == 0`` (torch's ``count_nonzero`` branches per value, 6x slower).
     ``values``: ``x``'s memory as an array, where the caller has it.
     """
@@ -191,7 +191,7 @@ def _moments(x: torch.Tensor, values: np.ndarray | None = None) -> list[float]:
         return [float(x.sum()), _squares(x, values), float(values.min()), float(values.max()), float(values.size - zeros)]
 
 
-_ROW = 1024  # values per row whose norm is one of a block's sums of squares
+_ROW = 1024  # values per row whose dot product with itself is one of a block's sums of squares
 
 
 def _squares(x: torch.Tensor, values: np.ndarray | None = None) -> float:
@@ -259,8 +259,9 @@ def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequ
 
 
 def _head_of(flat: torch.Tensor, got: list[float]) -> list[float]:
-    """The :data:`FIELDS` up to the norm from a tensor's per-block moments (or, where a value is not finite or a
-    sum overflowed, from the careful route)."""
+    """The :data:`FIELDS` up to the norm from a tensor's per-block moments: where a sum left the dtype's range or
+    lost its squares, over finite float32 values its sums again in float64; where a value is not finite (or the
+    sums otherwise left their range, or the variance cancels there), from the careful route."""
     n = flat.numel()
     if not n:
         return list(_EMPTY)
@@ -307,9 +308,9 @@ def _deviations(flat: torch.Tensor, mean: float) -> tuple[float, float]:
 
 
 def _careful_head(flat: torch.Tensor) -> list[float]:
-    """:func:`_head_of` for a tensor holding NaN or Inf, or whose sums left their dtype's range: in float64, over
-    the finite values scaled by a power of two to a largest magnitude in [0.5, 1) (no square overflows or lies
-    below float64's normal range but those the largest dwarfs)."""
+    """:func:`_head_of` for a tensor holding NaN or Inf, or whose sums left their dtype's range (but a float32
+    one's that float64 holds): in float64, over the finite values scaled by a power of two to a largest magnitude
+    in [0.5, 1) (no square overflows or lies below float64's normal range but those the largest dwarfs)."""
     x = flat.to(torch.float64)
     finite_at = torch.isfinite(x)
     nans, n = int(torch.isnan(x).sum()), x.numel()
