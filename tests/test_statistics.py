@@ -255,3 +255,11 @@ def test_one_tensor_gives_one_summary_in_a_probe_a_dump_the_live_page_and_a_comp
         assert [int(c) for c in d["histogram"]] == [int(c) for c in want["histogram"]], name
         edges = d.get("bin_edges") or as_dict(summarize(out, bins))["bin_edges"]
         assert edges == want["bin_edges"], name
+
+
+@pytest.mark.filterwarnings("error")  # no overflow or invalid-value warning from the passes reaches the user
+@pytest.mark.parametrize("n", [3000, 5000, 300_001])
+def test_squares_past_float32_are_summarised_without_a_warning(n: int) -> None:
+    t = torch.randn(n, generator=_gen(20)) * 3e37
+    t[::97] = -3.4e38
+    assert_summary(as_dict(summarize(t)), t, what=n)

@@ -206,10 +206,11 @@ def _squares(x: torch.Tensor, values: np.ndarray | None = None) -> float:
         values = shared_array(x)
     body = n - n % _ROW
     rows = values[:body].reshape(-1, _ROW)
-    total = float(np.einsum("ij,ij->i", rows, rows).sum(dtype=np.float64))
-    if body < n:
-        tail = values[body:]
-        total += float(np.dot(tail, tail))
+    with np.errstate(over="ignore", invalid="ignore"):  # squares past float32: inf, as torch gives it (then float64)
+        total = float(np.einsum("ij,ij->i", rows, rows).sum(dtype=np.float64))
+        if body < n:
+            tail = values[body:]
+            total += float(np.dot(tail, tail))
     return total
 
 
@@ -281,7 +282,8 @@ def _head_of(flat: torch.Tensor, got: list[float]) -> list[float]:
         total, sumsq = float(wide.sum()), float(np.dot(wide, wide))
         mean = total / n
         m2 = sumsq - total * mean
-        if not m2 >= sumsq / 8:
+        # a NaN the blocks' extremes did not show (Python's min and max pass it over), or a variance that cancels
+        if not (math.isfinite(total) and math.isfinite(sumsq) and m2 >= sumsq / 8):
             return _careful_head(flat)
     else:
         mean = total / n
