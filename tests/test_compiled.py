@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from process_groups import run_in_session
 from stats_reference import assert_moments, reference
 from torch import nn
 from torch._dynamo.utils import counters
@@ -1129,12 +1130,11 @@ def test_compiled_ddp_and_fsdp2_on_two_ranks_dump_every_eager_group_and_sample(t
     Before, DDP's and FSDP's graph breaks left the layers' hooks in frames compiled without them: a dump marked
     complete held the root alone."""
     import json
-    import subprocess
     import sys
 
     script = tmp_path / "ranks.py"
     script.write_text(_DISTRIBUTED)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+    done = run_in_session([sys.executable, str(script), str(tmp_path)], 300, text=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_groups import run_in_session
 
 import fwdtrace
 from fwdtrace.cli import main
@@ -75,7 +76,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                "PYTHONPATH": os.pathsep.join([str(Path(fwdtrace.__file__).parent.parent),
                                               os.environ.get("PYTHONPATH", "")])}
         try:
-            done = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, timeout=70)
+            done = run_in_session([sys.executable, str(script), str(out)], 70, env=env)
         except subprocess.TimeoutExpired as e:
             failures.append(f"did not finish in 70 s: {(e.stderr or b'').decode(errors='replace')[-1000:]}")
             continue

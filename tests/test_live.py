@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import zoo
+from process_groups import run_in_session
 from stats_reference import assert_moments
 from torch import nn
 
@@ -600,7 +601,7 @@ def test_torch_distributed_each_rank_serves_on_port_plus_rank(tmp_path: Path) ->
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(_free_port_pair() + 2), str(script), str(port), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    proc = run_in_session(command, 240, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # (each rank writes its own file: printed lines of two ranks can interleave on the shared stdout)
     rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")), key=lambda r: r["rank"])
