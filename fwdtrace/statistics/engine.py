@@ -68,10 +68,11 @@ def _gather_array(count: int) -> np.ndarray:
     return shared_array(_gather_index(count))
 
 
-def _gathered(flat: torch.Tensor) -> np.ndarray:
-    """``flat``'s sampled values, then its histogram's, as a float32 or float64 array."""
+def _gathered(flat: torch.Tensor, values: np.ndarray | None = None) -> np.ndarray:
+    """``flat``'s sampled values, then its histogram's, as a float32 or float64 array; ``values``: ``flat``'s
+    memory as an array, where the caller has it."""
     if flat.dtype in _NUMPY_WORK:
-        return shared_array(flat).take(_gather_array(flat.numel()))
+        return (shared_array(flat) if values is None else values).take(_gather_array(flat.numel()))
     g = flat.index_select(0, _gather_index(flat.numel()))
     return to_numpy(g, _work_dtype(g.dtype))
 
@@ -182,7 +183,8 @@ def _moments(x: torch.Tensor, values: np.ndarray | None = None) -> list[float]:
     """
     if values is None:
         values = shared_array(x)
-    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as torch gives it (then the careful route)
+    # inf - inf: NaN, and squares past float32: inf, as torch gives them (then float64 or the careful route)
+    with np.errstate(invalid="ignore", over="ignore"):
         if x.dtype == torch.float32 and x.numel() <= _SMALL:
             wide = values.astype(np.float64)
             return [float(wide.sum()), float(np.dot(wide, wide)), float(values.min()), float(values.max()),
@@ -198,7 +200,7 @@ def _squares(x: torch.Tensor, values: np.ndarray | None = None) -> float:
     """The sum of ``x``'s squares: in float32, the sums (in float64) of the dot products of its rows of
     :data:`_ROW` values with themselves (a dot product over the whole block adds up in order, 10x the error at
     2**18 values), and of the rest; in float64 (or a short float32 block) one dot product. ``values``: ``x``'s
-    memory as an array, where the caller has it."""
+    memory as an array, where the caller has it. Its callers silence NumPy's warning of squares past float32."""
     n = x.numel()
     if x.dtype == torch.float64 or n < 2 * _ROW:
         return float(torch.dot(x, x))
@@ -206,11 +208,10 @@ def _squares(x: torch.Tensor, values: np.ndarray | None = None) -> float:
         values = shared_array(x)
     body = n - n % _ROW
     rows = values[:body].reshape(-1, _ROW)
-    with np.errstate(over="ignore", invalid="ignore"):  # squares past float32: inf, as torch gives it (then float64)
-        total = float(np.einsum("ij,ij->i", rows, rows).sum(dtype=np.float64))
-        if body < n:
-            tail = values[body:]
-            total += float(np.dot(tail, tail))
+    total = float(np.einsum("ij,ij->i", rows, rows).sum(dtype=np.float64))
+    if body < n:
+        tail = values[body:]
+        total += float(np.dot(tail, tail))
     return total
 
 
@@ -238,11 +239,8 @@ class Pending:
 def _pending(t: torch.Tensor) -> Pending:
     """A CPU tensor's :class:`Pending` summary: its blocks' moments and its gathered values."""
     flat = _flat(t)
-    n = flat.numel()
-    if 0 < n <= BLOCK and flat.dtype in _NUMPY_WORK:  # one block read where it lies: its array made once
-        values = shared_array(flat)
-        return Pending(_head_of(flat, _moments(flat, values)), values.take(_gather_array(n)), n)
-    return Pending(_head(flat), _gathered(flat), n)
+    values = shared_array(flat) if flat.dtype in _NUMPY_WORK else None  # read where it lies: the array made once
+    return Pending(_head(flat, values), _gathered(flat, values), flat.numel())
 
 
 def summarize_all(tensors: Sequence[torch.Tensor], bins: int = BINS, edges: Sequence[float] | None = None
@@ -299,11 +297,12 @@ def _deviations(flat: torch.Tensor, mean: float) -> tuple[float, float]:
     not the magnitude's)."""
     near = float(torch.tensor(mean, dtype=_work_dtype(flat.dtype)))
     total, count, shift = 0.0, 0, 0.0
-    for x in _blocks_of(flat):
-        deviation = torch.sub(x, near, out=_buffer(x.dtype, 1)[: x.numel()])
-        total += _squares(deviation)
-        shift += float(deviation.sum())
-        count += x.numel()
+    with np.errstate(over="ignore", invalid="ignore"):  # as in _moments: squares past float32 are inf (then float64)
+        for x in _blocks_of(flat):
+            deviation = torch.sub(x, near, out=_buffer(x.dtype, 1)[: x.numel()])
+            total += _squares(deviation)
+            shift += float(deviation.sum())
+            count += x.numel()
     if not count:
         return 0.0, mean
     return total - shift * shift / count, near + shift / count
@@ -393,13 +392,14 @@ def summarize_blocks(blocks: Callable[[], Iterable[torch.Tensor]], count: int, b
     return torch.from_numpy(_matrix([Pending(_merge_heads(heads), to_numpy(gathered), count)], bins, None)[0])
 
 
-def _head(flat: torch.Tensor) -> list[float]:
-    """:func:`_head_of` one tensor, from its blocks' moments."""
+def _head(flat: torch.Tensor, values: np.ndarray | None = None) -> list[float]:
+    """:func:`_head_of` one tensor, from its blocks' moments; ``values``: ``flat``'s memory as an array, where the
+    caller has it."""
     n = flat.numel()
     if not n:
         return _head_of(flat, [])
     if n <= BLOCK and flat.dtype in _NUMPY_WORK:  # one block, in its own dtype: no copy
-        return _head_of(flat, _moments(flat))
+        return _head_of(flat, _moments(flat, values))
     return _head_of(flat, [p for x in _blocks_of(flat) for p in _moments(x)])
 
 
