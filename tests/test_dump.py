@@ -456,10 +456,11 @@ def _killed_writer(directory: str, ready: Any) -> None:
     model(torch.randn(512, 256))
 
 
-def test_a_dump_killed_mid_write_is_named_as_such(tmp_path: Path) -> None:
+def _kill_at_its_stall(target: Any, directory: Path) -> None:
+    """Run ``target(directory, ready)`` in a process of its own, SIGKILLed once it sets ``ready``."""
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    child = ctx.Process(target=_killed_writer, args=(str(tmp_path), ready))
+    child = ctx.Process(target=target, args=(str(directory), ready))
     child.start()
     try:
         assert ready.wait(120), "the child never reached its stall"
@@ -467,6 +468,10 @@ def test_a_dump_killed_mid_write_is_named_as_such(tmp_path: Path) -> None:
     finally:
         child.join(30)
     assert child.exitcode == -signal.SIGKILL
+
+
+def test_a_dump_killed_mid_write_is_named_as_such(tmp_path: Path) -> None:
+    _kill_at_its_stall(_killed_writer, tmp_path)
     (left,) = os.listdir(tmp_path)  # under a temporary name: never the final one
     assert left.startswith("0-epoch_0-step_dump.hdf5.partial-")
     partial = tmp_path / left
@@ -504,16 +509,7 @@ def _killed_run(directory: str, ready: Any) -> None:
 
 def test_a_run_killed_mid_step_keeps_every_step_before_it_whole(tmp_path: Path) -> None:
     # Each step's file is closed and named at the next register(): a kill loses the step being written, not the run.
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    child = ctx.Process(target=_killed_run, args=(str(tmp_path), ready))
-    child.start()
-    try:
-        assert ready.wait(120), "the child never reached its stall"
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.join(30)
-    assert child.exitcode == -signal.SIGKILL
+    _kill_at_its_stall(_killed_run, tmp_path)
     names = sorted(os.listdir(tmp_path))
     assert names[:6] == [f"0-epoch_{s}-step_dump.hdf5" for s in range(6)]
     assert len(names) == 7 and names[6].startswith("0-epoch_6-step_dump.hdf5.partial-")
