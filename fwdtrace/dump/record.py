@@ -93,7 +93,7 @@ class _Call:
 
     def __call__(self, grad_input: list[torch.Tensor | None], grad_output: list[torch.Tensor | None]) -> None:
         """Its gradients arrived (the call itself is the callback: no object more per call through the step)."""
-        self.recording._write_grads(self, self.is_root, grad_input, grad_output)
+        self.recording._write_grads(self, grad_input, grad_output)
 
 
 @dataclass
@@ -642,7 +642,7 @@ class _Recording:
         call.recording, call.is_root = self, is_root
         return call
 
-    def _write_grads(self, call: _Call, is_root: bool, grad_input: list[torch.Tensor | None],
+    def _write_grads(self, call: _Call, grad_input: list[torch.Tensor | None],
                      grad_output: list[torch.Tensor | None]) -> None:
         # The step's backward is the first through each call: a second through the same graph (retain_graph=True,
         # a second loss) would write the call's gradients twice
@@ -653,7 +653,7 @@ class _Recording:
             for index, g in enumerate(grads):
                 if g is not None:
                     self._write(call, f"{prefix}{index}", g)
-        if is_root:
+        if call.is_root:
             self.root_calls_in_backward -= 1
             if self.root_calls_in_backward == 0:
                 # done when this backward ends (the root's gradients may come first: inputs that need none), and
